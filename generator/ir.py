@@ -1,0 +1,155 @@
+"""The derived form of an operator: what derive.py produces and the printers consume.
+
+Every value here is frozen and built once from an OpSpec. Expressions are sympy
+expressions over real Symbols named exactly as in the spec (inputs, params, reductions,
+index symbols); gradients are named `d<name>`; CSE temporaries are `t0, t1, …`.
+Templates never see sympy: printers turn `Code` into lines of CUDA or numpy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+
+@dataclass(frozen=True)
+class Location:
+    file: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    expr: sp.Expr
+
+
+@dataclass(frozen=True)
+class Code:
+    """Straight-line code: CSE temporaries first, then the named results, in order.
+
+    For `update` ops the results are sequential: a later result may read an earlier
+    one's new value under the same name (m, then v, then p)."""
+    temps: tuple[Assign, ...]
+    results: tuple[Assign, ...]
+
+    def result(self, name: str) -> sp.Expr:
+        return next(a.expr for a in self.results if a.name == name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.results)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A scalar known at launch (eps, base, lr). `runtime` params change between calls
+    (lr, step) and never trigger a rebuild; the others have a default from the spec."""
+    name: str
+    default: float | None
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An input or output tensor of an op.
+
+    role, by kind:
+      pointwise: 'elem'
+      row:       'row' (per element of the row), 'weight' (shared across rows, length N),
+                 'index' (one integer per row, e.g. a target id), outputs 'row' or 'scalar'
+                 (one value per row)
+      pair:      'pair' (element k pairs with k + D/2 along the last axis)
+      update:    'state' (read and written in place), 'grad' (read only)
+      attention: 'q', 'k', 'v', outputs 'o'
+    """
+    name: str
+    role: str
+    differentiable: bool = True
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One sweep over a row that forms one or more reductions at once.
+
+    `body` computes, per element, the term each reduction accumulates; its results are
+    named after the reductions. `ops[name]` is 'sum', 'mean' (sum then ÷ N) or 'max'."""
+    ops: tuple[tuple[str, str], ...]
+    body: Code
+
+
+@dataclass(frozen=True)
+class PointwiseDerived:
+    forward: Code   # results: the outputs
+    backward: Code  # results: d<input> for each differentiable input; reads d<output>
+
+
+@dataclass(frozen=True)
+class RowDerived:
+    """Row ops (map → reduce → map over the last axis). Symbols inside row code:
+    an input's own name is its value at element i; `i` is the element index and `N` the
+    row length (both usable in formulas); index inputs and reductions are per-row scalars.
+    Per-element output grads are `d<y>`; per-row (scalar) output grads `d<loss>`."""
+    passes: tuple[Pass, ...]       # forward reductions, level by level
+    stabilizers: tuple[str, ...]   # max reductions that only stabilise (no gradient)
+    elem_outputs: Code             # outputs with role 'row'
+    row_outputs: Code              # outputs with role 'scalar'
+    adjoint_pass: Pass | None      # backward: the row sums the reduction adjoints need
+    adjoints: Code                 # backward: per-row d<reduction> from the adjoint sums
+    elem_grads: Code               # backward: d<row input>, and d<weight> per element of
+                                   # one row (the caller sums those over rows)
+
+
+@dataclass(frozen=True)
+class PairDerived:
+    """Indexed pointwise over pairs (RoPE). Pair input x gives symbols x0 = x[..., k] and
+    x1 = x[..., k + D/2]; outputs y0, y1 likewise. Index symbols and their roles
+    ('position', 'pair', 'head_dim', 'head') are in `index`."""
+    index: tuple[tuple[str, str], ...]
+    forward: Code   # results: y0, y1 for each pair output y
+    backward: Code  # results: dx0, dx1 for each pair input x; reads dy0, dy1
+
+
+@dataclass(frozen=True)
+class UpdateDerived:
+    """In-place update (optimizer step), no backward. `step.results` are sequential."""
+    step: Code
+
+
+@dataclass(frozen=True)
+class AttentionDerived:
+    """Score f(s, i, j, h, params) with s = q·k; scale = 1/sqrt(head_dim) and
+    n_heads are available as symbols. mask is a sympy relational/boolean over i, j (and h),
+    or None for no mask. dscore is ∂f/∂s."""
+    score: sp.Expr
+    dscore: sp.Expr
+    mask: sp.Basic | None
+
+
+@dataclass(frozen=True)
+class DerivedOp:
+    name: str
+    kind: str                      # 'pointwise' | 'row' | 'pair' | 'update' | 'attention'
+    inputs: tuple[Operand, ...]
+    outputs: tuple[Operand, ...]
+    params: tuple[Param, ...]
+    body: PointwiseDerived | RowDerived | PairDerived | UpdateDerived | AttentionDerived
+    where: Location
+    spec_sha256: str               # hash of the spec file's bytes, for headers and caches
+    fast_math: bool = False
+
+
+@dataclass(frozen=True)
+class KernelSig:
+    """One `extern "C"` kernel in a rendered .cu file, as the manifest records it."""
+    name: str                          # e.g. rmsnorm_backward_bf16
+    args: tuple[tuple[str, str], ...]  # (name, C type) in launch order
+    dtype: str                         # 'f32' | 'bf16' (storage; compute is fp32)
+    stage: str                         # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
+    plan: tuple[tuple[str, object], ...]  # launch facts the runtime needs (block size, rows per block…)
+
+
+@dataclass(frozen=True)
+class RenderedCuda:
+    """The CUDA of one op: the .cu text and the kernels it defines."""
+    source: str
+    kernels: tuple[KernelSig, ...]
