@@ -1,0 +1,181 @@
+"""Reading `manifest.json` (docs/internals.md, "Manifest") and the numpy modules it names.
+
+The runtime knows ops only through a manifest: the built-in one in generated/ and those
+of user ops built into `$EULERGEN_CACHE/ops/<hash>/`. Paths inside a manifest are
+relative to its folder. Everything here is read once and then frozen."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from eulergen.errors import EulerError
+
+FORMAT = 1
+KINDS = ("pointwise", "row", "pair", "update", "attention", "embedding")
+
+
+@dataclass(frozen=True)
+class Operand:
+    name: str
+    role: str
+    differentiable: bool = True
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One `extern "C"` kernel: its launch arguments in order and the planner's facts."""
+    name: str
+    args: tuple[tuple[str, str], ...]    # (name, C type)
+    dtype: str                           # 'f32' | 'bf16'
+    stage: str                           # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
+    plan: dict = field(hash=False)       # JSON object from generator/plan.py
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    name: str
+    kind: str
+    spec: str                            # the spec file, as the manifest names it
+    spec_sha256: str
+    inputs: tuple[Operand, ...]
+    outputs: tuple[Operand, ...]
+    params: dict = field(hash=False)     # name -> default (None: must be given at call)
+    numpy: Path | None = None            # absolute path of the numpy module
+    cuda: Path | None = None             # absolute path of the .cu file
+    cuda_sha256: str = ""
+    kernels: dict = field(default_factory=dict, hash=False)  # name -> Kernel
+    manifest: Path = Path()
+
+    @property
+    def grads(self) -> tuple[str, ...]:
+        """Names of the inputs that get a gradient, in input order (the module's GRADS)."""
+        return tuple(o.name for o in self.inputs if o.differentiable)
+
+    def kernel(self, stage: str, dtype: str) -> Kernel:
+        """The kernel for one stage and storage dtype, or EulerError naming what exists."""
+        for k in self.kernels.values():
+            if k.stage == stage and k.dtype == dtype:
+                return k
+        have = sorted(f"{k.stage}/{k.dtype}" for k in self.kernels.values()) or ["none"]
+        raise EulerError(f"no {stage} kernel for dtype {dtype} (have: {', '.join(have)})",
+                         file=str(self.manifest), key=f"ops.{self.name}.kernels")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    generator: str
+    ops: dict = field(hash=False)        # name -> OpEntry
+
+
+def _need(obj, key: str, typ, file: Path, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise EulerError(f"missing key {key!r}", file=str(file), key=where)
+    value = obj[key]
+    if not isinstance(value, typ):
+        raise EulerError(f"{key!r} should be {typ.__name__ if isinstance(typ, type) else typ}, "
+                         f"got {type(value).__name__}", file=str(file), key=f"{where}.{key}")
+    return value
+
+
+def _operands(items, file: Path, where: str) -> tuple[Operand, ...]:
+    if not isinstance(items, list):
+        raise EulerError("should be a list of {name, role}", file=str(file), key=where)
+    out = []
+    for n, item in enumerate(items):
+        w = f"{where}[{n}]"
+        out.append(Operand(_need(item, "name", str, file, w), _need(item, "role", str, file, w),
+                           bool(item.get("differentiable", True))))
+    return tuple(out)
+
+
+def _kernel(name: str, k, file: Path, where: str) -> Kernel:
+    args = _need(k, "args", list, file, where)
+    if not all(isinstance(a, list) and len(a) == 2 and all(isinstance(s, str) for s in a)
+               for a in args):
+        raise EulerError("args should be [[name, C type], …]", file=str(file), key=f"{where}.args")
+    # internals.md calls it "pass"; ir.KernelSig calls it "stage": accept either spelling.
+    stage = k.get("pass", k.get("stage")) if isinstance(k, dict) else None
+    if not isinstance(stage, str):
+        raise EulerError("missing key 'pass'", file=str(file), key=where)
+    dtype = _need(k, "dtype", str, file, where)
+    if dtype not in ("f32", "bf16"):
+        raise EulerError(f"dtype {dtype!r} should be 'f32' or 'bf16'", file=str(file),
+                         key=f"{where}.dtype")
+    return Kernel(name, tuple((a, t) for a, t in args), dtype, stage,
+                  dict(k.get("plan") or {}))
+
+
+def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
+    where = f"ops.{name}"
+    kind = _need(o, "kind", str, file, where)
+    if kind not in KINDS:
+        raise EulerError(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})",
+                         file=str(file), key=f"{where}.kind")
+    params = o.get("params") or {}
+    if not isinstance(params, dict):
+        raise EulerError("params should be an object name -> default", file=str(file),
+                         key=f"{where}.params")
+    kernels = o.get("kernels") or {}
+    if not isinstance(kernels, dict):
+        raise EulerError("kernels should be an object name -> kernel", file=str(file),
+                         key=f"{where}.kernels")
+    return OpEntry(
+        name=name, kind=kind, spec=str(o.get("spec", "")), spec_sha256=str(o.get("spec_sha256", "")),
+        inputs=_operands(o.get("inputs"), file, f"{where}.inputs"),
+        outputs=_operands(o.get("outputs"), file, f"{where}.outputs"),
+        params=dict(params),
+        numpy=(folder / o["numpy"]) if o.get("numpy") else None,
+        cuda=(folder / o["cuda"]) if o.get("cuda") else None,
+        cuda_sha256=str(o.get("cuda_sha256", "")),
+        kernels={kn: _kernel(kn, k, file, f"{where}.kernels.{kn}") for kn, k in kernels.items()},
+        manifest=file)
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Parse and check one manifest.json; EulerError names the file and key at fault."""
+    file = Path(path).resolve()
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise EulerError("manifest not found (run `eulergen build`)", file=str(path)) from None
+    except json.JSONDecodeError as err:
+        raise EulerError(f"not valid JSON: {err.msg}", file=str(path), line=err.lineno) from None
+    fmt = _need(data, "format", int, file, "manifest")
+    if fmt != FORMAT:
+        raise EulerError(f"manifest format {fmt}, this runtime reads {FORMAT} "
+                         "(rebuild with `eulergen build`)", file=str(file), key="format")
+    ops = _need(data, "ops", dict, file, "manifest")
+    return Manifest(file, str(data.get("generator", "")),
+                    {name: _op(name, o, file.parent, file) for name, o in ops.items()})
+
+
+_MODULES: dict[tuple[Path, float], ModuleType] = {}
+
+
+def load_numpy_module(op: OpEntry) -> ModuleType:
+    """Import an op's generated numpy module by file path (once per file version).
+
+    The modules are not a package: they live in generated/ or a cache folder, so they are
+    loaded from their path under a private name that cannot shadow a real module."""
+    if op.numpy is None:
+        raise EulerError("op has no numpy module", file=str(op.manifest), key=f"ops.{op.name}.numpy")
+    try:
+        key = (op.numpy, op.numpy.stat().st_mtime)
+    except FileNotFoundError:
+        raise EulerError(f"numpy module {op.numpy} is missing (run `eulergen build`)",
+                         file=str(op.manifest), key=f"ops.{op.name}.numpy") from None
+    if key not in _MODULES:
+        spec = importlib.util.spec_from_file_location(
+            f"eulergen._generated_numpy.{op.name}_{op.spec_sha256[:12] or 'user'}", op.numpy)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        names = tuple(getattr(module, "INPUTS", ()))
+        if names and names != tuple(o.name for o in op.inputs):
+            raise EulerError(f"numpy module inputs {names} disagree with the manifest "
+                             "(stale build: run `eulergen build`)", file=str(op.numpy), key="INPUTS")
+        _MODULES[key] = module
+    return _MODULES[key]

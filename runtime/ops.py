@@ -1,0 +1,159 @@
+"""One call API over both backends (docs/internals.md, "runtime/ops.py").
+
+    lib = OpLibrary(get_backend("auto"))
+    y = lib.forward("rmsnorm", x, w, eps=1e-5)
+    dx, dw = lib.backward("rmsnorm", x, w, dy, eps=1e-5)
+    lib.forward("gelu", x, out=y)              # write into a planned buffer
+    lib.step("adamw", p, g, m, v, lr=3e-4, step=1)
+    loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
+
+On numpy, the calls run the generated numpy modules (the same derived math as the
+kernels). Results come back as the module gives them: `forward` returns one array bare
+and several as a tuple; `backward` always returns a tuple, one gradient per
+differentiable input in input order (the module's GRADS), so a tape can zip it with
+the inputs; `fused` returns the forward outputs followed by the gradients.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from eulergen import GENERATED_DIR
+from eulergen.errors import EulerError
+from eulergen.runtime.backend import Backend
+from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
+
+BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
+
+
+class OpLibrary:
+    """The ops of the built-in manifest and of any extra manifests (user ops), by name.
+
+    A later manifest's op replaces an earlier one of the same name: the spec loader has
+    already refused such a clash unless the user's spec says `override: true`."""
+
+    def __init__(self, backend: Backend, manifests: list[str | Path] = ()):
+        self.backend = backend
+        self.ops: dict[str, OpEntry] = {}
+        self._missing_builtin = not BUILTIN_MANIFEST.exists()
+        paths = ([] if self._missing_builtin else [BUILTIN_MANIFEST]) + [Path(p) for p in manifests]
+        for path in paths:
+            self.ops.update(load_manifest(path).ops)
+
+    def op(self, name: str) -> OpEntry:
+        try:
+            return self.ops[name]
+        except KeyError:
+            pass
+        near = difflib.get_close_matches(name, self.ops, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        if self._missing_builtin:
+            hint += f"; {BUILTIN_MANIFEST} is missing: run `eulergen build`"
+        raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
+
+    # -- the calls ---------------------------------------------------------------------
+
+    def forward(self, name: str, *inputs, out=None, **params):
+        op = self.op(name)
+        self._arity(op, "forward", inputs, len(op.inputs))
+        got = self._module(op).forward(*inputs, **self._params(op, params))
+        return self._deliver(op, "forward", got, out, len(op.outputs))
+
+    def backward(self, name: str, *inputs_and_douts, out=None, **params):
+        op = self.op(name)
+        self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
+        got = self._module(op).backward(*inputs_and_douts, **self._params(op, params))
+        grads = self._deliver(op, "backward", got, out, len(op.grads))
+        return grads if isinstance(grads, tuple) else (grads,)
+
+    def step(self, name: str, *state_and_grads, **params) -> None:
+        op = self.op(name)
+        if op.kind != "update":
+            raise EulerError(f"op {name!r} is {op.kind}, not an update op: call forward/backward",
+                             file=op.spec, key="kind")
+        self._arity(op, "step", state_and_grads, len(op.inputs))
+        self._module(op).step(*state_and_grads, **self._params(op, params))
+
+    def fused(self, name: str, *inputs_and_douts, out=None, **params) -> tuple:
+        """Forward and backward in one call: the forward outputs, then the gradients.
+
+        On a GPU this is the op's `fwdbwd` kernel (cross-entropy: loss and dlogits in one
+        pass, without storing probabilities). On numpy it is forward then backward of the
+        same generated module; the outputs are copied into `out` only after both ran, so
+        a gradient buffer may alias an input (dlogits over logits) here too."""
+        op = self.op(name)
+        n_in = len(op.inputs)
+        self._arity(op, "fused", inputs_and_douts, self._backward_arity(op))
+        inputs = inputs_and_douts[:n_in]
+        p = self._params(op, params)
+        module = self._module(op)
+        fwd = module.forward(*inputs, **p)
+        fwd = fwd if isinstance(fwd, tuple) else (fwd,)
+        grads = module.backward(*inputs_and_douts, **p)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        return self._deliver(op, "fused", fwd + grads, out, len(op.outputs) + len(op.grads),
+                             bare=False)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _module(self, op: OpEntry):
+        if self.backend.is_gpu:
+            raise EulerError(f"op {op.name!r}: the CUDA path of OpLibrary is not built yet",
+                             key="backend")
+        return load_numpy_module(op)
+
+    @staticmethod
+    def _backward_arity(op: OpEntry) -> int:
+        if op.kind == "update":
+            raise EulerError(f"op {op.name!r} is an update op: it has `step`, no backward",
+                             file=op.spec, key="kind")
+        if op.kind == "attention":   # q, k, v, o, lse, do
+            return 6
+        return len(op.inputs) + len(op.outputs)
+
+    @staticmethod
+    def _arity(op: OpEntry, call: str, args: tuple, want: int) -> None:
+        if len(args) != want:
+            names = [o.name for o in op.inputs]
+            if call in ("backward", "fused"):
+                names += ([f"d{o.name}" for o in op.outputs] if op.kind != "attention"
+                          else ["o", "lse", "do"])
+            raise EulerError(f"{op.name}.{call} takes {want} arrays ({', '.join(names)}), "
+                             f"got {len(args)}", file=op.spec, key=call)
+
+    @staticmethod
+    def _params(op: OpEntry, given: dict) -> dict:
+        unknown = [k for k in given if k not in op.params]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], op.params, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise EulerError(f"op {op.name!r} has no parameter {unknown[0]!r}{hint}; "
+                             f"parameters: {', '.join(op.params) or 'none'}",
+                             file=op.spec, key=f"params.{unknown[0]}")
+        merged = {**op.params, **given}
+        missing = [k for k, v in merged.items() if v is None]
+        if missing:
+            raise EulerError(f"op {op.name!r} needs parameter {missing[0]!r} at each call "
+                             "(it has no default)", file=op.spec, key=f"params.{missing[0]}")
+        return merged
+
+    def _deliver(self, op: OpEntry, call: str, got, out, count: int, bare: bool = True):
+        """Return the module's results, or copy them into the caller's `out` arrays."""
+        results = got if isinstance(got, tuple) else (got,)
+        if len(results) != count:
+            raise EulerError(f"numpy module returned {len(results)} arrays from {call}, "
+                             f"the manifest says {count} (stale build: run `eulergen build`)",
+                             file=str(op.numpy), key=call)
+        if out is None:
+            return results[0] if bare and count == 1 else tuple(results)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if len(outs) != count:
+            raise EulerError(f"{op.name}.{call}: out= has {len(outs)} arrays, expected {count}",
+                             file=op.spec, key="out")
+        for n, (dst, src) in enumerate(zip(outs, results)):
+            if tuple(dst.shape) != tuple(src.shape):
+                raise EulerError(f"{op.name}.{call}: out[{n}] has shape {tuple(dst.shape)}, "
+                                 f"the result has {tuple(src.shape)}", file=op.spec, key="out")
+        for dst, src in zip(outs, results):
+            self.backend.xp.copyto(dst, src, casting="same_kind")
+        return outs[0] if bare and count == 1 else tuple(outs)

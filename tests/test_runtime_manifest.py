@@ -1,0 +1,71 @@
+"""Reading manifests: good ones become frozen entries, bad ones name file and key."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eulergen.errors import EulerError
+from eulergen.runtime.manifest import load_manifest
+
+GOOD = {"format": 1, "generator": "0.1.0", "ops": {"gelu": {
+    "kind": "pointwise", "spec": "ops/gelu.yaml", "spec_sha256": "ab" * 32,
+    "inputs": [{"name": "x", "role": "elem", "differentiable": True}],
+    "outputs": [{"name": "y", "role": "elem"}], "params": {},
+    "numpy": "numpy/gelu.py", "cuda": "cuda/gelu.cu", "cuda_sha256": "cd" * 32,
+    "kernels": {"gelu_forward_f32": {"args": [["x", "const float*"], ["y", "float*"],
+                                              ["n", "long long"]],
+                                     "dtype": "f32", "pass": "forward", "plan": {"block": 256}},
+                "gelu_backward_bf16": {"args": [], "dtype": "bf16", "stage": "backward"}}}}}
+
+
+def write(tmp_path, data):
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_a_good_manifest_gives_entries_with_paths_beside_it(tmp_path):
+    m = load_manifest(write(tmp_path, GOOD))
+    gelu = m.ops["gelu"]
+    assert gelu.numpy == tmp_path.resolve() / "numpy/gelu.py"
+    assert gelu.cuda == tmp_path.resolve() / "cuda/gelu.cu"
+    assert gelu.grads == ("x",)
+    k = gelu.kernel("forward", "f32")
+    assert k.args[0] == ("x", "const float*") and k.plan == {"block": 256}
+    assert gelu.kernel("backward", "bf16").name == "gelu_backward_bf16"
+
+
+def test_a_missing_kernel_lists_the_kernels_there_are(tmp_path):
+    gelu = load_manifest(write(tmp_path, GOOD)).ops["gelu"]
+    with pytest.raises(EulerError, match="no backward kernel for dtype f32 .*forward/f32"):
+        gelu.kernel("backward", "f32")
+
+
+def test_a_missing_manifest_says_to_build(tmp_path):
+    with pytest.raises(EulerError, match="run `eulergen build`"):
+        load_manifest(tmp_path / "manifest.json")
+
+
+def test_bad_json_names_the_line(tmp_path):
+    with pytest.raises(EulerError, match=r"manifest.json:2: not valid JSON"):
+        load_manifest(write(tmp_path, '{"format": 1,\n "ops": }'))
+
+
+def test_another_format_is_refused(tmp_path):
+    with pytest.raises(EulerError, match="format: manifest format 2"):
+        load_manifest(write(tmp_path, {**GOOD, "format": 2}))
+
+
+def test_a_bad_kernel_dtype_names_the_key(tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    data["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["dtype"] = "f16"
+    with pytest.raises(EulerError, match=r"ops\.gelu\.kernels\.gelu_forward_f32\.dtype"):
+        load_manifest(write(tmp_path, data))
+
+
+def test_an_operand_without_a_role_names_the_key(tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    del data["ops"]["gelu"]["inputs"][0]["role"]
+    with pytest.raises(EulerError, match=r"ops\.gelu\.inputs\[0\]: missing key 'role'"):
+        load_manifest(write(tmp_path, data))
