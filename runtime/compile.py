@@ -1,0 +1,246 @@
+"""Compiling generated `.cu` files to loaded CuPy modules, cached in memory and on disk.
+
+A generated file starts with `#include "eulergen_common.cuh"`; that header (from the
+same folder) is inlined here with `#line` markers, so NVRTC's error lines still point
+into the file a reader opens. NVRTC makes a cubin for the device's arch; the cubin is
+kept in `$EULERGEN_CACHE/kernels` (default ~/.cache/eulergen/kernels) under
+sha256(source, options, arch, NVRTC version), written to a temp file and renamed, so
+two processes compiling the same kernel at once each write a whole file and the last
+rename wins with identical bytes. CuPy is imported inside functions: this module
+imports, and its source handling is tested, on machines without CuPy.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from eulergen.errors import EulerError
+
+COMMON_HEADER = "eulergen_common.cuh"
+BASE_OPTIONS = ("-std=c++17",)
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_DIAG_RE = re.compile(r"^(?P<file>[^\s()]+)\((?P<line>\d+)\): (?P<kind>(?:catastrophic )?error): "
+                      r"(?P<msg>.*)$")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EULERGEN_CACHE") or Path.home() / ".cache" / "eulergen")
+
+
+def kernel_cache_dir() -> Path:
+    return cache_root() / "kernels"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A .cu file with its local includes inlined: what NVRTC compiles."""
+    path: Path
+    text: str
+    files: tuple[tuple[str, str], ...]   # (name as in #line, original text) for error display
+
+    def original(self, name: str) -> str | None:
+        return next((t for n, t in self.files if n == name), None)
+
+
+def read_source(path: str | Path) -> Source:
+    """Read a .cu file and inline each `#include "x"` that names a file beside it.
+
+    System includes (<cuda_bf16.h>) are left to NVRTC. Each local header is included
+    once (the generated ones are `#pragma once`), and `#line` directives return error
+    positions to the file they came from."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise EulerError("CUDA source not found (run `eulergen build`)", file=str(path)) from None
+    files = [(path.name, text)]
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        m = _INCLUDE_RE.match(line)
+        if not m:
+            out.append(line)
+            continue
+        header = path.parent / m.group(1)
+        if not header.is_file():
+            raise EulerError(f'#include "{m.group(1)}": no such file beside the source '
+                             "(run `eulergen build`)", file=str(path), line=n)
+        if all(name != header.name for name, _ in files):
+            htext = header.read_text()
+            files.append((header.name, htext))
+            out += [f'#line 1 "{header.name}"', htext.rstrip("\n"),
+                    f'#line {n + 1} "{path.name}"']
+        else:
+            out.append(f'#line {n + 1} "{path.name}"')
+    return Source(path, "\n".join(out) + "\n", tuple(files))
+
+
+def cache_key(source: str, options: tuple[str, ...], arch: str, nvrtc_version: tuple) -> str:
+    h = hashlib.sha256()
+    for part in (source, "\0".join(options), arch, ".".join(map(str, nvrtc_version))):
+        h.update(part.encode())
+        h.update(b"\x01")   # a separator, so moving text between parts changes the key
+    return h.hexdigest()
+
+
+def _origin(src: Source) -> str:
+    """The template and spec a generated file names in its header comment."""
+    head = "\n".join(src.files[0][1].splitlines()[:12])
+    template = re.search(r"[\w./-]+\.cu(?:h)?\.j2", head)
+    spec = re.search(r"[\w./-]+\.ya?ml", head)
+    return (f"template {template.group(0) if template else '?'}, "
+            f"spec {spec.group(0) if spec else '?'}")
+
+
+def compile_error(src: Source, log: str) -> EulerError:
+    """An NVRTC log as an EulerError at the first error: the line with 2 lines of context
+    from the file it is in, and the template and spec the kernel came from."""
+    for raw in log.splitlines():
+        m = _DIAG_RE.match(raw.strip())
+        if not m:
+            continue
+        name, line = Path(m.group("file")).name, int(m.group("line"))
+        text = src.original(name)
+        shown = ""
+        if text is not None:
+            lines = text.splitlines()
+            lo, hi = max(1, line - 2), min(len(lines), line + 2)
+            shown = "".join(f"\n  {'>' if k == line else ' '} {k:5d} | {lines[k - 1]}"
+                            for k in range(lo, hi + 1))
+        where = src.path.parent / name if text is not None else Path(m.group("file"))
+        return EulerError(f"NVRTC {m.group('kind')}: {m.group('msg')} ({_origin(src)}){shown}",
+                          file=str(where), line=line)
+    first = log.strip().splitlines()[0] if log.strip() else "no log"
+    return EulerError(f"NVRTC failed: {first} ({_origin(src)})", file=str(src.path))
+
+
+def _include_dirs() -> tuple[str, ...]:
+    """Folders holding cuda_bf16.h, which NVRTC does not carry built in.
+
+    CuPy finds the toolkit from NVRTC's own location (a system toolkit or the nvidia
+    pip wheels); CUDA_PATH and /usr/local/cuda are the usual alternatives."""
+    candidates = []
+    try:
+        import cupy
+        root = cupy.cuda.get_cuda_path()
+        if root:
+            candidates.append(Path(root) / "include")
+    except Exception:   # CuPy absent or unable to locate a toolkit: try the others
+        pass
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    try:
+        import nvidia
+        candidates += [Path(p) / sub / "include" for p in nvidia.__path__
+                       for sub in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    return tuple(dict.fromkeys(str(c) for c in candidates if (c / "cuda_bf16.h").is_file()))
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cupy_backends.cuda.libs import nvrtc
+    return tuple(nvrtc.getVersion())
+
+
+def device_arch() -> str:
+    """The current device's compute capability, clamped to what this NVRTC can target."""
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+    cc = int(cupy.cuda.Device().compute_capability)
+    supported = [a for a in nvrtc.getSupportedArchs() if a <= cc]
+    return str(max(supported) if supported else cc)
+
+
+def compile_cubin(src: Source, arch: str, options: tuple[str, ...] = ()) -> bytes:
+    """NVRTC: source → cubin for sm_<arch>. Needs NVRTC, not a GPU."""
+    from cupy_backends.cuda.libs import nvrtc
+    opts = BASE_OPTIONS + tuple(options) + (f"-arch=sm_{arch}",) + tuple(
+        f"--include-path={d}" for d in _include_dirs())
+    prog = nvrtc.createProgram(src.text, src.path.name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError:
+            raise compile_error(src, nvrtc.getProgramLog(prog)) from None
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_MODULES: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    module: object        # cupy.RawModule
+    key: str
+    cubin: Path
+    from_cache: str       # 'memory' | 'disk' | 'compiled'
+
+    def function(self, name: str):
+        try:
+            return self.module.get_function(name)
+        except Exception as err:   # CUDA_ERROR_NOT_FOUND: the manifest and .cu disagree
+            raise EulerError(f"kernel {name!r} is not in the compiled module ({err}); "
+                             "rebuild with `eulergen build`", key=name) from None
+
+
+def compile_file(path: str | Path, options: tuple[str, ...] = ()) -> Compiled:
+    """The loaded module for a .cu file on the current device, compiling only when neither
+    this process nor the disk cache has it."""
+    import cupy
+    src = read_source(path)
+    arch = device_arch()
+    key = cache_key(src.text, BASE_OPTIONS + tuple(options), arch, nvrtc_version())
+    cubin = kernel_cache_dir() / f"{src.path.stem}-sm{arch}-{key[:32]}.cubin"
+    if key in _MODULES:
+        return Compiled(_MODULES[key], key, cubin, "memory")
+    how = "disk"
+    if not cubin.is_file():
+        _write_atomic(cubin, compile_cubin(src, arch, options))
+        how = "compiled"
+    try:
+        module = cupy.RawModule(path=str(cubin))
+        module.module   # load now: a damaged file shows here, not at the first launch
+    except Exception:
+        if how == "compiled":
+            raise
+        # A cache file that does not load (another toolkit wrote it, a disk fault):
+        # compile again and replace it.
+        _write_atomic(cubin, compile_cubin(src, arch, options))
+        module = cupy.RawModule(path=str(cubin))
+        how = "compiled"
+    _MODULES[key] = module
+    return Compiled(module, key, cubin, how)
+
+
+def compile_manifest(path: str | Path, progress=None) -> list[tuple[str, str]]:
+    """Warm the cache for every op with CUDA in a manifest: [(op, 'memory'|'disk'|'compiled')]."""
+    from eulergen.runtime.manifest import load_manifest
+    done = []
+    for name, op in sorted(load_manifest(path).ops.items()):
+        if op.cuda is None:
+            continue
+        how = compile_file(op.cuda).from_cache
+        done.append((name, how))
+        if progress:
+            progress(f"{name}: {how}")
+    return done
