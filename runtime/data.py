@@ -1,0 +1,320 @@
+"""Token data: llm.c shards and nanoGPT .bin files, memory-mapped; a resumable,
+deterministic batch loader; the built-in `builtin:stdlib` dataset; tokenizers.
+
+llm.c shard: 256 little-endian int32 header (magic, version, token count), then the
+tokens: uint16 under magic 20240520, uint32 under 20240801. nanoGPT train.bin/val.bin:
+headerless uint16.
+"""
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from eulergen.errors import EulerError
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+SHARD_MAGICS = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
+SHARD_VERSION = 1
+# llm.c's other binary files, named so that pointing the loader at one says what it is.
+LLMC_FILE_MAGICS = {20240326: "a model checkpoint", 20240327: "a model checkpoint",
+                    20240328: "a model checkpoint", 20240522: "a tokenizer file"}
+# llm.c names its shards <name>_train_000001.bin; such a file must carry a header.
+_LLMC_SHARD_NAME = re.compile(r"_(train|val)_?\d+\.bin\Z")
+
+BUILTIN_STDLIB = "builtin:stdlib"
+STDLIB_VAL_FRACTION = 0.1
+DOC_SEPARATOR = 0  # byte 0 never occurs in source text: it ends each file in builtin:stdlib
+
+
+# -- token files ----------------------------------------------------------------------------
+
+def open_tokens(path: str | Path) -> np.ndarray:
+    """Memory-map one token file as a 1-D unsigned array (llm.c shard or nanoGPT .bin)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EulerError("token file not found", file=str(path))
+    size = path.stat().st_size
+    head = np.fromfile(path, dtype="<i4", count=min(HEADER_INTS, size // 4))
+    magic = int(head[0]) if head.size else None
+    if magic in SHARD_MAGICS:
+        return _open_shard(path, head, size)
+    if magic in LLMC_FILE_MAGICS:
+        raise EulerError(f"header magic {magic} is {LLMC_FILE_MAGICS[magic]}, not a token shard "
+                         f"(expected 20240520 or 20240801)", file=str(path))
+    if _LLMC_SHARD_NAME.search(path.name):
+        raise EulerError(f"header magic {magic} is not an llm.c token shard "
+                         f"(expected 20240520 or 20240801)", file=str(path))
+    if size % 2:
+        raise EulerError(f"truncated: {size} bytes is not a whole number of uint16 tokens "
+                         f"(read as a headerless nanoGPT .bin)", file=str(path))
+    if size == 0:
+        raise EulerError("empty token file", file=str(path))
+    return np.memmap(path, dtype="<u2", mode="r")
+
+
+def _open_shard(path: Path, head: np.ndarray, size: int) -> np.ndarray:
+    if head.size < HEADER_INTS:
+        raise EulerError(f"truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte header",
+                         file=str(path))
+    magic, version, count = int(head[0]), int(head[1]), int(head[2])
+    if version != SHARD_VERSION:
+        raise EulerError(f"header version {version} is not supported (expected {SHARD_VERSION})",
+                         file=str(path))
+    dtype = SHARD_MAGICS[magic]
+    body = size - HEADER_BYTES
+    if body < count * dtype.itemsize:
+        raise EulerError(f"truncated: header says {count} tokens, body holds "
+                         f"{body // dtype.itemsize}", file=str(path))
+    if body > count * dtype.itemsize:
+        raise EulerError(f"header says {count} tokens but the body holds "
+                         f"{body // dtype.itemsize}: not a shard this loader wrote or knows",
+                         file=str(path))
+    if count == 0:
+        raise EulerError("shard holds no tokens", file=str(path))
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Write an llm.c shard atomically (temp file, fsync, rename): uint16 when every id
+    fits, else uint32."""
+    tokens = np.asarray(tokens)
+    wide = tokens.size and int(tokens.max()) > np.iinfo(np.uint16).max
+    magic = 20240801 if wide else 20240520
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (magic, SHARD_VERSION, tokens.size)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(SHARD_MAGICS[magic]).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def resolve_files(pattern: str, cache_dir: str | Path | None = None, split: str = "train") -> list[Path]:
+    """The sorted token files a dataset string names: a glob, one file, or builtin:stdlib."""
+    if pattern == BUILTIN_STDLIB:
+        return [stdlib_tokens(cache_dir)[split]]
+    if pattern.startswith("builtin:"):
+        raise EulerError(f"unknown built-in dataset {pattern!r} (known: {BUILTIN_STDLIB})",
+                         key="data.dataset")
+    files = sorted(Path(p) for p in globlib.glob(os.path.expanduser(pattern)))
+    files = [p for p in files if p.is_file()]
+    if not files:
+        raise EulerError("no token files match", file=pattern)
+    return files
+
+
+# -- the loader -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a loader stands: the epoch (which fixes the shard and window order through
+    the seed), the index into that epoch's shard order, and the batch window within it."""
+    epoch: int = 0
+    shard: int = 0
+    batch: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "batch": self.batch}
+
+
+class DataLoader:
+    """Batches (x, y) of int32 [B, T], y shifted by one token.
+
+    Each shard is cut into windows of B·T + 1 tokens at stride B·T (llm.c's layout, so
+    every token is a target once per epoch). With `shuffle`, every epoch visits the
+    shards and their windows in an order drawn from (seed, epoch) alone, so a saved
+    `state()` restores the exact stream without storing any generator state. Without
+    shuffle (validation), shards and windows go in file order."""
+
+    def __init__(self, pattern: str, batch_size: int, seq_len: int, seed: int = 0,
+                 position: dict | None = None, *, shuffle: bool = True,
+                 cache_dir: str | Path | None = None, split: str = "train"):
+        self.pattern = pattern
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.files = resolve_files(pattern, cache_dir, split)
+        self.shards = [open_tokens(f) for f in self.files]
+        span = batch_size * seq_len
+        self._windows = [max(0, (len(s) - 1) // span) for s in self.shards]
+        if not any(self._windows):
+            raise EulerError(f"too few tokens for one batch: the largest file holds "
+                             f"{max(len(s) for s in self.shards)}, a batch needs "
+                             f"B*T+1 = {span + 1}", file=pattern)
+        self._position = DataPosition()
+        self._order: tuple[np.ndarray, list[np.ndarray]] | None = None
+        if position is not None:
+            self.restore(position)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+    def state(self) -> dict[str, int]:
+        """JSON-ready position of the next batch; restore() continues from it exactly."""
+        return {**self._position.to_dict(), "seed": self.seed}
+
+    def restore(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise EulerError(f"data position was saved with seed {state['seed']}, "
+                             f"this loader has seed {self.seed}", key="data")
+        position = DataPosition(int(state["epoch"]), int(state["shard"]), int(state["batch"]))
+        if position.shard >= len(self.shards):
+            raise EulerError(f"data position names shard {position.shard}, but {self.pattern} "
+                             f"has {len(self.shards)} files", key="data")
+        self._position = position
+        self._order = None
+
+    def reset(self) -> None:
+        self._position = DataPosition()
+        self._order = None
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.next_batch()
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        shard_order, window_orders = self._epoch_order()
+        pos = self._position
+        while pos.batch >= self._windows[shard_order[pos.shard]]:
+            if pos.shard + 1 < len(shard_order):
+                pos = DataPosition(pos.epoch, pos.shard + 1, 0)
+            else:
+                pos = DataPosition(pos.epoch + 1, 0, 0)
+                self._position, self._order = pos, None
+                shard_order, window_orders = self._epoch_order()
+        shard = int(shard_order[pos.shard])
+        window = int(window_orders[pos.shard][pos.batch])
+        span = self.batch_size * self.seq_len
+        chunk = np.asarray(self.shards[shard][window * span: window * span + span + 1], dtype=np.int32)
+        self._position = DataPosition(pos.epoch, pos.shard, pos.batch + 1)
+        x = chunk[:-1].reshape(self.batch_size, self.seq_len)
+        y = chunk[1:].reshape(self.batch_size, self.seq_len)
+        return x, y
+
+    def _epoch_order(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        if self._order is None:
+            n = len(self.shards)
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self._position.epoch])
+                shards = rng.permutation(n)
+                windows = [rng.permutation(self._windows[s]) for s in shards]
+            else:
+                shards = np.arange(n)
+                windows = [np.arange(self._windows[s]) for s in shards]
+            self._order = (shards, windows)
+        return self._order
+
+
+# -- builtin:stdlib -------------------------------------------------------------------------
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files, sorted by path relative to the stdlib root
+    (installed packages excluded), so the text is the same wherever this Python is."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py")
+             if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("EULERGEN_CACHE", Path.home() / ".cache" / "eulergen"))
+
+
+def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
+    """Build (once) and return the train and val shards of builtin:stdlib: byte-level
+    tokens of every stdlib .py file, each followed by byte 0; the last 10 % of the
+    files (by path) are validation. Cached under the cache dir, keyed by the file list."""
+    files = stdlib_files()
+    if not files:
+        raise EulerError("the Python standard library has no .py files here", key="data.dataset")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256()
+    key.update(sys.version.encode())
+    for p in files:
+        key.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
+    folder = Path(cache_dir or default_cache_dir()) / "data" / f"stdlib-{key.hexdigest()[:16]}"
+    paths = {"train": folder / "train.bin", "val": folder / "val.bin"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    split = len(files) - max(1, round(len(files) * STDLIB_VAL_FRACTION))
+    for name, part in (("train", files[:split]), ("val", files[split:])):
+        data = bytearray()
+        for p in part:
+            data += p.read_bytes()
+            data.append(DOC_SEPARATOR)
+        write_shard(paths[name], np.frombuffer(bytes(data), dtype=np.uint8))
+    return paths
+
+
+# -- tokenizers -----------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """Byte-level: token id = byte value; byte 0 is the document separator."""
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) != DOC_SEPARATOR).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` JSON file (the library is imported only when used)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise EulerError("tokenizer file not found", file=str(path), key="data.tokenizer_path")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise EulerError("reading a tokenizer.json needs the `tokenizers` package "
+                             "(pip install tokenizers)", file=str(path)) from None
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # the library raises bare Exceptions for bad files
+            raise EulerError(f"not a tokenizers JSON file: {err}", file=str(path)) from None
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def load_tokenizer(tokenizer_path: str | None) -> ByteTokenizer | HFTokenizer:
+    """The byte-level tokenizer, or the HF tokenizer JSON that `data.tokenizer_path` names."""
+    return ByteTokenizer() if tokenizer_path is None else HFTokenizer(tokenizer_path)
+
+
+def make_loaders(cfg, cache_dir: str | Path | None = None) -> tuple[DataLoader, DataLoader | None]:
+    """The run's train loader (shuffled by the seed) and val loader (file order, or None
+    when the config names no validation set) for a RunConfig."""
+    t = cfg.training
+    train = DataLoader(cfg.data.dataset, t.batch_size, t.seq_len, t.seed,
+                       cache_dir=cache_dir, split="train")
+    val = None
+    if cfg.data.val_dataset is not None:
+        val = DataLoader(cfg.data.val_dataset, t.batch_size, t.seq_len, t.seed, shuffle=False,
+                         cache_dir=cache_dir, split="val")
+    return train, val
