@@ -1,0 +1,178 @@
+"""The memory planner: every byte a run touches, laid out before the first step.
+
+A plan is a list of named buffers placed in a few big arenas (one allocation each):
+
+    params       every weight, flat; matrices (weight-decayed) first, so AdamW runs
+                 over two contiguous ranges
+    grads        the same layout as params
+    adam_m/v     the same layout again (training only)
+    activations  what the forward pass keeps for the backward pass
+    workspace    temporaries the backward pass reuses from layer to layer
+    tokens       int32 token ids and targets, and the embedding scatter's index lists
+
+`allocate` turns a plan into arrays once; every tensor the model touches afterwards
+is a view into them, so a training step allocates nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import numpy as np
+
+from eulergen.errors import EulerError
+
+ALIGN = 64  # elements: every buffer starts on a 256-byte boundary, so 128-bit loads line up
+
+ARENA_ORDER = ("params", "grads", "adam_m", "adam_v", "activations", "workspace", "tokens")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    arena: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int           # elements from the start of the arena
+
+    @property
+    def size(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Arena:
+    name: str
+    dtype: str
+    size: int             # elements
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Plan:
+    arenas: tuple[Arena, ...]
+    buffers: tuple[Buffer, ...]
+    index: dict = field(hash=False, compare=False, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arenas)
+
+    def buffer(self, name: str) -> Buffer:
+        return self.buffers[self.index[name]]
+
+    def arena(self, name: str) -> Arena:
+        return next(a for a in self.arenas if a.name == name)
+
+    def span(self, names) -> tuple[int, int]:
+        """The element range [start, stop) that a run of consecutive buffers covers."""
+        bufs = [self.buffer(n) for n in names]
+        return min(b.offset for b in bufs), max(b.offset + b.size for b in bufs)
+
+
+class Planner:
+    """Appends buffers to arenas in the order they are requested."""
+
+    def __init__(self):
+        self._arenas: dict[str, tuple[str, int]] = {}
+        self._buffers: list[Buffer] = []
+
+    def add(self, arena: str, name: str, shape, dtype: str = "float32") -> Buffer:
+        shape = tuple(int(s) for s in shape)
+        if any(s <= 0 for s in shape):
+            raise EulerError(f"buffer {name!r} has an empty shape {shape}", key="plan")
+        a_dtype, used = self._arenas.get(arena, (dtype, 0))
+        if a_dtype != dtype:
+            raise EulerError(f"buffer {name!r} is {dtype} but arena {arena!r} holds {a_dtype}",
+                             key="plan")
+        buf = Buffer(name, arena, shape, dtype, used)
+        self._arenas[arena] = (dtype, used + -(-buf.size // ALIGN) * ALIGN)
+        self._buffers.append(buf)
+        return buf
+
+    def plan(self) -> Plan:
+        names = [b.name for b in self._buffers]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise EulerError(f"buffer planned twice: {sorted(dupes)[0]!r}", key="plan")
+        order = {n: i for i, n in enumerate(ARENA_ORDER)}
+        arenas = tuple(Arena(n, d, s) for n, (d, s) in
+                       sorted(self._arenas.items(), key=lambda kv: order.get(kv[0], 99)))
+        return Plan(arenas, tuple(self._buffers), {b.name: i for i, b in enumerate(self._buffers)})
+
+
+class Memory:
+    """A plan made real: one array per arena, and a view per buffer."""
+
+    def __init__(self, plan: Plan, xp, *, shared: dict | None = None):
+        """`shared` maps arena names to existing arrays to use instead of new ones (a
+        sampling model reads the weights of the training model it sits beside)."""
+        self.plan = plan
+        self.xp = xp
+        self.arenas = {}
+        for a in plan.arenas:
+            given = (shared or {}).get(a.name)
+            if given is not None:
+                if given.size != a.size or str(given.dtype) != a.dtype:
+                    raise EulerError(f"shared arena {a.name!r} has {given.size} {given.dtype}, "
+                                     f"the plan wants {a.size} {a.dtype}", key="plan")
+                self.arenas[a.name] = given
+            else:
+                # zeros, not empty: padding and rows a run never writes (wpe beyond T)
+                # must read as zero in norms and checkpoints
+                self.arenas[a.name] = xp.zeros(a.size, dtype=a.dtype)
+        self._views = {b.name: self.arenas[b.arena][b.offset:b.offset + b.size].reshape(b.shape)
+                       for b in plan.buffers}
+
+    def __getitem__(self, name: str):
+        return self._views[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._views
+
+
+def check_fits(plan: Plan, backend) -> None:
+    """Refuse, before allocating, a plan larger than the GPU's free memory."""
+    if not backend.is_gpu:
+        return
+    free, total = backend.xp.cuda.runtime.memGetInfo()
+    if plan.total_bytes > free:
+        raise EulerError(f"the memory plan needs {format_bytes(plan.total_bytes)} but the GPU has "
+                         f"{format_bytes(free)} free of {format_bytes(total)}; lower "
+                         "training.batch_size or training.seq_len (see `eulergen plan`)",
+                         key="plan")
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def plan_table(plan: Plan, title: str):
+    """The plan as a rich Table: every buffer, then a total per arena and overall."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, justify in (("arena", "left"), ("buffer", "left"), ("shape", "left"),
+                         ("dtype", "left"), ("bytes", "right")):
+        table.add_column(col, justify=justify)
+    for a in plan.arenas:
+        for b in plan.buffers:
+            if b.arena == a.name:
+                table.add_row(a.name, b.name, "×".join(map(str, b.shape)), b.dtype,
+                              f"{b.nbytes:,}")
+        table.add_row(a.name, "[bold]arena total[/bold]", f"{a.size:,} elements", a.dtype,
+                      f"[bold]{a.nbytes:,}[/bold] ({format_bytes(a.nbytes)})", end_section=True)
+    table.add_row("", "[bold]total[/bold]", "", "",
+                  f"[bold]{plan.total_bytes:,}[/bold] ({format_bytes(plan.total_bytes)})")
+    return table

@@ -1,0 +1,259 @@
+"""The tape: a model's forward pass as a list of nodes, and its backward as that list reversed.
+
+Every node is built once, over views of planned buffers, so running the tape allocates
+nothing. The only backward math written here by hand is what has no formula to derive
+(DESIGN.md, invariant 1): a GEMM's backward is two GEMMs, the embedding's backward is a
+deterministic scatter-add, a residual stream's fan-in is a sum. Every other backward is
+`lib.backward` of a generated op.
+
+A node writes each gradient either over its destination (the first writer of that
+buffer in backward order) or adds into it (later writers: residual fan-in, the tied
+embedding, and parameter gradients on the second and later micro-steps of gradient
+accumulation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Grad:
+    """Where a node puts one gradient. `param` gradients are overwritten on a step's first
+    micro-step and accumulated on the later ones; others follow `add` alone."""
+    buf: object
+    add: bool = False
+    param: bool = False
+
+
+class Tape:
+    def __init__(self, backend, lib, scratch):
+        self.backend = backend
+        self.xp = backend.xp
+        self.lib = lib
+        self.nodes: list = []
+        self.accumulating = False   # True on micro-steps after the first
+        self._scratch = scratch     # flat workspace for gradients that are added, not written
+        self.gemm = CublasGemm(self.xp) if backend.is_gpu else numpy_gemm
+
+    def record(self, node):
+        self.nodes.append(node)
+        return node
+
+    def forward(self) -> None:
+        for node in self.nodes:
+            node.forward(self)
+
+    def backward(self) -> None:
+        for node in reversed(self.nodes):
+            node.backward(self)
+
+    def adds(self, g: Grad) -> bool:
+        return g.add or (g.param and self.accumulating)
+
+    def scratch(self, shapes) -> list:
+        """Consecutive views of the scratch workspace, one per shape, valid until the next call."""
+        views, at = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape))
+            if at + n > self._scratch.size:
+                raise RuntimeError(f"scratch workspace too small: need {at + n}, "
+                                   f"planned {self._scratch.size}")
+            views.append(self._scratch[at:at + n].reshape(shape))
+            at += n
+        return views
+
+
+# -- GEMM -----------------------------------------------------------------------------
+
+
+def numpy_gemm(a, b, out, *, ta=False, tb=False, add=False) -> None:
+    """out (+)= op(a) @ op(b) for 2-D arrays; op transposes when ta / tb."""
+    a = a.T if ta else a
+    b = b.T if tb else b
+    if add:
+        out += a @ b
+    else:
+        np.matmul(a, b, out=out)
+
+
+class CublasGemm:
+    """out (+)= op(a) @ op(b) through cublasGemmEx, so that accumulation is cuBLAS's beta=1
+    (no temporary) and TF32 follows CUPY_TF32 as cupy.matmul does.
+
+    cuBLAS is column-major: a row-major [r, c] array is its column-major transpose, so
+    C = A·B row-major is computed as Cᵀ = Bᵀ·Aᵀ with the operands swapped."""
+
+    def __init__(self, cupy):
+        import os
+
+        from cupy_backends.cuda.api import runtime
+        from cupy_backends.cuda.libs import cublas
+
+        self.cupy = cupy
+        self.cublas = cublas
+        self.handle = cupy.cuda.device.get_cublas_handle()
+        self.f32 = runtime.CUDA_R_32F
+        tf32 = os.environ.get("CUPY_TF32", "0") != "0"
+        self.compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else cublas.CUBLAS_COMPUTE_32F
+        self.one = np.array(1.0, np.float32)
+        self.zero = np.array(0.0, np.float32)
+
+    def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
+        for x in (a, b, out):
+            if x.ndim != 2 or x.strides[1] != 4 or x.dtype != np.float32:
+                raise ValueError(f"gemm wants 2-D float32 arrays with unit column stride, got "
+                                 f"{x.shape} {x.dtype} strides {x.strides}")
+        m, k = (a.shape[1], a.shape[0]) if ta else a.shape
+        k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
+        if k != k2 or out.shape != (m, n):
+            raise ValueError(f"gemm shapes: op(a) {m}x{k}, op(b) {k2}x{n}, out {out.shape}")
+        cb = self.cublas
+        self.cublas.gemmEx(
+            self.handle, cb.CUBLAS_OP_T if tb else cb.CUBLAS_OP_N,
+            cb.CUBLAS_OP_T if ta else cb.CUBLAS_OP_N, n, m, k,
+            self.one.ctypes.data, b.data.ptr, self.f32, b.strides[0] // 4,
+            a.data.ptr, self.f32, a.strides[0] // 4,
+            (self.one if add else self.zero).ctypes.data, out.data.ptr, self.f32,
+            out.strides[0] // 4, self.compute, cb.CUBLAS_GEMM_DEFAULT)
+
+
+# -- nodes ----------------------------------------------------------------------------
+
+
+class Linear:
+    """y = x @ w.T (+ b), torch's nn.Linear orientation. Backward: dx = dy @ w, dw = dy.T @ x,
+    db = 1ᵀ·dy (as a GEMM against a ones vector, so it is deterministic on cuBLAS too)."""
+
+    def __init__(self, x, w, y, dy, dx: Grad | None, dw: Grad, b=None, db: Grad | None = None,
+                 ones=None):
+        self.x, self.w, self.y, self.b = x, w, y, b
+        self.dy, self.dx, self.dw, self.db = dy, dx, dw, db
+        self.ones = ones    # [1, rows] of 1.0, planned
+
+    def forward(self, tape: Tape) -> None:
+        tape.gemm(self.x, self.w, self.y, tb=True)
+        if self.b is not None:
+            tape.xp.add(self.y, self.b, out=self.y)
+
+    def backward(self, tape: Tape) -> None:
+        if self.dx is not None:
+            tape.gemm(self.dy, self.w, self.dx.buf, add=tape.adds(self.dx))
+        tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw))
+        if self.db is not None:
+            tape.gemm(self.ones, self.dy, self.db.buf.reshape(1, -1), add=tape.adds(self.db))
+
+
+class Op:
+    """A generated op: forward through `lib.forward`, backward through `lib.backward`.
+
+    `saved` are the arrays the op's backward reads besides its inputs and output grads:
+    attention's (o, lse), for which the backward signature is (q, k, v, o, lse, do)."""
+
+    def __init__(self, name: str, inputs, outputs, douts, dins, params: dict, saved=()):
+        self.name, self.inputs, self.outputs, self.params = name, inputs, outputs, params
+        self.douts, self.dins, self.saved = douts, dins, saved
+
+    def forward(self, tape: Tape) -> None:
+        tape.lib.forward(self.name, *self.inputs, out=tuple(self.outputs), **self.params)
+
+    def backward(self, tape: Tape) -> None:
+        adding = [g for g in self.dins if tape.adds(g)]
+        temps = iter(tape.scratch([g.buf.shape for g in adding]))
+        targets = tuple(next(temps) if tape.adds(g) else g.buf for g in self.dins)
+        tape.lib.backward(self.name, *self.inputs, *self.saved, *self.douts, out=targets,
+                          **self.params)
+        for g, t in zip(self.dins, targets):
+            if t is not g.buf:
+                tape.xp.add(g.buf, t, out=g.buf)
+
+
+class Add:
+    """out = a + b on the residual stream. Its backward is the fan-in of the stream's
+    gradient, which the model realises by giving a, b and out one shared gradient buffer:
+    nothing to compute here, every writer into that buffer adds."""
+
+    def __init__(self, a, b, out):
+        self.a, self.b, self.out = a, b, out
+
+    def forward(self, tape: Tape) -> None:
+        tape.xp.add(self.a, self.b, out=self.out)
+
+    def backward(self, tape: Tape) -> None:
+        pass
+
+
+class Embedding:
+    """out = table[ids] (+ positions[:T] broadcast over the batch).
+
+    Backward: dtable[ids[i]] += dout[i] in token order, which fixes the summation order of
+    repeated ids (deterministic), and dpositions = Σ_batch dout. The table gradient is
+    always added: the tied LM head, later in the forward pass, writes it first."""
+
+    def __init__(self, ids, table, out, dout, dtable, positions=None,
+                 dpositions: Grad | None = None, links=None):
+        self.ids, self.table, self.out, self.dout = ids, table, out, dout
+        self.dtable, self.positions, self.dpositions = dtable, positions, dpositions
+        self.links = links  # int32 [2, rows] workspace for the GPU scatter (first flag, next)
+
+    def forward(self, tape: Tape) -> None:
+        xp = tape.xp
+        flat_ids = self.ids.reshape(-1)
+        xp.take(self.table, flat_ids, axis=0, out=self.out.reshape(flat_ids.size, -1))
+        if self.positions is not None:
+            T = self.out.shape[1]
+            xp.add(self.out, self.positions[:T], out=self.out)
+
+    def backward(self, tape: Tape) -> None:
+        xp = tape.xp
+        rows = self.dout.reshape(-1, self.dout.shape[-1])
+        if tape.backend.is_gpu:
+            scatter_add_rows_gpu(xp, self.ids.reshape(-1), rows, self.dtable, self.links)
+        else:
+            np.add.at(self.dtable, self.ids.reshape(-1), rows)
+        if self.positions is not None:
+            T = self.dout.shape[1]
+            dpos = self.dpositions.buf[:T]
+            if tape.adds(self.dpositions):
+                (tmp,) = tape.scratch([dpos.shape])
+                xp.sum(self.dout, axis=0, out=tmp)
+                xp.add(dpos, tmp, out=dpos)
+            else:
+                xp.sum(self.dout, axis=0, out=dpos)
+
+
+_SCATTER_SRC = r"""
+extern "C" __global__ void link_ids(const int* ids, int* first, int* next, int n) {
+  // first[i] = 1 when no earlier row has ids[i]; next[i] = the next row with ids[i], or -1
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int id = ids[i], f = 1, nx = -1;
+  for (int j = 0; j < i; ++j) if (ids[j] == id) { f = 0; break; }
+  for (int j = i + 1; j < n; ++j) if (ids[j] == id) { nx = j; break; }
+  first[i] = f; next[i] = nx;
+}
+extern "C" __global__ void scatter_rows(const int* ids, const int* first, const int* next,
+                                        const float* src, float* dst, int n, int d) {
+  // one thread per (first row of an id, column): sums that id's rows in row order
+  int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= d || !first[i]) return;
+  float s = 0.f;
+  for (int j = i; j >= 0; j = next[j]) s += src[(long long)j * d + c];
+  dst[(long long)ids[i] * d + c] += s;
+}
+"""
+_SCATTER = {}
+
+
+def scatter_add_rows_gpu(cupy, ids, rows, dst, links) -> None:
+    """dst[ids[i]] += rows[i], summed per id in row order: no float atomics, so a rerun
+    gives the same bits."""
+    if "mod" not in _SCATTER:
+        _SCATTER["mod"] = cupy.RawModule(code=_SCATTER_SRC)
+    mod = _SCATTER["mod"]
+    n, d = rows.shape
+    first, nxt = links[0], links[1]
+    mod.get_function("link_ids")(((n + 255) // 256,), (256,), (ids, first, nxt, np.int32(n)))
+    mod.get_function("scatter_rows")(((d + 127) // 128, n), (128,),
+                                     (ids, first, nxt, rows, dst, np.int32(n), np.int32(d)))
