@@ -40,3 +40,11 @@ def check(names: tuple[str, ...], ops_dirs: tuple[Path, ...]) -> None:
     """Check derived backward passes against central differences, and extreme inputs."""
     from eulergen.generator.check import run_check
     sys.exit(run_check(names, ops_dirs))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def plot(run_dir: Path) -> None:
+    """Write RUN_DIR/loss.png: train and validation loss against step."""
+    from eulergen.runtime.metrics import plot_run
+    click.echo(f"wrote {plot_run(run_dir)}")

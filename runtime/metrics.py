@@ -1,0 +1,228 @@
+"""The run logger: metrics.jsonl (one JSON record per logged step), TensorBoard event
+files (tensorboardX), a live progress line; the loss plot; model FLOPs for MFU.
+
+Standard record keys: step, train_loss, val_loss, lr, grad_norm, tokens_per_s,
+ms_per_step, mfu. Any other numeric key is written too (e.g. skipped updates).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eulergen.errors import EulerError
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+PLOT_FILE = "loss.png"
+METRIC_KEYS = ("step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu")
+
+# Dense peak FLOP/s by (device-name fragment, precision), for MFU. Matched in order.
+PEAK_FLOPS = {
+    ("H200", "tf32"): 494.7e12, ("H200", "fp32"): 66.9e12, ("H200", "bf16"): 989.4e12,
+    ("H100", "tf32"): 494.7e12, ("H100", "fp32"): 66.9e12, ("H100", "bf16"): 989.4e12,
+    ("A100", "tf32"): 156e12, ("A100", "fp32"): 19.5e12, ("A100", "bf16"): 312e12,
+}
+
+
+class RunLogger:
+    """Writes each `log(step, …)` to metrics.jsonl, TensorBoard and the progress line.
+
+    `resume_step`: continuing a run, records past that step (written after the
+    checkpoint the run resumes from) are dropped from metrics.jsonl and purged from the
+    TensorBoard events, so no step appears twice. None: a fresh run, old metrics removed."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, *, resume_step: int | None = None,
+                 tensorboard: bool = True, progress: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.path = self.run_dir / METRICS_FILE
+        kept = [r for r in read_metrics(self.run_dir) if r["step"] <= resume_step] \
+            if resume_step is not None and self.path.exists() else []
+        _write_records(self.path, kept)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = _tb_writer(self.run_dir / TB_DIR, resume_step) if tensorboard else None
+        self._progress = _Progress(total_steps, resume_step or 0) if progress else None
+
+    def log(self, step: int, **values: float | int | bool | None) -> dict[str, Any]:
+        """Record the given metrics at `step`; None values are left out."""
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in values.items():
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"metric {key} is {type(value).__name__}, expected a number")
+            record[key] = value if isinstance(value, (bool, int)) else float(value)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(_tb_tag(key), value, step)
+        if self._progress is not None:
+            self._progress.update(record)
+        return record
+
+    def print(self, text: str) -> None:
+        """Print above the progress line (samples, notices) without breaking it."""
+        if self._progress is not None:
+            self._progress.print(text)
+        else:
+            print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl; a line cut short by a kill is dropped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise EulerError(f"no {METRICS_FILE} here (not a run folder?)", file=str(run_dir))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # the last line, half-written when the run was killed
+            raise EulerError("corrupt metrics record", file=str(path), line=number) from None
+    return records
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """Write RUN/loss.png: train and val loss against step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not train and not val:
+        raise EulerError("no loss recorded yet", file=str(Path(run_dir) / METRICS_FILE))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train", color="tab:blue", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), label="val", color="tab:orange", marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(Path(run_dir).resolve().name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(run_dir) / PLOT_FILE
+    tmp = out.with_name(f".{PLOT_FILE}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), as in the PaLM appendix and nanoGPT:
+    6 per parameter used in matmuls plus attention's 12·L·H·hd·T. Pass num_params without
+    the learned position table (a lookup, no FLOPs); the tied token table counts (LM head)."""
+    return 6.0 * num_params + 12.0 * num_layers * num_heads * head_dim * seq_len
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of a known GPU at `precision` ("fp32", "tf32", "bf16"), else None."""
+    for (fragment, prec), flops in PEAK_FLOPS.items():
+        if fragment in device_name and prec == precision:
+            return flops
+    return None
+
+
+# -- internals ------------------------------------------------------------------------------
+
+def _write_records(path: Path, records: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _tb_tag(key: str) -> str:
+    group = "loss" if key.endswith("_loss") else "perf" if key in ("tokens_per_s", "ms_per_step", "mfu") else "train"
+    return f"{group}/{key}"
+
+
+def _tb_writer(folder: Path, resume_step: int | None):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        print("note: tensorboardX is not installed; no TensorBoard events (pip install tensorboardX)",
+              file=sys.stderr)
+        return None
+    if resume_step is None and folder.is_dir():
+        for old in folder.glob("events.out.tfevents.*"):
+            old.unlink()  # a fresh run in an old folder: its curves must not mix with ours
+    # purge_step hides events at steps >= it that an earlier, interrupted process wrote.
+    # The suffix keeps a resume within the same second from reusing (and truncating) the
+    # earlier event file, whose name is otherwise only the time in seconds and the host.
+    return SummaryWriter(logdir=str(folder), purge_step=None if resume_step is None else resume_step + 1,
+                         filename_suffix=f".{time.time_ns()}")
+
+
+class _Progress:
+    """A rich progress bar on a terminal; one plain line per record otherwise (logs, CI)."""
+
+    def __init__(self, total: int, start: int):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.total = total
+        self._bar = None
+        self._last: dict[str, Any] = {}
+        if self.console.is_terminal:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeRemainingColumn)
+            self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                 console=self.console)
+            self._task = self._bar.add_task("train", total=total, completed=start, status="")
+            self._bar.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        self._last.update({k: v for k, v in record.items() if k != "step"})
+        status = _status(self._last)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], status=status)
+        else:
+            print(f"step {record['step']}/{self.total} | {status}", file=sys.stderr, flush=True)
+
+    def print(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _status(last: dict[str, Any]) -> str:
+    parts = []
+    if "train_loss" in last:
+        parts.append(f"loss {last['train_loss']:.4f}")
+    if "val_loss" in last:
+        parts.append(f"val {last['val_loss']:.4f}")
+    if "lr" in last:
+        parts.append(f"lr {last['lr']:.2e}")
+    if "tokens_per_s" in last:
+        parts.append(f"{last['tokens_per_s']:,.0f} tok/s")
+    return " | ".join(parts)
