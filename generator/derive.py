@@ -1,0 +1,296 @@
+"""OpSpec → DerivedOp: every backward pass, derived by sympy and CSE'd.
+
+Pointwise and pair ops are one Jacobian-vector product per input. Row ops are reverse mode
+over the small DAG of per-element expressions and row reductions (DESIGN.md, "Row ops"),
+with every partial taken on the per-element expression. Update and attention ops need no
+backward beyond ∂score/∂s. CSE temporaries are numbered t0, t1, … across the whole op, so
+codes printed into one kernel never collide.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import sympy as sp
+
+from eulergen.generator import ir
+from eulergen.generator.formula import Where
+from eulergen.generator.numeric import compile_exprs, random_inputs
+from eulergen.generator.spec import OpSpec, symbol
+
+
+def derive(spec: OpSpec) -> ir.DerivedOp:
+    return _derive(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _derive(spec: OpSpec) -> ir.DerivedOp:
+    for f in _all_formulas(spec):
+        if spec.kink is None and f.expr.has(sp.Max, sp.Min, sp.Abs):
+            raise f.where.error("max/min/abs have a kink at 0; declare the value of their "
+                                "step there, e.g. `kink: 0` (as PyTorch)")
+    temps = _Temps()
+    kind = spec.kind
+    if kind == "pointwise":
+        body, inputs, outputs = _pointwise(spec, temps)
+    elif kind == "row":
+        body, inputs, outputs = _row(spec, temps)
+    elif kind == "pair":
+        body, inputs, outputs = _pair(spec, temps)
+    elif kind == "update":
+        body, inputs, outputs = _update(spec, temps)
+    else:
+        body, inputs, outputs = _attention(spec)
+    return ir.DerivedOp(name=spec.name, kind=kind, inputs=inputs, outputs=outputs,
+                        params=spec.params, body=body, where=spec.where,
+                        spec_sha256=spec.sha256)
+
+
+def _all_formulas(spec: OpSpec):
+    yield from spec.outputs
+    yield from spec.update
+    yield from spec.reductions
+    yield from (f for f in (spec.score,) if f is not None)
+
+
+# Common pieces ------------------------------------------------------------------------------
+
+class _Temps:
+    """CSE with temporaries t0, t1, … numbered across one op."""
+
+    def __init__(self):
+        self.count = 0
+
+    def code(self, results: list[tuple[str, sp.Expr]], *, fixed: frozenset[str] = frozenset()) -> ir.Code:
+        """CSE `results` into an ir.Code. A temporary that reads any name in `fixed` is
+        inlined back: update ops overwrite those names, and temps are computed first."""
+        exprs = [sp.sympify(e) for _, e in results]
+        raw_temps, reduced = sp.cse(exprs, symbols=sp.numbered_symbols("_cse", real=True),
+                                    order="none")
+        # Constants such as sqrt(2/pi) print as one literal; a temporary for them only hides it.
+        raw_temps, reduced = _inline(raw_temps, reduced,
+                                     lambda e: e.is_number or bool(_names(e) & fixed))
+        rename = {}
+        temps = []
+        for sym, expr in raw_temps:
+            new = symbol(f"t{self.count}")
+            self.count += 1
+            rename[sym] = new
+            temps.append(ir.Assign(new.name, expr.xreplace(rename)))
+        return ir.Code(temps=tuple(temps),
+                       results=tuple(ir.Assign(name, e.xreplace(rename))
+                                     for (name, _), e in zip(results, reduced)))
+
+
+def _names(expr: sp.Basic) -> set[str]:
+    return {s.name for s in expr.free_symbols}
+
+
+def _inline(temps, reduced, inline):
+    """Substitute back the temporaries for which inline(expr) holds."""
+    keep, subs = [], {}
+    for sym, expr in temps:
+        expr = expr.xreplace(subs)
+        if inline(expr):
+            subs[sym] = expr
+        else:
+            keep.append((sym, expr))
+    return keep, [e.xreplace(subs) for e in reduced]
+
+
+def _d(name: str) -> sp.Symbol:
+    return symbol("d" + name)
+
+
+def _diff(expr: sp.Expr, wrt: sp.Symbol, spec: OpSpec, where: Where) -> sp.Expr:
+    out = sp.diff(expr, wrt)
+    if out.has(sp.Derivative, sp.Subs):
+        raise where.error(f"sympy could not differentiate with respect to {wrt}: {out}")
+    if out.has(sp.DiracDelta):
+        raise where.error("the derivative contains a Dirac delta (a step inside a "
+                          "differentiated formula); rewrite it with where()")
+    steps = out.atoms(sp.Heaviside)
+    if steps:
+        if spec.kink is None:
+            raise where.error("the derivative has a step at 0; declare its value there, "
+                              "e.g. `kink: 0`")
+        k = sp.Rational(repr(spec.kink))
+        out = out.xreplace({h: sp.Heaviside(h.args[0], k) for h in steps})
+    return out
+
+
+def _jvp(spec: OpSpec, outputs, wrt: sp.Symbol) -> sp.Expr:
+    """Σ_outputs d<out>·∂out/∂wrt."""
+    return sp.Add(*(_d(o.name) * _diff(o.expr, wrt, spec, o.where) for o in outputs))
+
+
+# Pointwise ----------------------------------------------------------------------------------
+
+def _pointwise(spec: OpSpec, temps: _Temps):
+    forward = temps.code([(o.name, o.expr) for o in spec.outputs])
+    grads = {"d" + i.name: _jvp(spec, spec.outputs, symbol(i.name)) for i in spec.inputs}
+    for f in spec.backward:
+        _check_override(spec, f, grads[f.name])
+        grads[f.name] = f.expr
+    backward = temps.code(list(grads.items()))
+    inputs = tuple(ir.Operand(i.name, "elem") for i in spec.inputs)
+    outputs = tuple(ir.Operand(o.name, "elem") for o in spec.outputs)
+    return ir.PointwiseDerived(forward=forward, backward=backward), inputs, outputs
+
+
+def _check_override(spec: OpSpec, f, derived: sp.Expr) -> None:
+    """An explicit backward must agree with the derived one on the op's domain."""
+    names = [i.name for i in spec.inputs] + ["d" + o.name for o in spec.outputs]
+    names += [p.name for p in spec.params]
+    fn = compile_exprs([f.expr, derived], names)
+    rng = np.random.default_rng(0)
+    values = random_inputs(spec, names, rng, 64)
+    got, want = (np.broadcast_to(v, (64,)) for v in fn(**values))
+    err = np.max(np.abs(got - want) / np.maximum(np.abs(want), 1.0))
+    if not err < spec.tolerance:
+        raise f.where.error(f"explicit backward disagrees with the derived one "
+                            f"(max relative error {err:.2e} > {spec.tolerance:g})")
+
+
+# Pair -------------------------------------------------------------------------------------
+
+def _pair(spec: OpSpec, temps: _Temps):
+    forward = temps.code([(o.name, o.expr) for o in spec.outputs])
+    grads = []
+    for i in spec.inputs:
+        for half in "01":
+            grads.append((f"d{i.name}{half}", _jvp(spec, spec.outputs, symbol(i.name + half))))
+    backward = temps.code(grads)
+    out_names = dict.fromkeys(o.name[:-1] for o in spec.outputs)
+    inputs = tuple(ir.Operand(i.name, "pair") for i in spec.inputs)
+    outputs = tuple(ir.Operand(n, "pair") for n in out_names)
+    return ir.PairDerived(index=spec.index, forward=forward, backward=backward), inputs, outputs
+
+
+# Update ----------------------------------------------------------------------------------
+
+def _update(spec: OpSpec, temps: _Temps):
+    updated = frozenset(f.name for f in spec.update)
+    step = temps.code([(f.name, f.expr) for f in spec.update], fixed=updated)
+    inputs = tuple(ir.Operand(i.name, i.role, differentiable=False) for i in spec.inputs)
+    outputs = tuple(ir.Operand(f.name, "state", differentiable=False) for f in spec.update)
+    return ir.UpdateDerived(step=step), inputs, outputs
+
+
+# Attention ---------------------------------------------------------------------------------
+
+def _attention(spec: OpSpec):
+    dscore = _diff(spec.score.expr, symbol("s"), spec, spec.score.where)
+    body = ir.AttentionDerived(score=spec.score.expr, dscore=dscore,
+                               mask=spec.mask.expr if spec.mask else None)
+    inputs = (ir.Operand("q", "q"), ir.Operand("k", "k"), ir.Operand("v", "v"))
+    return body, inputs, (ir.Operand("o", "o"),)
+
+
+# Row ----------------------------------------------------------------------------------------
+
+def _row(spec: OpSpec, temps: _Temps):
+    elem_names = {i.name for i in spec.inputs if i.role in ("row", "weight")} | {"i"}
+    red = {r.name: r for r in spec.reductions}
+    stab = set(spec.stabilizers)
+    n_sym = symbol("N")
+    scale = {r.name: (1 / n_sym if r.op == "mean" else sp.S.One) for r in spec.reductions}
+
+    # Forward: reductions grouped by level (a reduction needs every one it reads done).
+    level: dict[str, int] = {}
+    for r in spec.reductions:
+        level[r.name] = 1 + max((level[n] for n in _names(r.expr) if n in red), default=-1)
+    passes = []
+    for lv in sorted(set(level.values())):
+        group = [r for r in spec.reductions if level[r.name] == lv]
+        body = temps.code([(r.name, r.expr) for r in group])
+        passes.append(ir.Pass(ops=tuple((r.name, r.op) for r in group), body=body))
+    elem_out = [o for o in spec.outputs if _names(o.expr) & elem_names]
+    row_out = [o for o in spec.outputs if not _names(o.expr) & elem_names]
+    elem_outputs = temps.code([(o.name, o.expr) for o in elem_out])
+    row_outputs = temps.code([(o.name, o.expr) for o in row_out])
+    if stab:
+        _check_stabilizers(spec)
+
+    # Backward, step 1: the row sums each reduction adjoint needs, in one pass.
+    live = [r for r in spec.reductions if r.name not in stab]
+    sums: list[tuple[str, sp.Expr]] = []
+    adjoint: dict[str, sp.Expr] = {}
+    for j, rj in reversed(list(enumerate(live))):
+        wrt = symbol(rj.name)
+        total = sp.Add(*(_d(o.name) * _diff(o.expr, wrt, spec, o.where) for o in row_out))
+        per_elem = _jvp(spec, elem_out, wrt)
+        if per_elem != 0:
+            name = f"sum_d{rj.name}"
+            sums.append((name, per_elem))
+            total += symbol(name)
+        for rk in live[j + 1:]:
+            term = _diff(rk.expr, wrt, spec, rk.where)
+            if term != 0:
+                name = f"sum_{rk.name}_d{rj.name}"
+                sums.append((name, term))
+                total += adjoint[rk.name] * scale[rk.name] * symbol(name)
+        adjoint[rj.name] = total  # later adjoints inlined: each result stands alone
+    adjoint_pass = None
+    if sums:
+        adjoint_pass = ir.Pass(ops=tuple((n, "sum") for n, _ in sums), body=temps.code(sums))
+    adjoints = temps.code([("d" + r.name, adjoint[r.name]) for r in live])
+
+    # Step 2: per element, d<input> from the output adjoints and the reduction adjoints.
+    grads = []
+    for inp in spec.inputs:
+        if inp.role == "index":
+            continue
+        x = symbol(inp.name)
+        g = _jvp(spec, elem_out, x)
+        for r in live:
+            g += _d(r.name) * scale[r.name] * _diff(r.expr, x, spec, r.where)
+        grads.append(("d" + inp.name, g))
+    elem_grads = temps.code(grads)
+
+    body = ir.RowDerived(passes=tuple(passes), stabilizers=tuple(spec.stabilizers),
+                         elem_outputs=elem_outputs, row_outputs=row_outputs,
+                         adjoint_pass=adjoint_pass, adjoints=adjoints, elem_grads=elem_grads)
+    inputs = tuple(ir.Operand(i.name, i.role, differentiable=i.role != "index")
+                   for i in spec.inputs)
+    outputs = tuple(ir.Operand(o.name, "row" if o in elem_out else "scalar")
+                    for o in spec.outputs)
+    return body, inputs, outputs
+
+
+def _check_stabilizers(spec: OpSpec) -> None:
+    """A stabilizer gets no gradient, which is right only if the outputs do not depend on
+    it: evaluate the op with each stabilizer shifted and compare."""
+    rng = np.random.default_rng(1)
+    base = _row_eval(spec, rng, shifts={})
+    for name in spec.stabilizers:
+        shifted = _row_eval(spec, np.random.default_rng(1), shifts={name: 1.375})
+        for out, a, b in zip(spec.outputs, base, shifted):
+            err = np.max(np.abs(a - b) / np.maximum(np.abs(a), 1.0))
+            if not err < 1e-9:
+                where = next(r.where for r in spec.reductions if r.name == name)
+                raise where.error(f"'{name}' is listed as a stabilizer, but output "
+                                  f"'{out.name}' changes when it shifts (by {err:.1e}); "
+                                  "a stabilizer must cancel out")
+
+
+def _row_eval(spec: OpSpec, rng, shifts: dict[str, float], rows: int = 3, n: int = 9):
+    """The forward of a row op in float64, straight from the spec's expressions."""
+    values = {}
+    for inp in spec.inputs:
+        if inp.role == "index":
+            values[inp.name] = rng.integers(0, n, size=(rows, 1)).astype(np.float64)
+        else:
+            lo, hi = spec.domain_of(inp.name)
+            values[inp.name] = rng.uniform(lo, hi, size=(rows, n) if inp.role == "row" else (n,))
+    values.update({p.name: (p.default if p.default is not None else 0.5) for p in spec.params})
+    values["i"] = np.arange(n, dtype=np.float64)
+    values["N"] = float(n)
+    for r in spec.reductions:
+        fn = compile_exprs([r.expr], list(values))
+        term = np.broadcast_to(fn(**values)[0], (rows, n))
+        op = {"sum": np.sum, "mean": np.mean, "max": np.max}[r.op]
+        values[r.name] = op(term, axis=-1, keepdims=True) + shifts.get(r.name, 0.0)
+    fn = compile_exprs([o.expr for o in spec.outputs], list(values))
+    return [np.broadcast_to(v, (rows, n)) for v in fn(**values)]
+
