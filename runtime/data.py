@@ -113,7 +113,8 @@ def resolve_files(pattern: str, cache_dir: str | Path | None = None, split: str 
     files = sorted(Path(p) for p in globlib.glob(os.path.expanduser(pattern)))
     files = [p for p in files if p.is_file()]
     if not files:
-        raise EulerError("no token files match", file=pattern)
+        raise EulerError("no token files match (data.dataset takes a glob of llm.c shards, a "
+                         "nanoGPT train.bin, or builtin:stdlib)", file=pattern)
     return files
 
 
@@ -142,8 +143,10 @@ class DataLoader:
 
     def __init__(self, pattern: str, batch_size: int, seq_len: int, seed: int = 0,
                  position: dict | None = None, *, shuffle: bool = True,
-                 cache_dir: str | Path | None = None, split: str = "train"):
+                 cache_dir: str | Path | None = None, split: str = "train",
+                 vocab_size: int | None = None):
         self.pattern = pattern
+        self.vocab_size = vocab_size
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
@@ -204,6 +207,11 @@ class DataLoader:
         window = int(window_orders[pos.shard][pos.batch])
         span = self.batch_size * self.seq_len
         chunk = np.asarray(self.shards[shard][window * span: window * span + span + 1], dtype=np.int32)
+        if self.vocab_size is not None and int(chunk.max()) >= self.vocab_size:
+            # An embedding lookup past the table reads garbage on the GPU instead of failing.
+            raise EulerError(f"token id {int(chunk.max())} is outside the model's vocabulary "
+                             f"(model.vocab_size {self.vocab_size}); was this data made with "
+                             f"another tokenizer?", file=str(self.files[shard]))
         self._position = DataPosition(pos.epoch, pos.shard, pos.batch + 1)
         x = chunk[:-1].reshape(self.batch_size, self.seq_len)
         y = chunk[1:].reshape(self.batch_size, self.seq_len)
@@ -310,11 +318,11 @@ def load_tokenizer(tokenizer_path: str | None) -> ByteTokenizer | HFTokenizer:
 def make_loaders(cfg, cache_dir: str | Path | None = None) -> tuple[DataLoader, DataLoader | None]:
     """The run's train loader (shuffled by the seed) and val loader (file order, or None
     when the config names no validation set) for a RunConfig."""
-    t = cfg.training
+    t, vocab = cfg.training, cfg.model.vocab_size
     train = DataLoader(cfg.data.dataset, t.batch_size, t.seq_len, t.seed,
-                       cache_dir=cache_dir, split="train")
+                       cache_dir=cache_dir, split="train", vocab_size=vocab)
     val = None
     if cfg.data.val_dataset is not None:
         val = DataLoader(cfg.data.val_dataset, t.batch_size, t.seq_len, t.seed, shuffle=False,
-                         cache_dir=cache_dir, split="val")
+                         cache_dir=cache_dir, split="val", vocab_size=vocab)
     return train, val

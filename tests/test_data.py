@@ -147,6 +147,14 @@ def test_restore_with_another_seed_is_refused(tmp_path):
         DataLoader(pattern, 2, 8, seed=8, position=state)
 
 
+def test_token_ids_past_the_vocabulary_are_refused(tmp_path):
+    write_shard(tmp_path / "g_train_000000.bin", np.full(100, 50256))
+    loader = DataLoader(str(tmp_path / "g_train_*.bin"), 2, 8, vocab_size=256)
+    with pytest.raises(EulerError, match=r"g_train_000000.bin: token id 50256 is outside the "
+                                         r"model's vocabulary \(model.vocab_size 256\)"):
+        next(loader)
+
+
 def test_too_little_data_for_one_batch(tmp_path):
     with pytest.raises(EulerError, match=r"too few tokens for one batch.*B\*T\+1 = 65"):
         DataLoader(_shards(tmp_path, [50]), 8, 8)
