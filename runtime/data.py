@@ -2,8 +2,8 @@
 deterministic batch loader; the built-in `builtin:stdlib` dataset; tokenizers.
 
 llm.c shard: 256 little-endian int32 header (magic, version, token count), then the
-tokens: uint16 under magic 20240520, uint32 under 20240801. nanoGPT train.bin/val.bin:
-headerless uint16.
+tokens: uint16 under magic 20240520 (version 1, GPT-2), uint32 under 20240801 (version 7,
+as llm.c writes its Llama-3 shards). nanoGPT train.bin/val.bin: headerless uint16.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from eulergen.errors import EulerError
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_MAGICS = {20240520: np.dtype("<u2"), 20240801: np.dtype("<u4")}
-SHARD_VERSION = 1
+SHARD_VERSIONS = {20240520: 1, 20240801: 7}
 # llm.c's other binary files, named so that pointing the loader at one says what it is.
-LLMC_FILE_MAGICS = {20240326: "a model checkpoint", 20240327: "a model checkpoint",
-                    20240328: "a model checkpoint", 20240522: "a tokenizer file"}
+LLMC_FILE_MAGICS = {20240326: "a model checkpoint", 20240327: "a model debug state",
+                    20240328: "a tokenizer file", 20240522: "an eval (HellaSwag) file"}
 # llm.c names its shards <name>_train_000001.bin; such a file must carry a header.
 _LLMC_SHARD_NAME = re.compile(r"_(train|val)_?\d+\.bin\Z")
 
@@ -67,9 +67,9 @@ def _open_shard(path: Path, head: np.ndarray, size: int) -> np.ndarray:
         raise EulerError(f"truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte header",
                          file=str(path))
     magic, version, count = int(head[0]), int(head[1]), int(head[2])
-    if version != SHARD_VERSION:
-        raise EulerError(f"header version {version} is not supported (expected {SHARD_VERSION})",
-                         file=str(path))
+    if version != SHARD_VERSIONS[magic]:
+        raise EulerError(f"header version {version} is not supported under magic {magic} "
+                         f"(expected {SHARD_VERSIONS[magic]})", file=str(path))
     dtype = SHARD_MAGICS[magic]
     body = size - HEADER_BYTES
     if body < count * dtype.itemsize:
@@ -91,7 +91,7 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     wide = tokens.size and int(tokens.max()) > np.iinfo(np.uint16).max
     magic = 20240801 if wide else 20240520
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (magic, SHARD_VERSION, tokens.size)
+    header[:3] = (magic, SHARD_VERSIONS[magic], tokens.size)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -32,7 +32,7 @@ def test_llmc_uint32_shard_under_magic_20240801(tmp_path):
     got = open_tokens(tmp_path / "wide.bin")
     assert got.dtype == np.uint32
     np.testing.assert_array_equal(got, tokens)
-    assert int(np.fromfile(tmp_path / "wide.bin", dtype="<i4", count=1)[0]) == 20240801
+    assert list(np.fromfile(tmp_path / "wide.bin", dtype="<i4", count=3)) == [20240801, 7, 4]
 
 
 def test_nanogpt_headerless_bin(tmp_path):
@@ -78,7 +78,8 @@ def test_truncated_header_and_odd_nanogpt_file(tmp_path):
 def test_wrong_version_is_reported(tmp_path):
     path = tmp_path / "v.bin"
     path.write_bytes(_header(20240520, 7, 1) + bytes(2))
-    with pytest.raises(EulerError, match="header version 7 is not supported"):
+    with pytest.raises(EulerError, match="header version 7 is not supported under magic 20240520 "
+                                         r"\(expected 1\)"):
         open_tokens(path)
 
 
