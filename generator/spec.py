@@ -187,6 +187,8 @@ def _identifier(doc: _Doc, name, *path) -> str:
         raise doc.error(f"{name!r} is not a valid name", *path)
     if name in formula.FUNCTIONS or name in formula.REDUCTIONS or name in formula.CONSTANTS:
         raise doc.error(f"'{name}' is a built-in function or constant; choose another name", *path)
+    if name.startswith("_"):
+        raise doc.error(f"'{name}': names starting with _ are reserved for generated code", *path)
     if _TEMP_NAME.match(name):
         raise doc.error(f"'{name}' is reserved for generated temporaries; choose another name", *path)
     return name
