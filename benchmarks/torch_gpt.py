@@ -49,8 +49,9 @@ def _norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, repeat_kv: bool = False):
         super().__init__()
+        self.repeat_kv = repeat_kv
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.c_attn = nn.Linear(cfg.hidden_dim, q_dim + 2 * kv_dim, bias=cfg.bias)
@@ -65,8 +66,13 @@ class Attention(nn.Module):
         v = v.view(B, T, self.kv_heads, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        grouped = self.kv_heads != self.heads
+        if grouped and self.repeat_kv:
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            grouped = False
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.c_proj(o.transpose(1, 2).reshape(B, T, self.heads * hd))
 
 
@@ -89,10 +95,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, repeat_kv: bool = False):
         super().__init__()
         self.ln_1 = _norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, repeat_kv)
         self.ln_2 = _norm(cfg)
         self.mlp = MLP(cfg)
 
@@ -102,7 +108,11 @@ class Block(nn.Module):
 
 
 class TorchGPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`repeat_kv`: copy the KV heads up to the query heads before SDPA instead of passing
+    enable_gqa. PyTorch has no fused fp32 kernel for enable_gqa (it falls back to the
+    materialised math path), so an fp32 baseline is fastest with repeated KV."""
+
+    def __init__(self, cfg: ModelConfig, *, repeat_kv: bool = False):
         super().__init__()
         _check_supported(cfg)
         self.cfg = cfg
@@ -114,7 +124,7 @@ class TorchGPT(nn.Module):
             # Not parameters and not saved: the state dict stays eulergen's parameter set.
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.h = nn.ModuleList(Block(cfg, repeat_kv) for _ in range(cfg.num_layers))
         self.ln_f = _norm(cfg)
         self._init_weights()
 

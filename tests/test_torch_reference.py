@@ -138,6 +138,16 @@ def test_gqa_equals_attention_with_repeated_kv_heads():
     torch.testing.assert_close(got, attn.c_proj(o), rtol=1e-5, atol=1e-5)
 
 
+def test_repeated_kv_gives_the_same_model():
+    m = _tiny("nanoeuler")
+    torch.manual_seed(0)
+    grouped = tg.TorchGPT(m)
+    repeated = tg.TorchGPT(m, repeat_kv=True)
+    tg.load_eulergen_params(repeated, tg.eulergen_params(grouped))
+    idx = torch.randint(0, m.vocab_size, (2, 16))
+    torch.testing.assert_close(grouped(idx)[0], repeated(idx)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_ops_are_named():
     m = dataclasses.replace(_tiny("gpt2"), activation="mish")
     with pytest.raises(EulerError, match="model.activation: the torch reference has no 'mish'"):
