@@ -1,0 +1,140 @@
+"""Kernel plans: which template renders an op, and how its kernels are launched.
+
+A KernelPlan is chosen from a DerivedOp alone (sizes such as the row length arrive at
+launch), so it is a frozen value that the render step and the manifest share. The facts
+the runtime needs to launch a kernel travel in `KernelSig.plan` as (key, value) pairs;
+the keys, per template (every kernel also has `threads`, the block size, and
+`grid_max`: the grid is min(the formula below, grid_max), kernels loop over the rest):
+
+pointwise  vec (elements per 16-byte access), unroll (vectors per thread per step):
+           grid = cdiv(n, vec · unroll · threads). Any n and any alignment work (a scalar
+           path takes unaligned pointers and the tail).
+row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
+           length, `max_cols` / `min_cols` say where each is the fast one.
+           warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block).
+           block_per_row: threads is the most a block takes (1024); launch
+           clamp(round_up(cdiv(cols, cols_per_thread), 32), threads_min, threads) threads,
+           grid = rows. The first cols_per_thread elements a thread owns stay in
+           registers; longer rows are re-read (from L2) once per pass.
+           wgrad_partials: for backward kernels of ops with weights, each row worker (a warp,
+           or a block) writes its partial weight gradient to a float32 workspace
+           [partials, cols] per weight: partials = grid · rows_per_block (warp) or grid
+           (block). `<op>_wgrad_reduce_<dt>` then sums them in a fixed order: block
+           (threads_x, threads_y), grid = cdiv(cols, threads_x).
+           fwdbwd kernels: dx_may_alias_x = True (the row is read before it is written).
+pair       grid = cdiv(B · T · H · D/2, threads); strides are arguments (views of a fused
+           qkv buffer work); in_place_ok = True (y may be x, dx may be dy).
+update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
+           are the storage dtype; launch once per weight-decay range.
+embedding  forward: vec, grid = cdiv(BT · C, vec · threads). backward_wte: block
+           (threads_x = channels per block, 1), grid = (segments, cdiv(C, threads_x)),
+           adds into dwte. backward_wpe: grid = cdiv(T · C, threads), adds into dwpe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eulergen.errors import EulerError
+from eulergen.generator import ir
+
+DTYPES = ("f32", "bf16")
+VEC = {"f32": 4, "bf16": 8}           # elements in one 16-byte access
+CTYPE = {"f32": "float", "bf16": "__nv_bfloat16"}
+
+# H200: 132 SMs. grid_max bounds the grid where a kernel loops over its work anyway;
+# for row backward kernels with weights it also bounds the workspace of partial sums.
+_GRID_MAX = 132 * 16
+_GRID_MAX_WGRAD = 132 * 2
+
+WARP_ROWS_PER_BLOCK = 8
+WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
+BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
+BLOCK_THREADS_MAX = 1024
+BLOCK_THREADS_MIN = 128
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one op is rendered: the template and the launch facts for each storage dtype."""
+    template: str                    # file under templates/
+    dtypes: tuple[str, ...]
+    threads: int
+    vec: tuple[tuple[str, int], ...]  # dtype -> elements per 16-byte access
+    unroll: int = 1
+    warp_slots: tuple[tuple[str, int], ...] = ()
+    block_slots: tuple[tuple[str, int], ...] = ()
+    fwdbwd: bool = False             # row op whose outputs are all per-row scalars
+
+    def vec_of(self, dtype: str) -> int:
+        return dict(self.vec)[dtype]
+
+
+_TEMPLATES = {"pointwise": "pointwise.cu.j2", "row": "row.cu.j2", "pair": "pair.cu.j2",
+              "update": "update.cu.j2"}
+
+
+def plan_op(op: ir.DerivedOp) -> KernelPlan:
+    """The plan for an op of kind pointwise, row, pair or update."""
+    if op.kind not in _TEMPLATES:
+        raise EulerError(f"no CUDA template for kind {op.kind!r}", file=op.where.file,
+                         line=op.where.line, key="kind")
+    vec = tuple(VEC.items())
+    if op.kind == "pointwise":
+        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec, unroll=2)
+    if op.kind == "row":
+        scalar_only = all(o.role == "scalar" for o in op.outputs)
+        return KernelPlan("row.cu.j2", DTYPES, threads=32 * WARP_ROWS_PER_BLOCK, vec=vec,
+                          warp_slots=tuple(WARP_SLOTS.items()),
+                          block_slots=tuple(BLOCK_SLOTS.items()), fwdbwd=scalar_only)
+    if op.kind == "pair":
+        return KernelPlan("pair.cu.j2", DTYPES, threads=256, vec=vec)
+    # update: state is float32, so one vector is 4 state floats (two for bf16 grads' 8).
+    return KernelPlan("update.cu.j2", DTYPES, threads=256, vec=(("f32", 4), ("bf16", 8)))
+
+
+def pointwise_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
+    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("unroll", plan.unroll),
+            ("grid_max", _GRID_MAX))
+
+
+def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
+               fwdbwd: bool = False) -> tuple[tuple[str, object], ...]:
+    v = plan.vec_of(dtype)
+    grid_max = _GRID_MAX_WGRAD if wgrad else _GRID_MAX
+    extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
+    if layout == "warp_per_row":
+        cached = 32 * v * dict(plan.warp_slots)[dtype]
+        return (("layout", layout), ("threads", plan.threads),
+                ("rows_per_block", WARP_ROWS_PER_BLOCK), ("grid_max", grid_max),
+                ("max_cols", cached), ("wgrad_partials", "grid*rows_per_block" if wgrad else None)
+                ) + extra
+    per_thread = v * dict(plan.block_slots)[dtype]
+    return (("layout", layout), ("threads", BLOCK_THREADS_MAX),
+            ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
+            ("rows_per_block", 1), ("grid_max", grid_max),
+            ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1),
+            ("wgrad_partials", "grid" if wgrad else None)) + extra
+
+
+WGRAD_REDUCE_LAUNCH = (("threads", 1024), ("threads_x", 32), ("threads_y", 32), ("grid_max", None))
+
+
+def pair_launch(plan: KernelPlan) -> tuple[tuple[str, object], ...]:
+    return (("threads", plan.threads), ("grid_max", _GRID_MAX), ("in_place_ok", True))
+
+
+def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
+    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("grid_max", _GRID_MAX))
+
+
+EMBEDDING_THREADS = 256
+EMBEDDING_WTE_CHANNELS = 128          # channels per block of the dwte kernel (one per thread)
+
+
+def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
+    if stage == "forward":
+        return (("threads", EMBEDDING_THREADS), ("vec", VEC[dtype]), ("grid_max", _GRID_MAX))
+    if stage == "backward_wte":
+        return (("threads", EMBEDDING_WTE_CHANNELS), ("threads_x", EMBEDDING_WTE_CHANNELS),
+                ("grid_max", None))
+    return (("threads", EMBEDDING_THREADS), ("grid_max", _GRID_MAX))
