@@ -8,7 +8,15 @@
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
-kernels). Results come back as the module gives them: `forward` returns one array bare
+kernels); on a GPU they launch the op's generated kernels (runtime/kernels.py), which
+check shapes, dtypes and contiguity before the launch.
+
+bf16 on the GPU: CuPy has no bfloat16 dtype, so a bf16 tensor is a uint16 array holding
+the bf16 bit patterns (the top half of the float32 bits). `to_bf16` rounds float32 to
+nearest-even into that form and `from_bf16` widens it back exactly; a kernel's dtype
+(f32 or bf16) follows its first floating input. Compute inside kernels is fp32; per-row
+scalar outputs such as a loss stay float32 whatever the storage dtype. The numpy
+backend computes in float32 or float64 and has no bf16. Results come back as the module gives them: `forward` returns one array bare
 and several as a tuple; `backward` always returns a tuple, one gradient per
 differentiable input in input order (the module's GRADS), so a tape can zip it with
 the inputs; `fused` returns the forward outputs followed by the gradients.
@@ -26,6 +34,30 @@ from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
 BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
 
 
+def _xp(a):
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+        return cupy
+    import numpy
+    return numpy
+
+
+def to_bf16(a):
+    """float32 → bf16 bits (uint16), rounding to nearest, ties to even; NaN stays NaN."""
+    xp = _xp(a)
+    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
+    # A NaN's payload may sit in the low half only; keep it a (quiet) NaN, not infinity.
+    nan = (bits & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
+    return xp.where(nan, (bits >> 16) | xp.uint32(0x40), rounded).astype(xp.uint16)
+
+
+def from_bf16(a):
+    """bf16 bits (uint16) → float32, exactly."""
+    xp = _xp(a)
+    return (xp.asarray(a, dtype=xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+
+
 class OpLibrary:
     """The ops of the built-in manifest and of any extra manifests (user ops), by name.
 
@@ -35,6 +67,10 @@ class OpLibrary:
     def __init__(self, backend: Backend, manifests: list[str | Path] = ()):
         self.backend = backend
         self.ops: dict[str, OpEntry] = {}
+        self._cuda = None
+        if backend.is_gpu:
+            from eulergen.runtime.kernels import CudaOps
+            self._cuda = CudaOps()
         self._missing_builtin = not BUILTIN_MANIFEST.exists()
         paths = ([] if self._missing_builtin else [BUILTIN_MANIFEST]) + [Path(p) for p in manifests]
         for path in paths:
@@ -56,13 +92,20 @@ class OpLibrary:
     def forward(self, name: str, *inputs, out=None, **params):
         op = self.op(name)
         self._arity(op, "forward", inputs, len(op.inputs))
-        got = self._module(op).forward(*inputs, **self._params(op, params))
+        p = self._params(op, params)
+        if self._cuda:
+            got = self._cuda.forward(op, inputs, _tuple(out), p)
+            return got[0] if len(got) == 1 else tuple(got)
+        got = self._module(op).forward(*inputs, **p)
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
     def backward(self, name: str, *inputs_and_douts, out=None, **params):
         op = self.op(name)
         self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
-        got = self._module(op).backward(*inputs_and_douts, **self._params(op, params))
+        p = self._params(op, params)
+        if self._cuda:
+            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p))
+        got = self._module(op).backward(*inputs_and_douts, **p)
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
@@ -72,7 +115,11 @@ class OpLibrary:
             raise EulerError(f"op {name!r} is {op.kind}, not an update op: call forward/backward",
                              file=op.spec, key="kind")
         self._arity(op, "step", state_and_grads, len(op.inputs))
-        self._module(op).step(*state_and_grads, **self._params(op, params))
+        p = self._params(op, params)
+        if self._cuda:
+            self._cuda.step(op, state_and_grads, p)
+            return
+        self._module(op).step(*state_and_grads, **p)
 
     def fused(self, name: str, *inputs_and_douts, out=None, **params) -> tuple:
         """Forward and backward in one call: the forward outputs, then the gradients.
@@ -86,6 +133,8 @@ class OpLibrary:
         self._arity(op, "fused", inputs_and_douts, self._backward_arity(op))
         inputs = inputs_and_douts[:n_in]
         p = self._params(op, params)
+        if self._cuda:
+            return tuple(self._cuda.fused(op, inputs_and_douts, _tuple(out), p))
         module = self._module(op)
         fwd = module.forward(*inputs, **p)
         fwd = fwd if isinstance(fwd, tuple) else (fwd,)
@@ -96,10 +145,8 @@ class OpLibrary:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _module(self, op: OpEntry):
-        if self.backend.is_gpu:
-            raise EulerError(f"op {op.name!r}: the CUDA path of OpLibrary is not built yet",
-                             key="backend")
+    @staticmethod
+    def _module(op: OpEntry):
         return load_numpy_module(op)
 
     @staticmethod
@@ -157,3 +204,7 @@ class OpLibrary:
         for dst, src in zip(outs, results):
             self.backend.xp.copyto(dst, src, casting="same_kind")
         return outs[0] if bare and count == 1 else tuple(outs)
+
+
+def _tuple(out):
+    return None if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)

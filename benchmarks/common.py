@@ -1,0 +1,81 @@
+"""Timing helpers the GPU benchmarks share: CUDA-event timing, the copy ceiling, a table.
+
+Times are medians of CUDA-event-timed calls after warm-up, so one slow call (a clock
+change, another process) does not move the figure; each call is timed on its own,
+between events on the current stream, which excludes Python time between calls only
+where the GPU is busier than the launch path (true for the ≥ 256 MB sizes used here)."""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+
+def say(*parts) -> None:
+    """Progress on stderr, flushed, so a run cut off by a timeout still shows where it was."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of `fn()` on the GPU, each call between two CUDA events."""
+    import cupy
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (as the
+    kernel figures count theirs), on buffers much larger than the 60 MB L2."""
+    import cupy
+    n = nbytes // 2
+    src = cupy.ones(n, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    ms = time_ms(lambda: dst.data.copy_from_device_async(src.data, n), iters=iters)
+    del src, dst
+    return 2 * n / ms / 1e6
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    dtype: str
+    ms: float
+    gbytes: float                 # the fewest bytes the op must move, in GB
+    copy_gbps: float
+    torch_ms: float | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.gbytes / self.ms * 1e3
+
+    @property
+    def of_copy(self) -> float:
+        return self.gbps / self.copy_gbps
+
+    @property
+    def ratio(self) -> float | None:
+        """Our time over PyTorch's: below 1.0 is faster than PyTorch."""
+        return None if self.torch_ms is None else self.ms / self.torch_ms
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'op':<34} {'dtype':<5} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'torch ms':>9} {'ratio':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tms = f"{r.torch_ms:9.3f}" if r.torch_ms is not None else f"{'-':>9}"
+        ratio = f"{r.ratio:6.2f}" if r.ratio is not None else f"{'-':>6}"
+        gbps = f"{r.gbps:8.0f}" if r.gbytes else f"{'-':>8}"
+        ofc = f"{r.of_copy:8.2f}" if r.gbytes else f"{'-':>8}"
+        lines.append(f"{r.op:<34} {r.dtype:<5} {r.ms:8.3f} {gbps} {ofc} {tms} {ratio}")
+    return "\n".join(lines)

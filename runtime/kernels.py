@@ -1,0 +1,315 @@
+"""Binding manifest kernels to CuPy arrays, and launching them.
+
+A kernel's manifest entry lists its arguments as (name, C type) in launch order; the
+callers in runtime/ops.py name their arrays and scalars the same way (operand names,
+`d<name>` for gradients, `rows`/`cols`/`n` for sizes, params by name). Everything a
+launch depends on is checked here before the launch: every argument present, pointer
+arguments CuPy arrays on the current device with the dtype the C type stores (bf16 is
+stored in uint16 arrays, see ops.py), contiguous, and scalars converted to the exact
+width the kernel reads. The launch geometry comes from the kernel's plan (the keys are
+documented in generator/plan.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eulergen.errors import EulerError
+from eulergen.runtime.manifest import Kernel, OpEntry
+
+# What a pointer's pointee is stored as, and what a scalar argument is passed as.
+_STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
+            "int32_t": np.int32, "long long": np.int64, "int64_t": np.int64,
+            "unsigned int": np.uint32, "uint32_t": np.uint32, "unsigned short": np.uint16,
+            "uint16_t": np.uint16, "unsigned char": np.uint8, "uint8_t": np.uint8}
+DTYPE_OF = {"f32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
+
+
+def storage_dtype_name(a) -> str:
+    """'f32' or 'bf16' for a float32 or uint16 (bf16 storage) array."""
+    for name, dt in DTYPE_OF.items():
+        if a.dtype == dt:
+            return name
+    raise EulerError(f"arrays must be float32 or bf16 (stored as uint16), got {a.dtype}",
+                     key="dtype")
+
+
+@dataclass(frozen=True)
+class CType:
+    base: str
+    pointer: bool
+    const: bool
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(_STORAGE[self.base])
+
+
+def parse_ctype(text: str) -> CType:
+    t = " ".join(text.replace("*", " * ").split())
+    const = t.startswith("const ")
+    base = t.removeprefix("const ").removesuffix(" *").removesuffix(" __restrict__").strip()
+    pointer = t.endswith("*")
+    if base not in _STORAGE:
+        raise EulerError(f"C type {text!r} is not one the runtime can pass", key="args")
+    return CType(base, pointer, const)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) -> tuple:
+    """The argument tuple for one launch, after checking every value against its C type."""
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    args = []
+    for name, ctext in kernel.args:
+        where = f"{op.name}: kernel {kernel.name}: argument {name!r} ({ctext})"
+        if name not in values:
+            raise EulerError(f"{where}: no value given (the manifest and runtime disagree; "
+                             "rebuild with `eulergen build`)", key=name)
+        v, ct = values[name], parse_ctype(ctext)
+        if not ct.pointer:
+            args.append(ct.dtype.type(v))
+            continue
+        if not isinstance(v, cupy.ndarray):
+            raise EulerError(f"{where}: expected a CuPy array, got {type(v).__name__}", key=name)
+        if v.dtype != ct.dtype:
+            shown = "uint16 (bf16 storage)" if ct.base == "__nv_bfloat16" else str(ct.dtype)
+            raise EulerError(f"{where}: dtype {v.dtype}, expected {shown}", key=name)
+        if v.device.id != device:
+            raise EulerError(f"{where}: array is on device {v.device.id}, the launch on "
+                             f"device {device}", key=name)
+        if contiguous and not v.flags.c_contiguous:
+            raise EulerError(f"{where}: array with strides {v.strides} is not C-contiguous "
+                             "(copy it with cupy.ascontiguousarray)", key=name)
+        args.append(v)
+    return tuple(args)
+
+
+class Launcher:
+    """The compiled module of one op (compiled on first use) and its launches."""
+
+    def __init__(self, op: OpEntry):
+        self.op = op
+        self._compiled = None
+
+    def function(self, kernel: Kernel):
+        if self._compiled is None:
+            if self.op.cuda is None:
+                raise EulerError("op has no CUDA source", file=str(self.op.manifest),
+                                 key=f"ops.{self.op.name}.cuda")
+            from eulergen.runtime.compile import compile_file
+            self._compiled = compile_file(self.op.cuda)
+        return self._compiled.function(kernel.name)
+
+    def launch(self, kernel: Kernel, grid, block, values: dict, *, shared_mem: int = 0,
+               contiguous: bool = True) -> None:
+        args = bind(self.op, kernel, values, contiguous=contiguous)
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        block = block if isinstance(block, tuple) else (block,)
+        self.function(kernel)(grid, block, args, shared_mem=shared_mem)
+
+
+# ---- launch geometry, one function per plan shape (keys: generator/plan.py) --------------
+
+def _grid(count: int, plan: dict) -> int:
+    cap = plan.get("grid_max")
+    return max(1, min(count, cap) if cap else count)
+
+
+def pointwise_geometry(plan: dict, n: int) -> tuple[int, int]:
+    per_block = plan["vec"] * plan.get("unroll", 1) * plan["threads"]
+    return _grid(cdiv(n, per_block), plan), plan["threads"]
+
+
+def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int) -> Kernel:
+    """The warp-per-row kernel for rows it holds in registers, else the block-per-row one."""
+    candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype]
+    if not candidates:
+        return op.kernel(stage, dtype)   # raises, naming the kernels there are
+    warp = [k for k in candidates if k.plan.get("layout") == "warp_per_row"]
+    block = [k for k in candidates if k.plan.get("layout") == "block_per_row"]
+    if warp and (not block or cols <= warp[0].plan["max_cols"]):
+        return warp[0]
+    return (block or candidates)[0]
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    grid: int
+    threads: int
+    partials: int        # rows of the weight-gradient workspace this launch writes
+
+
+def row_geometry(plan: dict, rows: int, cols: int) -> RowGeometry:
+    rpb = plan.get("rows_per_block", 1)
+    if plan.get("layout") == "block_per_row":
+        want = cdiv(cdiv(cols, plan["cols_per_thread"]), 32) * 32
+        threads = min(max(want, plan["threads_min"]), plan["threads"])
+        grid = _grid(rows, plan)
+        return RowGeometry(grid, threads, grid)
+    grid = _grid(cdiv(rows, rpb), plan)
+    return RowGeometry(grid, plan["threads"], grid * rpb)
+
+
+def row_partials_max(plan: dict) -> int:
+    """The most workspace rows a launch of this kernel writes (for memory planning)."""
+    cap = plan.get("grid_max") or 1
+    return cap * (plan.get("rows_per_block", 1) if plan.get("layout") != "block_per_row" else 1)
+
+
+def reduce_geometry(plan: dict, cols: int) -> tuple[int, tuple[int, int]]:
+    tx, ty = plan.get("threads_x", 32), plan.get("threads_y", 32)
+    return cdiv(cols, tx), (tx, ty)
+
+
+# ---- the calls, per op kind ---------------------------------------------------------------
+
+def _outputs(kernel: Kernel, names, shapes, given, op: OpEntry, call: str) -> tuple:
+    """The caller's `out` arrays (shape-checked here, dtype-checked in bind) or new ones in
+    the storage type the kernel writes (a weight gradient, written by the reduce kernel
+    rather than this one, is in the storage dtype)."""
+    import cupy
+    if given is None:
+        args = dict(kernel.args)
+        return tuple(cupy.empty(s, dtype=parse_ctype(args[n]).dtype if n in args
+                                else DTYPE_OF[kernel.dtype]) for n, s in zip(names, shapes))
+    if len(given) != len(names):
+        raise EulerError(f"{op.name}.{call}: out= has {len(given)} arrays, expected "
+                         f"{len(names)} ({', '.join(names)})", file=op.spec, key="out")
+    for n, a, s in zip(names, given, shapes):
+        if tuple(a.shape) != tuple(s):
+            raise EulerError(f"{op.name}.{call}: out {n} has shape {tuple(a.shape)}, expected "
+                             f"{tuple(s)}", file=op.spec, key="out")
+    return tuple(given)
+
+
+def _same_shape(op: OpEntry, call: str, named: dict, shape) -> None:
+    for n, a in named.items():
+        if tuple(a.shape) != tuple(shape):
+            raise EulerError(f"{op.name}.{call}: {n} has shape {tuple(a.shape)}, expected "
+                             f"{tuple(shape)} (the shape of {next(iter(named))})",
+                             file=op.spec, key=n)
+
+
+class CudaOps:
+    """Forward, backward, step and fused calls of manifest ops on CuPy arrays."""
+
+    def __init__(self):
+        self._launchers: dict[tuple, Launcher] = {}
+
+    def launcher(self, op: OpEntry) -> Launcher:
+        key = (op.name, str(op.cuda), op.cuda_sha256)
+        if key not in self._launchers:
+            self._launchers[key] = Launcher(op)
+        return self._launchers[key]
+
+    def forward(self, op: OpEntry, inputs: tuple, out, params: dict) -> tuple:
+        if op.kind == "pointwise":
+            return self._pointwise(op, "forward", inputs, out, params)
+        if op.kind == "row":
+            return self._row(op, "forward", inputs, out, params)
+        raise EulerError(f"op {op.name!r}: no CUDA forward for kind {op.kind!r} yet",
+                         file=op.spec, key="kind")
+
+    def backward(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
+        if op.kind == "pointwise":
+            return self._pointwise(op, "backward", args, out, params)
+        if op.kind == "row":
+            return self._row(op, "backward", args, out, params)
+        raise EulerError(f"op {op.name!r}: no CUDA backward for kind {op.kind!r} yet",
+                         file=op.spec, key="kind")
+
+    def fused(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
+        n_in, n_out = len(op.inputs), len(op.outputs)
+        has_fwdbwd = any(k.stage == "fwdbwd" for k in op.kernels.values())
+        if op.kind == "row" and has_fwdbwd:
+            return self._row(op, "fwdbwd", args, out, params)
+        # No one-pass kernel: forward, then backward into fresh buffers, so that a gradient
+        # `out` may alias an input the backward still reads.
+        outs = self.forward(op, args[:n_in], None if out is None else tuple(out[:n_out]), params)
+        grads = self.backward(op, args, None, params)
+        if out is not None:
+            for dst, src in zip(out[n_out:], grads):
+                dst[...] = src
+            grads = tuple(out[n_out:])
+        return tuple(outs) + tuple(grads)
+
+    # -- pointwise: every operand the same shape, one flat loop ----------------------------
+
+    def _pointwise(self, op: OpEntry, stage: str, args: tuple, out, params: dict) -> tuple:
+        ins = [o.name for o in op.inputs]
+        outs = [o.name for o in op.outputs]
+        names = ins + ([f"d{o}" for o in outs] if stage == "backward" else [])
+        named = dict(zip(names, args))
+        shape = args[0].shape
+        _same_shape(op, stage, named, shape)
+        dtype = storage_dtype_name(args[0])
+        kernel = op.kernel(stage, dtype)
+        writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
+        results = _outputs(kernel, writes, [shape] * len(writes), out, op, stage)
+        values = {**named, **dict(zip(writes, results)), **params, "n": args[0].size}
+        arg_names = {n for n, _ in kernel.args}
+        if stage == "backward" and arg_names & set(outs):
+            # The planner chose to read forward outputs in the backward: recompute them.
+            values.update(zip(outs, self._pointwise(op, "forward", args[:len(ins)], None, params)))
+        if args[0].size:
+            grid, block = pointwise_geometry(kernel.plan, args[0].size)
+            self.launcher(op).launch(kernel, grid, block, values)
+        return results
+
+    # -- row: [..., cols] rows, weights [cols], one index or scalar per row -------------------
+
+    def _row(self, op: OpEntry, stage: str, args: tuple, out, params: dict) -> tuple:
+        role = {o.name: o.role for o in op.inputs}
+        ins = [o.name for o in op.inputs]
+        douts = ([f"d{o.name}" for o in op.outputs] if stage == "backward"
+                 else [f"d{o.name}" for o in op.outputs if o.role == "scalar"]
+                 if stage == "fwdbwd" else [])
+        named = dict(zip(ins + douts, args))
+        x = named[next(n for n in ins if role[n] == "row")]
+        if x.ndim < 1 or x.shape[-1] == 0:
+            raise EulerError(f"{op.name}.{stage}: row input has shape {tuple(x.shape)}; rows "
+                             "need a last axis of length ≥ 1", file=op.spec, key="shape")
+        cols, lead = x.shape[-1], tuple(x.shape[:-1])
+        rows = int(np.prod(lead, dtype=np.int64))
+        out_role = {o.name: o.role for o in op.outputs}
+        want = {}
+        for n in ins + douts:
+            r = role.get(n) or out_role[n[1:]]
+            want[n] = (cols,) if r == "weight" else lead if r in ("index", "scalar") else x.shape
+        for n, a in named.items():
+            if tuple(a.shape) != tuple(want[n]):
+                raise EulerError(f"{op.name}.{stage}: {n} has shape {tuple(a.shape)}, expected "
+                                 f"{tuple(want[n])} for rows of shape {tuple(x.shape)}",
+                                 file=op.spec, key=n)
+        dtype = storage_dtype_name(x)
+        kernel = row_kernel(op, stage, dtype, cols)
+        geom = row_geometry(kernel.plan, rows, cols)
+        fwd_names = [o.name for o in op.outputs] if stage in ("forward", "fwdbwd") else []
+        grad_names = [f"d{g}" for g in op.grads] if stage != "forward" else []
+        shapes = ([x.shape if out_role[n] == "row" else lead for n in fwd_names]
+                  + [(cols,) if role[g[1:]] == "weight" else x.shape for g in grad_names])
+        results = _outputs(kernel, fwd_names + grad_names, shapes, out, op, stage)
+        values = {**named, **dict(zip(fwd_names + grad_names, results)), **params,
+                  "rows": rows, "cols": cols}
+        import cupy
+        wgrads = [g for g in grad_names if role[g[1:]] == "weight"]
+        for g in wgrads:
+            values[f"{g}_partials"] = cupy.empty((geom.partials, cols), dtype=np.float32)
+        if rows:
+            self.launcher(op).launch(kernel, geom.grid, geom.threads, values)
+            for g in wgrads:
+                red = op.kernel("wgrad_reduce", dtype)
+                grid, block = reduce_geometry(red.plan, cols)
+                self.launcher(op).launch(red, grid, block, {
+                    "partials": values[f"{g}_partials"], "dw": values[g],
+                    "num_partials": geom.partials, "cols": cols, "accumulate": 0})
+        else:
+            for g in wgrads:
+                values[g].fill(0)
+        return results
+
