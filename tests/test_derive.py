@@ -1,0 +1,114 @@
+"""Derivation: the shape of the DerivedOp each kind produces, conventions at kinks, and the
+time budget for deriving every shipped op."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import sympy as sp
+
+from eulergen.errors import EulerError
+from eulergen.generator import derive as derive_module
+from eulergen.generator import ir
+from eulergen.generator.derive import derive
+from eulergen.generator.printer import print_cuda
+from eulergen.generator.spec import find_ops, load_spec
+
+
+def op(name):
+    return derive(load_spec(find_ops()[name]))
+
+
+def codes(derived: ir.DerivedOp) -> list[ir.Code]:
+    b = derived.body
+    if isinstance(b, ir.RowDerived):
+        passes = list(b.passes) + ([b.adjoint_pass] if b.adjoint_pass else [])
+        return [p.body for p in passes] + [b.elem_outputs, b.row_outputs, b.adjoints, b.elem_grads]
+    if isinstance(b, ir.UpdateDerived):
+        return [b.step]
+    return [b.forward, b.backward]
+
+
+def test_deriving_every_shipped_op_takes_under_ten_seconds():
+    # A fresh interpreter: no sympy cache, no lru_cache, imports included.
+    script = textwrap.dedent("""
+        import time
+        t = time.perf_counter()
+        from eulergen.generator.derive import derive
+        from eulergen.generator.numpy_module import render_numpy_module
+        from eulergen.generator.spec import find_ops, load_spec
+        for name, path in sorted(find_ops().items()):
+            d = derive(load_spec(path))
+            if d.kind != "attention":
+                render_numpy_module(d)
+        print(time.perf_counter() - t)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    seconds = float(out.stdout.strip().splitlines()[-1])
+    assert seconds < 10.0, f"deriving all shipped ops took {seconds:.1f} s"
+
+
+def test_temporaries_are_numbered_in_order_and_unique_across_the_op():
+    for name in find_ops():
+        derived = op(name)
+        if derived.kind == "attention":
+            continue
+        temps = [a.name for c in codes(derived) for a in c.temps]
+        assert temps == [f"t{n}" for n in range(len(temps))], f"{name}: {temps}"
+
+
+def test_derivation_is_deterministic():
+    first = [print_cuda(c) for c in codes(op("layernorm"))]
+    derive_module._derive.cache_clear()
+    assert [print_cuda(c) for c in codes(op("layernorm"))] == first
+
+
+def test_relu_kink_follows_the_declared_convention():
+    grad = op("relu").body.backward.result("dx")
+    assert grad.has(sp.Heaviside) and all(h.args[1] == 0 for h in grad.atoms(sp.Heaviside))
+
+
+def test_max_without_kink_is_an_error_at_its_formula(tmp_path):
+    (tmp_path / "r.yaml").write_text("name: r\nkind: pointwise\ninputs: [x]\noutputs:\n  y: max(x, 0)\n")
+    with pytest.raises(EulerError) as info:
+        derive(load_spec(tmp_path / "r.yaml"))
+    assert str(info.value).startswith(f"{tmp_path / 'r.yaml'}:5: outputs.y: max/min/abs have a kink")
+
+
+def test_layernorm_reductions_come_in_dependency_levels():
+    body = op("layernorm").body
+    assert [p.ops for p in body.passes] == [(("mu", "mean"),), (("var", "mean"),)]
+    assert body.adjoints.names == ("dmu", "dvar")
+    assert body.elem_grads.names == ("dx", "dw", "db")
+
+
+def test_cross_entropy_stabilizer_gets_no_gradient_and_loss_is_per_row():
+    derived = op("cross_entropy")
+    body = derived.body
+    assert [p.ops for p in body.passes] == [(("m", "max"), ("picked", "sum")), (("z", "sum"),)]
+    assert body.stabilizers == ("m",) and "dm" not in body.adjoints.names
+    assert [(o.name, o.role) for o in derived.outputs] == [("loss", "scalar")]
+    assert [(o.name, o.differentiable) for o in derived.inputs] == [("x", True), ("target", False)]
+
+
+def test_adamw_step_is_sequential_and_temps_never_read_updated_state():
+    step = op("adamw").body.step
+    assert step.names == ("m", "v", "p")
+    for t in step.temps:
+        assert not {s.name for s in t.expr.free_symbols} & {"m", "v", "p"}, t
+    assert {s.name for s in step.result("p").free_symbols} >= {"m", "v"}
+
+
+def test_softcap_dscore_is_the_derivative_of_the_score():
+    body = op("softcap_attention").body
+    s = sp.Symbol("s", real=True)
+    assert sp.simplify(body.dscore - sp.diff(body.score, s)) == 0
+
+
+def test_pair_op_derives_both_halves():
+    derived = op("rope")
+    assert derived.body.forward.names == ("y0", "y1")
+    assert derived.body.backward.names == ("dx0", "dx1")
+    assert dict(derived.body.index) == {"pos": "position", "k": "pair", "D": "head_dim"}
