@@ -9,6 +9,7 @@ one to a stable implementation. erf and tanh are sympy's own; log1p is sympy.cod
 from __future__ import annotations
 
 import sympy as sp
+from mpmath.libmp import prec_to_dps
 from sympy.codegen.cfunctions import log1p
 
 __all__ = ["sigmoid", "softplus", "logsumexp", "log1p"]
@@ -35,7 +36,7 @@ class sigmoid(sp.Function):
         return 1 / (1 + sp.exp(-x))
 
     def _eval_evalf(self, prec):
-        return self.rewrite(sp.exp)._eval_evalf(prec)
+        return _evalf(self._eval_rewrite_as_exp(*self.args), prec)
 
 
 class softplus(sp.Function):
@@ -52,7 +53,7 @@ class softplus(sp.Function):
         return sp.log(1 + sp.exp(x))
 
     def _eval_evalf(self, prec):
-        return self.rewrite(sp.exp)._eval_evalf(prec)
+        return _evalf(self._eval_rewrite_as_exp(*self.args), prec)
 
 
 class logsumexp(sp.Function):
@@ -76,5 +77,11 @@ class logsumexp(sp.Function):
         return sp.log(sp.Add(*(sp.exp(a) for a in args)))
 
     def _eval_evalf(self, prec):
-        return self.rewrite(sp.exp)._eval_evalf(prec)
+        return _evalf(self._eval_rewrite_as_exp(*self.args), prec)
+
+
+def _evalf(explicit: sp.Expr, prec: int) -> sp.Expr:
+    """Numeric value through the explicit form built from this call's own arguments
+    (`rewrite(exp)` would also rewrite the arguments: sin into complex exponentials)."""
+    return explicit.evalf(prec_to_dps(prec))
 
