@@ -43,8 +43,152 @@ def check(names: tuple[str, ...], ops_dirs: tuple[Path, ...]) -> None:
 
 
 @main.command()
+@click.option("--check", "check_only", is_flag=True,
+              help="Write nothing; exit non-zero when generated/ is stale.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Also compile every kernel into the runtime's NVRTC cache (needs a GPU).")
+@ops_option
+def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
+    """Regenerate CUDA kernels, numpy modules and the manifest from the op specs."""
+    from eulergen.generator.build import run_build
+    sys.exit(run_build(ops_dirs, check=check_only, compile=compile_, echo=click.echo))
+
+
+@main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def plot(run_dir: Path) -> None:
     """Write RUN_DIR/loss.png: train and validation loss against step."""
     from eulergen.runtime.metrics import plot_run
     click.echo(f"wrote {plot_run(run_dir)}")
+
+
+# -- training: train, plan, sample (runtime/train.py, memory.py, sample.py) ----------------
+
+def _run_config(config_path, overrides, run_dir=None, device=None):
+    from eulergen.runtime.config import load_config
+    extra = [f"run_dir={run_dir}"] if run_dir else []
+    extra += [f"training.device={device}"] if device else []
+    return load_config(config_path, [*overrides, *extra])
+
+
+def _library(cfg, ops_dirs, *, build: bool):
+    """The OpLibrary for a run: its ops regenerated first where stale (`build`), then the
+    built-in manifest and the user ops' manifests loaded over the chosen backend."""
+    from eulergen.runtime.backend import get_backend
+    from eulergen.runtime.model import ops_used
+    from eulergen.runtime.ops import OpLibrary
+
+    manifests = []
+    if build:
+        from eulergen.generator.build import ensure_built
+        manifests = ensure_built(ops_used(cfg.model), ops_dirs) or []
+    return OpLibrary(get_backend(cfg.training.device), manifests)
+
+
+def _limit_blas_threads() -> None:
+    """One BLAS thread on numpy: on a 2-core machine a second OpenBLAS thread makes the
+    model's small GEMMs 10-50x slower whenever the other core is busy. Must run before
+    numpy loads OpenBLAS; a user's own setting wins."""
+    import os
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="NanoEuler JSON or YAML config (default: the built-in small model).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one config value (repeatable).")
+@click.option("--resume", type=click.Path(path_type=Path), metavar="RUN",
+              help="Continue the run in folder RUN from its latest checkpoint.")
+@click.option("--run-dir", type=click.Path(path_type=Path), help="Where the run writes.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
+@ops_option
+def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
+    """Train a GPT on generated kernels (no arguments: a small byte-level model on the
+    standard library's source, a few minutes on a CPU)."""
+    _limit_blas_threads()
+    from eulergen.runtime.memory import format_bytes
+    from eulergen.runtime.train import Trainer, resume_config
+
+    if resume is not None:
+        if config_path is not None or run_dir is not None:
+            raise EulerError("--resume continues a run with its saved config: give --set "
+                             "overrides, not --config or --run-dir", key="--resume")
+        extra = [f"training.device={device}"] if device else []
+        cfg = resume_config(resume, [*overrides, *extra])
+    else:
+        cfg = _run_config(config_path, overrides, run_dir, device)
+    lib = _library(cfg, ops_dirs, build=True)
+    trainer = Trainer(cfg, lib, resume=resume is not None)
+    m, t = cfg.model, cfg.training
+    click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
+               f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, memory plan "
+               f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
+               + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
+    result = trainer.run()
+    if result.val_losses:
+        steps = sorted(result.val_losses)
+        click.echo(f"val loss {result.val_losses[steps[0]]:.4f} (step {steps[0]}) -> "
+                   f"{result.val_losses[steps[-1]]:.4f} (step {steps[-1]})")
+    if result.skipped:
+        click.echo(f"updates skipped by the spike guard at steps {result.skipped}")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+@click.option("--inference", is_flag=True, help="Plan a forward-only model (no grads, no AdamW).")
+@ops_option
+def plan(config_path, overrides, inference, ops_dirs) -> None:
+    """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
+    from rich.console import Console
+
+    from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.memory import plan_table
+    from eulergen.runtime.model import arch_of, param_count, plan_model
+    from eulergen.runtime.ops import OpLibrary
+
+    cfg = _run_config(config_path, overrides)
+    manifests = []
+    if ops_dirs:
+        from eulergen.generator.build import ensure_built
+        manifests = ensure_built((), ops_dirs) or []
+    arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
+    t = cfg.training
+    p = plan_model(arch, t.batch_size, t.seq_len, training=not inference)
+    title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
+             f"{'inference' if inference else 'training'}")
+    Console().print(plan_table(p, title))
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--prompt", default="\n", show_default=True)
+@click.option("--max-new-tokens", default=200, show_default=True)
+@click.option("--temperature", default=0.8, show_default=True)
+@click.option("--top-k", default=40, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
+@ops_option
+def sample(run, prompt, max_new_tokens, temperature, top_k, seed, device, ops_dirs) -> None:
+    """Generate text from a run folder's latest checkpoint (or one checkpoint folder)."""
+    _limit_blas_threads()
+    from eulergen.runtime import checkpoint
+    from eulergen.runtime.config import config_from_dict
+    from eulergen.runtime.data import load_tokenizer
+    from eulergen.runtime.sample import Sampler
+
+    ck = checkpoint.load(run)
+    raw = dict(ck.state["config"])
+    if device:
+        raw["training"] = {**raw["training"], "device": device}
+    cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
+    tok = load_tokenizer(cfg.data.tokenizer_path)
+    ids = tok.encode(prompt)
+    sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True))
+    sampler.model.load_state_dict(ck.params)
+    click.echo(prompt, nl=False)
+    sampler.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                     on_token=lambda t: click.echo(tok.decode([t]), nl=False))
+    click.echo()

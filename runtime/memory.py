@@ -138,13 +138,17 @@ class Memory:
         return name in self._views
 
 
-def check_fits(plan: Plan, backend) -> None:
-    """Refuse, before allocating, a plan larger than the GPU's free memory."""
+def check_fits(plan: Plan, backend, shared: dict | None = None) -> None:
+    """Refuse, before allocating, a plan larger than the GPU's free memory (arenas that
+    `shared` provides are already allocated and not counted)."""
     if not backend.is_gpu:
         return
     free, total = backend.xp.cuda.runtime.memGetInfo()
-    if plan.total_bytes > free:
-        raise EulerError(f"the memory plan needs {format_bytes(plan.total_bytes)} but the GPU has "
+    # the pool keeps freed blocks: they are free to this process though not to the driver
+    free += backend.xp.get_default_memory_pool().free_bytes()
+    need = sum(a.nbytes for a in plan.arenas if a.name not in (shared or {}))
+    if need > free:
+        raise EulerError(f"the memory plan needs {format_bytes(need)} but the GPU has "
                          f"{format_bytes(free)} free of {format_bytes(total)}; lower "
                          "training.batch_size or training.seq_len (see `eulergen plan`)",
                          key="plan")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.memory import Memory, Plan, Planner
+from eulergen.runtime.memory import Memory, Plan, Planner, check_fits
 from eulergen.runtime.tape import Add, Embedding, Grad, Linear, Op, Tape
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
@@ -231,13 +231,15 @@ class GPT:
     and the reversed tape, leaving the gradients in the grads arena; `loss()` runs forward
     and the loss only; `logits()` runs forward for sampling."""
 
-    def __init__(self, arch: Arch, lib, memory: Memory, batch: int, seq: int):
+    def __init__(self, arch: Arch, lib, memory: Memory, batch: int, seq: int, *,
+                 tf32: bool = False):
         self.arch, self.lib, self.mem = arch, lib, memory
         self.backend = lib.backend
         self.xp = lib.backend.xp
         self.batch, self.seq = batch, seq
         self.training = "grads" in memory.arenas
         self.specs = parameters(arch)
+        self.param_total = param_count(arch)
         plan = memory.plan
         self.params = {s.name: memory[s.name] for s in self.specs}
         self.grads = {}
@@ -249,7 +251,8 @@ class GPT:
         if arch.bias:
             memory["ones"][...] = 1
         self.set_accumulation(1)
-        self.tape = Tape(self.backend, lib, memory["scratch"] if self.training else None)
+        self.tape = Tape(self.backend, lib, memory["scratch"] if self.training else None,
+                         tf32=tf32)
         self._record()
 
     # -- the graph --------------------------------------------------------------------
@@ -416,12 +419,16 @@ class GPT:
             self.params[s.name][...] = self.xp.asarray(arr.astype(self.params[s.name].dtype))
 
 
-def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
-          shared: dict | None = None) -> GPT:
-    """Plan, allocate and record a model: the one call the trainer and sampler make."""
-    from eulergen.runtime.memory import check_fits
+def ops_used(cfg) -> tuple[str, ...]:
+    """The ops a run of this ModelConfig calls: what `eulergen train` builds before it starts."""
+    return tuple(dict.fromkeys((cfg.norm, cfg.activation, cfg.attention, "cross_entropy", "adamw")
+                               + (("rope",) if cfg.positions == "rope" else ())))
 
+
+def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
+          shared: dict | None = None, tf32: bool = False) -> GPT:
+    """Plan, allocate and record a model: the one call the trainer and sampler make."""
     arch = arch_of(cfg, lib)
     plan = plan_model(arch, batch, seq, training=training, dtype=dtype)
-    check_fits(plan, lib.backend)
-    return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq)
+    check_fits(plan, lib.backend, shared)
+    return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)

@@ -28,14 +28,14 @@ class Grad:
 
 
 class Tape:
-    def __init__(self, backend, lib, scratch):
+    def __init__(self, backend, lib, scratch, *, tf32: bool = False):
         self.backend = backend
         self.xp = backend.xp
         self.lib = lib
         self.nodes: list = []
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
-        self.gemm = CublasGemm(self.xp) if backend.is_gpu else numpy_gemm
+        self.gemm = CublasGemm(self.xp, tf32) if backend.is_gpu else numpy_gemm
 
     def record(self, node):
         self.nodes.append(node)
@@ -80,14 +80,12 @@ def numpy_gemm(a, b, out, *, ta=False, tb=False, add=False) -> None:
 
 class CublasGemm:
     """out (+)= op(a) @ op(b) through cublasGemmEx, so that accumulation is cuBLAS's beta=1
-    (no temporary) and TF32 follows CUPY_TF32 as cupy.matmul does.
+    (no temporary), with fp32 or TF32 tensor-core compute (training.tf32).
 
     cuBLAS is column-major: a row-major [r, c] array is its column-major transpose, so
     C = A·B row-major is computed as Cᵀ = Bᵀ·Aᵀ with the operands swapped."""
 
-    def __init__(self, cupy):
-        import os
-
+    def __init__(self, cupy, tf32: bool):
         from cupy_backends.cuda.api import runtime
         from cupy_backends.cuda.libs import cublas
 
@@ -95,7 +93,6 @@ class CublasGemm:
         self.cublas = cublas
         self.handle = cupy.cuda.device.get_cublas_handle()
         self.f32 = runtime.CUDA_R_32F
-        tf32 = os.environ.get("CUPY_TF32", "0") != "0"
         self.compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else cublas.CUBLAS_COMPUTE_32F
         self.one = np.array(1.0, np.float32)
         self.zero = np.array(0.0, np.float32)

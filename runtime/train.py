@@ -1,0 +1,288 @@
+"""The training loop: AdamW from ops/adamw.yaml, learning-rate schedules, gradient
+accumulation, global-norm clipping, a spike guard, validation, checkpoints and resume.
+
+Determinism: the weights come from the seed, batches from the seed and the data
+position, and nothing else draws a random number, so a run resumed from a checkpoint
+(weights, AdamW moments, data position, spike-guard state, step) repeats the
+uninterrupted run's losses bit for bit on numpy.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from eulergen.errors import EulerError
+from eulergen.runtime import checkpoint, metrics
+from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
+from eulergen.runtime.data import load_tokenizer, make_loaders
+from eulergen.runtime.model import GPT, build, param_count
+from eulergen.runtime.sample import Sampler
+
+CONFIG_FILE = "config.json"
+SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
+SPIKE_DECAY = 0.95      # running means are EMAs with this decay
+
+
+def learning_rate(t: TrainingConfig, step: int) -> float:
+    """The learning rate of step `step` (1-based): linear warmup to learning_rate, then
+    cosine / linear decay to min_lr at total_steps, or constant."""
+    if step <= t.warmup_steps:
+        return t.learning_rate * step / t.warmup_steps
+    if t.schedule == "constant":
+        return t.learning_rate
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps))
+    if t.schedule == "linear":
+        return t.learning_rate - progress * (t.learning_rate - t.min_lr)
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_lr)
+
+
+@dataclass
+class SpikeGuard:
+    """Skips an update whose loss or grad norm exceeds `factor` × its running mean."""
+    factor: float
+    loss_mean: float = 0.0
+    norm_mean: float = 0.0
+    seen: int = 0
+
+    def check(self, loss: float, norm: float) -> str | None:
+        """Why this step is a spike, or None (and then it joins the running means)."""
+        why = None
+        if self.factor > 0 and self.seen >= SPIKE_WARMUP:
+            if loss > self.factor * self.loss_mean:
+                why = f"loss {loss:.4f} > {self.factor:g} x running mean {self.loss_mean:.4f}"
+            elif norm > self.factor * self.norm_mean:
+                why = f"grad norm {norm:.4f} > {self.factor:g} x running mean {self.norm_mean:.4f}"
+        # spikes join the means too, damped, so that a lasting shift (grad norms grow as
+        # the learning rate decays) is absorbed after a few skips instead of skipping forever
+        if self.seen == 0:
+            self.loss_mean, self.norm_mean = loss, norm
+        else:
+            self.loss_mean = SPIKE_DECAY * self.loss_mean + (1 - SPIKE_DECAY) * loss
+            self.norm_mean = SPIKE_DECAY * self.norm_mean + (1 - SPIKE_DECAY) * norm
+        self.seen += 1
+        return why
+
+    def to_dict(self) -> dict:
+        return {"loss_mean": self.loss_mean, "norm_mean": self.norm_mean, "seen": self.seen}
+
+
+class AdamW:
+    """`lib.step("adamw", …)` over the flat parameter buffer: one launch over the decayed
+    matrices (laid out first by the planner), one over the rest with weight_decay 0."""
+
+    def __init__(self, model: GPT, t: TrainingConfig):
+        self.model, self.t = model, t
+        plan, mem = model.mem.plan, model.mem
+        decayed = [s.name for s in model.specs if s.decay]
+        rest = [s.name for s in model.specs if not s.decay]
+        self.groups = []
+        for names, wd in ((decayed, t.weight_decay), (rest, 0.0)):
+            if names:
+                lo, hi = plan.span(names)
+                self.groups.append((tuple(mem.arenas[a][lo:hi] for a in
+                                          ("params", "grads", "adam_m", "adam_v")), wd))
+        self.updates = 0     # AdamW's t: bias correction counts applied updates only
+
+    def step(self, lr: float) -> None:
+        self.updates += 1
+        t = self.t
+        for (p, g, m, v), wd in self.groups:
+            self.model.lib.step("adamw", p, g, m, v, lr=lr, step=self.updates, beta1=t.beta1,
+                                beta2=t.beta2, eps=t.adam_eps, weight_decay=wd)
+
+    def state_dict(self) -> dict:
+        mem, out = self.model.mem, {}
+        for s in self.model.specs:
+            b = mem.plan.buffer(s.name)
+            for arena, prefix in (("adam_m", "m"), ("adam_v", "v")):
+                view = mem.arenas[arena][b.offset:b.offset + b.size].reshape(b.shape)
+                out[f"{prefix}.{s.name}"] = self.model.backend.asnumpy(view).copy()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        mem, xp = self.model.mem, self.model.xp
+        for s in self.model.specs:
+            b = mem.plan.buffer(s.name)
+            for arena, prefix in (("adam_m", "m"), ("adam_v", "v")):
+                if f"{prefix}.{s.name}" not in state:
+                    raise EulerError(f"optimizer state lacks {prefix}.{s.name}", key="checkpoint")
+                mem.arenas[arena][b.offset:b.offset + b.size] = xp.asarray(
+                    state[f"{prefix}.{s.name}"].reshape(-1))
+
+
+@dataclass
+class Result:
+    run_dir: Path
+    losses: dict = field(default_factory=dict)      # step -> train loss
+    val_losses: dict = field(default_factory=dict)  # step -> val loss
+    skipped: list = field(default_factory=list)     # steps whose update the spike guard skipped
+    sample: str = ""
+
+
+class Trainer:
+    """One run: the model, its optimizer, the data, the logger. `run()` trains to
+    total_steps (or `stop_after`, for tests that stop a run part way)."""
+
+    def __init__(self, cfg: RunConfig, lib, *, resume: bool = False, progress: bool = True,
+                 tensorboard: bool = True, cache_dir=None):
+        self.cfg, self.lib = cfg, lib
+        t = cfg.training
+        self.run_dir = Path(cfg.run_dir)
+        ckpt = checkpoint.latest(self.run_dir) if resume else None
+        if resume and ckpt is None and not (self.run_dir / CONFIG_FILE).is_file():
+            raise EulerError("nothing to resume: no config.json or checkpoint here",
+                             file=str(self.run_dir))
+        if not resume and checkpoint.latest(self.run_dir) is not None:
+            raise EulerError("this run folder holds checkpoints: continue it with "
+                             "`eulergen train --resume` or pick another --run-dir",
+                             file=str(self.run_dir))
+        self.train_data, self.val_data = make_loaders(cfg, cache_dir)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+        self.model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=t.tf32)
+        self.model.set_accumulation(t.gradient_accumulation)
+        self.optim = AdamW(self.model, t)
+        self.guard = SpikeGuard(t.spike_factor)
+        self.step = 0
+        self.result = Result(self.run_dir)
+        if ckpt is not None:
+            self._restore(checkpoint.load(ckpt))
+        else:
+            self.model.init_weights(t.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG_FILE).write_text(json.dumps(as_dict(cfg), indent=1))
+        self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
+                                        resume_step=self.step if resume else None,
+                                        tensorboard=tensorboard, progress=progress)
+        a = self.model.arch
+        matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
+        self.flops_per_token = metrics.flops_per_token(matmul_params, a.layers, a.heads,
+                                                       a.head_dim, t.seq_len)
+        self.peak = metrics.peak_flops(lib.backend.device, "tf32" if t.tf32 else "fp32") \
+            if lib.backend.is_gpu else None
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _restore(self, ck: checkpoint.Checkpoint) -> None:
+        self.model.load_state_dict(ck.params)
+        self.optim.load_state_dict(ck.optim)
+        s = ck.state
+        self.step = ck.step
+        self.optim.updates = int(s["adam_updates"])
+        self.guard = SpikeGuard(self.cfg.training.spike_factor, **s["spike_guard"])
+        self.train_data.restore(s["data"])
+
+    def save(self) -> Path:
+        state = {"adam_updates": self.optim.updates, "spike_guard": self.guard.to_dict(),
+                 "data": self.train_data.state(), "config": as_dict(self.cfg)}
+        return checkpoint.save(self.run_dir, self.step, self.model.state_dict(),
+                               self.optim.state_dict(), state, self.cfg.training.keep_checkpoints)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def grad_norm(self) -> float:
+        g = self.model.mem.arenas["grads"]
+        return math.sqrt(float(self.model.xp.dot(g, g)))
+
+    def train_step(self) -> tuple[float, float, str | None]:
+        """One optimizer step over gradient_accumulation micro-batches: (loss, grad norm,
+        why the update was skipped or None)."""
+        t, model = self.cfg.training, self.model
+        total = 0.0
+        for micro in range(t.gradient_accumulation):
+            x, y = self.train_data.next_batch()
+            model.load_tokens(x, y)
+            # the host read of the loss is the one synchronisation of a micro-step
+            total += float(model.loss_and_grad(accumulate=micro > 0)[0])
+        loss = total / t.gradient_accumulation
+        norm = self.grad_norm()
+        step = self.step + 1
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            kept = checkpoint.latest(self.run_dir)
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            raise EulerError(f"{what} is {loss if what == 'loss' else norm} at step {step}; "
+                             f"stopped, last good checkpoint: {kept or 'none yet'}",
+                             key="training")
+        skip = self.guard.check(loss, norm)
+        if skip is None:
+            if t.grad_clip > 0 and norm > t.grad_clip:
+                g = model.mem.arenas["grads"]
+                model.xp.multiply(g, t.grad_clip / norm, out=g)
+            self.optim.step(learning_rate(t, step))
+        return loss, norm, skip
+
+    def evaluate(self) -> float | None:
+        if self.val_data is None:
+            return None
+        self.val_data.reset()
+        losses = []
+        for _ in range(self.cfg.training.eval_steps):
+            x, y = self.val_data.next_batch()
+            self.model.load_tokens(x, y)
+            losses.append(float(self.model.loss()[0]))
+        return float(np.mean(losses))
+
+    def run(self, stop_after: int | None = None) -> Result:
+        t = self.cfg.training
+        tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation
+        last = stop_after if stop_after is not None else t.total_steps
+        try:
+            while self.step < min(last, t.total_steps):
+                started = time.perf_counter()
+                loss, norm, skip = self.train_step()
+                self.lib.backend.synchronize()
+                elapsed = time.perf_counter() - started
+                self.step += 1
+                self.result.losses[self.step] = loss
+                if skip is not None:
+                    self.result.skipped.append(self.step)
+                    self.logger.print(f"step {self.step}: update skipped, {skip}")
+                record = {}
+                if self.step % t.log_every == 0 or self.step == 1 or skip is not None:
+                    tps = tokens_per_step / elapsed
+                    record = dict(train_loss=loss, lr=learning_rate(t, self.step), grad_norm=norm,
+                                  tokens_per_s=tps, ms_per_step=1e3 * elapsed,
+                                  mfu=tps * self.flops_per_token / self.peak if self.peak else None,
+                                  skipped=int(skip is not None))
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.total_steps):
+                    val = self.evaluate()
+                    if val is not None:
+                        self.result.val_losses[self.step] = val
+                        record["val_loss"] = val
+                if record:
+                    self.logger.log(self.step, **record)
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) \
+                        or self.step == t.total_steps:
+                    self.save()
+            if self.step == t.total_steps and t.sample_tokens:
+                self.result.sample = self.sample(t.sample_tokens)
+                self.logger.print(f"sample:\n{self.result.sample}")
+        finally:
+            self.logger.close()
+        if self.result.losses:
+            metrics.plot_run(self.run_dir)
+        return self.result
+
+    def sample(self, n: int) -> str:
+        """A top-k continuation of the first tokens of the validation text."""
+        data = self.val_data or self.train_data
+        prompt = np.asarray(data.shards[0][:min(16, self.cfg.training.seq_len // 4)],
+                            dtype=np.int64)
+        sampler = Sampler(self.cfg.model, self.lib, params=self.model.mem.arenas["params"])
+        ids = sampler.generate(prompt, n, top_k=40, temperature=0.8, seed=self.cfg.training.seed)
+        if self.tokenizer.vocab_size < self.cfg.model.vocab_size:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(list(prompt) + list(ids))
+
+
+def resume_config(run_dir: str | Path, overrides=()) -> RunConfig:
+    """A run's saved config, with `section.key=value` overrides (e.g. more total_steps);
+    the run stays in `run_dir` wherever it was first written."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise EulerError(f"no {CONFIG_FILE}: not a run folder", file=str(run_dir))
+    return load_config(path, [*overrides, f"run_dir={run_dir}"])
