@@ -13,6 +13,7 @@ import functools
 import numpy as np
 import sympy as sp
 
+from eulergen.errors import EulerError
 from eulergen.generator import ir
 from eulergen.generator.formula import Where
 from eulergen.generator.numeric import compile_exprs, random_inputs
@@ -231,6 +232,7 @@ def _row(spec: OpSpec, temps: _Temps):
                 sums.append((name, term))
                 total += adjoint[rk.name] * scale[rk.name] * symbol(name)
         adjoint[rj.name] = total  # later adjoints inlined: each result stands alone
+    _refuse_clashes(spec, [n for n, _ in sums])
     adjoint_pass = None
     if sums:
         adjoint_pass = ir.Pass(ops=tuple((n, "sum") for n, _ in sums), body=temps.code(sums))
@@ -256,6 +258,15 @@ def _row(spec: OpSpec, temps: _Temps):
     outputs = tuple(ir.Operand(o.name, "row" if o in elem_out else "scalar")
                     for o in spec.outputs)
     return body, inputs, outputs
+
+
+def _refuse_clashes(spec: OpSpec, generated: list[str]) -> None:
+    declared = ({i.name for i in spec.inputs} | {p.name for p in spec.params}
+                | {r.name for r in spec.reductions} | {o.name for o in spec.outputs})
+    clash = sorted(declared & set(generated))
+    if clash:
+        raise EulerError(f"'{clash[0]}' is the name of a generated row sum; rename it",
+                         file=spec.where.file, line=spec.where.line)
 
 
 def _check_stabilizers(spec: OpSpec) -> None:
