@@ -330,7 +330,8 @@ _NUMPY_HELPERS = {
         "def _erf(x):",
         '    """erf to double precision (numpy has none; math.erf is exact), in the dtype of x."""',
         "    x = np.asarray(x)",
-        "    return np.vectorize(math.erf, otypes=[x.dtype])(x)",
+        "    dtype = x.dtype if x.dtype.kind == 'f' else np.float64",
+        "    return np.vectorize(math.erf, otypes=[dtype])(x)",
     ],
 }
 
