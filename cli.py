@@ -55,6 +55,18 @@ def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
 
 
 @main.command()
+@click.option("--check", "check_only", is_flag=True,
+              help="Write nothing; exit non-zero when generated/ is stale.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Also compile every kernel into the runtime's NVRTC cache (needs a GPU).")
+@ops_option
+def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
+    """Regenerate CUDA kernels, numpy modules and the manifest from the op specs."""
+    from eulergen.generator.build import run_build
+    sys.exit(run_build(ops_dirs, check=check_only, compile=compile_, echo=click.echo))
+
+
+@main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def plot(run_dir: Path) -> None:
     """Write RUN_DIR/loss.png: train and validation loss against step."""

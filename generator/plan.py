@@ -102,18 +102,19 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
     v = plan.vec_of(dtype)
     grid_max = _GRID_MAX_WGRAD if wgrad else _GRID_MAX
     extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
+
+    def partials(rule: str) -> tuple[tuple[str, object], ...]:
+        return (("wgrad_partials", rule),) if wgrad else ()
     if layout == "warp_per_row":
         cached = 32 * v * dict(plan.warp_slots)[dtype]
         return (("layout", layout), ("threads", plan.threads),
                 ("rows_per_block", WARP_ROWS_PER_BLOCK), ("grid_max", grid_max),
-                ("max_cols", cached), ("wgrad_partials", "grid*rows_per_block" if wgrad else None)
-                ) + extra
+                ("max_cols", cached)) + partials("grid*rows_per_block") + extra
     per_thread = v * dict(plan.block_slots)[dtype]
     return (("layout", layout), ("threads", BLOCK_THREADS_MAX),
             ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
             ("rows_per_block", 1), ("grid_max", grid_max),
-            ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1),
-            ("wgrad_partials", "grid" if wgrad else None)) + extra
+            ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1)) + partials("grid") + extra
 
 
 WGRAD_REDUCE_LAUNCH = (("threads", 1024), ("threads_x", 32), ("threads_y", 32), ("grid_max", None))

@@ -160,7 +160,7 @@ class CudaPrinter(_Printer):
     one = "1.0f"
 
     _FUNCS = {sp.exp: "expf", sp.log: "logf", sp.tanh: "tanhf", sp.erf: "erff",
-              log1p: "log1pf", sp.sin: "sinf", sp.cos: "cosf", sp.Abs: "fabsf",
+              log1p: "log1pf", sp.sin: "eg_sinf", sp.cos: "eg_cosf", sp.Abs: "fabsf",
               sigmoid: "eg_sigmoid", softplus: "eg_softplus"}
 
     def number(self, e):

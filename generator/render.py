@@ -69,7 +69,7 @@ def render_op(op: ir.DerivedOp, header_line: str) -> ir.RenderedCuda:
         from eulergen.generator.render_attention import render_attention
         return render_attention(op)
     p = planner.plan_op(op)
-    render = {"pointwise": _pointwise, "row": _row}[op.kind]
+    render = {"pointwise": _pointwise, "row": _row, "pair": _pair, "update": _update}[op.kind]
     return render(op, p, header_line)
 
 
@@ -273,4 +273,111 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
                     ("num_partials", "int"), ("cols", "int"), ("accumulate", "int"))
             sigs.append(ir.KernelSig(f"{op.name}_wgrad_reduce_{dt}", args, dt, "wgrad_reduce",
                                      planner.WGRAD_REDUCE_LAUNCH))
+    return ir.RenderedCuda(source, tuple(sigs))
+
+
+# ---- pair ----------------------------------------------------------------------------
+
+# What each index role is at a pair (b, t, h, k) of a [B, T, H, D] tensor.
+_PAIR_INDEX = {"position": "t_ + pos0_", "pair": "k_", "head_dim": "D_", "head": "h_"}
+
+
+def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
+    body: ir.PairDerived = op.body
+    for o in op.inputs + op.outputs:
+        if o.role != "pair":
+            raise EulerError(f"pair op operand {o.name!r} has role {o.role!r} (only 'pair' "
+                             "operands are supported)", file=op.where.file, line=op.where.line,
+                             key="inputs")
+    for name, role in body.index:
+        if role not in _PAIR_INDEX:
+            raise EulerError(f"index {name!r} has unknown role {role!r} (expected one of "
+                             f"{', '.join(_PAIR_INDEX)})", file=op.where.file,
+                             line=op.where.line, key="index")
+    ins = [o.name for o in op.inputs]
+    outs = [o.name for o in op.outputs]
+    fwd, bwd = block(body.forward), block(body.backward)
+    reads_pair = lambda b, names: [n for n in names if {f"{n}0", f"{n}1"} & b.uses]  # noqa: E731
+    grads = [f"d{o.name}" for o in op.inputs if o.differentiable]
+    kernels = [{"kernel": f"{op.name}_forward", "impl": f"{op.name}_forward", "stage": "forward",
+                "loads": ins, "stores": outs, "code": fwd}]
+    if grads:
+        kernels.append({"kernel": f"{op.name}_backward", "impl": f"{op.name}_backward",
+                        "stage": "backward",
+                        "loads": reads_pair(bwd, ins + outs) + [f"d{o}" for o in outs],
+                        "stores": grads, "code": bwd})
+    for k in kernels:
+        k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
+        k["title"] = f"{k['stage']}: {', '.join(k['stores'])} from {', '.join(k['loads'])}"
+    source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
+                       dtypes=_dtypes(p), threads=p.threads, index=list(body.index),
+                       index_value=_PAIR_INDEX)
+    sigs = []
+    for k in kernels:
+        for dt in p.dtypes:
+            args: tuple = ()
+            for a in k["ptrs"]:
+                args += ((a.name, _ctype(dt, bool(a.const))), (f"{a.name}_sb", "long long"),
+                         (f"{a.name}_st", "long long"), (f"{a.name}_sh", "long long"))
+            args += tuple((q, "float") for q in _params(op))
+            args += (("B", "int"), ("T", "int"), ("H", "int"), ("D", "int"), ("pos0", "int"))
+            sigs.append(ir.KernelSig(f"{k['kernel']}_{dt}", args, dt, k["stage"],
+                                     planner.pair_launch(p)))
+    return ir.RenderedCuda(source, tuple(sigs))
+
+
+# ---- update --------------------------------------------------------------------------
+
+def _update(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
+    body: ir.UpdateDerived = op.body
+    for o in op.inputs:
+        if o.role not in ("state", "grad"):
+            raise EulerError(f"update op input {o.name!r} has role {o.role!r} (expected "
+                             "'state' or 'grad')", file=op.where.file, line=op.where.line,
+                             key="inputs")
+    state = {o.name for o in op.inputs if o.role == "state"}
+    code = block(body.step, declare=False)
+    for r in code.results:
+        if r not in state:
+            raise EulerError(f"update result {r!r} is not a state input", file=op.where.file,
+                             line=op.where.line, key=f"update.{r}")
+    dtypes = [dict(d, vec=p.vec_of(d["name"])) for d in _dtypes(p)]
+    source = _template(p.template, header=head, op=op.name, operands=list(op.inputs),
+                       params=_params(op), dtypes=dtypes, threads=p.threads, code=code)
+    sigs = []
+    for dt in p.dtypes:
+        args = tuple((o.name, _ctype(dt, True) if o.role == "grad" else "float*")
+                     for o in op.inputs)
+        args += tuple((q, "float") for q in _params(op)) + (("n", "long long"),)
+        sigs.append(ir.KernelSig(f"{op.name}_step_{dt}", args, dt, "step",
+                                 planner.update_launch(p, dt)))
+    return ir.RenderedCuda(source, tuple(sigs))
+
+
+# ---- embedding (a template with no spec) ---------------------------------------------
+
+def render_embedding(header_line: str) -> ir.RenderedCuda:
+    """Token/position embedding kernels; `{"kind": "embedding"}` in the manifest."""
+    dtypes = [{"name": d, "ctype": planner.CTYPE[d]} for d in planner.DTYPES]
+    source = _template("embedding.cu.j2", header=header_line, dtypes=dtypes,
+                       threads=planner.EMBEDDING_THREADS,
+                       wte_threads=planner.EMBEDDING_WTE_CHANNELS)
+    sigs = []
+    for dt in planner.DTYPES:
+        c = planner.CTYPE[dt]
+        sigs += [
+            ir.KernelSig(f"embedding_forward_{dt}",
+                         (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
+                          ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int")),
+                         dt, "forward", planner.embedding_launch("forward", dt)),
+            ir.KernelSig(f"embedding_backward_wte_{dt}",
+                         (("dout", f"const {c}*"), ("sorted_pos", "const int*"),
+                          ("seg_offsets", "const int*"), ("seg_ids", "const int*"),
+                          ("dwte", f"{c}*"), ("C", "int")),
+                         dt, "backward_wte", planner.embedding_launch("backward_wte", dt)),
+            ir.KernelSig(f"embedding_backward_wpe_{dt}",
+                         (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"), ("T", "int"),
+                          ("C", "int")),
+                         dt, "backward_wpe", planner.embedding_launch("backward_wpe", dt)),
+        ]
     return ir.RenderedCuda(source, tuple(sigs))
