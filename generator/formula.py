@@ -98,7 +98,14 @@ def parse(text: object, names: Mapping[str, sp.Basic], where: Where, *,
     except SyntaxError as err:
         raise where.error(f"syntax error in formula {text.strip()!r}: {err.msg}") from None
     walker = _Walker(names, where)
-    return walker.condition(tree.body) if condition else walker.value(tree.body)
+    try:
+        expr = walker.condition(tree.body) if condition else walker.value(tree.body)
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        # sympy refusing what it was built from: a comparison with zoo, 1/0 inside where()…
+        raise where.error(f"formula {text.strip()!r} is not a real expression: {err}") from None
+    if isinstance(expr, sp.Expr) and expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+        raise where.error(f"formula {text.strip()!r} divides by zero or is not finite")
+    return expr
 
 
 def parse_reduction(text: object, names: Mapping[str, sp.Basic], where: Where) -> tuple[str, sp.Expr]:

@@ -54,6 +54,9 @@ class _Printer:
             return f"{a} {_CMP_OPS[e.rel_op]} {b}", _CMP
         if isinstance(e, (sp.And, sp.Or)):
             return self.logic(e)
+        if isinstance(e, sp.ITE):  # a condition on a where(): sympy folds it into if-then-else
+            c, a, b = (self.expr(x) for x in e.args)
+            return self.select(c, a, b), _ATOM
         if isinstance(e, sp.Not):
             return self.logic(e)
         if isinstance(e, Application):  # Function, and Max/Min, which are not Functions
