@@ -1,0 +1,135 @@
+"""Flash attention (causal_attention) against torch SDPA, measured in the same run.
+
+    python benchmarks/attention.py
+
+Cases: B=8, T=1024 and B=2, T=4096; 12 query heads, 4 kv heads (GQA), head dim 64; fp32
+and bf16 storage. Torch: bf16 on SDPA's flash backend (enable_gqa); fp32 on the faster of
+SDPA's default choice with enable_gqa (the materialised math path) and the
+memory-efficient backend on kv repeated to 12 heads (the repeat counted in its time).
+Causal FLOPs: forward 4·B·H·T²·D / 2; forward + backward 3.5 × that (backward = 2.5 ×
+forward, FlashAttention's convention). Times are medians of CUDA-event-timed calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import say, time_ms  # noqa: E402
+
+from eulergen import OPS_DIR, TEMPLATES_DIR  # noqa: E402
+from eulergen.generator import derive, spec  # noqa: E402
+from eulergen.generator.render_attention import render_attention  # noqa: E402
+from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
+                                        attention_forward)
+from eulergen.runtime.compile import compile_file  # noqa: E402
+from eulergen.runtime.ops import to_bf16  # noqa: E402
+
+CASES = [(8, 1024), (2, 4096)]
+H, KVH, D = 12, 4, 64
+
+
+def kernels() -> AttentionKernels:
+    folder = Path(tempfile.mkdtemp(prefix="eg-attn-bench-"))
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
+    (folder / "eulergen_common.cuh").write_text(
+        env.get_template("common.cuh.j2").render(header="prelude for benchmarks/attention.py"))
+    derived = derive.derive(spec.load_spec(OPS_DIR / "causal_attention.yaml"))
+    rendered = render_attention(derived)
+    cu = folder / "causal_attention.cu"
+    cu.write_text(rendered.source)
+    compiled = compile_file(cu)
+    return AttentionKernels("causal_attention", {k.name: dict(k.plan) for k in rendered.kernels},
+                            {}, compiled.function)
+
+
+def ours(ak, B, T, dtype):
+    import cupy
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s, dtype=np.float32)
+              for s in [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D), (B, T, H, D)]]
+    q, k, v, do = (cupy.asarray(to_bf16(a) if dtype == "bf16" else a) for a in arrays)
+    o, lse = attention_forward(ak, q, k, v)
+    grads = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
+    delta = cupy.empty((B, H, T), np.float32)
+
+    def fwd():
+        attention_forward(ak, q, k, v, out=o, lse=lse)
+
+    def fwd_bwd():
+        attention_forward(ak, q, k, v, out=o, lse=lse)
+        attention_backward(ak, q, k, v, o, lse, do, out=grads, delta=delta)
+    return time_ms(fwd), time_ms(fwd_bwd)
+
+
+def torch_sdpa(B, T, dtype):
+    """(fwd ms, fwd+bwd ms, backend) of torch's best path for this dtype."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    q = torch.randn(B, H, T, D, device="cuda", dtype=tdt, requires_grad=True)
+    k = torch.randn(B, KVH, T, D, device="cuda", dtype=tdt, requires_grad=True)
+    v = torch.randn(B, KVH, T, D, device="cuda", dtype=tdt, requires_grad=True)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=tdt)
+
+    def gqa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def repeated():
+        g = H // KVH
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
+                                              v.repeat_interleave(g, 1), is_causal=True)
+
+    # bf16: flash, or SDPA's own choice only if flash refuses; fp32: the faster of two.
+    options = ([("flash", SDPBackend.FLASH_ATTENTION, gqa), ("default", None, gqa)]
+               if dtype == "bf16" else
+               [("math (default)", None, gqa),
+                ("efficient, kv repeated", SDPBackend.EFFICIENT_ATTENTION, repeated)])
+    best = None
+    for label, backend, fn in options:
+        if best is not None and dtype == "bf16":
+            break
+
+        def run(fn=fn, backward=False, backend=backend):
+            with (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()):
+                o = fn()
+                if backward:
+                    o.backward(do)
+        try:
+            f = time_ms(lambda: run(), warmup=3)
+            fb = time_ms(lambda: run(backward=True), warmup=3)
+        except RuntimeError as err:  # backend refused these inputs
+            say(f"torch {label}: {err}".splitlines()[0])
+            continue
+        if best is None or fb < best[1]:
+            best = (f, fb, label)
+    return best
+
+
+def main() -> None:
+    ak = kernels()
+    head = (f"{'case':<22} {'dtype':<5} {'fwd ms':>7} {'TFLOP/s':>8} {'torch':>7} {'ratio':>6} "
+            f"{'f+b ms':>7} {'TFLOP/s':>8} {'torch':>7} {'ratio':>6}  torch backend")
+    lines = [head, "-" * len(head)]
+    for B, T in CASES:
+        fwd_flops = 4 * B * H * T * T * D / 2
+        for dtype in ("bf16", "f32"):
+            say(f"B={B} T={T} {dtype} …")
+            f, fb = ours(ak, B, T, dtype)
+            tf, tfb, label = torch_sdpa(B, T, dtype)
+            lines.append(
+                f"{f'B={B} T={T} H={H}/{KVH} d={D}':<22} {dtype:<5} {f:7.3f} "
+                f"{fwd_flops / f / 1e9:8.1f} {tf:7.3f} {f / tf:6.2f} {fb:7.3f} "
+                f"{3.5 * fwd_flops / fb / 1e9:8.1f} {tfb:7.3f} {fb / tfb:6.2f}  {label}")
+    print("causal attention, ratio = eulergen time / torch time (below 1.0: faster)")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

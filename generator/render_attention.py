@@ -1,0 +1,267 @@
+"""Attention ops → one .cu file of flash-attention kernels (forward, and backward in three).
+
+The templates hold the tiling; this module hands them the score, its derivative ∂score/∂s
+and the mask as printed CUDA, a plan (tile sizes per head dim and dtype) and the argument
+lists, which it also records in the KernelSig so that the runtime launches what was built.
+
+Kernels per op, for each storage dtype and head dim D ∈ HEAD_DIMS:
+  <op>_forward_d<D>_<dt>       q, k, v → o, lse           grid (query tiles, H, B)
+  <op>_backward_dkv_d<D>_<dt>  → dk, dv                    grid (key tiles, KVH, B)
+  <op>_backward_dq_d<D>_<dt>   → dq                        grid (query tiles, H, B)
+and one <op>_backward_rowdot_<dt> (delta = rowsum(dO ∘ O), any D) run before the other two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jinja2
+import sympy as sp
+
+from eulergen import TEMPLATES_DIR
+from eulergen.errors import EulerError
+from eulergen.generator import ir
+from eulergen.generator.printer import cuda_expr
+
+HEAD_DIMS = (64, 128)
+CTYPES = {"f32": "float", "bf16": "__nv_bfloat16"}
+
+# The symbols an attention formula may use besides its declared params.
+S, I, J, H, N_HEADS, SCALE = sp.symbols("s i j h n_heads scale", real=True)
+SCORE_SYMBOLS = frozenset({S, I, J, H, N_HEADS, SCALE})
+MASK_SYMBOLS = frozenset({I, J, H, N_HEADS})
+# What is fixed for a whole (head, launch): such subexpressions are computed once per head.
+_HEAD_SYMBOLS = frozenset({H, N_HEADS, SCALE})
+
+ROWDOT_WARPS = 8  # rows per block of the rowdot kernel (one warp a row)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Tiles for one (head dim, dtype). Warps own 16 rows each; `*_tile` is the other side.
+
+    forward: a block is 16·fwd_warps queries, streaming fwd_block_n keys at a time.
+    dkv:     a block is 16·dkv_warps keys, streaming dkv_block_m queries at a time.
+    dq:      a block is 16·dq_warps queries, streaming dq_block_n keys at a time.
+    fp32 storage splits every operand in two bf16 planes and loads synchronously (one
+    stage); bf16 double-buffers its streamed tiles with cp.async."""
+    head_dim: int
+    dtype: str
+    fwd_warps: int
+    fwd_block_n: int
+    dkv_warps: int
+    dkv_block_m: int
+    dq_warps: int
+    dq_block_n: int
+
+    @property
+    def planes(self) -> int:
+        return 2 if self.dtype == "f32" else 1
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.dtype == "f32" else 2
+
+    def _tile_bytes(self, rows: int) -> int:
+        return rows * (self.head_dim + 8) * 2 * self.planes  # bf16 rows padded by 8 (16 bytes)
+
+    def smem_bytes(self, role: str) -> int:
+        """Dynamic shared memory of each kernel; must match the carving in the templates."""
+        if role == "forward":
+            bm, bn = 16 * self.fwd_warps, self.fwd_block_n
+            return self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
+        if role == "backward_dkv":
+            bn, bm = 16 * self.dkv_warps, self.dkv_block_m
+            return (2 * self._tile_bytes(bn) + 2 * self.stages * self._tile_bytes(bm)
+                    + 2 * self.stages * bm * 4)
+        if role == "backward_dq":
+            bm, bn = 16 * self.dq_warps, self.dq_block_n
+            return 2 * self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
+        raise ValueError(role)
+
+
+def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
+    """Tile sizes: 64×64 tiles of 4 warps, except where registers run short. The dkv
+    kernel keeps dK and dV (2·D/2 floats a thread) beside two score tiles, so at D = 128
+    it streams 32 queries at a time."""
+    if head_dim not in HEAD_DIMS:
+        raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
+                         key="head_dim")
+    if dtype not in CTYPES:
+        raise EulerError(f"unknown storage dtype {dtype!r} (expected one of {sorted(CTYPES)})")
+    return AttentionPlan(head_dim, dtype, fwd_warps=4, fwd_block_n=64, dkv_warps=4,
+                         dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=64)
+
+
+def mask_mode(mask: sp.Basic | None) -> str:
+    """'causal' only for the predicate j <= i (tiles above the diagonal are skipped);
+    any other predicate is evaluated per element ('generic'); None is 'none'."""
+    if mask is None or mask is sp.true:
+        return "none"
+    if isinstance(mask, sp.LessThan):
+        gap = mask.rhs - mask.lhs
+    elif isinstance(mask, sp.GreaterThan):
+        gap = mask.lhs - mask.rhs
+    else:
+        return "generic"
+    return "causal" if sp.expand(gap - (I - J)) == 0 else "generic"
+
+
+def check_symbols(derived: ir.DerivedOp) -> None:
+    """Score and mask may use only s, i, j, h, n_heads, scale (mask: no s, no scale) and
+    the op's params; anything else is a spec error, reported before any CUDA is written."""
+    body = derived.body
+    params = {sp.Symbol(p.name, real=True) for p in derived.params}
+    where = derived.where
+    for key, expr, allowed in (("score", body.score, SCORE_SYMBOLS),
+                               ("mask", body.mask, MASK_SYMBOLS)):
+        if expr is None:
+            continue
+        unknown = sorted(str(x) for x in expr.free_symbols - allowed - params)
+        if unknown:
+            names = ", ".join(sorted(str(x) for x in allowed | params))
+            raise EulerError(f"unknown symbol {unknown[0]!r} (an attention {key} may use {names})",
+                             file=where.file, line=where.line, key=key)
+
+
+class _HeadConstants:
+    """Replaces every subexpression that depends only on per-head symbols and params by a
+    named constant (hc0, hc1, …), which the kernel computes once per head."""
+
+    def __init__(self, fixed: frozenset):
+        self.fixed = fixed
+        self.consts: dict[sp.Expr, sp.Symbol] = {}
+
+    def __call__(self, e: sp.Basic) -> sp.Basic:
+        if e.is_Atom or e.is_number:
+            return e
+        if self._fixed(e):
+            return self._name(e)
+        if isinstance(e, (sp.Add, sp.Mul)):
+            fixed = [a for a in e.args if self._fixed(a)]
+            rest = [self(a) for a in e.args if not self._fixed(a)]
+            if len(fixed) > 1 or (fixed and not fixed[0].is_Atom and not fixed[0].is_number):
+                fixed = [self._name(e.func(*fixed))]  # scale·log2(e) → one constant
+            return e.func(*fixed, *rest, evaluate=False)
+        if e.args:
+            return e.func(*(self(a) for a in e.args))
+        return e
+
+    def _fixed(self, e: sp.Basic) -> bool:
+        return e.free_symbols <= self.fixed
+
+    def _name(self, e: sp.Expr) -> sp.Symbol:
+        if e not in self.consts:
+            self.consts[e] = sp.Symbol(f"hc{len(self.consts)}", real=True)
+        return self.consts[e]
+
+
+def _strides(*tensors: str) -> list[tuple[str, str]]:
+    return [(f"{t}_{s}", "long long") for t in tensors for s in ("sb", "st", "sh")]
+
+
+def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(name, C type) of each kernel argument in launch order. Strides are in elements:
+    sb (batch), st (sequence), sh (head); the head dim is contiguous."""
+    t = CTYPES[dtype]
+    src, dst, flt = f"const {t}*", f"{t}*", [(p, "float") for p in params]
+    sizes = [("n", "int"), ("n_heads", "int"), ("n_kv_heads", "int")]
+    if role == "forward":
+        return ([("q", src), ("k", src), ("v", src), ("o", dst), ("lse", "float*")] + sizes
+                + _strides("q", "k", "v", "o") + flt)
+    if role == "rowdot":
+        return ([("o", src), ("dout", src), ("delta", "float*"), ("batch", "int"), ("n", "int"),
+                 ("n_heads", "int"), ("head_dim", "int")] + _strides("o", "do"))
+    inputs = [("q", src), ("k", src), ("v", src), ("dout", src), ("lse", "const float*"),
+              ("delta", "const float*")]
+    if role == "backward_dkv":
+        return (inputs + [("dk", dst), ("dv", dst)] + sizes
+                + _strides("q", "k", "v", "do", "dk", "dv") + flt)
+    if role == "backward_dq":
+        return inputs + [("dq", dst)] + sizes + _strides("q", "k", "v", "do", "dq") + flt
+    raise ValueError(role)
+
+
+def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: str,
+            params: tuple[str, ...], defaults: tuple) -> tuple[dict, ir.KernelSig]:
+    args = kernel_args(role, dtype, params)
+    call = [a for a, _ in args if a not in params]
+    if role == "rowdot":
+        name = f"{op}_backward_rowdot_{dtype}"
+        facts = {"role": role, "threads": 32 * ROWDOT_WARPS, "rows_per_block": ROWDOT_WARPS,
+                 "smem_bytes": 0}
+        ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * ROWDOT_WARPS,
+               "comment": "delta = rowsum(dO ∘ O), one warp per (batch, head, row)"}
+    else:
+        d = plan.head_dim
+        warps, tile, rows = {
+            "forward": (plan.fwd_warps, plan.fwd_block_n, "query"),
+            "backward_dkv": (plan.dkv_warps, plan.dkv_block_m, "key"),
+            "backward_dq": (plan.dq_warps, plan.dq_block_n, "query"),
+        }[role]
+        name = f"{op}_{role}_d{d}_{dtype}"
+        facts = {"role": role, "head_dim": d, "threads": 32 * warps, "block_rows": 16 * warps,
+                 "grid_rows": rows, "tile": tile, "smem_bytes": plan.smem_bytes(role),
+                 "mask": mode}
+        ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
+               "head_dim": d, "warps": warps, "tile": tile,
+               "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
+               "comment": f"{role}, D = {d}: {16 * warps} {rows} rows a block, tiles of {tile}"}
+    facts["params"] = [[p, v] for p, v in zip(params, defaults)]
+    ctx["args"] = _wrap([f"{ty} {a}" for a, ty in args])
+    ctx["call"] = call
+    stage = "forward" if role == "forward" else "backward"
+    sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage,
+                       plan=tuple(facts.items()))
+    return ctx, sig
+
+
+def _wrap(items: list[str], width: int = 92) -> list[str]:
+    """Comma-separated items as lines of at most `width` characters (the template joins them)."""
+    lines, line = [], ""
+    for item in items:
+        if line and len(line) + len(item) + 2 > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}, {item}" if line else item
+    return lines + [line]
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+                              undefined=jinja2.StrictUndefined, trim_blocks=True,
+                              lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def render_attention(derived: ir.DerivedOp) -> ir.RenderedCuda:
+    """The .cu text of one attention op and its kernels (both dtypes, every head dim)."""
+    check_symbols(derived)
+    body: ir.AttentionDerived = derived.body
+    params = tuple(p.name for p in derived.params)
+    defaults = tuple(p.default for p in derived.params)
+    hoist = _HeadConstants(_HEAD_SYMBOLS | {sp.Symbol(p, real=True) for p in params})
+    score2 = hoist(body.score / sp.log(2))
+    dscore = hoist(body.dscore)
+    mode = mask_mode(body.mask)
+
+    kernels, sigs = [], []
+    for dtype in CTYPES:
+        for d in HEAD_DIMS:
+            plan = plan_attention(d, dtype)
+            for role in ("forward", "backward_dkv", "backward_dq"):
+                ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)
+                kernels.append(ctx)
+                sigs.append(sig)
+        ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params, defaults)
+        kernels.append(ctx)
+        sigs.append(sig)
+
+    header = (f"generated by `eulergen build` from {derived.where.file} "
+              f"(sha256 {derived.spec_sha256[:12]}…); do not edit")
+    source = _env().get_template("attention.cu.j2").render(
+        header=header, op=derived.name, spec=derived.where.file,
+        doc=f"{derived.name}: flash attention, forward and backward",
+        score_text=str(body.score), mask_text=cuda_expr(body.mask) if mode != "none" else "",
+        params=params,
+        head_consts=[{"name": s.name, "text": cuda_expr(e)} for e, s in hoist.consts.items()],
+        score2_text=cuda_expr(score2), dscore_text=cuda_expr(dscore), kernels=kernels)
+    return ir.RenderedCuda(source=source, kernels=tuple(sigs))

@@ -1,0 +1,195 @@
+"""Launching the flash-attention kernels of one attention op (templates/attention*.cu.j2).
+
+    ak = AttentionKernels.from_op(lib.op("causal_attention"))   # or from a rendered file
+    o, lse = attention_forward(ak, q, k, v)
+    dq, dk, dv = attention_backward(ak, q, k, v, o, lse, do)
+
+q, o, dq [B, T, H, D]; k, v, dk, dv [B, T, KVH, D]; lse [B, H, T] float32. Arrays are
+CuPy, float32 or bf16 (stored as uint16), all of one dtype. They may be strided views —
+q, k and v slices of one fused qkv buffer [B, T, (H + 2·KVH)·D] are the intended case — as
+long as the head dim is contiguous and every stride keeps 16-byte alignment. Everything is
+checked before a launch; a mismatch is an EulerError naming the argument.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from eulergen.errors import EulerError
+from eulergen.runtime.kernels import DTYPE_OF, storage_dtype_name
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """One attention op's kernels: plans by kernel name (the manifest's `plan` objects),
+    param defaults, and `function(name)` giving a launchable CuPy kernel."""
+    op: str
+    plans: dict
+    params: dict
+    function: Callable[[str], object]
+    _ready: dict = field(default_factory=dict, compare=False, repr=False)  # name -> kernel
+
+    @classmethod
+    def from_op(cls, op) -> "AttentionKernels":
+        """From a manifest OpEntry; the .cu is compiled (and cached) on first use."""
+        from eulergen.runtime.compile import compile_file
+        compiled = []
+
+        def function(name: str):
+            if not compiled:
+                compiled.append(compile_file(op.cuda))
+            return compiled[0].function(name)
+        return cls(op.name, {k.name: k.plan for k in op.kernels.values()}, dict(op.params),
+                   function)
+
+    def head_dims(self) -> list[int]:
+        return sorted({p["head_dim"] for p in self.plans.values() if "head_dim" in p})
+
+    def kernel(self, role: str, dtype: str, head_dim: int | None = None) -> tuple[str, dict]:
+        name = (f"{self.op}_backward_rowdot_{dtype}" if role == "rowdot"
+                else f"{self.op}_{role}_d{head_dim}_{dtype}")
+        if name not in self.plans:
+            dims = self.head_dims()
+            raise EulerError(f"{self.op}: head dim {head_dim} is not supported (kernels exist "
+                             f"for {dims}); use one of those", key="head_dim")
+        return name, self.plans[name]
+
+    def launch(self, name: str, plan: dict, grid: tuple, args: tuple) -> None:
+        smem = int(plan["smem_bytes"])
+        fn = self._ready.get(name)
+        if fn is None:
+            fn = self.function(name)
+            if smem > 48 * 1024:
+                # Past the default 48 KiB of dynamic shared memory a kernel must opt in.
+                try:
+                    fn.max_dynamic_shared_size_bytes = smem
+                except AttributeError:  # a bare cupy.cuda.function.Function
+                    from cupy.cuda import driver
+                    driver.funcSetAttribute(
+                        fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            self._ready[name] = fn
+        fn(grid, (int(plan["threads"]),), args, shared_mem=smem)
+
+    def param_values(self, given: dict) -> tuple:
+        unknown = sorted(set(given) - set(self.params))
+        if unknown:
+            raise EulerError(f"{self.op}: unknown param {unknown[0]!r} (params: "
+                             f"{sorted(self.params) or 'none'})", key=unknown[0])
+        values = []
+        for name, default in self.params.items():
+            value = given.get(name, default)
+            if value is None:
+                raise EulerError(f"{self.op}: param {name!r} has no default and was not given",
+                                 key=name)
+            values.append(np.float32(value))
+        return tuple(values)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _strides(name: str, a, dtype: np.dtype) -> tuple:
+    """(batch, seq, head) strides in elements, after checking the layout the kernels read:
+    unit stride along D, 16-byte aligned base and strides."""
+    item = a.dtype.itemsize
+    if a.strides[3] != item:
+        raise EulerError(f"{name}: the head dim must be contiguous (strides {a.strides})", key=name)
+    if any(s % 16 for s in a.strides[:3]) or a.data.ptr % 16:
+        raise EulerError(f"{name}: base and strides {a.strides} must be multiples of 16 bytes "
+                         "(16-byte vector loads)", key=name)
+    return tuple(np.int64(s // item) for s in a.strides[:3])
+
+
+def _check(name: str, a, shape: tuple, dtype: np.dtype) -> None:
+    import cupy
+    if not isinstance(a, cupy.ndarray):
+        raise EulerError(f"{name}: expected a CuPy array, got {type(a).__name__}", key=name)
+    if a.dtype != dtype:
+        raise EulerError(f"{name}: dtype {a.dtype}, expected {dtype}", key=name)
+    if tuple(a.shape) != tuple(shape):
+        raise EulerError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}", key=name)
+
+
+def _geometry(q, k, v) -> tuple[int, int, int, int, int, str]:
+    import cupy
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(a, cupy.ndarray) or a.ndim != 4:
+            raise EulerError(f"{name}: expected a 4-d CuPy array [B, T, heads, D], got "
+                             f"{getattr(a, 'shape', type(a).__name__)}", key=name)
+    dt = storage_dtype_name(q)
+    B, T, H, D = q.shape
+    KVH = k.shape[2]
+    if T < 1 or H < 1 or KVH < 1:
+        raise EulerError(f"q: empty shape {q.shape}", key="q")
+    if H % KVH:
+        raise EulerError(f"k: {KVH} kv heads do not divide {H} query heads", key="k")
+    _check("k", k, (B, T, KVH, D), q.dtype)
+    _check("v", v, (B, T, KVH, D), q.dtype)
+    return B, T, H, KVH, D, dt
+
+
+def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **params):
+    """(o, lse): o [B, T, H, D] in q's dtype, lse [B, H, T] float32. `out`/`lse` write into
+    given arrays (o may be a strided view)."""
+    import cupy
+    B, T, H, KVH, D, dt = _geometry(q, k, v)
+    name, plan = ak.kernel("forward", dt, D)
+    pvals = ak.param_values(params)
+    o = cupy.empty(q.shape, q.dtype) if out is None else out
+    lse = cupy.empty((B, H, T), np.float32) if lse is None else lse
+    _check("out", o, q.shape, q.dtype)
+    _check("lse", lse, (B, H, T), np.dtype(np.float32))
+    if not lse.flags.c_contiguous:
+        raise EulerError("lse: must be C-contiguous", key="lse")
+    dtype = DTYPE_OF[dt]
+    args = (q, k, v, o, lse, np.int32(T), np.int32(H), np.int32(KVH),
+            *_strides("q", q, dtype), *_strides("k", k, dtype), *_strides("v", v, dtype),
+            *_strides("out", o, dtype), *pvals)
+    ak.launch(name, plan, (_cdiv(T, plan["block_rows"]), H, B), args)
+    return o, lse
+
+
+def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, delta=None,
+                       **params):
+    """(dq, dk, dv) in q's dtype. `out=(dq, dk, dv)` writes into given arrays (views of a
+    fused dqkv buffer work); `delta` is a [B, H, T] float32 workspace, allocated if absent."""
+    import cupy
+    B, T, H, KVH, D, dt = _geometry(q, k, v)
+    _check("o", o, q.shape, q.dtype)
+    _check("do", do, q.shape, q.dtype)
+    _check("lse", lse, (B, H, T), np.dtype(np.float32))
+    if not lse.flags.c_contiguous:
+        raise EulerError("lse: must be C-contiguous", key="lse")
+    dkv_name, dkv_plan = ak.kernel("backward_dkv", dt, D)
+    dq_name, dq_plan = ak.kernel("backward_dq", dt, D)
+    rd_name, rd_plan = ak.kernel("rowdot", dt)
+    pvals = ak.param_values(params)
+    if out is None:
+        out = (cupy.empty(q.shape, q.dtype), cupy.empty(k.shape, k.dtype),
+               cupy.empty(v.shape, v.dtype))
+    dq, dk, dv = out
+    _check("dq", dq, q.shape, q.dtype)
+    _check("dk", dk, k.shape, k.dtype)
+    _check("dv", dv, v.shape, v.dtype)
+    delta = cupy.empty((B, H, T), np.float32) if delta is None else delta
+    _check("delta", delta, (B, H, T), np.dtype(np.float32))
+    if not delta.flags.c_contiguous:
+        raise EulerError("delta: must be C-contiguous", key="delta")
+    dtype = DTYPE_OF[dt]
+    sq, sk, sv = _strides("q", q, dtype), _strides("k", k, dtype), _strides("v", v, dtype)
+    so, sdo = _strides("o", o, dtype), _strides("do", do, dtype)
+    sizes = (np.int32(T), np.int32(H), np.int32(KVH))
+
+    rows = B * H * T
+    ak.launch(rd_name, rd_plan, (_cdiv(rows, rd_plan["rows_per_block"]),),
+              (o, do, delta, np.int32(B), np.int32(T), np.int32(H), np.int32(D), *so, *sdo))
+    ak.launch(dkv_name, dkv_plan, (_cdiv(T, dkv_plan["block_rows"]), KVH, B),
+              (q, k, v, do, lse, delta, dk, dv, *sizes, *sq, *sk, *sv, *sdo,
+               *_strides("dk", dk, dtype), *_strides("dv", dv, dtype), *pvals))
+    ak.launch(dq_name, dq_plan, (_cdiv(T, dq_plan["block_rows"]), H, B),
+              (q, k, v, do, lse, delta, dq, *sizes, *sq, *sk, *sv, *sdo,
+               *_strides("dq", dq, dtype), *pvals))
+    return dq, dk, dv

@@ -1,0 +1,128 @@
+"""Rendering attention ops: kernel set and signatures, mask classification, per-head
+constants, spec errors, and (where nvcc is installed) the CUDA compiling for sm_90."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import jinja2
+import pytest
+import sympy as sp
+
+from eulergen import TEMPLATES_DIR
+from eulergen.errors import EulerError
+from eulergen.generator import ir
+from eulergen.generator.render_attention import (HEAD_DIMS, I, J, check_symbols, mask_mode,
+                                                 plan_attention, render_attention)
+
+import attention_ops
+
+H200_SMEM = 227 * 1024  # the most dynamic shared memory one block may opt in to
+
+
+def _signature(source: str, kernel: str) -> list[str]:
+    """Argument names of an extern "C" kernel, as the .cu declares them."""
+    m = re.search(rf"void __launch_bounds__\(\d+\) {kernel}\((.*?)\) {{", source, re.S)
+    assert m, f"kernel {kernel} not in the source"
+    return [a.split()[-1] for a in m.group(1).replace("\n", " ").split(",")]
+
+
+@pytest.mark.parametrize("name", attention_ops.SHIPPED)
+def test_every_kernel_is_defined_with_the_recorded_arguments(name):
+    rendered = render_attention(attention_ops.load(name))
+    names = {k.name for k in rendered.kernels}
+    for dt in ("f32", "bf16"):
+        assert f"{name}_backward_rowdot_{dt}" in names
+        for d in HEAD_DIMS:
+            for role in ("forward", "backward_dkv", "backward_dq"):
+                assert f"{name}_{role}_d{d}_{dt}" in names
+    for k in rendered.kernels:
+        assert _signature(rendered.source, k.name) == [a for a, _ in k.args], k.name
+        plan = dict(k.plan)
+        assert plan["smem_bytes"] <= H200_SMEM, f"{k.name}: {plan['smem_bytes']} bytes"
+
+
+def test_softcap_kernels_take_cap_and_default_it():
+    rendered = render_attention(attention_ops.load("softcap_attention"))
+    fwd = next(k for k in rendered.kernels if k.name == "softcap_attention_forward_d64_bf16")
+    assert fwd.args[-1] == ("cap", "float")
+    assert dict(fwd.plan)["params"] == [["cap", 50.0]]
+
+
+def test_mask_modes():
+    assert mask_mode(sp.LessThan(J, I)) == "causal"
+    assert mask_mode(sp.GreaterThan(I, J)) == "causal"
+    assert mask_mode(None) == "none"
+    assert mask_mode(sp.StrictLessThan(J, I)) == "generic"
+    assert mask_mode(sp.LessThan(J, I + 4)) == "generic"
+    assert mask_mode(sp.And(sp.LessThan(J, I), sp.LessThan(I - J, 128))) == "generic"
+
+
+def test_causal_kernels_skip_tiles_and_generic_masks_evaluate_the_predicate(tmp_path):
+    causal = render_attention(attention_ops.load("causal_attention")).source
+    strict = render_attention(attention_ops.load("strict_attention", tmp_path)).source
+    assert "eg_attn::MASK_CAUSAL>" in causal and "MASK_GENERIC>" not in causal
+    assert "eg_attn::MASK_GENERIC>" in strict
+    assert re.search(r"bool mask\(float i, float j\) const \{\s*return j < i;", strict)
+
+
+def test_alibi_slope_is_computed_once_per_head_not_per_element():
+    src = render_attention(attention_ops.load("alibi_attention")).source
+    set_head = re.search(r"void set_head\(int head\) \{(.*?)\n  \}", src, re.S).group(1)
+    score2 = re.search(r"float score2\(.*?\{(.*?)\n  \}", src, re.S).group(1)
+    assert "powf(2.0f" in set_head
+    assert "powf" not in score2 and "hc0*(j - i)" in score2
+
+
+def test_unknown_symbol_in_score_or_mask_is_an_error_naming_file_and_key():
+    good = attention_ops.load("causal_attention")
+    t = sp.Symbol("t", real=True)
+    for key, body in (("score", ir.AttentionDerived(score=t * sp.Symbol("s", real=True),
+                                                    dscore=t, mask=None)),
+                      ("mask", ir.AttentionDerived(score=good.body.score, dscore=good.body.dscore,
+                                                   mask=sp.LessThan(J, t)))):
+        op = ir.DerivedOp(good.name, good.kind, good.inputs, good.outputs, good.params, body,
+                          good.where, good.spec_sha256)
+        with pytest.raises(EulerError) as err:
+            check_symbols(op)
+        assert err.value.key == key and "'t'" in str(err.value)
+        assert str(err.value).startswith(good.where.file)
+
+
+def test_unknown_symbol_in_a_spec_is_refused_when_loading(tmp_path):
+    path = tmp_path / "bad_attention.yaml"
+    path.write_text("name: bad_attention\nkind: attention\nscore: s * scale * temp\n"
+                    "mask: j <= i\n")
+    from eulergen.generator import spec
+    with pytest.raises(EulerError) as err:
+        spec.load_spec(path)
+    assert "bad_attention.yaml" in str(err.value) and "temp" in str(err.value)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_unsupported_head_dim_is_an_error(head_dim):
+    with pytest.raises(EulerError, match=f"head dim {head_dim} is not supported"):
+        plan_attention(head_dim, "bf16")
+
+
+def _prelude() -> str:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
+    return env.get_template("common.cuh.j2").render(header="test prelude")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("name", ["softcap_attention", "strict_attention", "full_attention"])
+def test_kernels_compile_for_sm90_without_double_math(name, tmp_path):
+    (tmp_path / "eulergen_common.cuh").write_text(_prelude())
+    cu = tmp_path / f"{name}.cu"
+    cu.write_text(render_attention(attention_ops.load(name, tmp_path)).source)
+    ptx = tmp_path / f"{name}.ptx"
+    run = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-I", str(tmp_path),
+                          "-o", str(ptx), str(cu)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "error" not in run.stderr
+    text = ptx.read_text()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    assert not re.search(r"\.f64\b|%fd", text), "double-precision math in the PTX"
