@@ -122,8 +122,8 @@ def resolve_files(pattern: str, cache_dir: str | Path | None = None, split: str 
 
 @dataclass(frozen=True)
 class DataPosition:
-    """Where a loader stands: the epoch (which fixes the shard and window order through
-    the seed), the index into that epoch's shard order, and the batch window within it."""
+    """Where a loader stands: the epoch (which, with the seed, fixes the shard and row
+    orders), the index into that epoch's shard order, and the batch within that shard."""
     epoch: int = 0
     shard: int = 0
     batch: int = 0
@@ -135,11 +135,13 @@ class DataPosition:
 class DataLoader:
     """Batches (x, y) of int32 [B, T], y shifted by one token.
 
-    Each shard is cut into windows of B·T + 1 tokens at stride B·T (llm.c's layout, so
-    every token is a target once per epoch). With `shuffle`, every epoch visits the
-    shards and their windows in an order drawn from (seed, epoch) alone, so a saved
+    Each shard is cut into rows of T + 1 tokens at stride T (so every token is a target
+    once per epoch); a batch is B rows. With `shuffle`, each epoch visits the shards in
+    an order drawn from (seed, epoch) and the rows of each shard in an order drawn from
+    (seed, epoch, shard), so a batch's rows come from all over the shard and a saved
     `state()` restores the exact stream without storing any generator state. Without
-    shuffle (validation), shards and windows go in file order."""
+    shuffle (validation), shards and rows go in file order: B·T contiguous tokens a batch.
+    The rows left over at the end of a shard (fewer than B) are skipped."""
 
     def __init__(self, pattern: str, batch_size: int, seq_len: int, seed: int = 0,
                  position: dict | None = None, *, shuffle: bool = True,
@@ -153,14 +155,15 @@ class DataLoader:
         self.shuffle = shuffle
         self.files = resolve_files(pattern, cache_dir, split)
         self.shards = [open_tokens(f) for f in self.files]
-        span = batch_size * seq_len
-        self._windows = [max(0, (len(s) - 1) // span) for s in self.shards]
-        if not any(self._windows):
+        self._rows = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
+        self._batches = [rows // batch_size for rows in self._rows]
+        if not any(self._batches):
             raise EulerError(f"too few tokens for one batch: the largest file holds "
                              f"{max(len(s) for s in self.shards)}, a batch needs "
-                             f"B*T+1 = {span + 1}", file=pattern)
+                             f"B*T+1 = {batch_size * seq_len + 1}", file=pattern)
         self._position = DataPosition()
-        self._order: tuple[np.ndarray, list[np.ndarray]] | None = None
+        self._shard_order: np.ndarray | None = None
+        self._row_order: tuple[tuple[int, int], np.ndarray] | None = None  # ((epoch, shard), rows)
         if position is not None:
             self.restore(position)
 
@@ -180,12 +183,10 @@ class DataLoader:
         if position.shard >= len(self.shards):
             raise EulerError(f"data position names shard {position.shard}, but {self.pattern} "
                              f"has {len(self.shards)} files", key="data")
-        self._position = position
-        self._order = None
+        self._move(position)
 
     def reset(self) -> None:
-        self._position = DataPosition()
-        self._order = None
+        self._move(DataPosition())
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self
@@ -194,41 +195,45 @@ class DataLoader:
         return self.next_batch()
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        shard_order, window_orders = self._epoch_order()
         pos = self._position
-        while pos.batch >= self._windows[shard_order[pos.shard]]:
-            if pos.shard + 1 < len(shard_order):
-                pos = DataPosition(pos.epoch, pos.shard + 1, 0)
-            else:
-                pos = DataPosition(pos.epoch + 1, 0, 0)
-                self._position, self._order = pos, None
-                shard_order, window_orders = self._epoch_order()
-        shard = int(shard_order[pos.shard])
-        window = int(window_orders[pos.shard][pos.batch])
-        span = self.batch_size * self.seq_len
-        chunk = np.asarray(self.shards[shard][window * span: window * span + span + 1], dtype=np.int32)
+        while pos.batch >= self._batches[self._shard(pos)]:
+            pos = DataPosition(pos.epoch, pos.shard + 1, 0) if pos.shard + 1 < len(self.shards) \
+                else DataPosition(pos.epoch + 1, 0, 0)
+            self._move(pos)
+        shard = self._shard(pos)
+        B, T = self.batch_size, self.seq_len
+        rows = self._rows_of(pos)[pos.batch * B:(pos.batch + 1) * B]
+        tokens = self.shards[shard]
+        chunk = np.stack([np.asarray(tokens[r * T:r * T + T + 1], dtype=np.int32) for r in rows])
         if self.vocab_size is not None and int(chunk.max()) >= self.vocab_size:
             # An embedding lookup past the table reads garbage on the GPU instead of failing.
             raise EulerError(f"token id {int(chunk.max())} is outside the model's vocabulary "
                              f"(model.vocab_size {self.vocab_size}); was this data made with "
                              f"another tokenizer?", file=str(self.files[shard]))
         self._position = DataPosition(pos.epoch, pos.shard, pos.batch + 1)
-        x = chunk[:-1].reshape(self.batch_size, self.seq_len)
-        y = chunk[1:].reshape(self.batch_size, self.seq_len)
-        return x, y
+        return chunk[:, :-1], chunk[:, 1:]
 
-    def _epoch_order(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        if self._order is None:
+    def _move(self, position: DataPosition) -> None:
+        if self._shard_order is not None and position.epoch != self._position.epoch:
+            self._shard_order = None
+        self._position = position
+
+    def _shard(self, pos: DataPosition) -> int:
+        if self._shard_order is None:
             n = len(self.shards)
-            if self.shuffle:
-                rng = np.random.default_rng([self.seed, self._position.epoch])
-                shards = rng.permutation(n)
-                windows = [rng.permutation(self._windows[s]) for s in shards]
-            else:
-                shards = np.arange(n)
-                windows = [np.arange(self._windows[s]) for s in shards]
-            self._order = (shards, windows)
-        return self._order
+            self._shard_order = (np.random.default_rng([self.seed, pos.epoch]).permutation(n)
+                                 if self.shuffle else np.arange(n))
+        return int(self._shard_order[pos.shard])
+
+    def _rows_of(self, pos: DataPosition) -> np.ndarray:
+        """This shard's row order, drawn when the loader reaches the shard."""
+        key = (pos.epoch, pos.shard)
+        if self._row_order is None or self._row_order[0] != key:
+            n = self._rows[self._shard(pos)]
+            rows = (np.random.default_rng([self.seed, pos.epoch, pos.shard]).permutation(n)
+                    if self.shuffle else np.arange(n))
+            self._row_order = (key, rows)
+        return self._row_order[1]
 
 
 # -- builtin:stdlib -------------------------------------------------------------------------

@@ -108,15 +108,25 @@ def test_batches_are_shifted_int32_windows(tmp_path):
     np.testing.assert_array_equal(x.ravel(), np.arange(16, 32))
 
 
-def test_one_epoch_covers_every_window_once_then_reshuffles(tmp_path):
-    loader = DataLoader(_shards(tmp_path, [161, 330, 100]), 2, 8, seed=3)
-    windows = (161 - 1) // 16 + (330 - 1) // 16 + (100 - 1) // 16
-    firsts = [int(next(loader)[0][0, 0]) for _ in range(windows)]
-    assert len(set(firsts)) == windows
+def test_one_epoch_covers_every_row_once_then_reshuffles(tmp_path):
+    # rows of T+1 = 9 tokens at stride 8: 20, 40 and 12 rows, all used by batches of 2
+    loader = DataLoader(_shards(tmp_path, [161, 321, 97]), 2, 8, seed=3)
+    batches = (20 + 40 + 12) // 2
+    first = np.concatenate([next(loader)[0][:, 0] for _ in range(batches)]).tolist()
+    assert len(set(first)) == 72
     assert loader.state()["epoch"] == 0
-    second = [int(next(loader)[0][0, 0]) for _ in range(windows)]
-    assert sorted(second) == sorted(firsts) and second != firsts
+    second = np.concatenate([next(loader)[0][:, 0] for _ in range(batches)]).tolist()
+    assert sorted(second) == sorted(first) and second != first
     assert loader.state()["epoch"] == 1
+
+
+def test_shuffled_batch_rows_come_from_all_over_the_shard(tmp_path):
+    loader = DataLoader(_shards(tmp_path, [8001]), 4, 8, seed=0)
+    x, y = next(loader)
+    starts = sorted(x[:, 0].tolist())
+    assert all(s % 8 == 0 for s in starts)
+    assert starts != list(range(starts[0], starts[0] + 32, 8))   # not one contiguous block
+    np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
 
 
 def test_same_seed_same_stream_other_seed_other_stream(tmp_path):
@@ -131,7 +141,7 @@ def test_same_seed_same_stream_other_seed_other_stream(tmp_path):
 def test_restore_continues_at_the_same_position_across_epochs(tmp_path):
     pattern = _shards(tmp_path, [200, 90, 300])
     loader = DataLoader(pattern, 2, 8, seed=7)
-    for _ in range(37):  # past the end of the first epoch (32 windows)
+    for _ in range(37):  # past the end of the first epoch (12 + 5 + 18 batches)
         next(loader)
     saved = dict(loader.state())
     expected = [next(loader) for _ in range(40)]
