@@ -24,6 +24,7 @@ _STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
             "unsigned int": np.uint32, "uint32_t": np.uint32, "unsigned short": np.uint16,
             "uint16_t": np.uint16, "unsigned char": np.uint8, "uint8_t": np.uint8}
 DTYPE_OF = {"f32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
+NULL = object()   # a value for an optional `const T*` argument the kernel tests against null
 
 
 def storage_dtype_name(a) -> str:
@@ -71,6 +72,9 @@ def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) 
             raise EulerError(f"{where}: no value given (the manifest and runtime disagree; "
                              "rebuild with `eulergen build`)", key=name)
         v, ct = values[name], parse_ctype(ctext)
+        if v is NULL and ct.pointer and ct.const:
+            args.append(np.uint64(0))
+            continue
         if not ct.pointer:
             args.append(ct.dtype.type(v))
             continue
@@ -200,6 +204,7 @@ class CudaOps:
 
     def __init__(self):
         self._launchers: dict[tuple, Launcher] = {}
+        self._attention: dict[tuple, object] = {}
 
     def launcher(self, op: OpEntry) -> Launcher:
         key = (op.name, str(op.cuda), op.cuda_sha256)
@@ -207,21 +212,57 @@ class CudaOps:
             self._launchers[key] = Launcher(op)
         return self._launchers[key]
 
-    def forward(self, op: OpEntry, inputs: tuple, out, params: dict) -> tuple:
+    def attention(self, op: OpEntry):
+        """Attention kernels are launched by runtime/attention.py (flash tiling, strided q/k/v)."""
+        from eulergen.runtime.attention import AttentionKernels
+        key = (op.name, str(op.cuda), op.cuda_sha256)
+        if key not in self._attention:
+            self._attention[key] = AttentionKernels.from_op(op)
+        return self._attention[key]
+
+    def forward(self, op: OpEntry, inputs: tuple, out, params: dict, pos0: int = 0) -> tuple:
         if op.kind == "pointwise":
             return self._pointwise(op, "forward", inputs, out, params)
         if op.kind == "row":
             return self._row(op, "forward", inputs, out, params)
-        raise EulerError(f"op {op.name!r}: no CUDA forward for kind {op.kind!r} yet",
+        if op.kind == "pair":
+            return self._pair(op, "forward", inputs, out, params, pos0)
+        if op.kind == "embedding":
+            return self._embedding_forward(op, inputs, out)
+        if op.kind == "attention":
+            from eulergen.runtime.attention import attention_forward
+            o, lse = (None, None) if out is None else out
+            return attention_forward(self.attention(op), *inputs, out=o, lse=lse, **params)
+        raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA forward",
                          file=op.spec, key="kind")
 
-    def backward(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
+    def backward(self, op: OpEntry, args: tuple, out, params: dict, pos0: int = 0) -> tuple:
         if op.kind == "pointwise":
             return self._pointwise(op, "backward", args, out, params)
         if op.kind == "row":
             return self._row(op, "backward", args, out, params)
-        raise EulerError(f"op {op.name!r}: no CUDA backward for kind {op.kind!r} yet",
+        if op.kind == "pair":
+            return self._pair(op, "backward", args, out, params, pos0)
+        if op.kind == "embedding":
+            return self._embedding_backward(op, args, out)
+        if op.kind == "attention":
+            from eulergen.runtime.attention import attention_backward
+            return attention_backward(self.attention(op), *args, out=out, **params)
+        raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA backward",
                          file=op.spec, key="kind")
+
+    def step(self, op: OpEntry, args: tuple, params: dict) -> None:
+        """An update op over flat buffers: state float32, grads in the storage dtype; every
+        operand the same shape (the caller launches once per weight-decay range)."""
+        named = dict(zip((o.name for o in op.inputs), args))
+        _same_shape(op, "step", named, args[0].shape)
+        grads = [a for o, a in zip(op.inputs, args) if o.role == "grad"]
+        kernel = op.kernel("step", storage_dtype_name(grads[0]) if grads else "f32")
+        n = args[0].size
+        if n:
+            grid = _grid(cdiv(n, kernel.plan["vec"] * kernel.plan["threads"]), kernel.plan)
+            self.launcher(op).launch(kernel, grid, kernel.plan["threads"],
+                                     {**named, **params, "n": n})
 
     def fused(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
         n_in, n_out = len(op.inputs), len(op.outputs)
@@ -313,3 +354,113 @@ class CudaOps:
                 values[g].fill(0)
         return results
 
+    # -- pair: [B, T, H, D] tensors, element k paired with k + D/2; strided views allowed ------
+
+    def _pair(self, op: OpEntry, stage: str, args: tuple, out, params: dict, pos0: int) -> tuple:
+        ins = [o.name for o in op.inputs]
+        outs = [o.name for o in op.outputs]
+        names = ins + ([f"d{o}" for o in outs] if stage == "backward" else [])
+        named = dict(zip(names, args))
+        x = args[0]
+        if x.ndim != 4 or x.shape[-1] % 2:
+            raise EulerError(f"{op.name}.{stage}: expected [B, T, H, D] with D even, got shape "
+                             f"{tuple(x.shape)}", file=op.spec, key=names[0])
+        _same_shape(op, stage, named, x.shape)
+        B, T, H, D = x.shape
+        kernel = op.kernel(stage, storage_dtype_name(x))
+        writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
+        results = _outputs(kernel, writes, [x.shape] * len(writes), out, op, stage)
+        values = {**named, **dict(zip(writes, results)), **params,
+                  "B": B, "T": T, "H": H, "D": D, "pos0": pos0}
+        if stage == "backward" and {n for n, _ in kernel.args} & set(outs):
+            values.update(zip(outs, self._pair(op, "forward", args[:len(ins)], None, params, pos0)))
+        for name in list(values):
+            a = values[name]
+            if hasattr(a, "strides") and f"{name}_sb" in dict(kernel.args):
+                item = a.dtype.itemsize
+                if a.strides[3] != item:
+                    raise EulerError(f"{op.name}.{stage}: {name} must be contiguous along D "
+                                     f"(strides {a.strides})", file=op.spec, key=name)
+                values[f"{name}_sb"], values[f"{name}_st"], values[f"{name}_sh"] = (
+                    s // item for s in a.strides[:3])
+        if x.size:
+            self.launcher(op).launch(kernel, _grid(B * T, kernel.plan), kernel.plan["threads"],
+                                     values, contiguous=False)
+        return results
+
+    # -- embedding: out[b, t] = wte[ids[b, t]] (+ wpe[t]); deterministic backward ----------------
+
+    def _embedding_check(self, op: OpEntry, call: str, ids, wte, wpe):
+        import cupy
+        if ids.ndim < 1 or ids.dtype != np.int32:
+            raise EulerError(f"{op.name}.{call}: ids must be int32 [..., T], got {ids.dtype} "
+                             f"{tuple(ids.shape)}", file=op.spec, key="ids")
+        if wte.ndim != 2:
+            raise EulerError(f"{op.name}.{call}: wte must be [vocab, C], got {tuple(wte.shape)}",
+                             file=op.spec, key="wte")
+        T, C = ids.shape[-1], wte.shape[1]
+        if wpe is not None and (wpe.ndim != 2 or wpe.shape[1] != C or wpe.shape[0] < T):
+            raise EulerError(f"{op.name}.{call}: wpe has shape {tuple(wpe.shape)}, expected "
+                             f"[≥ {T}, {C}]", file=op.spec, key="wpe")
+        if ids.size:
+            # An id past the table would read (or, backward, write) outside it: one host
+            # sync per call buys a clear error instead of an illegal-address fault.
+            lo, hi = (int(v) for v in cupy.stack([ids.min(), ids.max()]).get())
+            if lo < 0 or hi >= wte.shape[0]:
+                raise EulerError(f"{op.name}.{call}: ids span [{lo}, {hi}], the table has "
+                                 f"{wte.shape[0]} rows", file=op.spec, key="ids")
+        return T, C
+
+    def _embedding_forward(self, op: OpEntry, inputs: tuple, out) -> tuple:
+        ids, wte, wpe = inputs
+        T, C = self._embedding_check(op, "forward", ids, wte, wpe)
+        kernel = op.kernel("forward", storage_dtype_name(wte))
+        (y,) = _outputs(kernel, ["out"], [tuple(ids.shape) + (C,)], out, op, "forward")
+        bt = ids.size
+        if bt:
+            plan = kernel.plan
+            grid = _grid(cdiv(bt * C, plan["vec"] * plan["threads"]), plan)
+            self.launcher(op).launch(kernel, grid, plan["threads"], {
+                "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt, "T": T,
+                "C": C})
+        return (y,)
+
+    def _embedding_backward(self, op: OpEntry, args: tuple, out) -> tuple:
+        """(dwte, dwpe), written (not added to). Rows of dout are grouped by id after a sort
+        of the keys id · BT + position, which are unique, so the order inside a group is
+        token order on any sort: each dwte row has one writer and one summation order."""
+        import cupy
+        ids, wte, wpe, dout = args
+        T, C = self._embedding_check(op, "backward", ids, wte, wpe)
+        dtype = storage_dtype_name(wte)
+        wte_k, wpe_k = op.kernel("backward_wte", dtype), op.kernel("backward_wpe", dtype)
+        if tuple(dout.shape) != tuple(ids.shape) + (C,):
+            raise EulerError(f"{op.name}.backward: dout has shape {tuple(dout.shape)}, expected "
+                             f"{tuple(ids.shape) + (C,)}", file=op.spec, key="dout")
+        names, shapes = ["dwte"], [wte.shape]
+        if wpe is not None:
+            names, shapes = names + ["dwpe"], shapes + [wpe.shape]
+        given = None if out is None else tuple(g for g in out if g is not None)
+        grads = _outputs(wte_k, names, shapes, given, op, "backward")
+        for g in grads:
+            g.fill(0)
+        bt = ids.size
+        if bt:
+            flat = ids.reshape(-1).astype(np.int64)
+            order = cupy.argsort(flat * bt + cupy.arange(bt, dtype=np.int64))
+            sorted_ids = flat[order]
+            starts = cupy.flatnonzero(cupy.concatenate([
+                cupy.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1]]))
+            segments = int(starts.size)
+            offsets = cupy.concatenate([starts, cupy.asarray([bt])]).astype(np.int32)
+            plan = wte_k.plan
+            self.launcher(op).launch(
+                wte_k, (segments, cdiv(C, plan["threads_x"])), plan["threads_x"],
+                {"dout": dout, "sorted_pos": order.astype(np.int32), "seg_offsets": offsets,
+                 "seg_ids": sorted_ids[starts].astype(np.int32), "dwte": grads[0], "C": C})
+            if wpe is not None:
+                plan = wpe_k.plan
+                self.launcher(op).launch(
+                    wpe_k, _grid(cdiv(T * C, plan["threads"]), plan), plan["threads"],
+                    {"dout": dout, "dwpe": grads[1], "B": bt // T, "T": T, "C": C})
+        return grads + ((None,) if wpe is None else ())

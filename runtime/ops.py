@@ -5,6 +5,7 @@
     dx, dw = lib.backward("rmsnorm", x, w, dy, eps=1e-5)
     lib.forward("gelu", x, out=y)              # write into a planned buffer
     lib.step("adamw", p, g, m, v, lr=3e-4, step=1)
+    lib.forward("rope", q, out=q, pos0=t)      # pair ops: first position (KV-cache decoding)
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
@@ -92,9 +93,10 @@ class OpLibrary:
     def forward(self, name: str, *inputs, out=None, **params):
         op = self.op(name)
         self._arity(op, "forward", inputs, len(op.inputs))
+        pos0 = self._pos0(op, params)
         p = self._params(op, params)
         if self._cuda:
-            got = self._cuda.forward(op, inputs, _tuple(out), p)
+            got = self._cuda.forward(op, inputs, _tuple(out), p, pos0)
             return got[0] if len(got) == 1 else tuple(got)
         got = self._module(op).forward(*inputs, **p)
         return self._deliver(op, "forward", got, out, len(op.outputs))
@@ -102,9 +104,10 @@ class OpLibrary:
     def backward(self, name: str, *inputs_and_douts, out=None, **params):
         op = self.op(name)
         self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
+        pos0 = self._pos0(op, params)
         p = self._params(op, params)
         if self._cuda:
-            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p))
+            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0))
         got = self._module(op).backward(*inputs_and_douts, **p)
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
@@ -140,13 +143,24 @@ class OpLibrary:
         fwd = fwd if isinstance(fwd, tuple) else (fwd,)
         grads = module.backward(*inputs_and_douts, **p)
         grads = grads if isinstance(grads, tuple) else (grads,)
-        return self._deliver(op, "fused", fwd + grads, out, len(op.outputs) + len(op.grads),
-                             bare=False)
+        return self._deliver(op, "fused", fwd + grads, out,
+                             len(op.outputs) + len(op.grads), bare=False)
 
     # -- helpers -------------------------------------------------------------------------
 
+    def _pos0(self, op: OpEntry, params: dict) -> int:
+        """Pair ops take `pos0=`, the position of the first token (decoding with a KV
+        cache); it is a launch argument, not a spec parameter."""
+        pos0 = int(params.pop("pos0", 0)) if op.kind == "pair" else 0
+        if pos0 and not self._cuda:
+            raise EulerError(f"op {op.name!r}: pos0={pos0} needs the cuda backend (the numpy "
+                             "module starts positions at 0)", file=op.spec, key="pos0")
+        return pos0
+
     @staticmethod
     def _module(op: OpEntry):
+        if op.kind == "embedding" and op.numpy is None:
+            return _NumpyEmbedding
         return load_numpy_module(op)
 
     @staticmethod
@@ -198,12 +212,42 @@ class OpLibrary:
             raise EulerError(f"{op.name}.{call}: out= has {len(outs)} arrays, expected {count}",
                              file=op.spec, key="out")
         for n, (dst, src) in enumerate(zip(outs, results)):
+            if src is None or dst is None:   # an absent optional input has no gradient
+                continue
             if tuple(dst.shape) != tuple(src.shape):
                 raise EulerError(f"{op.name}.{call}: out[{n}] has shape {tuple(dst.shape)}, "
                                  f"the result has {tuple(src.shape)}", file=op.spec, key="out")
         for dst, src in zip(outs, results):
-            self.backend.xp.copyto(dst, src, casting="same_kind")
+            if src is not None and dst is not None:
+                self.backend.xp.copyto(dst, src, casting="same_kind")
         return outs[0] if bare and count == 1 else tuple(outs)
+
+
+class _NumpyEmbedding:
+    """The embedding op on numpy. It has no formula (DESIGN.md: pure data movement), so no
+    generated module: out = wte[ids] (+ wpe[:T]); the backward adds rows in token order
+    (np.add.at is sequential), the same order the GPU kernel sums each id's rows in."""
+
+    @staticmethod
+    def forward(ids, wte, wpe):
+        import numpy as np
+        out = np.take(wte, ids, axis=0)
+        if wpe is not None:
+            out += wpe[: ids.shape[-1]]
+        return out
+
+    @staticmethod
+    def backward(ids, wte, wpe, dout):
+        import numpy as np
+        C = wte.shape[1]
+        dwte = np.zeros_like(wte)
+        np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
+        if wpe is None:
+            return dwte, None
+        T = ids.shape[-1]
+        dwpe = np.zeros_like(wpe)
+        dwpe[:T] = dout.reshape(-1, T, C).sum(axis=0)
+        return dwte, dwpe
 
 
 def _tuple(out):

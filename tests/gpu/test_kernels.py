@@ -1,0 +1,364 @@
+"""Every generated kernel against the numpy backend, on the GPU (`pytest -m gpu tests/gpu`).
+
+Ops are read from generated/manifest.json, so a new op is tested without editing this
+file. Each case poisons its outputs with NaN before the launch (an element the kernel
+fails to write stays NaN and fails), and compares against the numpy module evaluated in
+float64 on the very same input values.
+
+Tolerances. fp32: the largest error over an output divided by the largest magnitude of
+the reference (an ∞-norm relative error) must be below 1e-5. A plain element-wise
+relative error is meaningless where an output crosses zero (gelu near 0, a layernorm
+gradient that is a difference of nearly equal terms): there fp32 rounding of the inputs
+to each term, not the kernel, sets the error, and it is small against the output's scale.
+bf16: each element within half a bf16 ulp (2^-8 relative: the fp32 result rounded once to
+bf16) plus the fp32 allowance above, for results that land next to a rounding midpoint.
+Per-row outputs a kernel stores as float32 (a loss) take the fp32 tolerance in both.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from eulergen import GENERATED_DIR, PACKAGE_DIR
+from eulergen.errors import EulerError
+from eulergen.runtime.manifest import load_manifest
+
+pytestmark = pytest.mark.gpu
+
+MANIFEST = GENERATED_DIR / "manifest.json"
+OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
+
+
+def _ops(*kinds):
+    return sorted(n for n, o in OPS.items() if o.kind in kinds)
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except Exception as err:  # no driver
+        pytest.skip(f"no usable CUDA device: {err}")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def libs(cp):
+    from eulergen.runtime.backend import get_backend
+    from eulergen.runtime.ops import OpLibrary
+    return OpLibrary(get_backend("cuda")), OpLibrary(get_backend("numpy"))
+
+
+def progress(*parts):
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# ---- values ------------------------------------------------------------------------------
+
+def domain(op, name) -> tuple[float, float]:
+    spec = PACKAGE_DIR / op.spec
+    bounds = (yaml.safe_load(spec.read_text()).get("domain") or {}) if spec.is_file() else {}
+    lo, hi = bounds.get(name, (-3.0, 3.0))
+    return float(lo), float(hi)
+
+
+def host_values(rng, shape, lo, hi, dtype) -> np.ndarray:
+    """float64 values exactly representable in the storage dtype."""
+    from eulergen.runtime.ops import from_bf16, to_bf16
+    x = rng.uniform(lo, hi, size=shape).astype(np.float32)
+    if dtype == "bf16":
+        x = from_bf16(to_bf16(x))
+    return x.astype(np.float64)
+
+
+def device(cp, host: np.ndarray, dtype: str):
+    from eulergen.runtime.ops import to_bf16
+    x32 = host.astype(np.float32)
+    return cp.asarray(to_bf16(x32) if dtype == "bf16" else x32)
+
+
+def poisoned(cp, shape, np_dtype):
+    if np.dtype(np_dtype) == np.uint16:
+        return cp.full(shape, 0x7FC0, dtype=cp.uint16)   # bf16 quiet NaN
+    return cp.full(shape, np.nan, dtype=np_dtype)
+
+
+def as_f64(cp, a) -> np.ndarray:
+    from eulergen.runtime.ops import from_bf16
+    h = cp.asnumpy(a)
+    return (from_bf16(h) if h.dtype == np.uint16 else h).astype(np.float64)
+
+
+def check(name: str, got_dev, want: np.ndarray, cp) -> None:
+    got = as_f64(cp, got_dev)
+    assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
+    assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} elements unwritten or NaN"
+    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    err = np.abs(got - want)
+    if got_dev.dtype == np.uint16:
+        bad = err > 2.0 ** -8 * np.abs(want) + 1e-5 * scale
+        assert not bad.any(), (f"{name} (bf16): {int(bad.sum())} elements past half an ulp, "
+                               f"worst {err.max():.3e} at scale {scale:.3e}")
+    else:
+        rel = float(err.max()) / scale if scale else float(err.max())
+        assert rel < 1e-5, f"{name} (fp32): ∞-norm relative error {rel:.2e}"
+
+
+def both_dtypes(f):
+    return pytest.mark.parametrize("dtype", ["f32", "bf16"])(f)
+
+
+# ---- pointwise ---------------------------------------------------------------------------
+
+POINTWISE_SIZES = [1, 7, 4097, (1 << 20) + 3]
+
+
+@both_dtypes
+@pytest.mark.parametrize("n", POINTWISE_SIZES)
+@pytest.mark.parametrize("name", _ops("pointwise"))
+def test_pointwise_forward_and_backward_match_numpy(name, n, dtype, cp, libs):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(n)
+    xs = [host_values(rng, (n,), *domain(op, o.name), dtype) for o in op.inputs]
+    progress(f"pointwise {name} n={n} {dtype}")
+    outs = tuple(poisoned(cp, (n,), np.float32 if dtype == "f32" else np.uint16)
+                 for _ in op.outputs)
+    gpu.forward(name, *[device(cp, x, dtype) for x in xs], out=outs)
+    want = ref.forward(name, *xs)
+    want = want if isinstance(want, tuple) else (want,)
+    for o, got, w in zip(op.outputs, outs, want):
+        check(f"{name}.{o.name}", got, np.asarray(w), cp)
+    if not op.grads:
+        return
+    douts = [host_values(rng, (n,), -1, 1, dtype) for _ in op.outputs]
+    grads = tuple(poisoned(cp, (n,), np.float32 if dtype == "f32" else np.uint16)
+                  for _ in op.grads)
+    gpu.backward(name, *[device(cp, a, dtype) for a in xs + douts], out=grads)
+    for g, got, w in zip(op.grads, grads, ref.backward(name, *xs, *douts)):
+        check(f"{name}.d{g}", got, np.asarray(w), cp)
+
+
+@pytest.mark.parametrize("name", _ops("pointwise")[:1])
+def test_pointwise_on_unaligned_views(name, cp, libs):
+    """Views starting one element in take the kernels' scalar path for every element."""
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(5)
+    xs = [host_values(rng, (1001,), *domain(op, o.name), "f32") for o in op.inputs]
+    outs = tuple(poisoned(cp, (1001,), np.float32)[1:] for _ in op.outputs)
+    gpu.forward(name, *[device(cp, x, "f32")[1:] for x in xs], out=outs)
+    want = ref.forward(name, *[x[1:] for x in xs])
+    for o, got, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
+        check(f"{name}.{o.name}[1:]", got, np.asarray(w), cp)
+
+
+def test_a_2_28_element_pointwise_forward_writes_every_element(cp, libs):
+    names = _ops("pointwise")
+    if not names:
+        pytest.skip("no pointwise op in the manifest")
+    name = "gelu" if "gelu" in names else names[0]
+    gpu, ref = libs
+    op = OPS[name]
+    n = 1 << 28
+    progress(f"pointwise {name} n=2^28 f32")
+    rng = np.random.default_rng(28)
+    cp.random.seed(28)
+    ins = []
+    for o in op.inputs:
+        lo, hi = domain(op, o.name)
+        ins.append(cp.random.random(n, dtype=cp.float32) * np.float32(hi - lo) + np.float32(lo))
+    outs = tuple(poisoned(cp, (n,), np.float32) for _ in op.outputs)
+    gpu.forward(name, *ins, out=outs)
+    for o, y in zip(op.outputs, outs):
+        assert not bool(cp.isnan(y).any()), f"{name}.{o.name}: unwritten elements at 2^28"
+    # The reference on a sample that includes the first and last elements.
+    idx = np.unique(np.concatenate([rng.integers(0, n, 1 << 20), [0, 1, n - 2, n - 1]]))
+    idx_dev = cp.asarray(idx)
+    want = ref.forward(name, *[cp.asnumpy(a[idx_dev]).astype(np.float64) for a in ins])
+    for o, y, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
+        check(f"{name}.{o.name} (2^28, sampled)", y[idx_dev], np.asarray(w), cp)
+    del ins, outs
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+# ---- row ---------------------------------------------------------------------------------
+
+# (rows, cols): cols from one element to a GPT-2 vocabulary row; 37 rows is not a multiple
+# of the 8 rows a warp-per-row block takes, and 3000 rows exceed grid_max · rows_per_block,
+# so workers loop over rows and the weight-gradient partials hold several rows each.
+ROW_SHAPES = [(5, 1), (37, 17), (3000, 17), (64, 768), (33, 2048), (9, 50257)]
+
+
+def row_inputs(op, rng, rows, cols, dtype):
+    host = []
+    for o in op.inputs:
+        if o.role == "index":
+            host.append(rng.integers(0, cols, size=rows).astype(np.int32))
+        elif o.role == "weight":
+            host.append(host_values(rng, (cols,), *domain(op, o.name), dtype))
+        else:
+            host.append(host_values(rng, (rows, cols), *domain(op, o.name), dtype))
+    return host
+
+
+def to_device(cp, host, dtype):
+    return [cp.asarray(h) if h.dtype == np.int32 else device(cp, h, dtype) for h in host]
+
+
+def _storage(dtype):
+    return np.float32 if dtype == "f32" else np.uint16
+
+
+def _out_shape(o, rows, cols):
+    return (rows,) if o.role == "scalar" else (rows, cols)
+
+
+def _out_dtype(o, dtype):
+    # Per-row scalars (a loss) are stored as float32 whatever the storage dtype.
+    return np.float32 if o.role == "scalar" else _storage(dtype)
+
+
+@both_dtypes
+@pytest.mark.parametrize("rows,cols", ROW_SHAPES)
+@pytest.mark.parametrize("name", _ops("row"))
+def test_row_forward_and_backward_match_numpy(name, rows, cols, dtype, cp, libs):
+    gpu, ref = libs
+    op = OPS[name]
+    progress(f"row {name} {rows}x{cols} {dtype}")
+    rng = np.random.default_rng(rows * 100_003 + cols)
+    host = row_inputs(op, rng, rows, cols, dtype)
+    outs = tuple(poisoned(cp, _out_shape(o, rows, cols), _out_dtype(o, dtype)) for o in op.outputs)
+    gpu.forward(name, *to_device(cp, host, dtype), out=outs)
+    want = ref.forward(name, *host)
+    for o, got, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
+        check(f"{name}.{o.name}", got, np.asarray(w), cp)
+    if not op.grads:
+        return
+    douts = [host_values(rng, _out_shape(o, rows, cols), -1, 1,
+                         "f32" if o.role == "scalar" else dtype) for o in op.outputs]
+    douts_dev = [cp.asarray(d.astype(np.float32)) if o.role == "scalar" else device(cp, d, dtype)
+                 for o, d in zip(op.outputs, douts)]
+    role = {o.name: o.role for o in op.inputs}
+    grads = tuple(poisoned(cp, (cols,) if role[g] == "weight" else (rows, cols), _storage(dtype))
+                  for g in op.grads)
+    gpu.backward(name, *to_device(cp, host, dtype), *douts_dev, out=grads)
+    for g, got, w in zip(op.grads, grads, ref.backward(name, *host, *douts)):
+        check(f"{name}.d{g}", got, np.asarray(w), cp)
+
+
+def _fused_ops():
+    return sorted(n for n in _ops("row") if any(k.stage == "fwdbwd" for k in OPS[n].kernels.values()))
+
+
+@both_dtypes
+@pytest.mark.parametrize("rows,cols", [(37, 17), (64, 768), (9, 50257)])
+@pytest.mark.parametrize("name", _fused_ops())
+def test_fused_fwdbwd_writes_the_gradient_over_its_input(name, rows, cols, dtype, cp, libs):
+    """lib.fused (cross-entropy: loss and dlogits in one pass), dlogits aliasing logits."""
+    gpu, ref = libs
+    op = OPS[name]
+    progress(f"fused {name} {rows}x{cols} {dtype}")
+    rng = np.random.default_rng(cols)
+    host = row_inputs(op, rng, rows, cols, dtype)
+    douts = [host_values(rng, (rows,), 0.5, 1.5, "f32") for o in op.outputs]
+    dev = to_device(cp, host, dtype)
+    outs = tuple(poisoned(cp, (rows,), np.float32) for _ in op.outputs)
+    row_inputs_dev = [d for o, d in zip(op.inputs, dev) if o.differentiable and o.role == "row"]
+    gpu.fused(name, *dev, *[cp.asarray(d.astype(np.float32)) for d in douts],
+              out=outs + tuple(row_inputs_dev))
+    want = ref.fused(name, *host, *douts)
+    for label, got, w in zip([o.name for o in op.outputs] + [f"d{g}" for g in op.grads],
+                             outs + tuple(row_inputs_dev), want):
+        check(f"{name}.fused.{label}", got, np.asarray(w), cp)
+
+
+# ---- pair (rope) ---------------------------------------------------------------------------
+
+@both_dtypes
+@pytest.mark.parametrize("shape", [(1, 1, 1, 2), (2, 17, 3, 64), (3, 130, 4, 128)])
+@pytest.mark.parametrize("name", _ops("pair"))
+def test_pair_forward_and_backward_on_views_of_a_fused_buffer(name, shape, dtype, cp, libs):
+    gpu, ref = libs
+    op = OPS[name]
+    B, T, H, D = shape
+    progress(f"pair {name} {shape} {dtype}")
+    rng = np.random.default_rng(D)
+    # Each input is one slot of a [B, T, 3, H, D] buffer: a strided view, as q and k are
+    # views of a fused qkv projection.
+    fused = host_values(rng, (B, T, 3, H, D), -3, 3, dtype)
+    fused_dev = device(cp, fused, dtype)
+    xs = [fused[:, :, i] for i in range(len(op.inputs))]
+    outs = tuple(poisoned(cp, shape, _storage(dtype)) for _ in op.outputs)
+    gpu.forward(name, *[fused_dev[:, :, i] for i in range(len(op.inputs))], out=outs)
+    want = ref.forward(name, *xs)
+    for o, got, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
+        check(f"{name}.{o.name}", got, np.asarray(w), cp)
+    douts = [host_values(rng, shape, -1, 1, dtype) for _ in op.outputs]
+    grads = tuple(poisoned(cp, shape, _storage(dtype)) for _ in op.grads)
+    gpu.backward(name, *[fused_dev[:, :, i] for i in range(len(op.inputs))],
+                 *[device(cp, d, dtype) for d in douts], out=grads)
+    for g, got, w in zip(op.grads, grads, ref.backward(name, *xs, *douts)):
+        check(f"{name}.d{g}", got, np.asarray(w), cp)
+
+
+# ---- update (adamw) ------------------------------------------------------------------------
+
+@both_dtypes
+@pytest.mark.parametrize("n", [1, 13, 4099, (1 << 20) + 5])
+@pytest.mark.parametrize("name", _ops("update"))
+def test_update_step_matches_numpy(name, n, dtype, cp, libs):
+    gpu, ref = libs
+    op = OPS[name]
+    progress(f"update {name} n={n} {dtype}")
+    rng = np.random.default_rng(n)
+    host = [host_values(rng, (n,), *domain(op, o.name), dtype if o.role == "grad" else "f32")
+            for o in op.inputs]
+    dev = [device(cp, h, dtype if o.role == "grad" else "f32") for o, h in zip(op.inputs, host)]
+    runtime = {k: (3.0 if k == "step" else 1e-3) for k, v in op.params.items() if v is None}
+    gpu.step(name, *dev, **runtime)
+    ref.step(name, *host, **runtime)
+    for o, got, w in zip(op.inputs, dev, host):
+        if o.role == "state":
+            check(f"{name}.{o.name}", got, w, cp)   # state is float32 in every variant
+
+
+# ---- bad input is refused before a launch --------------------------------------------------
+
+def test_mismatched_shapes_and_dtypes_raise_before_launch(cp, libs):
+    gpu, _ = libs
+    pw = _ops("pointwise")
+    rows = [n for n in _ops("row") if any(o.role == "weight" for o in OPS[n].inputs)]
+    if not pw or not rows:
+        pytest.skip("needs a pointwise op and a row op with a weight")
+    name = pw[0]
+    n_in = len(OPS[name].inputs)
+    x = cp.ones(100, cp.float32)
+    y = poisoned(cp, (99,), np.float32)
+    with pytest.raises(EulerError, match="shape"):
+        gpu.forward(name, *[x] * n_in, out=(y,) * len(OPS[name].outputs))
+    assert bool(cp.isnan(y).all()), "a refused call wrote its output"
+    with pytest.raises(EulerError, match="float32 or bf16"):
+        gpu.forward(name, *[cp.ones(100, cp.float64)] * n_in)
+    rn = rows[0]
+    op = OPS[rn]
+    args = [cp.zeros(8, cp.int32) if o.role == "index" else
+            cp.ones(31, cp.float32) if o.role == "weight" else cp.ones((8, 32), cp.float32)
+            for o in op.inputs]
+    with pytest.raises(EulerError, match=r"has shape \(31,\), expected \(32,\)"):
+        gpu.forward(rn, *args)
+    args = [cp.zeros(8, cp.int32) if o.role == "index" else
+            cp.ones(32, cp.uint16) if o.role == "weight" else cp.ones((8, 32), cp.float32)
+            for o in op.inputs]
+    with pytest.raises(EulerError, match="dtype uint16, expected float32"):
+        gpu.forward(rn, *args)
+    args = [cp.zeros(8, cp.int32) if o.role == "index" else
+            cp.ones(32, cp.float32) if o.role == "weight" else cp.ones((32, 8), cp.float32).T
+            for o in op.inputs]
+    with pytest.raises(EulerError, match="not C-contiguous"):
+        gpu.forward(rn, *args)

@@ -1,0 +1,326 @@
+"""The CUDA call path of OpLibrary without a GPU: a stand-in `cupy` (numpy arrays) and
+kernels emulated by the op's numpy module, fed exactly the arguments the runtime binds.
+
+What this guards: every manifest kernel is called with the arguments its signature names,
+in order and of the right C width; outputs, workspaces and the weight-gradient reduce are
+wired as the templates expect (a wrong partials count or a dropped reduce shows as a wrong
+gradient); shapes and dtypes are refused before a launch. The kernels' own arithmetic is
+tested on the GPU (tests/gpu/test_kernels.py)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from eulergen import GENERATED_DIR
+from eulergen.errors import EulerError
+from eulergen.runtime import kernels as K
+from eulergen.runtime.backend import Backend, get_backend
+from eulergen.runtime.manifest import load_manifest, load_numpy_module
+from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
+
+MANIFEST = GENERATED_DIR / "manifest.json"
+OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
+needs_manifest = pytest.mark.skipif(not OPS, reason="generated/manifest.json not built yet")
+
+
+class FakeArray(np.ndarray):
+    """A numpy array that answers the questions bind() asks of a CuPy array."""
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=0)
+
+    def get(self):
+        return np.asarray(self)
+
+
+def _wrap(fn):
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out.view(FakeArray) if isinstance(out, np.ndarray) else out
+    return call
+
+
+def fake_cupy() -> types.ModuleType:
+    mod = types.ModuleType("cupy")
+    mod.ndarray = FakeArray
+    for name in ("empty", "zeros", "ones", "full", "asarray", "arange", "argsort",
+                 "flatnonzero", "concatenate", "stack"):
+        setattr(mod, name, _wrap(getattr(np, name)))
+    mod.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    return mod
+
+
+def dev(a) -> FakeArray:
+    return np.ascontiguousarray(a).view(FakeArray)
+
+
+class Emulator:
+    """Stands in for Launcher.function: runs each kernel's stage with the numpy module,
+    reading and writing only the arrays the launch was given."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, tuple, tuple, dict]] = []
+
+    def function(self, launcher, kernel):
+        op = launcher.op
+
+        def run(grid, block, args, shared_mem=0):
+            names = [n for n, _ in kernel.args]
+            assert len(args) == len(names), f"{kernel.name}: {len(args)} args for {names}"
+            for (n, ctext), a in zip(kernel.args, args):
+                ct = K.parse_ctype(ctext)
+                if not ct.pointer:
+                    assert a.dtype == ct.dtype, f"{kernel.name}.{n}: passed as {a.dtype}, C {ctext}"
+            assert all(g >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024
+            values = dict(zip(names, args))
+            self.launches.append((kernel.name, grid, block, values))
+            # bf16 storage: the emulation computes on float32 copies; written ones go back
+            # rounded, as the kernels store them.
+            wide = {n: from_bf16(np.asarray(a)).view(FakeArray) for (n, ctext), a in zip(kernel.args, args)
+                    if K.parse_ctype(ctext).base == "__nv_bfloat16"}
+            getattr(self, f"_{op.kind}")(op, kernel, {**values, **wide})
+            for (n, ctext) in kernel.args:
+                if n in wide and not K.parse_ctype(ctext).const:
+                    values[n][...] = to_bf16(np.asarray(wide[n]))
+        return run
+
+    @staticmethod
+    def _params(op, values):
+        return {p: float(values[p]) for p in op.params}
+
+    def _pointwise(self, op, kernel, v):
+        mod = load_numpy_module(op)
+        ins = [v[o.name] for o in op.inputs]
+        if kernel.stage == "forward":
+            got, names = mod.forward(*ins, **self._params(op, v)), [o.name for o in op.outputs]
+        else:
+            douts = [v[f"d{o.name}"] for o in op.outputs]
+            got, names = mod.backward(*ins, *douts, **self._params(op, v)), [f"d{g}" for g in op.grads]
+        for n, g in zip(names, got if isinstance(got, tuple) else (got,)):
+            v[n][...] = g
+
+    def _row(self, op, kernel, v):
+        mod = load_numpy_module(op)
+        if kernel.stage == "wgrad_reduce":
+            total = v["partials"][: int(v["num_partials"])].sum(axis=0)
+            v["dw"][...] = total + (v["dw"] if int(v["accumulate"]) else 0)
+            return
+        rows, cols = int(v["rows"]), int(v["cols"])
+        shape = {"row": (rows, cols), "weight": (cols,), "index": (rows,), "scalar": (rows,)}
+        take = lambda name, role: np.asarray(v[name]).reshape(shape[role])  # noqa: E731
+        ins = [take(o.name, o.role) for o in op.inputs]
+        p = self._params(op, v)
+        if kernel.stage in ("forward", "fwdbwd"):
+            got = mod.forward(*ins, **p)
+            for o, g in zip(op.outputs, got if isinstance(got, tuple) else (got,)):
+                v[o.name].reshape(shape[o.role])[...] = g
+        if kernel.stage in ("backward", "fwdbwd"):
+            douts = [take(f"d{o.name}", o.role) for o in op.outputs]
+            grads = mod.backward(*ins, *douts, **p)
+            for o, g in zip((o for o in op.inputs if o.differentiable),
+                            grads if isinstance(grads, tuple) else (grads,)):
+                if o.role == "weight":
+                    part = v[f"d{o.name}_partials"]
+                    part[...] = 0
+                    part[-1] = g   # the reduce must sum every partial row it was given
+                else:
+                    v[f"d{o.name}"].reshape(shape["row"])[...] = g
+
+    def _pair(self, op, kernel, v):
+        mod = load_numpy_module(op)
+        B, T, H, D = (int(v[k]) for k in "BTHD")
+        ins = [v[o.name] for o in op.inputs if o.name in v]
+        if kernel.stage == "forward":
+            got, names = mod.forward(*ins, **self._params(op, v)), [o.name for o in op.outputs]
+        else:
+            douts = [v[f"d{o.name}"] for o in op.outputs]
+            xs = ins or [np.zeros((B, T, H, D), np.float32) for _ in op.inputs]
+            got, names = mod.backward(*xs, *douts, **self._params(op, v)), [f"d{g}" for g in op.grads]
+        for n, g in zip(names, got if isinstance(got, tuple) else (got,)):
+            assert v[n].strides[:3] == tuple(int(v[f"{n}_s{k}"]) * 4 for k in "bth")
+            v[n][...] = g
+
+    def _update(self, op, kernel, v):
+        load_numpy_module(op).step(*[v[o.name] for o in op.inputs], **self._params(op, v))
+
+    def _embedding(self, op, kernel, v):
+        C = int(v["C"])
+        if kernel.stage == "forward":
+            T, flat = int(v["T"]), np.asarray(v["ids"]).reshape(-1)
+            out = v["out"].reshape(-1, C)
+            out[...] = v["wte"][flat]
+            if not isinstance(v["wpe"], np.uint64):
+                out += np.tile(v["wpe"][:T], (flat.size // T, 1))
+        elif kernel.stage == "backward_wte":
+            dout = v["dout"].reshape(-1, C)
+            off = v["seg_offsets"]
+            for s, row in enumerate(v["seg_ids"]):
+                v["dwte"][row] += dout[v["sorted_pos"][off[s]:off[s + 1]]].sum(axis=0)
+        else:
+            B, T = int(v["B"]), int(v["T"])
+            v["dwpe"][:T] += v["dout"].reshape(B, T, C).sum(axis=0)
+
+
+@pytest.fixture
+def emu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    e = Emulator()
+    monkeypatch.setattr(K.Launcher, "function", lambda self, kernel: e.function(self, kernel))
+    return e
+
+
+@pytest.fixture
+def libs(emu):
+    import cupy
+    return OpLibrary(Backend("cuda", cupy, True, "emulated")), OpLibrary(get_backend("numpy"))
+
+
+def _ops(kind):
+    return sorted(n for n, o in OPS.items() if o.kind == kind)
+
+
+def close(got, want):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", _ops("pointwise"))
+def test_pointwise_calls_bind_every_argument(name, libs, emu):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(0)
+    xs = [rng.uniform(-2, 2, (3, 5)).astype(np.float32) for _ in op.inputs]
+    got = gpu.forward(name, *map(dev, xs))
+    want = ref.forward(name, *xs)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        close(g, w)
+    douts = [rng.uniform(-1, 1, (3, 5)).astype(np.float32) for _ in op.outputs]
+    for g, w in zip(gpu.backward(name, *map(dev, xs + douts)), ref.backward(name, *xs, *douts)):
+        close(g, w)
+    assert emu.launches[0][0] == f"{name}_forward_f32"
+
+
+@needs_manifest
+@pytest.mark.parametrize("cols", [17, 2048])
+@pytest.mark.parametrize("name", _ops("row"))
+def test_row_calls_wire_outputs_workspace_and_reduce(name, cols, libs, emu):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(cols)
+    lead = (3, 7)
+    xs = [rng.integers(0, cols, lead).astype(np.int32) if o.role == "index" else
+          rng.uniform(-2, 2, (cols,) if o.role == "weight" else lead + (cols,)).astype(np.float32)
+          for o in op.inputs]
+    got = gpu.forward(name, *map(dev, xs))
+    want = ref.forward(name, *xs)
+    close(got, want)
+    layout = OPS[name].kernels[emu.launches[0][0]].plan["layout"]
+    assert layout == ("warp_per_row" if cols <= 1024 else "block_per_row")
+    douts = [rng.uniform(-1, 1, lead if o.role == "scalar" else lead + (cols,)).astype(np.float32)
+             for o in op.outputs]
+    for g, w in zip(gpu.backward(name, *map(dev, xs + douts)), ref.backward(name, *xs, *douts)):
+        close(g, w)
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", [n for n in _ops("row")
+                                  if any(k.stage == "fwdbwd" for k in OPS[n].kernels.values())])
+def test_fused_row_call_may_write_the_gradient_over_the_input(name, libs, emu):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(3)
+    xs = [rng.integers(0, 50, (6,)).astype(np.int32) if o.role == "index" else
+          rng.uniform(-2, 2, (6, 50)).astype(np.float32) for o in op.inputs]
+    dl = [np.full(6, 0.5, np.float32) for _ in op.outputs]
+    want = ref.fused(name, *xs, *dl)
+    ins = list(map(dev, xs))
+    loss = dev(np.zeros(6, np.float32))
+    got = gpu.fused(name, *ins, *map(dev, dl), out=(loss, ins[0]))
+    assert got[1] is ins[0] and emu.launches[-1][0].startswith(f"{name}_fwdbwd")
+    close(loss, want[0])
+    close(ins[0], want[1])
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", _ops("pair"))
+def test_pair_calls_pass_element_strides_of_views(name, libs, emu):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(4)
+    qkv = rng.uniform(-2, 2, (2, 5, 3, 4, 8)).astype(np.float32)
+    q_view = dev(qkv)[:, :, 0]
+    close(gpu.forward(name, q_view), ref.forward(name, qkv[:, :, 0]))
+    dy = rng.uniform(-1, 1, (2, 5, 4, 8)).astype(np.float32)
+    close(gpu.backward(name, q_view, dev(dy))[0], ref.backward(name, qkv[:, :, 0], dy)[0])
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", _ops("update"))
+def test_update_step_updates_the_given_buffers(name, libs, emu):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(5)
+    host = [rng.uniform(0, 1, 37).astype(np.float32) for _ in op.inputs]
+    ours = [dev(h.copy()) for h in host]
+    runtime = {k: 1.0 if k == "step" else 1e-2 for k, v in op.params.items() if v is None}
+    gpu.step(name, *ours, **runtime)
+    ref.step(name, *host, **runtime)
+    for a, b in zip(ours, host):
+        close(a, b)
+
+
+@needs_manifest
+@pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
+def test_embedding_backward_groups_repeated_ids_and_matches_numpy(libs, emu):
+    gpu, ref = libs
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, 5, (3, 4)).astype(np.int32)   # many repeats
+    wte = rng.standard_normal((5, 16)).astype(np.float32)
+    wpe = rng.standard_normal((8, 16)).astype(np.float32)
+    close(gpu.forward("embedding", dev(ids), dev(wte), dev(wpe)), ref.forward("embedding", ids, wte, wpe))
+    dout = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    got = gpu.backward("embedding", dev(ids), dev(wte), dev(wpe), dev(dout))
+    want = ref.backward("embedding", ids, wte, wpe, dout)
+    close(got[0], want[0])
+    close(got[1], want[1])
+    with pytest.raises(EulerError, match=r"ids span \[0, 9\], the table has 5 rows"):
+        gpu.forward("embedding", dev(np.int32([[0, 9]])), dev(wte), dev(wpe))
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", _ops("row")[:1] + _ops("pointwise")[:1])
+def test_bf16_arrays_select_the_bf16_kernels_and_come_back_as_bf16(name, libs, emu):
+    gpu, ref = libs
+    op = OPS[name]
+    rng = np.random.default_rng(7)
+    xs = [rng.integers(0, 32, (4,)).astype(np.int32) if o.role == "index" else
+          from_bf16(to_bf16(rng.uniform(-2, 2, (32,) if o.role == "weight" else (4, 32))
+                            .astype(np.float32))) for o in op.inputs]
+    got = gpu.forward(name, *[dev(x if x.dtype == np.int32 else to_bf16(x)) for x in xs])
+    got = got if isinstance(got, tuple) else (got,)
+    want = ref.forward(name, *xs)
+    for o, g, w in zip(op.outputs, got, want if isinstance(want, tuple) else (want,)):
+        if o.role != "scalar":
+            assert g.dtype == np.uint16
+            g = from_bf16(np.asarray(g))
+        np.testing.assert_allclose(g, w, rtol=2.0 ** -8, atol=1e-6)
+    assert emu.launches[0][0].endswith("_bf16")
+
+
+@needs_manifest
+def test_bad_calls_are_refused_before_any_launch(libs, emu):
+    gpu, _ = libs
+    name = _ops("pointwise")[0]
+    n_in = len(OPS[name].inputs)
+    with pytest.raises(EulerError, match="expected a CuPy array"):
+        gpu.forward(name, *[np.ones(4, np.float32)] * n_in)
+    with pytest.raises(EulerError, match=r"out y has shape \(3,\), expected \(4,\)|out .* has shape"):
+        gpu.forward(name, *[dev(np.ones(4, np.float32))] * n_in,
+                    out=tuple(dev(np.ones(3, np.float32)) for _ in OPS[name].outputs))
+    with pytest.raises(EulerError, match="float32 or bf16"):
+        gpu.forward(name, *[dev(np.ones(4, np.float64))] * n_in)
+    assert emu.launches == []
