@@ -32,7 +32,9 @@ LLMC_FILE_MAGICS = {20240326: "a model checkpoint", 20240327: "a model debug sta
 _LLMC_SHARD_NAME = re.compile(r"_(train|val)_?\d+\.bin\Z")
 
 BUILTIN_STDLIB = "builtin:stdlib"
-STDLIB_VAL_FRACTION = 0.1
+# Every 10th file (by path) is validation: a held-out sample with the training mix
+# (the stdlib's tail, by path, is mostly unittest/tkinter/xml, unlike the rest).
+STDLIB_VAL_EVERY = 10
 DOC_SEPARATOR = 0  # byte 0 never occurs in source text: it ends each file in builtin:stdlib
 
 
@@ -253,22 +255,24 @@ def default_cache_dir() -> Path:
 
 def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
     """Build (once) and return the train and val shards of builtin:stdlib: byte-level
-    tokens of every stdlib .py file, each followed by byte 0; the last 10 % of the
-    files (by path) are validation. Cached under the cache dir, keyed by the file list."""
+    tokens of every stdlib .py file, each followed by byte 0; every 10th file (by
+    path) is validation. Cached under the cache dir, keyed by the file list."""
     files = stdlib_files()
-    if not files:
-        raise EulerError("the Python standard library has no .py files here", key="data.dataset")
+    if len(files) < STDLIB_VAL_EVERY:
+        raise EulerError(f"the Python standard library here has {len(files)} .py files, too few "
+                         f"for builtin:stdlib", key="data.dataset")
     root = Path(sysconfig.get_paths()["stdlib"])
     key = hashlib.sha256()
-    key.update(sys.version.encode())
+    key.update(f"{sys.version}\nval every {STDLIB_VAL_EVERY}\n".encode())
     for p in files:
         key.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
     folder = Path(cache_dir or default_cache_dir()) / "data" / f"stdlib-{key.hexdigest()[:16]}"
     paths = {"train": folder / "train.bin", "val": folder / "val.bin"}
     if all(p.is_file() for p in paths.values()):
         return paths
-    split = len(files) - max(1, round(len(files) * STDLIB_VAL_FRACTION))
-    for name, part in (("train", files[:split]), ("val", files[split:])):
+    parts = {"train": [p for i, p in enumerate(files, 1) if i % STDLIB_VAL_EVERY],
+             "val": files[STDLIB_VAL_EVERY - 1::STDLIB_VAL_EVERY]}
+    for name, part in parts.items():
         data = bytearray()
         for p in part:
             data += p.read_bytes()

@@ -185,8 +185,10 @@ def test_builtin_stdlib_is_cached_byte_level_split(tmp_path):
     assert int(train.max()) < 256 and train[-1] == DOC_SEPARATOR
     mtime = paths["train"].stat().st_mtime_ns
     assert stdlib_tokens(tmp_path) == paths and paths["train"].stat().st_mtime_ns == mtime
-    first = stdlib_files()[0].read_bytes()
+    files = stdlib_files()
+    first, tenth = files[0].read_bytes(), files[9].read_bytes()
     assert bytes(train[:len(first)].astype(np.uint8)) == first
+    assert bytes(val[:len(tenth)].astype(np.uint8)) == tenth
 
 
 def test_make_loaders_for_the_default_config(tmp_path):
