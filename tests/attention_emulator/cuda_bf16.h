@@ -1,0 +1,183 @@
+// A CPU stand-in for the CUDA that the attention kernels use, so that the generated kernels
+// run unchanged (compiled by g++) in tests/test_attention_emulated.py on a machine without
+// a GPU. Each CUDA thread of a block is a fiber (ucontext); the block's fibers run round
+// robin, and every warp-collective operation (shuffle, ldmatrix, mma) and __syncthreads is
+// a barrier among the fibers taking part. ldmatrix and mma follow the PTX ISA fragment
+// tables, restated here independently of the kernels' own comments.
+//
+// It is included as <cuda_bf16.h> by the project's prelude (this folder is first on the
+// include path), so it supplies the CUDA keywords and builtins too.
+#pragma once
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+struct uint3 { unsigned x, y, z; };
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __int_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+
+struct __nv_bfloat16 { uint16_t bits; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };  // x at the lower address: the low half
+
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return {(uint16_t)(u >> 16)};
+}
+inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((unsigned)b.bits << 16); }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
+inline float2 __bfloat1622float2(__nv_bfloat162 v) {
+  return {__bfloat162float(v.x), __bfloat162float(v.y)};
+}
+
+// ---- fibers: one per CUDA thread of the running block -------------------------------------
+namespace emu {
+
+constexpr size_t STACK = 1 << 18;
+
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  uint3 tid;
+  long long warp_gen = 0, block_gen = 0;
+  bool done = false;
+};
+
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<long long> warp_arrived;  // per warp, monotonically increasing
+  long long block_arrived = 0;
+  // Per warp and lane, what a collective operation exchanges.
+  struct Slot { const void* ptr; unsigned u[6]; float g; };
+  std::vector<Slot> slots;
+  int current = 0;
+  ucontext_t main;
+  std::function<void()> body;
+};
+
+inline Block*& block() { static Block* b = nullptr; return b; }
+inline Fiber& self() { return block()->fibers[block()->current]; }
+inline void yield() { Block* b = block(); swapcontext(&b->fibers[b->current].ctx, &b->main); }
+
+inline int lane() { return (int)(self().tid.x & 31); }
+inline int warp() { return (int)(self().tid.x >> 5); }
+inline Block::Slot& slot(int w, int l) { return block()->slots[w * 32 + l]; }
+
+inline void warp_barrier() {
+  Block* b = block();
+  const int w = warp();
+  const long long gen = ++self().warp_gen;
+  ++b->warp_arrived[w];
+  while (b->warp_arrived[w] < 32 * gen) yield();
+}
+
+inline void block_barrier() {
+  Block* b = block();
+  const long long gen = ++self().block_gen;
+  ++b->block_arrived;
+  while (b->block_arrived < (long long)b->fibers.size() * gen) yield();
+}
+
+inline void entry() {
+  block()->body();
+  self().done = true;
+  yield();  // never resumed
+}
+
+}  // namespace emu
+
+inline dim3& emu_grid() { static dim3 d; return d; }
+inline dim3& emu_block_idx() { static dim3 d; return d; }
+inline dim3& emu_block_dim() { static dim3 d; return d; }
+#define threadIdx (emu::self().tid)
+#define blockIdx (emu_block_idx())
+#define blockDim (emu_block_dim())
+#define gridDim (emu_grid())
+
+inline void __syncthreads() { emu::block_barrier(); }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles only");
+  const int w = emu::warp(), l = emu::lane();
+  std::memcpy(&emu::slot(w, l).g, &v, 4);
+  emu::warp_barrier();
+  T out;
+  std::memcpy(&out, &emu::slot(w, l ^ mask).g, 4);
+  emu::warp_barrier();
+  return out;
+}
+
+// Run a kernel over a grid, one block after another.
+template <typename F>
+void emu_launch(dim3 grid, dim3 block, F&& kernel) {
+  emu_grid() = grid;
+  emu_block_dim() = block;
+  const int n = (int)(block.x * block.y * block.z);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        emu_block_idx() = dim3(x, y, z);
+        emu::Block b;
+        b.fibers.resize(n);
+        b.warp_arrived.assign((n + 31) / 32, 0);
+        b.slots.resize(((n + 31) / 32) * 32);
+        b.body = kernel;
+        emu::block() = &b;
+        for (int t = 0; t < n; ++t) {
+          emu::Fiber& f = b.fibers[t];
+          f.tid = {(unsigned)t, 0, 0};
+          f.stack.resize(emu::STACK);
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = f.stack.data();
+          f.ctx.uc_stack.ss_size = f.stack.size();
+          f.ctx.uc_link = nullptr;
+          makecontext(&f.ctx, emu::entry, 0);
+        }
+        for (int live = n; live > 0;) {
+          live = 0;
+          for (int t = 0; t < n; ++t) {
+            if (b.fibers[t].done) continue;
+            b.current = t;
+            swapcontext(&b.main, &b.fibers[t].ctx);
+            live += !b.fibers[t].done;
+          }
+        }
+        emu::block() = nullptr;
+      }
+}
