@@ -44,7 +44,7 @@ def _derive(spec: OpSpec) -> ir.DerivedOp:
         body, inputs, outputs = _attention(spec)
     return ir.DerivedOp(name=spec.name, kind=kind, inputs=inputs, outputs=outputs,
                         params=spec.params, body=body, where=spec.where,
-                        spec_sha256=spec.sha256)
+                        spec_sha256=spec.sha256, fast_math=spec.fast_math)
 
 
 def _all_formulas(spec: OpSpec):

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import sympy as sp
-import yaml
 
 from eulergen import OPS_DIR
 from eulergen.errors import EulerError
 from eulergen.generator import formula
 from eulergen.generator.formula import Where, suggest
 from eulergen.generator.ir import Location, Param
+from eulergen.generator.yaml_doc import YamlDoc
 
 KINDS = ("pointwise", "row", "pair", "update", "attention")
-_COMMON = {"name", "kind", "doc", "params", "let", "domain", "tolerance", "override"}
+_COMMON = {"name", "kind", "doc", "params", "let", "domain", "tolerance", "override", "fast_math"}
 KEYS = {
     "pointwise": _COMMON | {"inputs", "outputs", "kink", "backward"},
     "row": _COMMON | {"inputs", "reduce", "stabilizers", "outputs", "kink", "backward"},
@@ -48,7 +48,6 @@ ATTENTION_SYMBOLS = ("s", "i", "j", "h", "n_heads", "scale")
 ROW_SYMBOLS = ("i", "N")
 DEFAULT_DOMAIN = (-3.0, 3.0)
 DEFAULT_TOLERANCE = 1e-4
-_NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _TEMP_NAME = re.compile(r"^t\d+$")
 
 
@@ -97,6 +96,7 @@ class OpSpec:
     tolerance: float
     kink: float | None
     override: bool
+    fast_math: bool                     # opt in to --use_fast_math for this op's kernels
     where: Location
     sha256: str
 
@@ -104,85 +104,9 @@ class OpSpec:
         return dict(self.domain).get(name, DEFAULT_DOMAIN)
 
 
-# YAML with line numbers ---------------------------------------------------------------------
-
-class _Doc:
-    """A loaded YAML document and the line of every key path in it."""
-
-    def __init__(self, path: Path):
-        self.file = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise EulerError(f"cannot read spec: {err}", file=self.file) from None
-        self.bytes = text.encode("utf-8")
-        self.lines: dict[tuple, int] = {}
-        loader = yaml.SafeLoader(text)
-        try:
-            node = loader.get_single_node()
-            if node is None:
-                raise EulerError("empty spec file", file=self.file)
-            self._index(node, ())
-            self.data = loader.construct_document(node)
-        except yaml.MarkedYAMLError as err:
-            mark = err.problem_mark or err.context_mark
-            line = mark.line + 1 if mark else None
-            raise EulerError(f"YAML error: {err.problem or err.context}", file=self.file,
-                             line=line) from None
-        finally:
-            loader.dispose()
-        if not isinstance(self.data, dict):
-            raise EulerError("a spec must be a mapping of keys (name, kind, …)", file=self.file, line=1)
-
-    def _index(self, node: yaml.Node, path: tuple) -> None:
-        if isinstance(node, yaml.MappingNode):
-            seen = set()
-            for k, v in node.value:
-                key = k.value
-                if key in seen:
-                    raise EulerError("duplicate key", file=self.file, line=k.start_mark.line + 1,
-                                     key=".".join(map(str, path + (key,))))
-                seen.add(key)
-                self.lines[path + (key,)] = k.start_mark.line + 1
-                self._index(v, path + (key,))
-        elif isinstance(node, yaml.SequenceNode):
-            for n, item in enumerate(node.value):
-                self.lines[path + (n,)] = item.start_mark.line + 1
-                self._index(item, path + (n,))
-
-    def where(self, *path) -> Where:
-        line = next((self.lines[path[:n]] for n in range(len(path), 0, -1)
-                     if path[:n] in self.lines), 1)
-        return Where(self.file, line, ".".join(map(str, path)))
-
-    def error(self, message: str, *path) -> EulerError:
-        return self.where(*path).error(message)
-
-
 # Field readers ---------------------------------------------------------------------------------
 
-def _mapping(doc: _Doc, value, *path) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise doc.error(f"expected a mapping (name: value), got {type(value).__name__}", *path)
-    return value
-
-
-def _float(doc: _Doc, value, *path) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise doc.error(f"expected a number, got {value!r}", *path)
-    if isinstance(value, str):
-        if _NUMBER_TEXT.match(value.strip()):
-            fixed = value.strip()
-            mant, _, exp = fixed.lower().partition("e")
-            fixed = (mant if "." in mant else mant + ".0") + ("e" + exp if exp else "")
-            raise doc.error(f"'{value}' is read by YAML as a string; write {fixed}", *path)
-        raise doc.error(f"expected a number, got {value!r}", *path)
-    return float(value)
-
-
-def _identifier(doc: _Doc, name, *path) -> str:
+def _identifier(doc: YamlDoc, name, *path) -> str:
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         raise doc.error(f"{name!r} is not a valid name", *path)
     if name in formula.FUNCTIONS or name in formula.REDUCTIONS or name in formula.CONSTANTS:
@@ -198,7 +122,7 @@ class _Names:
     """Declared names → symbols (or `let` expressions), refusing duplicates and names that
     would collide with generated gradient names."""
 
-    def __init__(self, doc: _Doc):
+    def __init__(self, doc: YamlDoc):
         self.doc = doc
         self.table: dict[str, sp.Basic] = {}
 
@@ -214,7 +138,7 @@ class _Names:
         return self.table[name]
 
 
-def _check_keys(doc: _Doc, data: dict, kind: str) -> None:
+def _check_keys(doc: YamlDoc, data: dict, kind: str) -> None:
     allowed = KEYS[kind]
     for key in data:
         if key not in allowed:
@@ -228,25 +152,25 @@ def _check_keys(doc: _Doc, data: dict, kind: str) -> None:
             raise doc.error(f"missing required key '{key}' for a {kind} op", key)
 
 
-def _params(doc: _Doc, data: dict, names: _Names) -> tuple[Param, ...]:
+def _params(doc: YamlDoc, data: dict, names: _Names) -> tuple[Param, ...]:
     out = []
-    for name, value in _mapping(doc, data.get("params"), "params").items():
+    for name, value in doc.mapping(data.get("params"), "params").items():
         names.add(name, None, "params", name)
         if value == "runtime":
             out.append(Param(name, None))
         else:
-            out.append(Param(name, _float(doc, value, "params", name)))
+            out.append(Param(name, doc.number(value, "params", name)))
     return tuple(out)
 
 
-def _lets(doc: _Doc, data: dict, names: _Names) -> None:
-    for name, text in _mapping(doc, data.get("let"), "let").items():
+def _lets(doc: YamlDoc, data: dict, names: _Names) -> None:
+    for name, text in doc.mapping(data.get("let"), "let").items():
         expr = formula.parse(text, names.table, doc.where("let", name))
         names.add(name, expr, "let", name)
 
 
-def _formulas(doc: _Doc, data: dict, key: str, names: _Names) -> tuple[Formula, ...]:
-    items = _mapping(doc, data.get(key), key)
+def _formulas(doc: YamlDoc, data: dict, key: str, names: _Names) -> tuple[Formula, ...]:
+    items = doc.mapping(data.get(key), key)
     if not items:
         raise doc.error("at least one entry is required", key)
     return tuple(Formula(name, formula.parse(text, names.table, doc.where(key, name)),
@@ -254,22 +178,22 @@ def _formulas(doc: _Doc, data: dict, key: str, names: _Names) -> tuple[Formula, 
                  for name, text in items.items())
 
 
-def _domain(doc: _Doc, data: dict, inputs: tuple[Input, ...]) -> tuple:
+def _domain(doc: YamlDoc, data: dict, inputs: tuple[Input, ...]) -> tuple:
     out = []
     known = {i.name for i in inputs}
-    for name, bounds in _mapping(doc, data.get("domain"), "domain").items():
+    for name, bounds in doc.mapping(data.get("domain"), "domain").items():
         if name not in known:
             raise doc.error(f"not an input{suggest(str(name), known)}", "domain", name)
         if not isinstance(bounds, list) or len(bounds) != 2:
             raise doc.error("expected [low, high]", "domain", name)
-        lo, hi = (_float(doc, b, "domain", name, n) for n, b in enumerate(bounds))
+        lo, hi = (doc.number(b, "domain", name, n) for n, b in enumerate(bounds))
         if not lo < hi:
             raise doc.error(f"low {lo} must be below high {hi}", "domain", name)
         out.append((name, (lo, hi)))
     return tuple(out)
 
 
-def _inputs(doc: _Doc, data: dict, kind: str, names: _Names) -> tuple[Input, ...]:
+def _inputs(doc: YamlDoc, data: dict, kind: str, names: _Names) -> tuple[Input, ...]:
     raw = data.get("inputs")
     if kind == "pointwise":
         if not isinstance(raw, list) or not raw:
@@ -277,7 +201,7 @@ def _inputs(doc: _Doc, data: dict, kind: str, names: _Names) -> tuple[Input, ...
         for n, name in enumerate(raw):
             names.add(name, None, "inputs", n)
         return tuple(Input(name, "elem") for name in raw)
-    items = _mapping(doc, raw, "inputs")
+    items = doc.mapping(raw, "inputs")
     if not items:
         raise doc.error(f"a {kind} op maps inputs to roles: inputs: {{x: {ROLES[kind][0]}}}", "inputs")
     out = []
@@ -300,7 +224,7 @@ def _inputs(doc: _Doc, data: dict, kind: str, names: _Names) -> tuple[Input, ...
 
 def load_spec(path: Path | str) -> OpSpec:
     path = Path(path)
-    doc = _Doc(path)
+    doc = YamlDoc(path)
     data = doc.data
     for key in ("name", "kind"):
         if key not in data:
@@ -359,25 +283,27 @@ def load_spec(path: Path | str) -> OpSpec:
 
     tolerance = DEFAULT_TOLERANCE
     if "tolerance" in data:
-        tolerance = _float(doc, data["tolerance"], "tolerance")
+        tolerance = doc.number(data["tolerance"], "tolerance")
         if not 0 < tolerance < 1:
             raise doc.error("expected a small positive number such as 1.0e-4", "tolerance")
-    kink = _float(doc, data["kink"], "kink") if "kink" in data else None
-    override = data.get("override", False)
-    if not isinstance(override, bool):
-        raise doc.error("expected true or false", "override")
+    kink = doc.number(data["kink"], "kink") if "kink" in data else None
+    override, fast_math = (data.get(k, False) for k in ("override", "fast_math"))
+    for key, value in (("override", override), ("fast_math", fast_math)):
+        if not isinstance(value, bool):
+            raise doc.error("expected true or false", key)
 
     return OpSpec(
         name=name, kind=kind, doc=doc_text, inputs=inputs, params=params, outputs=outputs,
         reductions=reductions, stabilizers=stabilizers, index=index, update=update,
         score=score, mask=mask, backward=backward, domain=_domain(doc, data, inputs),
-        tolerance=tolerance, kink=kink, override=override, where=Location(doc.file, 1),
+        tolerance=tolerance, kink=kink, override=override, fast_math=fast_math,
+        where=Location(doc.file, 1),
         sha256=hashlib.sha256(doc.bytes).hexdigest())
 
 
-def _index(doc: _Doc, data: dict, names: _Names) -> tuple[tuple[str, str], ...]:
+def _index(doc: YamlDoc, data: dict, names: _Names) -> tuple[tuple[str, str], ...]:
     out = []
-    items = _mapping(doc, data.get("index"), "index")
+    items = doc.mapping(data.get("index"), "index")
     for name, role in items.items():
         if role not in INDEX_ROLES:
             raise doc.error(f"unknown index role {role!r} (expected one of "
@@ -394,9 +320,9 @@ def _index(doc: _Doc, data: dict, names: _Names) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _reductions(doc: _Doc, data: dict, names: _Names):
+def _reductions(doc: YamlDoc, data: dict, names: _Names):
     out = []
-    for name, text in _mapping(doc, data.get("reduce"), "reduce").items():
+    for name, text in doc.mapping(data.get("reduce"), "reduce").items():
         where = doc.where("reduce", name)
         op, expr = formula.parse_reduction(text, names.table, where)
         names.add(name, None, "reduce", name)
@@ -419,9 +345,9 @@ def _reductions(doc: _Doc, data: dict, names: _Names):
     return tuple(out), tuple(raw)
 
 
-def _pair_outputs(doc: _Doc, data: dict, names: _Names) -> tuple[Formula, ...]:
+def _pair_outputs(doc: YamlDoc, data: dict, names: _Names) -> tuple[Formula, ...]:
     out = []
-    for name, pair in _mapping(doc, data.get("outputs"), "outputs").items():
+    for name, pair in doc.mapping(data.get("outputs"), "outputs").items():
         _identifier(doc, name, "outputs", name)
         if not isinstance(pair, list) or len(pair) != 2:
             raise doc.error("a pair output is [first, second]: the values at k and k + D/2",
@@ -432,10 +358,10 @@ def _pair_outputs(doc: _Doc, data: dict, names: _Names) -> tuple[Formula, ...]:
     return tuple(out)
 
 
-def _update(doc: _Doc, data: dict, inputs: tuple[Input, ...], names: _Names):
+def _update(doc: YamlDoc, data: dict, inputs: tuple[Input, ...], names: _Names):
     states = {i.name for i in inputs if i.role == "state"}
     out = []
-    for name, text in _mapping(doc, data.get("update"), "update").items():
+    for name, text in doc.mapping(data.get("update"), "update").items():
         if name not in states:
             raise doc.error(f"only state inputs can be updated{suggest(str(name), states)}",
                             "update", name)
@@ -446,7 +372,7 @@ def _update(doc: _Doc, data: dict, inputs: tuple[Input, ...], names: _Names):
     return tuple(out)
 
 
-def _backward(doc: _Doc, data: dict, kind: str, inputs, outputs, names: _Names):
+def _backward(doc: YamlDoc, data: dict, kind: str, inputs, outputs, names: _Names):
     if kind != "pointwise":
         raise doc.error("explicit backward overrides are supported for pointwise ops only",
                         "backward")
@@ -455,7 +381,7 @@ def _backward(doc: _Doc, data: dict, kind: str, inputs, outputs, names: _Names):
         table["d" + out.name] = symbol("d" + out.name)
     known = {i.name for i in inputs}
     result = []
-    for name, text in _mapping(doc, data["backward"], "backward").items():
+    for name, text in doc.mapping(data["backward"], "backward").items():
         if name not in known:
             raise doc.error(f"not an input{suggest(str(name), known)}", "backward", name)
         where = doc.where("backward", name)
@@ -493,7 +419,7 @@ def find_ops(ops_dirs=()) -> dict[str, Path]:
 
 
 def _says_override(path: Path) -> bool:
-    data = _Doc(path).data
+    data = YamlDoc(path).data
     return data.get("override") is True
 
 

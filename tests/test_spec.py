@@ -39,6 +39,8 @@ def test_good_spec_loads_with_its_parts(tmp_path):
     assert [i.name for i in spec.inputs] == ["x"]
     assert spec.params[0].name == "eps" and spec.params[0].default == 1e-5
     assert len(spec.sha256) == 64
+    assert spec.fast_math is False
+    assert load_spec(write(tmp_path, GOOD + "fast_math: true\n")).fast_math is True
 
 
 @pytest.mark.parametrize("edit,line,key,message", [
@@ -56,6 +58,7 @@ def test_good_spec_loads_with_its_parts(tmp_path):
     (("inputs: [x]", "inputs: [x, dx]"), 3, "inputs.1", "gradients are named d<name>"),
     (("params: {eps: 1.0e-5}", "params: {eps: fast}"), 4, "params.eps", "expected a number"),
     (("params: {eps: 1.0e-5}", "params: {t0: 1.0}"), 4, "params.t0", "reserved for generated"),
+    (("inputs: [x]", "inputs: [x]\nfast_math: yes please"), 4, "fast_math", "expected true or false"),
     (("inputs: [x]\n", ""), 1, "inputs", "missing required key 'inputs'"),
 ])
 def test_schema_errors_name_file_line_and_key(tmp_path, edit, line, key, message):
