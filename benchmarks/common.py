@@ -1,9 +1,13 @@
 """Timing helpers the GPU benchmarks share: CUDA-event timing, the copy ceiling, a table.
 
 Times are medians of CUDA-event-timed calls after warm-up, so one slow call (a clock
-change, another process) does not move the figure; each call is timed on its own,
-between events on the current stream, which excludes Python time between calls only
-where the GPU is busier than the launch path (true for the ≥ 256 MB sizes used here)."""
+change, another process) does not move the figure. Each call sits between its own two
+events, and all calls are queued before one synchronize: the GPU then runs them back to
+back and each pair of events measures the GPU time of its call, not the Python time of
+launching it (at the ≥ 256 MB sizes used here launching is far faster than running). A
+call that waits for the host inside (a size read back from the GPU) still pays for it.
+Events are recorded on CuPy's current stream, the legacy default stream that PyTorch's
+eager ops also run on, so one clock times both."""
 from __future__ import annotations
 
 import statistics
@@ -12,9 +16,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-def say(*parts) -> None:
+def say(*parts, end: str = "\n") -> None:
     """Progress on stderr, flushed, so a run cut off by a timeout still shows where it was."""
-    print(*parts, file=sys.stderr, flush=True)
+    print(*parts, file=sys.stderr, flush=True, end=end)
 
 
 def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -> float:
@@ -23,15 +27,13 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -> fl
     for _ in range(warmup):
         fn()
     cupy.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+    for start, stop in events:
         start.record()
         fn()
         stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    events[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events)
 
 
 def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -42,7 +44,6 @@ def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
     src = cupy.ones(n, dtype=cupy.uint8)
     dst = cupy.empty_like(src)
     ms = time_ms(lambda: dst.data.copy_from_device_async(src.data, n), iters=iters)
-    del src, dst
     return 2 * n / ms / 1e6
 
 

@@ -249,7 +249,6 @@ def test_fused_row_call_may_write_the_gradient_over_the_input(name, libs, emu):
 @pytest.mark.parametrize("name", _ops("pair"))
 def test_pair_calls_pass_element_strides_of_views(name, libs, emu):
     gpu, ref = libs
-    op = OPS[name]
     rng = np.random.default_rng(4)
     qkv = rng.uniform(-2, 2, (2, 5, 3, 4, 8)).astype(np.float32)
     q_view = dev(qkv)[:, :, 0]

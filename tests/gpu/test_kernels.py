@@ -7,9 +7,13 @@ float64 on the very same input values.
 
 Tolerances. fp32: the largest error over an output divided by the largest magnitude of
 the reference (an ∞-norm relative error) must be below 1e-5. A plain element-wise
-relative error is meaningless where an output crosses zero (gelu near 0, a layernorm
-gradient that is a difference of nearly equal terms): there fp32 rounding of the inputs
-to each term, not the kernel, sets the error, and it is small against the output's scale.
+relative error is meaningless where an output crosses zero (gelu near 0): there the fp32
+rounding of each term, not the kernel, sets the error, and it is small against the
+output's scale. Where a whole output is such a difference of nearly equal terms (a
+layernorm gradient over rows of length 1 is exactly 0, computed as 300 − 300), its own
+magnitude is no scale at all; so the error may also be up to 16× that of the same numpy
+formula evaluated in float32 (FMA contraction in the kernel rounds differently). For a
+well-conditioned output that allowance is far below 1e-5 of its scale and changes nothing.
 bf16: each element within half a bf16 ulp (2^-8 relative: the fp32 result rounded once to
 bf16) plus the fp32 allowance above, for results that land next to a rounding midpoint.
 Per-row outputs a kernel stores as float32 (a loss) take the fp32 tolerance in both.
@@ -94,19 +98,35 @@ def as_f64(cp, a) -> np.ndarray:
     return (from_bf16(h) if h.dtype == np.uint16 else h).astype(np.float64)
 
 
-def check(name: str, got_dev, want: np.ndarray, cp) -> None:
+def as_tuple(r):
+    return r if isinstance(r, tuple) else (r,)
+
+
+def reference(fn, name, *host, **params) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each result of a numpy call in float64, paired with the same call in float32."""
+    f64 = as_tuple(fn(name, *host, **params))
+    f32 = as_tuple(fn(name, *[h.astype(np.float32) if h.dtype == np.float64 else h
+                              for h in host], **params))
+    return [(np.asarray(a), np.asarray(b, dtype=np.float64)) for a, b in zip(f64, f32)]
+
+
+def check(name: str, got_dev, want: tuple[np.ndarray, np.ndarray], cp) -> None:
+    want, want32 = want
     got = as_f64(cp, got_dev)
     assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
     assert not np.isnan(got).any(), f"{name}: {int(np.isnan(got).sum())} elements unwritten or NaN"
     scale = float(np.max(np.abs(want))) if want.size else 0.0
+    noise = 16 * float(np.max(np.abs(want32 - want))) if want.size else 0.0
     err = np.abs(got - want)
     if got_dev.dtype == np.uint16:
-        bad = err > 2.0 ** -8 * np.abs(want) + 1e-5 * scale
+        bad = err > 2.0 ** -8 * np.abs(want) + max(1e-5 * scale, noise)
         assert not bad.any(), (f"{name} (bf16): {int(bad.sum())} elements past half an ulp, "
                                f"worst {err.max():.3e} at scale {scale:.3e}")
     else:
-        rel = float(err.max()) / scale if scale else float(err.max())
-        assert rel < 1e-5, f"{name} (fp32): ∞-norm relative error {rel:.2e}"
+        worst = float(err.max()) if err.size else 0.0
+        assert worst <= max(1e-5 * scale, noise), (
+            f"{name} (fp32): ∞-norm relative error {worst / scale if scale else worst:.2e} "
+            f"(float32 numpy: {noise / 16 / scale if scale else noise / 16:.2e})")
 
 
 def both_dtypes(f):
@@ -130,18 +150,16 @@ def test_pointwise_forward_and_backward_match_numpy(name, n, dtype, cp, libs):
     outs = tuple(poisoned(cp, (n,), np.float32 if dtype == "f32" else np.uint16)
                  for _ in op.outputs)
     gpu.forward(name, *[device(cp, x, dtype) for x in xs], out=outs)
-    want = ref.forward(name, *xs)
-    want = want if isinstance(want, tuple) else (want,)
-    for o, got, w in zip(op.outputs, outs, want):
-        check(f"{name}.{o.name}", got, np.asarray(w), cp)
+    for o, got, w in zip(op.outputs, outs, reference(ref.forward, name, *xs)):
+        check(f"{name}.{o.name}", got, w, cp)
     if not op.grads:
         return
     douts = [host_values(rng, (n,), -1, 1, dtype) for _ in op.outputs]
     grads = tuple(poisoned(cp, (n,), np.float32 if dtype == "f32" else np.uint16)
                   for _ in op.grads)
     gpu.backward(name, *[device(cp, a, dtype) for a in xs + douts], out=grads)
-    for g, got, w in zip(op.grads, grads, ref.backward(name, *xs, *douts)):
-        check(f"{name}.d{g}", got, np.asarray(w), cp)
+    for g, got, w in zip(op.grads, grads, reference(ref.backward, name, *xs, *douts)):
+        check(f"{name}.d{g}", got, w, cp)
 
 
 @pytest.mark.parametrize("name", _ops("pointwise")[:1])
@@ -153,9 +171,8 @@ def test_pointwise_on_unaligned_views(name, cp, libs):
     xs = [host_values(rng, (1001,), *domain(op, o.name), "f32") for o in op.inputs]
     outs = tuple(poisoned(cp, (1001,), np.float32)[1:] for _ in op.outputs)
     gpu.forward(name, *[device(cp, x, "f32")[1:] for x in xs], out=outs)
-    want = ref.forward(name, *[x[1:] for x in xs])
-    for o, got, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
-        check(f"{name}.{o.name}[1:]", got, np.asarray(w), cp)
+    for o, got, w in zip(op.outputs, outs, reference(ref.forward, name, *[x[1:] for x in xs])):
+        check(f"{name}.{o.name}[1:]", got, w, cp)
 
 
 def test_a_2_28_element_pointwise_forward_writes_every_element(cp, libs):
@@ -180,9 +197,9 @@ def test_a_2_28_element_pointwise_forward_writes_every_element(cp, libs):
     # The reference on a sample that includes the first and last elements.
     idx = np.unique(np.concatenate([rng.integers(0, n, 1 << 20), [0, 1, n - 2, n - 1]]))
     idx_dev = cp.asarray(idx)
-    want = ref.forward(name, *[cp.asnumpy(a[idx_dev]).astype(np.float64) for a in ins])
-    for o, y, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
-        check(f"{name}.{o.name} (2^28, sampled)", y[idx_dev], np.asarray(w), cp)
+    want = reference(ref.forward, name, *[cp.asnumpy(a[idx_dev]).astype(np.float64) for a in ins])
+    for o, y, w in zip(op.outputs, outs, want):
+        check(f"{name}.{o.name} (2^28, sampled)", y[idx_dev], w, cp)
     del ins, outs
     cp.get_default_memory_pool().free_all_blocks()
 
@@ -235,9 +252,8 @@ def test_row_forward_and_backward_match_numpy(name, rows, cols, dtype, cp, libs)
     host = row_inputs(op, rng, rows, cols, dtype)
     outs = tuple(poisoned(cp, _out_shape(o, rows, cols), _out_dtype(o, dtype)) for o in op.outputs)
     gpu.forward(name, *to_device(cp, host, dtype), out=outs)
-    want = ref.forward(name, *host)
-    for o, got, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
-        check(f"{name}.{o.name}", got, np.asarray(w), cp)
+    for o, got, w in zip(op.outputs, outs, reference(ref.forward, name, *host)):
+        check(f"{name}.{o.name}", got, w, cp)
     if not op.grads:
         return
     douts = [host_values(rng, _out_shape(o, rows, cols), -1, 1,
@@ -248,8 +264,8 @@ def test_row_forward_and_backward_match_numpy(name, rows, cols, dtype, cp, libs)
     grads = tuple(poisoned(cp, (cols,) if role[g] == "weight" else (rows, cols), _storage(dtype))
                   for g in op.grads)
     gpu.backward(name, *to_device(cp, host, dtype), *douts_dev, out=grads)
-    for g, got, w in zip(op.grads, grads, ref.backward(name, *host, *douts)):
-        check(f"{name}.d{g}", got, np.asarray(w), cp)
+    for g, got, w in zip(op.grads, grads, reference(ref.backward, name, *host, *douts)):
+        check(f"{name}.d{g}", got, w, cp)
 
 
 def _fused_ops():
@@ -272,10 +288,10 @@ def test_fused_fwdbwd_writes_the_gradient_over_its_input(name, rows, cols, dtype
     row_inputs_dev = [d for o, d in zip(op.inputs, dev) if o.differentiable and o.role == "row"]
     gpu.fused(name, *dev, *[cp.asarray(d.astype(np.float32)) for d in douts],
               out=outs + tuple(row_inputs_dev))
-    want = ref.fused(name, *host, *douts)
+    want = reference(ref.fused, name, *host, *douts)
     for label, got, w in zip([o.name for o in op.outputs] + [f"d{g}" for g in op.grads],
                              outs + tuple(row_inputs_dev), want):
-        check(f"{name}.fused.{label}", got, np.asarray(w), cp)
+        check(f"{name}.fused.{label}", got, w, cp)
 
 
 # ---- pair (rope) ---------------------------------------------------------------------------
@@ -296,15 +312,14 @@ def test_pair_forward_and_backward_on_views_of_a_fused_buffer(name, shape, dtype
     xs = [fused[:, :, i] for i in range(len(op.inputs))]
     outs = tuple(poisoned(cp, shape, _storage(dtype)) for _ in op.outputs)
     gpu.forward(name, *[fused_dev[:, :, i] for i in range(len(op.inputs))], out=outs)
-    want = ref.forward(name, *xs)
-    for o, got, w in zip(op.outputs, outs, want if isinstance(want, tuple) else (want,)):
-        check(f"{name}.{o.name}", got, np.asarray(w), cp)
+    for o, got, w in zip(op.outputs, outs, reference(ref.forward, name, *xs)):
+        check(f"{name}.{o.name}", got, w, cp)
     douts = [host_values(rng, shape, -1, 1, dtype) for _ in op.outputs]
     grads = tuple(poisoned(cp, shape, _storage(dtype)) for _ in op.grads)
     gpu.backward(name, *[fused_dev[:, :, i] for i in range(len(op.inputs))],
                  *[device(cp, d, dtype) for d in douts], out=grads)
-    for g, got, w in zip(op.grads, grads, ref.backward(name, *xs, *douts)):
-        check(f"{name}.d{g}", got, np.asarray(w), cp)
+    for g, got, w in zip(op.grads, grads, reference(ref.backward, name, *xs, *douts)):
+        check(f"{name}.d{g}", got, w, cp)
 
 
 # ---- update (adamw) ------------------------------------------------------------------------
@@ -321,11 +336,13 @@ def test_update_step_matches_numpy(name, n, dtype, cp, libs):
             for o in op.inputs]
     dev = [device(cp, h, dtype if o.role == "grad" else "f32") for o, h in zip(op.inputs, host)]
     runtime = {k: (3.0 if k == "step" else 1e-3) for k, v in op.params.items() if v is None}
+    host32 = [h.astype(np.float32) for h in host]
     gpu.step(name, *dev, **runtime)
     ref.step(name, *host, **runtime)
-    for o, got, w in zip(op.inputs, dev, host):
-        if o.role == "state":
-            check(f"{name}.{o.name}", got, w, cp)   # state is float32 in every variant
+    ref.step(name, *host32, **runtime)
+    for o, got, w, w32 in zip(op.inputs, dev, host, host32):
+        if o.role == "state":   # state is float32 in every variant
+            check(f"{name}.{o.name}", got, (w, w32.astype(np.float64)), cp)
 
 
 # ---- bad input is refused before a launch --------------------------------------------------

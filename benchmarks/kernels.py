@@ -1,0 +1,269 @@
+"""Generated kernels against a device copy and PyTorch eager, on one GPU, in one run.
+
+    python benchmarks/kernels.py            # every op in generated/manifest.json, fp32 and bf16
+    python benchmarks/kernels.py --quick    # fewer timed calls (well under 2 minutes)
+    python benchmarks/kernels.py --ops gelu,rmsnorm
+
+Shapes are those of /work/shared/ANCHORS.md: pointwise ops 2^28 elements (two-input ops
+2^27 pairs), norms and softmax 262144 × 768, cross-entropy 8192 × 50257, AdamW 124M fp32
+parameters, embedding 8 × 1024 ids into 50304 × 768. Inputs are made once in PyTorch and
+shared with CuPy through DLPack (bf16 travels as int16 bits), so both sides read the
+same memory. GB/s counts the fewest bytes an op must move (each input read once, each
+output written once; a forward+backward re-reads its inputs); "of copy" divides that by a
+device-to-device copy measured in this run; "ratio" is our time over PyTorch's (below 1
+is faster). Progress goes to stderr, the table to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+from common import Row, copy_gbps, say, table, time_ms  # noqa: E402
+
+NORM_ROWS, NORM_COLS = 262144, 768
+CE_ROWS, CE_COLS = 8192, 50257
+ADAMW_N = 124_439_808                        # GPT-2 124M, tied embeddings
+EMB_B, EMB_T, EMB_V, EMB_C = 8, 1024, 50304, 768
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    dtype: str
+    ours: Callable[[], object]
+    theirs: Callable[[], object] | None
+    gbytes: float
+
+
+class Bench:
+    def __init__(self, quick: bool):
+        import cupy
+        import torch
+        from eulergen.runtime.backend import get_backend
+        from eulergen.runtime.ops import OpLibrary
+        self.cp, self.torch = cupy, torch
+        self.F = torch.nn.functional
+        self.lib = OpLibrary(get_backend("cuda"))
+        self.iters = 5 if quick else 20
+        self.warmup = 2 if quick else 5
+        torch.manual_seed(0)
+
+    # -- memory shared between torch and cupy ------------------------------------------------
+
+    def tdtype(self, dtype: str):
+        return self.torch.float32 if dtype == "f32" else self.torch.bfloat16
+
+    def ours(self, t):
+        """The CuPy view of a torch tensor (bf16 as its uint16 bits), no copy."""
+        if t.dtype == self.torch.bfloat16:
+            return self.cp.from_dlpack(t.view(self.torch.int16)).view(self.cp.uint16)
+        return self.cp.from_dlpack(t)
+
+    def randn(self, shape, dtype, scale=1.0, grad=False):
+        t = (self.torch.randn(shape, device="cuda") * scale).to(self.tdtype(dtype))
+        return t.requires_grad_(grad)
+
+    def empty(self, shape, dtype):
+        return self.torch.empty(shape, device="cuda", dtype=self.tdtype(dtype))
+
+    def grad(self, out, inputs, dout):
+        return self.torch.autograd.grad(out, inputs, dout)
+
+    def run(self, case: Case, copy: float) -> Row:
+        say(f"  {case.label} {case.dtype}: ours", end="")
+        ms = time_ms(case.ours, warmup=self.warmup, iters=self.iters)
+        say(f" {ms:.3f} ms; torch", end="")
+        tms = (time_ms(case.theirs, warmup=self.warmup, iters=self.iters)
+               if case.theirs is not None else None)
+        say(f" {tms:.3f} ms" if tms is not None else " -")
+        return Row(case.label, case.dtype, ms, case.gbytes, copy, tms)
+
+    def release(self):
+        self.cp.get_default_memory_pool().free_all_blocks()
+        self.torch.cuda.empty_cache()
+
+    # -- cases ---------------------------------------------------------------------------
+
+    def pointwise(self, name: str, dtype: str):
+        op = self.lib.op(name)
+        F, s = self.F, 4 if dtype == "f32" else 2
+        n = (1 << 28) if len(op.inputs) == 1 else (1 << 27)
+        ts = [self.randn((n,), dtype, grad=True) for _ in op.inputs]
+        xs = [self.ours(t.detach()) for t in ts]
+        ys = [self.ours(self.empty((n,), dtype)) for _ in op.outputs]
+        douts = [self.randn((n,), dtype) for _ in op.outputs]
+        dxs = [self.ours(self.empty((n,), dtype)) for _ in op.grads]
+        peer = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "gelu_erf": F.gelu,
+                "silu": F.silu, "relu": F.relu, "relu2": lambda x: F.relu(x).square(),
+                "swiglu": lambda a, b: F.silu(a) * b,
+                "geglu": lambda a, b: F.gelu(a, approximate="tanh") * b}.get(name)
+        lib = self.lib
+        rw = len(op.inputs) + len(op.outputs)
+        yield Case(f"{name} fwd", dtype, lambda: lib.forward(name, *xs, out=ys),
+                   (lambda: peer(*(t.detach() for t in ts))) if peer else None, rw * n * s / 1e9)
+        if op.grads:
+            dev_douts = [self.ours(d) for d in douts]
+
+            def ours():
+                lib.forward(name, *xs, out=ys)
+                lib.backward(name, *xs, *dev_douts, out=dxs)
+
+            def theirs():
+                self.grad(peer(*ts), ts, douts)
+            bwd = len(op.inputs) + len(op.outputs) + len(op.grads)
+            yield Case(f"{name} fwd+bwd", dtype, ours, theirs if peer else None,
+                       (rw + bwd) * n * s / 1e9)
+
+    def row(self, name: str, dtype: str):
+        op = self.lib.op(name)
+        F, torch, lib = self.F, self.torch, self.lib
+        s = 4 if dtype == "f32" else 2
+        if name == "cross_entropy":
+            yield from self.cross_entropy(dtype)
+            return
+        R, C = NORM_ROWS, NORM_COLS
+        x = self.randn((R, C), dtype, grad=True)
+        ws = {o.name: self.randn((C,), dtype, grad=True) for o in op.inputs if o.role == "weight"}
+        eps = op.params.get("eps")
+        peer = {"rmsnorm": lambda x, w: F.rms_norm(x, (C,), w, eps),
+                "layernorm": lambda x, w, b: F.layer_norm(x, (C,), w, b, eps),
+                "softmax": lambda x: torch.softmax(x, -1),
+                "log_softmax": lambda x: torch.log_softmax(x, -1)}.get(name)
+        tin = [x] + list(ws.values())
+        ins = [self.ours(t.detach()) for t in tin]
+        y = self.ours(self.empty((R, C), dtype))
+        dy_t = self.randn((R, C), dtype)
+        dy = self.ours(dy_t)
+        grads = [self.ours(self.empty(t.shape, dtype)) for t in tin]
+        yield Case(f"{name} fwd", dtype, lambda: lib.forward(name, *ins, out=y),
+                   (lambda: peer(*(t.detach() for t in tin))) if peer else None, 2 * R * C * s / 1e9)
+
+        def ours():
+            lib.forward(name, *ins, out=y)
+            lib.backward(name, *ins, dy, out=grads)
+
+        def theirs():
+            self.grad(peer(*tin), tin, dy_t)
+        yield Case(f"{name} fwd+bwd", dtype, ours, theirs if peer else None,
+                   5 * R * C * s / 1e9)
+
+    def cross_entropy(self, dtype: str):
+        F, torch, lib = self.F, self.torch, self.lib
+        s = 4 if dtype == "f32" else 2
+        R, V = CE_ROWS, CE_COLS
+        logits = self.randn((R, V), dtype, 2.0, grad=True)
+        target = torch.randint(0, V, (R,), device="cuda", dtype=torch.int32)
+        target64 = target.long()
+        x, t = self.ours(logits.detach()), self.ours(target)
+        loss = self.cp.empty(R, dtype=self.cp.float32)
+        dloss = self.cp.full(R, 1.0 / R, dtype=self.cp.float32)   # the mean over rows
+        dx = self.ours(self.empty((R, V), dtype))
+        yield Case("cross_entropy fwd", dtype,
+                   lambda: lib.forward("cross_entropy", x, t, out=loss),
+                   lambda: F.cross_entropy(logits.detach(), target64), R * V * s / 1e9)
+        yield Case("cross_entropy fwd+bwd (fused)", dtype,
+                   lambda: lib.fused("cross_entropy", x, t, dloss, out=(loss, dx)),
+                   lambda: self.grad(F.cross_entropy(logits, target64), (logits,), None),
+                   2 * R * V * s / 1e9)
+
+    def adamw(self, dtype: str):
+        """One flat fp32 buffer (PyTorch's fused AdamW takes fp32 parameters; the bf16
+        variant of our kernel reads bf16 grads and has no eager peer with the same math)."""
+        torch, lib = self.torch, self.lib
+        n = ADAMW_N
+        p_t = torch.randn(n, device="cuda") * 0.02
+        g_t = torch.randn(n, device="cuda", dtype=self.tdtype(dtype)) * 1e-3
+        m_t, v_t = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+        p, g, m, v = (self.ours(a) for a in (p_t, g_t, m_t, v_t))
+        steps = iter(range(1, 1 << 30))
+        theirs = None
+        if dtype == "f32":
+            param = torch.nn.Parameter(p_t.clone())
+            param.grad = g_t.clone()
+            opt = torch.optim.AdamW([param], lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+                                    weight_decay=0.1, fused=True)
+            theirs = opt.step
+        s_g = 4 if dtype == "f32" else 2
+        yield Case("adamw step", dtype,
+                   lambda: lib.step("adamw", p, g, m, v, lr=1e-4, step=float(next(steps)),
+                                    beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
+                   theirs, (6 * 4 + s_g) * n / 1e9)
+
+    def embedding(self, dtype: str):
+        torch, F, lib = self.torch, self.F, self.lib
+        s = 4 if dtype == "f32" else 2
+        B, T, V, C = EMB_B, EMB_T, EMB_V, EMB_C
+        wte = self.randn((V, C), dtype, 0.02, grad=True)
+        wpe = self.randn((T, C), dtype, 0.02, grad=True)
+        ids_t = torch.randint(0, 50257, (B, T), device="cuda", dtype=torch.int32)
+        ids64 = ids_t.long()
+        ids, w, p = self.ours(ids_t), self.ours(wte.detach()), self.ours(wpe.detach())
+        out = self.ours(self.empty((B, T, C), dtype))
+        dout_t = self.randn((B, T, C), dtype)
+        dout = self.ours(dout_t)
+        dw, dp = self.ours(self.empty((V, C), dtype)), self.ours(self.empty((T, C), dtype))
+
+        def ours():
+            lib.forward("embedding", ids, w, p, out=out)
+            lib.backward("embedding", ids, w, p, dout, out=(dw, dp))
+
+        def theirs():
+            self.grad(F.embedding(ids64, wte) + wpe, (wte, wpe), dout_t)
+        # forward: gathered rows, positions, output; backward: dout, the dense dwte, dwpe.
+        bt = B * T * C
+        yield Case("embedding fwd+bwd", dtype, ours, theirs,
+                   (2 * bt + T * C + bt + V * C + T * C) * s / 1e9)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer timed calls")
+    ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    args = ap.parse_args(argv)
+    try:
+        import cupy
+        import torch
+        if cupy.cuda.runtime.getDeviceCount() == 0 or not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+    except Exception as err:
+        print(f"benchmarks/kernels.py needs a CUDA GPU with CuPy and PyTorch: {err}",
+              file=sys.stderr)
+        return 2
+    bench = Bench(args.quick)
+    wanted = [o for o in args.ops.split(",") if o]
+    ops = {n: o for n, o in bench.lib.ops.items() if o.kind in
+           ("pointwise", "row", "update", "embedding") and (not wanted or n in wanted)}
+    say(f"device: {bench.lib.backend.device}; torch {torch.__version__}, cupy {cupy.__version__}")
+    from eulergen.runtime.compile import compile_file
+    for name, op in sorted(ops.items()):
+        say(f"compile {name}: {compile_file(op.cuda).from_cache}")
+    copy = copy_gbps()
+    say(f"device-to-device copy: {copy:.0f} GB/s")
+    rows: list[Row] = []
+    order = {"pointwise": 0, "row": 1, "update": 2, "embedding": 3}
+    for name, op in sorted(ops.items(), key=lambda kv: (order[kv[1].kind], kv[0])):
+        for dtype in ("f32", "bf16"):
+            say(f"{name} {dtype}")
+            cases = (bench.pointwise(name, dtype) if op.kind == "pointwise" else
+                     bench.row(name, dtype) if op.kind == "row" else
+                     bench.adamw(dtype) if name == "adamw" else
+                     bench.embedding(dtype) if name == "embedding" else ())
+            try:
+                for case in cases:
+                    rows.append(bench.run(case, copy))
+            except Exception as err:   # one failing op must not hide the others' figures
+                say(f"  {name} {dtype} FAILED: {type(err).__name__}: {err}")
+            bench.release()
+    print(table(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
