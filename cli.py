@@ -55,18 +55,6 @@ def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
 
 
 @main.command()
-@click.option("--check", "check_only", is_flag=True,
-              help="Write nothing; exit non-zero when generated/ is stale.")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Also compile every kernel into the runtime's NVRTC cache (needs a GPU).")
-@ops_option
-def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
-    """Regenerate CUDA kernels, numpy modules and the manifest from the op specs."""
-    from eulergen.generator.build import run_build
-    sys.exit(run_build(ops_dirs, check=check_only, compile=compile_, echo=click.echo))
-
-
-@main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def plot(run_dir: Path) -> None:
     """Write RUN_DIR/loss.png: train and validation loss against step."""
@@ -171,7 +159,10 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     p = plan_model(arch, t.batch_size, t.seq_len, training=not inference)
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
              f"{'inference' if inference else 'training'}")
-    Console().print(plan_table(p, title))
+    console = Console()
+    if not console.is_terminal:   # piped or captured: never cut a buffer name short
+        console = Console(width=120)
+    console.print(plan_table(p, title))
 
 
 @main.command()

@@ -163,20 +163,21 @@ def format_bytes(n: int) -> str:
 
 
 def plan_table(plan: Plan, title: str):
-    """The plan as a rich Table: every buffer, then a total per arena and overall."""
+    """The plan as a rich Table: each arena's buffers, the arena's total, and the total."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col, justify in (("arena", "left"), ("buffer", "left"), ("shape", "left"),
-                         ("dtype", "left"), ("bytes", "right")):
-        table.add_column(col, justify=justify)
+    table.add_column("buffer", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("dtype")
+    table.add_column("bytes", justify="right", no_wrap=True)
     for a in plan.arenas:
+        table.add_row(f"[bold]{a.name}[/bold]", "", "", "")
         for b in plan.buffers:
             if b.arena == a.name:
-                table.add_row(a.name, b.name, "×".join(map(str, b.shape)), b.dtype,
-                              f"{b.nbytes:,}")
-        table.add_row(a.name, "[bold]arena total[/bold]", f"{a.size:,} elements", a.dtype,
+                table.add_row(f"  {b.name}", "×".join(map(str, b.shape)), b.dtype, f"{b.nbytes:,}")
+        table.add_row(f"[bold]{a.name} total[/bold]", f"{a.size:,} elements", a.dtype,
                       f"[bold]{a.nbytes:,}[/bold] ({format_bytes(a.nbytes)})", end_section=True)
-    table.add_row("", "[bold]total[/bold]", "", "",
+    table.add_row("[bold]total[/bold]", "", "",
                   f"[bold]{plan.total_bytes:,}[/bold] ({format_bytes(plan.total_bytes)})")
     return table

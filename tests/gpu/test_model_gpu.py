@@ -1,0 +1,161 @@
+"""The whole model on the GPU (`pytest -m gpu tests/gpu`): loss and every gradient of the
+CUDA backend against the numpy backend and against benchmarks/torch_gpt.py's TorchGPT,
+with the same weights, in fp32; the memory plan against the CuPy pool.
+
+Tolerance: per parameter, max |g − g_ref| / max |g_ref| (an ∞-norm relative error, as the
+kernel tests use) below 2e-3. fp32 GEMMs (TF32 off) over a two-layer model differ from
+numpy's and torch's by summation order only, ~1e-5 of the scale; 2e-3 leaves room for the
+softmax and layer-norm gradients, which are differences of nearly equal terms, and is still
+far below what a wrong gradient gives (≥ 1e-1).
+"""
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from eulergen import PACKAGE_DIR
+from eulergen.runtime.config import load_config
+
+pytestmark = pytest.mark.gpu
+
+# head_dim 64: a size the flash kernels take; nanoeuler keeps its GQA (4 q / 2 kv heads)
+STRUCTURES = {
+    "gpt2": ["model.preset=gpt2", "model.hidden_dim=128", "model.num_heads=2",
+             "model.num_kv_heads=2"],
+    "nanoeuler": ["model.preset=nanoeuler", "model.hidden_dim=256", "model.num_heads=4",
+                  "model.num_kv_heads=2"],
+}
+COMMON = ["model.num_layers=2", "model.vocab_size=300", "model.max_seq_len=128",
+          "model.mlp_hidden=320", "training.seq_len=128", "training.batch_size=2"]
+TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except Exception as err:  # no driver
+        pytest.skip(f"no usable CUDA device: {err}")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def libs(cp):
+    from eulergen.runtime.backend import get_backend
+    from eulergen.runtime.ops import OpLibrary
+    return OpLibrary(get_backend("cuda")), OpLibrary(get_backend("numpy"))
+
+
+def torch_gpt():
+    """benchmarks/torch_gpt.py, by path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("torch_gpt", PACKAGE_DIR / "benchmarks" / "torch_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(structure):
+    return load_config(None, STRUCTURES[structure] + COMMON)
+
+
+def _batch(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    t = cfg.training
+    x = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
+    x[0, :8] = 7     # repeated ids: the embedding scatter sums them
+    return x, rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
+
+
+def _run(lib, cfg, weights, x, y):
+    from eulergen.runtime.model import build
+    t = cfg.training
+    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=False)
+    if weights is None:
+        model.init_weights(1)
+        rng = np.random.default_rng(2)   # norm weights and biases off 1 and 0
+        weights = {k: (v + rng.normal(0, 0.1, v.shape)).astype(np.float32) if v.ndim == 1 else v
+                   for k, v in model.state_dict().items()}
+    model.load_state_dict(weights)
+    model.load_tokens(x, y)
+    loss = float(model.loss_and_grad()[0])
+    grads = {k: lib.backend.asnumpy(g).copy() for k, g in model.grads.items()}
+    return weights, loss, grads
+
+
+def _compare(what, loss, grads, ref_loss, ref_grads):
+    assert loss == pytest.approx(ref_loss, rel=1e-4), f"{what}: loss {loss} vs {ref_loss}"
+    worst = {}
+    for name, ref in ref_grads.items():
+        err = np.abs(grads[name] - ref).max() / max(np.abs(ref).max(), 1e-12)
+        worst[name] = err
+    bad = {k: f"{v:.2e}" for k, v in worst.items() if v > TOLERANCE}
+    assert not bad, f"{what}: gradients off: {bad}"
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_cuda_loss_and_every_gradient_match_numpy(libs, structure):
+    cuda, cpu = libs
+    cfg = _cfg(structure)
+    x, y = _batch(cfg)
+    weights, loss, grads = _run(cuda, cfg, None, x, y)
+    _, ref_loss, ref_grads = _run(cpu, cfg, weights, x, y)
+    _compare(f"{structure} cuda vs numpy", loss, grads, ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_cuda_loss_and_every_gradient_match_torch(libs, structure):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    tg = torch_gpt()
+    cuda, _ = libs
+    cfg = _cfg(structure)
+    x, y = _batch(cfg)
+    weights, loss, grads = _run(cuda, cfg, None, x, y)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref = tg.TorchGPT(cfg.model).cuda()
+    tg.load_eulergen_params(ref, weights)
+    _, ref_loss = ref(torch.as_tensor(x, device="cuda"), torch.as_tensor(y, device="cuda"))
+    ref_loss.backward()
+    _compare(f"{structure} cuda vs torch", loss, grads, ref_loss.item(), tg.eulergen_grads(ref))
+
+
+def test_training_steps_stay_within_the_plan(libs, cp):
+    """Everything is allocated when the model is built; steps add at most 5 % (the row
+    kernels' per-block weight-gradient partials, from the pool)."""
+    from eulergen.runtime.train import Trainer
+    cuda, _ = libs
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    cfg = load_config(None, STRUCTURES["nanoeuler"] + COMMON + [
+        "training.total_steps=3", "training.warmup_steps=1", "training.eval_every=0",
+        "training.checkpoint_every=0", "training.sample_tokens=0",
+        "data.dataset=builtin:stdlib", "data.val_dataset=builtin:stdlib",
+        "model.vocab_size=256"])
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(replace(cfg, run_dir=run_dir), cuda, progress=False,
+                          tensorboard=False)
+        planned = trainer.model.mem.plan.total_bytes
+        trainer.run()
+    used = pool.total_bytes() - before
+    assert used <= 1.05 * planned, f"pool grew to {used:,} bytes, the plan is {planned:,}"
+
+
+def test_a_plan_larger_than_the_gpu_is_refused_before_allocating(libs, cp):
+    from eulergen.errors import EulerError
+    from eulergen.runtime.model import build
+    cuda, _ = libs
+    cfg = load_config(None, ["model.preset=gpt2"])
+    pool = cp.get_default_memory_pool()
+    before = pool.total_bytes()
+    with pytest.raises(EulerError, match="memory plan needs .* GiB"):
+        build(cfg.model, cuda, 4096, 1024)
+    assert pool.total_bytes() == before

@@ -1,0 +1,166 @@
+"""The numpy model: gradients of the whole graph against float64 central differences,
+gradient accumulation, parameter layout and the memory plan."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from eulergen import PACKAGE_DIR
+from eulergen.errors import EulerError
+from eulergen.runtime.backend import NUMPY
+from eulergen.runtime.config import load_config
+from eulergen.runtime.model import arch_of, build, param_count, parameters, plan_model
+from eulergen.runtime.ops import OpLibrary
+
+# The two presets' structure at a size where central differences over every parameter
+# tensor take a second: GPT-2 (layernorm, gelu, learned positions, biases) and nanoeuler
+# (rmsnorm, swiglu, rope, grouped-query attention, no biases).
+TINY = ["model.hidden_dim=8", "model.num_layers=2", "model.vocab_size=11",
+        "model.max_seq_len=6", "model.mlp_hidden=12", "training.seq_len=5"]
+STRUCTURES = {
+    "gpt2": ["model.preset=gpt2", "model.num_heads=2", "model.num_kv_heads=2", *TINY],
+    "nanoeuler": ["model.preset=nanoeuler", "model.num_heads=4", "model.num_kv_heads=2", *TINY],
+}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return OpLibrary(NUMPY)
+
+
+def _model(lib, structure, batch=2, seq=5, seed=0):
+    cfg = load_config(None, STRUCTURES[structure]).model
+    model = build(cfg, lib, batch, seq, dtype="float64")
+    model.init_weights(seed)
+    # move norm weights and biases off 1 and 0, so their gradients are exercised in general
+    rng = np.random.default_rng(seed + 1)
+    for name, p in model.params.items():
+        p += rng.normal(0, 0.3 if p.ndim == 1 else 0.05, p.shape)
+    return model
+
+
+def _tokens(batch, seq, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 11, (batch, seq))
+    x[0, 1] = x[0, 3] = x[-1, 0]   # repeated ids: the embedding scatter must sum them
+    return x, rng.integers(0, 11, (batch, seq))
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_every_gradient_matches_central_differences(lib, structure):
+    model = _model(lib, structure)
+    model.load_tokens(*_tokens(2, 5))
+    model.loss_and_grad()
+    grads = {k: g.copy() for k, g in model.grads.items()}
+    rng = np.random.default_rng(3)
+    eps = 1e-5
+    for name, p in model.params.items():
+        flat = p.reshape(-1)
+        picks = rng.choice(flat.size, size=min(flat.size, 8), replace=False)
+        for i in picks:
+            keep = flat[i]
+            flat[i] = keep + eps
+            up = float(model.loss()[0])
+            flat[i] = keep - eps
+            down = float(model.loss()[0])
+            flat[i] = keep
+            numeric = (up - down) / (2 * eps)
+            analytic = grads[name].reshape(-1)[i]
+            # float64 central differences: truncation ~eps², rounding ~1e-16/eps
+            assert abs(analytic - numeric) <= 1e-7 + 1e-5 * abs(numeric), \
+                f"{structure} {name}[{i}]: tape {analytic:.10g}, central differences {numeric:.10g}"
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_accumulating_two_half_batches_gives_the_full_batch_gradient(lib, structure):
+    x, y = _tokens(2, 5)
+    full = _model(lib, structure, batch=2)
+    full.load_tokens(x, y)
+    full.loss_and_grad()
+    half = _model(lib, structure, batch=1)
+    half.set_accumulation(2)
+    for row in range(2):
+        half.load_tokens(x[row:row + 1], y[row:row + 1])
+        half.loss_and_grad(accumulate=row > 0)
+    for name in full.grads:
+        np.testing.assert_allclose(half.grads[name], full.grads[name], rtol=1e-10, atol=1e-13,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_loss_and_gradients_match_the_torch_reference_model(lib, structure):
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("torch_gpt", PACKAGE_DIR / "benchmarks" / "torch_gpt.py")
+    tg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tg)
+    model = _model(lib, structure)
+    x, y = _tokens(2, 5)
+    model.load_tokens(x, y)
+    loss = float(model.loss_and_grad()[0])
+    ref = tg.TorchGPT(load_config(None, STRUCTURES[structure]).model).double()
+    tg.load_eulergen_params(ref, model.state_dict())
+    _, ref_loss = ref(torch.as_tensor(x), torch.as_tensor(y))
+    ref_loss.backward()
+    # the reference computes its cross-entropy and rope tables in float32: 1e-7 relative
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    for name, p in ref.named_parameters():
+        want = p.grad.numpy()
+        err = np.abs(model.grads[name] - want).max() / np.abs(want).max()
+        assert err < 1e-5, f"{structure} {name}: {err:.2e} off the torch gradient"
+
+
+def test_gpt2_preset_has_gpt2_small_parameter_count(lib):
+    arch = arch_of(load_config(None, ["model.preset=gpt2"]).model, lib)
+    assert param_count(arch) == 124_439_808   # GPT-2 124M with its 50257-token vocab
+
+
+def test_decayed_matrices_come_first_and_contiguous(lib):
+    arch = arch_of(load_config(None, ["model.preset=nanoeuler", "training.seq_len=64"]).model, lib)
+    plan = plan_model(arch, 2, 64)
+    specs = parameters(arch)
+    decayed = [s for s in specs if s.decay]
+    lo, hi = plan.span([s.name for s in decayed])
+    assert lo == 0
+    assert all(plan.buffer(s.name).offset >= hi for s in specs if not s.decay)
+    assert {s.name for s in decayed} == {s.name for s in specs if len(s.shape) == 2}
+
+
+def test_plan_holds_params_grads_and_both_adam_moments(lib):
+    arch = arch_of(load_config(None, []).model, lib)
+    plan = plan_model(arch, 4, 32)
+    sizes = {a.name: a.size for a in plan.arenas}
+    assert sizes["params"] == sizes["grads"] == sizes["adam_m"] == sizes["adam_v"]
+    inference = plan_model(arch, 4, 32, training=False)
+    assert {a.name for a in inference.arenas} == {"params", "activations", "workspace", "tokens"}
+    assert inference.total_bytes < plan.total_bytes
+
+
+def test_same_seed_gives_the_same_weights_and_another_seed_does_not(lib):
+    a, b, c = (_model(lib, "gpt2", seed=s) for s in (5, 5, 6))
+    assert all(np.array_equal(a.params[k], b.params[k]) for k in a.params)
+    assert not np.array_equal(a.params["wte.weight"], c.params["wte.weight"])
+
+
+def test_gpt2_init_scales_residual_projections(lib):
+    cfg = load_config(None, ["model.num_layers=8", "model.hidden_dim=256"]).model
+    model = build(cfg, lib, 1, 8, training=False)
+    model.init_weights(0)
+    assert abs(model.params["h.0.attn.c_attn.weight"].std() - 0.02) < 1e-3
+    assert abs(model.params["h.0.mlp.c_proj.weight"].std() - 0.02 / 4) < 3e-4
+    assert np.all(model.params["h.0.ln_1.weight"] == 1) and np.all(model.params["h.0.ln_1.bias"] == 0)
+
+
+def test_unknown_activation_op_is_one_error_naming_the_key(lib):
+    cfg = load_config(None, ["model.activation=gelux"]).model
+    with pytest.raises(EulerError) as err:
+        arch_of(cfg, lib)
+    assert "model.activation" in str(err.value) and "gelu" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_norm_slot_refuses_a_pointwise_op(lib):
+    cfg = load_config(None, ["model.norm=gelu"]).model
+    with pytest.raises(EulerError, match="model.norm"):
+        arch_of(cfg, lib)

@@ -1,0 +1,183 @@
+"""The training loop on numpy: schedules, the spike guard, loss falling, resume exactness
+(in process and after `kill -9`), a NaN loss, and config errors reaching the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from eulergen import PACKAGE_DIR
+from eulergen.cli import main
+from eulergen.errors import EulerError
+from eulergen.runtime import checkpoint
+from eulergen.runtime.backend import NUMPY
+from eulergen.runtime.config import load_config
+from eulergen.runtime.data import write_shard
+from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.train import SpikeGuard, Trainer, learning_rate, resume_config
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return OpLibrary(NUMPY)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> Path:
+    """Byte-level text the tests own: this package's Python source."""
+    text = b"".join(p.read_bytes() for p in sorted((PACKAGE_DIR / "runtime").glob("*.py")))
+    path = tmp_path_factory.mktemp("data") / "text_train.bin"
+    write_shard(path, np.frombuffer(text, dtype=np.uint8))
+    return path
+
+
+def _overrides(shard: Path, run_dir: Path, **training) -> list[str]:
+    t = dict(batch_size=4, seq_len=32, total_steps=8, warmup_steps=2, learning_rate=3e-3,
+             eval_every=4, eval_steps=2, checkpoint_every=3, log_every=1, sample_tokens=0)
+    t.update(training)
+    return [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
+            "model.hidden_dim=32", "model.num_layers=2", "model.num_heads=2",
+            "model.max_seq_len=32", "model.mlp_hidden=64",
+            *(f"training.{k}={v}" for k, v in t.items())]
+
+
+def _trainer(lib, shard, run_dir, resume=False, **training):
+    cfg = load_config(None, _overrides(shard, run_dir, **training))
+    return Trainer(cfg, lib, resume=resume, progress=False, tensorboard=False)
+
+
+# -- schedules and the guard --------------------------------------------------------------
+
+def test_cosine_schedule_warms_up_then_decays_to_min_lr():
+    t = load_config(None, ["training.learning_rate=1.0", "training.min_lr=0.1",
+                           "training.warmup_steps=10", "training.total_steps=110"]).training
+    assert learning_rate(t, 5) == pytest.approx(0.5)
+    assert learning_rate(t, 10) == pytest.approx(1.0)
+    assert learning_rate(t, 60) == pytest.approx(0.55)
+    assert learning_rate(t, 110) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("schedule, midway", [("linear", 0.55), ("constant", 1.0)])
+def test_linear_and_constant_schedules(schedule, midway):
+    t = load_config(None, ["training.learning_rate=1.0", "training.min_lr=0.1",
+                           "training.warmup_steps=10", "training.total_steps=110",
+                           f"training.schedule={schedule}"]).training
+    assert learning_rate(t, 60) == pytest.approx(midway)
+
+
+def test_spike_guard_flags_a_spike_and_absorbs_a_lasting_shift():
+    guard = SpikeGuard(factor=4.0)
+    for _ in range(20):
+        assert guard.check(2.0, 1.0) is None
+    assert "loss" in guard.check(50.0, 1.0)
+    for _ in range(20):
+        guard.check(2.0, 1.0)
+    skipped = sum(guard.check(2.0, 10.0) is not None for _ in range(100))
+    assert 0 < skipped < 100, "a lasting 10x grad norm must be skipped for a while, not forever"
+
+
+def test_spike_guard_off_at_factor_zero():
+    guard = SpikeGuard(factor=0.0)
+    for _ in range(20):
+        guard.check(2.0, 1.0)
+    assert guard.check(1e6, 1e6) is None
+
+
+# -- training -----------------------------------------------------------------------------
+
+def test_loss_falls_and_run_folder_has_metrics_checkpoints_and_plot(lib, shard, tmp_path):
+    result = _trainer(lib, shard, tmp_path / "run", total_steps=24, eval_every=8,
+                      sample_tokens=16).run()
+    assert result.val_losses[24] < result.val_losses[8] - 0.3, result.val_losses
+    assert result.sample
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 25))
+    assert checkpoint.latest(run).name == "ckpt_00000024"
+    assert (run / "loss.png").is_file()
+
+
+def test_resume_repeats_the_uninterrupted_losses_bitwise(lib, shard, tmp_path):
+    straight = _trainer(lib, shard, tmp_path / "a").run()
+    first = _trainer(lib, shard, tmp_path / "b")
+    first.run(stop_after=5)                       # checkpoints at 3; steps 4-5 are lost
+    assert checkpoint.latest(tmp_path / "b").name == "ckpt_00000003"
+    cfg = resume_config(tmp_path / "b")
+    resumed = Trainer(cfg, lib, resume=True, progress=False, tensorboard=False)
+    assert resumed.step == 3
+    rest = resumed.run()
+    assert list(rest.losses) == list(range(4, 9))
+    for step in range(4, 9):
+        assert rest.losses[step] == straight.losses[step], f"step {step}"
+    assert rest.val_losses[8] == straight.val_losses[8]
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard, tmp_path):
+    args = [sys.executable, "-c", "from eulergen.cli import main; main()", "train",
+            "--device", "numpy"]
+    sets = _overrides(shard, tmp_path / "straight", total_steps=40, checkpoint_every=2)
+    straight = subprocess.run(args + [a for s in sets for a in ("--set", s)],
+                              capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr
+    sets = _overrides(shard, tmp_path / "killed", total_steps=40, checkpoint_every=2)
+    proc = subprocess.Popen(args + [a for s in sets for a in ("--set", s)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while checkpoint.latest(tmp_path / "killed") is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(args[:-2] + ["--resume", str(tmp_path / "killed")],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def losses(run):
+        return {r["step"]: r["train_loss"] for r in
+                map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(lib, shard, tmp_path):
+    _trainer(lib, shard, tmp_path / "nan").run(stop_after=3)
+    trainer = _trainer(lib, shard, tmp_path / "nan", resume=True)
+    trainer.model.params["ln_f.weight"][0] = np.nan
+    with pytest.raises(EulerError, match="at step 4.*ckpt_00000003"):
+        trainer.run()
+    assert checkpoint.latest(tmp_path / "nan").name == "ckpt_00000003"
+
+
+def test_a_fresh_run_refuses_a_folder_with_checkpoints(lib, shard, tmp_path):
+    _trainer(lib, shard, tmp_path / "r", total_steps=3).run()
+    with pytest.raises(EulerError, match="--resume"):
+        _trainer(lib, shard, tmp_path / "r", total_steps=3)
+
+
+# -- the CLI ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setting, says", [
+    ("model.num_heads=5", "model.num_heads"),
+    ("training.learnig_rate=1e-3", "did you mean 'learning_rate'"),
+    ("model.activation=gelux", "model.activation"),
+])
+def test_config_errors_reach_the_cli_as_one_line(setting, says, tmp_path):
+    result = CliRunner().invoke(main, ["train", "--device", "numpy", "--run-dir",
+                                       str(tmp_path / "run"), "--set", setting])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and says in lines[0], result.output
+
+
+def test_plan_command_prints_every_buffer_and_the_total(tmp_path):
+    result = CliRunner().invoke(main, ["plan", "--set", "model.num_layers=2"])
+    assert result.exit_code == 0, result.output
+    for name in ("wte.weight", "h.1.mlp.c_proj.weight", "adam_v", "h.1.act", "d.x", "total"):
+        assert name in result.output
