@@ -118,29 +118,32 @@ def compile_error(src: Source, log: str) -> EulerError:
 
 
 def _include_dirs() -> tuple[str, ...]:
-    """Folders holding cuda_bf16.h, which NVRTC does not carry built in.
-
-    CuPy finds the toolkit from NVRTC's own location (a system toolkit or the nvidia
-    pip wheels); CUDA_PATH and /usr/local/cuda are the usual alternatives."""
-    candidates = []
+    """The include folders for NVRTC: CuPy's own (its headers, the CCCL it bundles, and the
+    CUDA headers it found), plus a folder holding cuda_bf16.h, which NVRTC does not carry
+    built in, if CuPy's list lacks one (CUDA_PATH, CUDA_HOME, /usr/local/cuda, the nvidia
+    pip wheels)."""
+    dirs: list[str] = []
     try:
-        import cupy
-        root = cupy.cuda.get_cuda_path()
-        if root:
-            candidates.append(Path(root) / "include")
+        from cupy._core.core import assemble_cupy_compiler_options
+        dirs = [o[2:] for o in assemble_cupy_compiler_options(()) if o.startswith("-I")]
     except Exception:   # CuPy absent or unable to locate a toolkit: try the others
         pass
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "include")
-    candidates.append(Path("/usr/local/cuda/include"))
+    if any((Path(d) / "cuda_bf16.h").is_file() for d in dirs):
+        return tuple(dirs)
+    candidates = [Path(os.environ[v]) / "include" for v in ("CUDA_PATH", "CUDA_HOME")
+                  if os.environ.get(v)] + [Path("/usr/local/cuda/include")]
     try:
         import nvidia
         candidates += [Path(p) / sub / "include" for p in nvidia.__path__
                        for sub in ("cu13", "cu12", "cuda_runtime")]
     except ImportError:
         pass
-    return tuple(dict.fromkeys(str(c) for c in candidates if (c / "cuda_bf16.h").is_file()))
+    found = next((str(c) for c in candidates if (c / "cuda_bf16.h").is_file()), None)
+    if found is None:
+        raise EulerError("cuda_bf16.h not found (looked in " + ", ".join(dirs + [str(c) for c in candidates])
+                         + "); install the CUDA headers: pip install 'cupy-cuda13x[ctk]', or set "
+                         "CUDA_PATH to a CUDA toolkit", key="compile")
+    return tuple(dirs) + (found,)
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -161,7 +164,7 @@ def compile_cubin(src: Source, arch: str, options: tuple[str, ...] = ()) -> byte
     """NVRTC: source → cubin for sm_<arch>. Needs NVRTC, not a GPU."""
     from cupy_backends.cuda.libs import nvrtc
     opts = BASE_OPTIONS + tuple(options) + (f"-arch=sm_{arch}",) + tuple(
-        f"--include-path={d}" for d in _include_dirs())
+        f"-I{d}" for d in _include_dirs())
     prog = nvrtc.createProgram(src.text, src.path.name, (), ())
     try:
         try:
