@@ -241,9 +241,9 @@ def main(argv=None) -> int:
     ops = {n: o for n, o in bench.lib.ops.items() if o.kind in
            ("pointwise", "row", "update", "embedding") and (not wanted or n in wanted)}
     say(f"device: {bench.lib.backend.device}; torch {torch.__version__}, cupy {cupy.__version__}")
-    from eulergen.runtime.compile import compile_file
+    from eulergen.runtime.compile import compile_file, op_options
     for name, op in sorted(ops.items()):
-        say(f"compile {name}: {compile_file(op.cuda).from_cache}")
+        say(f"compile {name}: {compile_file(op.cuda, op_options(op)).from_cache}")
     copy = copy_gbps()
     say(f"device-to-device copy: {copy:.0f} GB/s")
     rows: list[Row] = []

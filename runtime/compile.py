@@ -235,6 +235,12 @@ def compile_file(path: str | Path, options: tuple[str, ...] = ()) -> Compiled:
     return Compiled(module, key, cubin, how)
 
 
+def op_options(op) -> tuple[str, ...]:
+    """NVRTC options an op's manifest entry asks for: fast math only where its spec opted in
+    (DESIGN.md: fast-math is off unless an op opts in)."""
+    return ("--use_fast_math",) if op.fast_math else ()
+
+
 def compile_manifest(path: str | Path, progress=None) -> list[tuple[str, str]]:
     """Warm the cache for every op with CUDA in a manifest: [(op, 'memory'|'disk'|'compiled')]."""
     from eulergen.runtime.manifest import load_manifest
@@ -242,7 +248,7 @@ def compile_manifest(path: str | Path, progress=None) -> list[tuple[str, str]]:
     for name, op in sorted(load_manifest(path).ops.items()):
         if op.cuda is None:
             continue
-        how = compile_file(op.cuda).from_cache
+        how = compile_file(op.cuda, op_options(op)).from_cache
         done.append((name, how))
         if progress:
             progress(f"{name}: {how}")

@@ -105,8 +105,8 @@ class Launcher:
             if self.op.cuda is None:
                 raise EulerError("op has no CUDA source", file=str(self.op.manifest),
                                  key=f"ops.{self.op.name}.cuda")
-            from eulergen.runtime.compile import compile_file
-            self._compiled = compile_file(self.op.cuda)
+            from eulergen.runtime.compile import compile_file, op_options
+            self._compiled = compile_file(self.op.cuda, op_options(self.op))
         return self._compiled.function(kernel.name)
 
     def launch(self, kernel: Kernel, grid, block, values: dict, *, shared_mem: int = 0,

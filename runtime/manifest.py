@@ -48,6 +48,7 @@ class OpEntry:
     cuda_sha256: str = ""
     kernels: dict = field(default_factory=dict, hash=False)  # name -> Kernel
     manifest: Path = Path()
+    fast_math: bool = False              # the spec opted in (`fast_math: true`)
 
     @property
     def grads(self) -> tuple[str, ...]:
@@ -132,7 +133,7 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         cuda=(folder / o["cuda"]) if o.get("cuda") else None,
         cuda_sha256=str(o.get("cuda_sha256", "")),
         kernels={kn: _kernel(kn, k, file, f"{where}.kernels.{kn}") for kn, k in kernels.items()},
-        manifest=file)
+        manifest=file, fast_math=bool(o.get("fast_math", False)))
 
 
 def load_manifest(path: str | Path) -> Manifest:
