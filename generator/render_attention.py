@@ -53,6 +53,19 @@ class AttentionPlan:
     dq_warps: int
     dq_block_n: int
 
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise EulerError(f"head dim {self.head_dim} is not supported (expected one of "
+                             f"{HEAD_DIMS})", key="head_dim")
+        for name in ("fwd_warps", "dkv_warps", "dq_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise EulerError(f"{name} = {getattr(self, name)}: expected 1, 2, 4 or 8",
+                                 key=name)
+        for name in ("fwd_block_n", "dkv_block_m", "dq_block_n"):
+            if getattr(self, name) not in (16, 32, 64, 128):
+                raise EulerError(f"{name} = {getattr(self, name)}: expected 16, 32, 64 or 128",
+                                 key=name)
+
     @property
     def planes(self) -> int:
         return 2 if self.dtype == "f32" else 1
@@ -236,10 +249,12 @@ def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
 
 
 def render_attention(derived: ir.DerivedOp, *,
-                     templates: jinja2.BaseLoader | None = None) -> ir.RenderedCuda:
+                     templates: jinja2.BaseLoader | None = None,
+                     plans: dict[tuple[int, str], AttentionPlan] | None = None) -> ir.RenderedCuda:
     """The .cu text of one attention op and its kernels (both dtypes, every head dim).
     `templates` may override template files by name (the CPU emulation test replaces
-    attention_ptx.cuh.j2)."""
+    attention_ptx.cuh.j2); `plans` may replace the planner's tiles for some
+    (head_dim, dtype) (the emulation test and `benchmarks/attention.py --sweep`)."""
     check_symbols(derived)
     body: ir.AttentionDerived = derived.body
     params = tuple(p.name for p in derived.params)
@@ -252,7 +267,7 @@ def render_attention(derived: ir.DerivedOp, *,
     kernels, sigs = [], []
     for dtype in CTYPES:
         for d in HEAD_DIMS:
-            plan = plan_attention(d, dtype)
+            plan = (plans or {}).get((d, dtype)) or plan_attention(d, dtype)
             for role in ("forward", "backward_dkv", "backward_dq"):
                 ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)
                 kernels.append(ctx)

@@ -18,7 +18,7 @@ import pytest
 
 from eulergen import TEMPLATES_DIR
 from eulergen.generator.numpy_attention import render_attention_module
-from eulergen.generator.render_attention import HEAD_DIMS, render_attention
+from eulergen.generator.render_attention import HEAD_DIMS, AttentionPlan, render_attention
 from eulergen.runtime.ops import from_bf16, to_bf16
 
 import attention_ops
@@ -100,13 +100,21 @@ def _prelude() -> str:
     return env.get_template("common.cuh.j2").render(header="prelude (CPU emulation)")
 
 
+# Other tilings than the planner's (D = 64): 8 and 1 warps a block, tiles of 16 to 128, so
+# that every loop bound and causal skip is exercised off the 64 x 64 default.
+ODD_PLANS = {(64, dt): AttentionPlan(64, dt, fwd_warps=8, fwd_block_n=32, dkv_warps=2,
+                                     dkv_block_m=16, dq_warps=1, dq_block_n=128)
+             for dt in ("f32", "bf16")}
+
+
 @functools.lru_cache(maxsize=None)
-def _build(name: str):
+def _build(name: str, odd: bool = False):
     """(binary, numpy module, params) for one op, built once per session."""
-    folder = _FOLDER / name
+    folder = _FOLDER / (name + ("_odd" if odd else ""))
     folder.mkdir(parents=True, exist_ok=True)
     derived = attention_ops.load(name, folder)
-    rendered = render_attention(derived, templates=jinja2.FileSystemLoader(str(EMULATOR)))
+    rendered = render_attention(derived, templates=jinja2.FileSystemLoader(str(EMULATOR)),
+                                plans=ODD_PLANS if odd else None)
     (folder / "eulergen_common.cuh").write_text(_prelude())
     (folder / f"{name}.cu").write_text(rendered.source)
     sigs = {k.name: k for k in rendered.kernels}
@@ -146,8 +154,8 @@ def _rel(ours, ref) -> float:
     return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 0.1))
 
 
-def _emulate(name, dtype, D, B, T, H, KVH, seed=0, **params):
-    binary, mod, defaults = _build(name)
+def _emulate(name, dtype, D, B, T, H, KVH, seed=0, odd=False, **params):
+    binary, mod, defaults = _build(name, odd)
     params = {**defaults, **params}
     rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((B, T, (H + 2 * KVH) * D)).astype(np.float32)
@@ -212,3 +220,12 @@ def test_softcap_with_a_small_cap():
 
 def test_alibi_slopes_per_head():
     _emulate("alibi_attention", "bf16", 64, B=1, T=70, H=4, KVH=2)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_other_tilings(dtype):
+    _emulate("causal_attention", dtype, 64, B=1, T=150, H=2, KVH=1, odd=True)
+
+
+def test_other_tilings_with_a_generic_mask():
+    _emulate("strict_attention", "bf16", 64, B=1, T=100, H=2, KVH=2, odd=True)
