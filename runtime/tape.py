@@ -35,7 +35,7 @@ class Tape:
         self.nodes: list = []
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
-        self.gemm = CublasGemm(self.xp, tf32) if backend.is_gpu else numpy_gemm
+        self.gemm = CublasGemm.for_cupy(self.xp, tf32) if backend.is_gpu else numpy_gemm
 
     def record(self, node):
         self.nodes.append(node)
@@ -85,17 +85,19 @@ class CublasGemm:
     cuBLAS is column-major: a row-major [r, c] array is its column-major transpose, so
     C = A·B row-major is computed as Cᵀ = Bᵀ·Aᵀ with the operands swapped."""
 
-    def __init__(self, cupy, tf32: bool):
-        from cupy_backends.cuda.api import runtime
-        from cupy_backends.cuda.libs import cublas
+    # cublas_api.h / library_types.h values, stable since CUDA 11
+    OP_N, OP_T, R_32F, COMPUTE_32F, COMPUTE_32F_FAST_TF32, GEMM_DEFAULT = 0, 1, 0, 68, 77, -1
 
-        self.cupy = cupy
-        self.cublas = cublas
-        self.handle = cupy.cuda.device.get_cublas_handle()
-        self.f32 = runtime.CUDA_R_32F
-        self.compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else cublas.CUBLAS_COMPUTE_32F
-        self.one = np.array(1.0, np.float32)
+    def __init__(self, gemm_ex, handle, tf32: bool):
+        self.gemm_ex, self.handle = gemm_ex, handle
+        self.compute = self.COMPUTE_32F_FAST_TF32 if tf32 else self.COMPUTE_32F
+        self.one = np.array(1.0, np.float32)    # host scalars: cuBLAS's default pointer mode
         self.zero = np.array(0.0, np.float32)
+
+    @classmethod
+    def for_cupy(cls, cupy, tf32: bool) -> CublasGemm:
+        from cupy_backends.cuda.libs import cublas
+        return cls(cublas.gemmEx, cupy.cuda.device.get_cublas_handle(), tf32)
 
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
         for x in (a, b, out):
@@ -106,14 +108,12 @@ class CublasGemm:
         k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
         if k != k2 or out.shape != (m, n):
             raise ValueError(f"gemm shapes: op(a) {m}x{k}, op(b) {k2}x{n}, out {out.shape}")
-        cb = self.cublas
-        self.cublas.gemmEx(
-            self.handle, cb.CUBLAS_OP_T if tb else cb.CUBLAS_OP_N,
-            cb.CUBLAS_OP_T if ta else cb.CUBLAS_OP_N, n, m, k,
-            self.one.ctypes.data, b.data.ptr, self.f32, b.strides[0] // 4,
-            a.data.ptr, self.f32, a.strides[0] // 4,
-            (self.one if add else self.zero).ctypes.data, out.data.ptr, self.f32,
-            out.strides[0] // 4, self.compute, cb.CUBLAS_GEMM_DEFAULT)
+        self.gemm_ex(
+            self.handle, self.OP_T if tb else self.OP_N, self.OP_T if ta else self.OP_N, n, m, k,
+            self.one.ctypes.data, b.data.ptr, self.R_32F, b.strides[0] // 4,
+            a.data.ptr, self.R_32F, a.strides[0] // 4,
+            (self.one if add else self.zero).ctypes.data, out.data.ptr, self.R_32F,
+            out.strides[0] // 4, self.compute, self.GEMM_DEFAULT)
 
 
 # -- nodes ----------------------------------------------------------------------------
