@@ -1,6 +1,7 @@
 """Flash attention (causal_attention) against torch SDPA, measured in the same run.
 
-    python benchmarks/attention.py
+    python benchmarks/attention.py            # the table
+    python benchmarks/attention.py --sweep    # bf16 d=64 tilings, one kernel family at a time
 
 Cases: B=8, T=1024 and B=2, T=4096; 12 query heads, 4 kv heads (GQA), head dim 64; fp32
 and bf16 storage. Torch: bf16 on SDPA's flash backend (enable_gqa); fp32 on the faster of
@@ -24,7 +25,8 @@ from common import say, time_ms  # noqa: E402
 
 from eulergen import OPS_DIR, TEMPLATES_DIR  # noqa: E402
 from eulergen.generator import derive, spec  # noqa: E402
-from eulergen.generator.render_attention import render_attention  # noqa: E402
+from eulergen.generator.render_attention import (AttentionPlan, plan_attention,  # noqa: E402
+                                                 render_attention)
 from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_forward)
 from eulergen.runtime.compile import compile_file  # noqa: E402
@@ -34,13 +36,17 @@ CASES = [(8, 1024), (2, 4096)]
 H, KVH, D = 12, 4, 64
 
 
-def kernels() -> AttentionKernels:
+PRELUDE_HEADER = "eulergen_common.cuh, rendered for the attention tests and benchmark"
+
+
+def kernels(plans=None, configs=None) -> AttentionKernels:
+    """causal_attention rendered (with optional tiles), written beside the prelude, compiled."""
     folder = Path(tempfile.mkdtemp(prefix="eg-attn-bench-"))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (folder / "eulergen_common.cuh").write_text(
-        env.get_template("common.cuh.j2").render(header="prelude for benchmarks/attention.py"))
+        env.get_template("common.cuh.j2").render(header=PRELUDE_HEADER))
     derived = derive.derive(spec.load_spec(OPS_DIR / "causal_attention.yaml"))
-    rendered = render_attention(derived)
+    rendered = render_attention(derived, plans=plans, configs=configs)
     cu = folder / "causal_attention.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
@@ -112,7 +118,35 @@ def torch_sdpa(B, T, dtype):
     return best
 
 
+def sweep() -> None:
+    """Forward and backward times of bf16 d=64 (B=8, T=1024) under other tilings, one kernel
+    family changed at a time: the data for choosing plan_attention's defaults."""
+    base = plan_attention(D, "bf16")
+    variants = [("default", {})]
+    variants += [(f"fwd warps={w} n={n}", {"fwd_warps": w, "fwd_block_n": n})
+                 for w, n in ((4, 128), (8, 64), (8, 32), (2, 64))]
+    variants += [(f"dkv warps={w} m={m}", {"dkv_warps": w, "dkv_block_m": m})
+                 for w, m in ((4, 32), (4, 128), (8, 64), (8, 32), (2, 64))]
+    variants += [(f"dq warps={w} n={n}", {"dq_warps": w, "dq_block_n": n})
+                 for w, n in ((4, 32), (4, 128), (8, 64), (8, 32), (2, 64))]
+    B, T = CASES[0]
+    print(f"bf16 d={D} B={B} T={T} H={H}/{KVH}: milliseconds by tiling (default: {base})")
+    print(f"{'variant':<24} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8}")
+    for label, change in variants:
+        fields = {**base.__dict__, **change}
+        try:
+            ak = kernels(plans={(D, "bf16"): AttentionPlan(**fields)}, configs=((D, "bf16"),))
+            f, fb = ours(ak, B, T, "bf16")
+        except Exception as err:  # a tiling that does not compile or launch: say so, go on
+            print(f"{label:<24} failed: {str(err).splitlines()[0][:80]}")
+            continue
+        print(f"{label:<24} {f:8.3f} {fb - f:8.3f} {fb:8.3f}", flush=True)
+
+
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:
+        sweep()
+        return
     ak = kernels()
     head = (f"{'case':<22} {'dtype':<5} {'fwd ms':>7} {'TFLOP/s':>8} {'torch':>7} {'ratio':>6} "
             f"{'f+b ms':>7} {'TFLOP/s':>8} {'torch':>7} {'ratio':>6}  torch backend")

@@ -250,11 +250,13 @@ def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
 
 def render_attention(derived: ir.DerivedOp, *,
                      templates: jinja2.BaseLoader | None = None,
-                     plans: dict[tuple[int, str], AttentionPlan] | None = None) -> ir.RenderedCuda:
+                     plans: dict[tuple[int, str], AttentionPlan] | None = None,
+                     configs: tuple[tuple[int, str], ...] | None = None) -> ir.RenderedCuda:
     """The .cu text of one attention op and its kernels (both dtypes, every head dim).
     `templates` may override template files by name (the CPU emulation test replaces
     attention_ptx.cuh.j2); `plans` may replace the planner's tiles for some
-    (head_dim, dtype) (the emulation test and `benchmarks/attention.py --sweep`)."""
+    (head_dim, dtype), and `configs` limit the file to some (head_dim, dtype) (both for
+    the emulation test and `benchmarks/attention.py --sweep`)."""
     check_symbols(derived)
     body: ir.AttentionDerived = derived.body
     params = tuple(p.name for p in derived.params)
@@ -266,7 +268,10 @@ def render_attention(derived: ir.DerivedOp, *,
 
     kernels, sigs = [], []
     for dtype in CTYPES:
-        for d in HEAD_DIMS:
+        dims = [d for d in HEAD_DIMS if configs is None or (d, dtype) in configs]
+        if not dims:
+            continue
+        for d in dims:
             plan = (plans or {}).get((d, dtype)) or plan_attention(d, dtype)
             for role in ("forward", "backward_dkv", "backward_dq"):
                 ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)

@@ -47,7 +47,8 @@ def _op(name: str):
     """(kernels, numpy module) for one op: rendered, written beside the prelude, compiled."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (_FOLDER / "eulergen_common.cuh").write_text(
-        env.get_template("common.cuh.j2").render(header="prelude for the attention tests"))
+        env.get_template("common.cuh.j2").render(
+            header="eulergen_common.cuh, rendered for the attention tests and benchmark"))
     derived = attention_ops.load(name, _FOLDER)
     rendered = render_attention(derived)
     cu = _FOLDER / f"{name}.cu"
