@@ -103,3 +103,16 @@ def test_stabilizer_that_does_not_cancel_is_reported(tmp_path):
     result = run("--ops", str(tmp_path), "bad_stab")
     assert result.exit_code == 1
     assert "'m' is listed as a stabilizer, but output 'y' changes" in result.output
+
+
+def test_op_with_a_runtime_param_is_checked_at_a_fixed_value(tmp_path):
+    write(tmp_path, "leaky", """\
+        name: leaky
+        kind: pointwise
+        inputs: [x]
+        params: {slope: runtime}
+        outputs:
+          y: where(x > 0, x, slope*x)
+        """)
+    result = run("--ops", str(tmp_path), "leaky")
+    assert result.exit_code == 0, result.output
