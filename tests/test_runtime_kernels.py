@@ -81,7 +81,7 @@ class Emulator:
             # bf16 storage: the emulation computes on float32 copies; written ones go back
             # rounded, as the kernels store them.
             wide = {n: from_bf16(np.asarray(a)).view(FakeArray) for (n, ctext), a in zip(kernel.args, args)
-                    if K.parse_ctype(ctext).base == "__nv_bfloat16"}
+                    if K.parse_ctype(ctext).base == "__nv_bfloat16" and isinstance(a, np.ndarray)}
             getattr(self, f"_{op.kind}")(op, kernel, {**values, **wide})
             for (n, ctext) in kernel.args:
                 if n in wide and not K.parse_ctype(ctext).const:

@@ -105,9 +105,10 @@ def as_tuple(r):
 def reference(fn, name, *host, **params) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each result of a numpy call in float64, paired with the same call in float32."""
     f64 = as_tuple(fn(name, *host, **params))
-    f32 = as_tuple(fn(name, *[h.astype(np.float32) if h.dtype == np.float64 else h
-                              for h in host], **params))
-    return [(np.asarray(a), np.asarray(b, dtype=np.float64)) for a, b in zip(f64, f32)]
+    f32 = as_tuple(fn(name, *[h.astype(np.float32) if h is not None and h.dtype == np.float64
+                              else h for h in host], **params))
+    return [None if a is None else (np.asarray(a), np.asarray(b, dtype=np.float64))
+            for a, b in zip(f64, f32)]
 
 
 def check(name: str, got_dev, want: tuple[np.ndarray, np.ndarray], cp) -> None:
@@ -343,6 +344,41 @@ def test_update_step_matches_numpy(name, n, dtype, cp, libs):
     for o, got, w, w32 in zip(op.inputs, dev, host, host32):
         if o.role == "state":   # state is float32 in every variant
             check(f"{name}.{o.name}", got, (w, w32.astype(np.float64)), cp)
+
+
+# ---- embedding -----------------------------------------------------------------------------
+
+@both_dtypes
+@pytest.mark.parametrize("shape,vocab,C,positions", [((3, 17), 50, 1, True), ((2, 64), 7, 768, True),
+                                                   ((8, 1024), 50304, 768, True),
+                                                   ((4, 9), 100, 20, False)])
+@pytest.mark.parametrize("name", _ops("embedding"))
+def test_embedding_forward_and_deterministic_backward(name, shape, vocab, C, positions, dtype,
+                                                      cp, libs):
+    """Repeated ids (7 ids over 128 tokens) sum every row; C = 1 and 20 take the scalar
+    path, 768 the 16-byte one; without positions wpe is absent (a null pointer)."""
+    gpu, ref = libs
+    progress(f"embedding {shape} V={vocab} C={C} {dtype}")
+    rng = np.random.default_rng(C)
+    ids = rng.integers(0, vocab, shape).astype(np.int32)
+    wte = host_values(rng, (vocab, C), -1, 1, dtype)
+    wpe = host_values(rng, (shape[-1], C), -1, 1, dtype) if positions else None
+    dev = lambda a: None if a is None else device(cp, a, dtype)  # noqa: E731
+    out = poisoned(cp, shape + (C,), _storage(dtype))
+    gpu.forward(name, cp.asarray(ids), dev(wte), dev(wpe), out=out)
+    check(f"{name}.out", out, reference(ref.forward, name, ids, wte, wpe)[0], cp)
+    dout = host_values(rng, shape + (C,), -1, 1, dtype)
+    grads = (poisoned(cp, (vocab, C), _storage(dtype)),
+             poisoned(cp, (shape[-1], C), _storage(dtype)) if positions else None)
+    gpu.backward(name, cp.asarray(ids), dev(wte), dev(wpe), dev(dout), out=grads)
+    for label, got, w in zip(("dwte", "dwpe"), grads,
+                             reference(ref.backward, name, ids, wte, wpe, dout)):
+        if got is not None:
+            check(f"{name}.{label}", got, w, cp)
+    again = poisoned(cp, (vocab, C), _storage(dtype))
+    gpu.backward(name, cp.asarray(ids), dev(wte), dev(wpe), dev(dout),
+                 out=(again, None if wpe is None else cp.empty_like(grads[1])))
+    assert bool((again == grads[0]).all()), "embedding backward is not bitwise repeatable"
 
 
 # ---- bad input is refused before a launch --------------------------------------------------
