@@ -26,7 +26,7 @@ def derive(spec: OpSpec) -> ir.DerivedOp:
 
 @functools.lru_cache(maxsize=None)
 def _derive(spec: OpSpec) -> ir.DerivedOp:
-    for f in _all_formulas(spec):
+    for f in _differentiated(spec):
         if spec.kink is None and f.expr.has(sp.Max, sp.Min, sp.Abs):
             raise f.where.error("max/min/abs have a kink at 0; declare the value of their "
                                 "step there, e.g. `kink: 0` (as PyTorch)")
@@ -47,9 +47,9 @@ def _derive(spec: OpSpec) -> ir.DerivedOp:
                         spec_sha256=spec.sha256, fast_math=spec.fast_math)
 
 
-def _all_formulas(spec: OpSpec):
+def _differentiated(spec: OpSpec):
+    """The formulas a backward pass differentiates (update steps are not)."""
     yield from spec.outputs
-    yield from spec.update
     yield from spec.reductions
     yield from (f for f in (spec.score,) if f is not None)
 

@@ -26,10 +26,10 @@ KINDS = ("pointwise", "row", "pair", "update", "attention")
 _COMMON = {"name", "kind", "doc", "params", "let", "domain", "tolerance", "override", "fast_math"}
 KEYS = {
     "pointwise": _COMMON | {"inputs", "outputs", "kink", "backward"},
-    "row": _COMMON | {"inputs", "reduce", "stabilizers", "outputs", "kink", "backward"},
-    "pair": _COMMON | {"inputs", "index", "outputs", "backward"},
+    "row": _COMMON | {"inputs", "reduce", "stabilizers", "outputs", "kink"},
+    "pair": _COMMON | {"inputs", "index", "outputs", "kink"},
     "update": _COMMON | {"inputs", "update"},
-    "attention": _COMMON | {"score", "mask"},
+    "attention": _COMMON | {"score", "mask", "kink"},
 }
 REQUIRED = {
     "pointwise": ("inputs", "outputs"),
@@ -279,7 +279,7 @@ def load_spec(path: Path | str) -> OpSpec:
     for out in outputs:  # outputs are not usable in formulas, but their names must be unique
         names.add(out.name, None, *out.where.key.split("."))
     if "backward" in data:
-        backward = _backward(doc, data, kind, inputs, outputs, names)
+        backward = _backward(doc, data, inputs, outputs, names)
 
     tolerance = DEFAULT_TOLERANCE
     if "tolerance" in data:
@@ -372,10 +372,8 @@ def _update(doc: YamlDoc, data: dict, inputs: tuple[Input, ...], names: _Names):
     return tuple(out)
 
 
-def _backward(doc: YamlDoc, data: dict, kind: str, inputs, outputs, names: _Names):
-    if kind != "pointwise":
-        raise doc.error("explicit backward overrides are supported for pointwise ops only",
-                        "backward")
+def _backward(doc: YamlDoc, data: dict, inputs, outputs, names: _Names):
+    """Explicit gradients (pointwise ops): formulas over the inputs, params and d<output>."""
     table = dict(names.table)
     for out in outputs:
         table["d" + out.name] = symbol("d" + out.name)
