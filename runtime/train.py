@@ -8,6 +8,7 @@ uninterrupted run's losses bit for bit on numpy.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import time
@@ -263,8 +264,8 @@ class Trainer:
                 self.logger.print(f"sample:\n{self.result.sample}")
         finally:
             self.logger.close()
-        if self.result.losses:
-            metrics.plot_run(self.run_dir)
+        if self.result.losses and importlib.util.find_spec("matplotlib") is not None:
+            metrics.plot_run(self.run_dir)   # the curve is a convenience: no matplotlib, no PNG
         return self.result
 
     def sample(self, n: int) -> str:

@@ -11,8 +11,6 @@ far below what a wrong gradient gives (≥ 1e-1).
 from __future__ import annotations
 
 import importlib.util
-import tempfile
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -128,24 +126,31 @@ def test_cuda_loss_and_every_gradient_match_torch(libs, structure):
 
 
 def test_training_steps_stay_within_the_plan(libs, cp):
-    """Everything is allocated when the model is built; steps add at most 5 % (the row
-    kernels' per-block weight-gradient partials, from the pool)."""
-    from eulergen.runtime.train import Trainer
+    """Everything is allocated when the model is built; steps (forward, fused loss,
+    backward, grad norm, clipping, AdamW) add at most 5 %: the row kernels' per-block
+    weight-gradient partials and a few scalars, from the pool."""
+    from eulergen.runtime.model import build
+    from eulergen.runtime.train import AdamW
     cuda, _ = libs
+    cfg = _cfg("nanoeuler")
+    t = cfg.training
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     before = pool.total_bytes()
-    cfg = load_config(None, STRUCTURES["nanoeuler"] + COMMON + [
-        "training.total_steps=3", "training.warmup_steps=1", "training.eval_every=0",
-        "training.checkpoint_every=0", "training.sample_tokens=0",
-        "data.dataset=builtin:stdlib", "data.val_dataset=builtin:stdlib",
-        "model.vocab_size=256"])
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(replace(cfg, run_dir=run_dir), cuda, progress=False,
-                          tensorboard=False)
-        planned = trainer.model.mem.plan.total_bytes
-        trainer.run()
+    model = build(cfg.model, cuda, t.batch_size, t.seq_len)
+    model.init_weights(0)
+    optim = AdamW(model, t)
+    grads = model.mem.arenas["grads"]
+    x, y = _batch(cfg)
+    for _ in range(3):
+        model.load_tokens(x, y)
+        model.loss_and_grad()
+        norm = float(cp.sqrt(cp.dot(grads, grads)))
+        cp.multiply(grads, min(1.0, 1.0 / norm), out=grads)
+        optim.step(1e-3)
+    cp.cuda.get_current_stream().synchronize()
     used = pool.total_bytes() - before
+    planned = model.mem.plan.total_bytes
     assert used <= 1.05 * planned, f"pool grew to {used:,} bytes, the plan is {planned:,}"
 
 
