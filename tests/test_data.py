@@ -195,7 +195,7 @@ def test_make_loaders_for_the_default_config(tmp_path):
     train, val = make_loaders(load_config(), cache_dir=tmp_path)
     assert train.files[0].name == "train.bin" and val.files[0].name == "val.bin"
     x, y = next(train)
-    assert x.shape == (16, 128) and int(x.max()) < 256
+    assert x.shape == (8, 64) and int(x.max()) < 256
     np.testing.assert_array_equal(next(val)[0], next(make_loaders(load_config(), tmp_path)[1])[0])
 
 
