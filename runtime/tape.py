@@ -233,7 +233,7 @@ extern "C" __global__ void link_ids(const int* ids, int* first, int* next, int n
 extern "C" __global__ void scatter_rows(const int* ids, const int* first, const int* next,
                                         const float* src, float* dst, int n, int d) {
   // one thread per (first row of an id, column): sums that id's rows in row order
-  int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+  int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= d || !first[i]) return;
   float s = 0.f;
   for (int j = i; j >= 0; j = next[j]) s += src[(long long)j * d + c];
@@ -252,5 +252,6 @@ def scatter_add_rows_gpu(cupy, ids, rows, dst, links) -> None:
     n, d = rows.shape
     first, nxt = links[0], links[1]
     mod.get_function("link_ids")(((n + 255) // 256,), (256,), (ids, first, nxt, np.int32(n)))
-    mod.get_function("scatter_rows")(((d + 127) // 128, n), (128,),
+    # rows on grid x (up to 2^31 - 1), column blocks on y (up to 65535)
+    mod.get_function("scatter_rows")((n, (d + 127) // 128), (128,),
                                      (ids, first, nxt, rows, dst, np.int32(n), np.int32(d)))
