@@ -12,6 +12,7 @@ documented in generator/plan.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -41,12 +42,10 @@ class CType:
     base: str
     pointer: bool
     const: bool
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(_STORAGE[self.base])
+    dtype: np.dtype     # what a pointer's array holds, or the width a scalar is passed at
 
 
+@lru_cache(maxsize=None)
 def parse_ctype(text: str) -> CType:
     t = " ".join(text.replace("*", " * ").split())
     const = t.startswith("const ")
@@ -54,7 +53,7 @@ def parse_ctype(text: str) -> CType:
     pointer = t.endswith("*")
     if base not in _STORAGE:
         raise EulerError(f"C type {text!r} is not one the runtime can pass", key="args")
-    return CType(base, pointer, const)
+    return CType(base, pointer, const, np.dtype(_STORAGE[base]))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,30 +66,41 @@ def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) 
     device = cupy.cuda.runtime.getDevice()
     args = []
     for name, ctext in kernel.args:
-        where = f"{op.name}: kernel {kernel.name}: argument {name!r} ({ctext})"
-        if name not in values:
-            raise EulerError(f"{where}: no value given (the manifest and runtime disagree; "
-                             "rebuild with `eulergen build`)", key=name)
-        v, ct = values[name], parse_ctype(ctext)
-        if v is NULL and ct.pointer and ct.const:
-            args.append(np.uint64(0))
-            continue
+        ct = parse_ctype(ctext)
+        try:
+            v = values[name]
+        except KeyError:
+            raise EulerError(f"{_where(op, kernel, name, ctext)}: no value given (the manifest "
+                             "and runtime disagree; rebuild with `eulergen build`)", key=name) from None
         if not ct.pointer:
             args.append(ct.dtype.type(v))
-            continue
-        if not isinstance(v, cupy.ndarray):
-            raise EulerError(f"{where}: expected a CuPy array, got {type(v).__name__}", key=name)
-        if v.dtype != ct.dtype:
-            shown = "uint16 (bf16 storage)" if ct.base == "__nv_bfloat16" else str(ct.dtype)
-            raise EulerError(f"{where}: dtype {v.dtype}, expected {shown}", key=name)
-        if v.device.id != device:
-            raise EulerError(f"{where}: array is on device {v.device.id}, the launch on "
-                             f"device {device}", key=name)
-        if contiguous and not v.flags.c_contiguous:
-            raise EulerError(f"{where}: array with strides {v.strides} is not C-contiguous "
-                             "(copy it with cupy.ascontiguousarray)", key=name)
-        args.append(v)
+        elif v is NULL and ct.const:
+            args.append(np.uint64(0))
+        elif (isinstance(v, cupy.ndarray) and v.dtype == ct.dtype and v.device.id == device
+              and (v.flags.c_contiguous or not contiguous)):
+            args.append(v)
+        else:
+            raise _bad_array(op, kernel, name, ctext, ct, v, device)
     return tuple(args)
+
+
+def _where(op: OpEntry, kernel: Kernel, name: str, ctext: str) -> str:
+    return f"{op.name}: kernel {kernel.name}: argument {name!r} ({ctext})"
+
+
+def _bad_array(op, kernel, name, ctext, ct, v, device) -> EulerError:
+    import cupy
+    where = _where(op, kernel, name, ctext)
+    if not isinstance(v, cupy.ndarray):
+        return EulerError(f"{where}: expected a CuPy array, got {type(v).__name__}", key=name)
+    if v.dtype != ct.dtype:
+        shown = "uint16 (bf16 storage)" if ct.base == "__nv_bfloat16" else str(ct.dtype)
+        return EulerError(f"{where}: dtype {v.dtype}, expected {shown}", key=name)
+    if v.device.id != device:
+        return EulerError(f"{where}: array is on device {v.device.id}, the launch on device "
+                          f"{device}", key=name)
+    return EulerError(f"{where}: array with strides {v.strides} is not C-contiguous (copy it "
+                      "with cupy.ascontiguousarray)", key=name)
 
 
 class Launcher:
@@ -199,12 +209,38 @@ def _same_shape(op: OpEntry, call: str, named: dict, shape) -> None:
                              file=op.spec, key=n)
 
 
+@dataclass(frozen=True)
+class RowSig:
+    """What one stage of a row op reads and writes, by name and role (computed once)."""
+    names: tuple[str, ...]        # the call's arrays in order: inputs, then output grads
+    roles: tuple[str, ...]        # 'row' | 'weight' | 'index' | 'scalar' for each
+    x: int                        # position of the first row input (it sets the shape)
+    writes: tuple[str, ...]       # forward outputs, then input grads, in GRADS order
+    write_roles: tuple[str, ...]
+    wgrads: tuple[str, ...]       # the weight grads among `writes` (workspace + reduce)
+
+
+@lru_cache(maxsize=None)
+def _row_sig(op: OpEntry, stage: str) -> RowSig:
+    douts = [o for o in op.outputs if stage == "backward" or
+             (stage == "fwdbwd" and o.role == "scalar")]
+    names = tuple(o.name for o in op.inputs) + tuple(f"d{o.name}" for o in douts)
+    roles = tuple(o.role for o in op.inputs) + tuple(o.role for o in douts)
+    fwd = [o for o in op.outputs] if stage in ("forward", "fwdbwd") else []
+    grads = [o for o in op.inputs if o.differentiable] if stage != "forward" else []
+    return RowSig(names, roles, roles.index("row"),
+                  tuple(o.name for o in fwd) + tuple(f"d{o.name}" for o in grads),
+                  tuple(o.role for o in fwd) + tuple(o.role for o in grads),
+                  tuple(f"d{o.name}" for o in grads if o.role == "weight"))
+
+
 class CudaOps:
     """Forward, backward, step and fused calls of manifest ops on CuPy arrays."""
 
     def __init__(self):
         self._launchers: dict[tuple, Launcher] = {}
         self._attention: dict[tuple, object] = {}
+        self._workspaces: dict[tuple, object] = {}
 
     def launcher(self, op: OpEntry) -> Launcher:
         key = (op.name, str(op.cuda), op.cuda_sha256)
@@ -305,54 +341,53 @@ class CudaOps:
     # -- row: [..., cols] rows, weights [cols], one index or scalar per row -------------------
 
     def _row(self, op: OpEntry, stage: str, args: tuple, out, params: dict) -> tuple:
-        role = {o.name: o.role for o in op.inputs}
-        ins = [o.name for o in op.inputs]
-        douts = ([f"d{o.name}" for o in op.outputs] if stage == "backward"
-                 else [f"d{o.name}" for o in op.outputs if o.role == "scalar"]
-                 if stage == "fwdbwd" else [])
-        named = dict(zip(ins + douts, args))
-        x = named[next(n for n in ins if role[n] == "row")]
+        sig = _row_sig(op, stage)
+        x = args[sig.x]
         if x.ndim < 1 or x.shape[-1] == 0:
             raise EulerError(f"{op.name}.{stage}: row input has shape {tuple(x.shape)}; rows "
                              "need a last axis of length ≥ 1", file=op.spec, key="shape")
-        cols, lead = x.shape[-1], tuple(x.shape[:-1])
-        rows = int(np.prod(lead, dtype=np.int64))
-        out_role = {o.name: o.role for o in op.outputs}
-        want = {}
-        for n in ins + douts:
-            r = role.get(n) or out_role[n[1:]]
-            want[n] = (cols,) if r == "weight" else lead if r in ("index", "scalar") else x.shape
-        for n, a in named.items():
-            if tuple(a.shape) != tuple(want[n]):
+        shape = tuple(x.shape)
+        cols, lead = shape[-1], shape[:-1]
+        by_role = {"row": shape, "weight": (cols,), "index": lead, "scalar": lead}
+        for n, r, a in zip(sig.names, sig.roles, args):
+            if tuple(a.shape) != by_role[r]:
                 raise EulerError(f"{op.name}.{stage}: {n} has shape {tuple(a.shape)}, expected "
-                                 f"{tuple(want[n])} for rows of shape {tuple(x.shape)}",
-                                 file=op.spec, key=n)
+                                 f"{by_role[r]} for rows of shape {shape}", file=op.spec, key=n)
+        rows = x.size // cols
         dtype = storage_dtype_name(x)
         kernel = row_kernel(op, stage, dtype, cols)
         geom = row_geometry(kernel.plan, rows, cols)
-        fwd_names = [o.name for o in op.outputs] if stage in ("forward", "fwdbwd") else []
-        grad_names = [f"d{g}" for g in op.grads] if stage != "forward" else []
-        shapes = ([x.shape if out_role[n] == "row" else lead for n in fwd_names]
-                  + [(cols,) if role[g[1:]] == "weight" else x.shape for g in grad_names])
-        results = _outputs(kernel, fwd_names + grad_names, shapes, out, op, stage)
-        values = {**named, **dict(zip(fwd_names + grad_names, results)), **params,
-                  "rows": rows, "cols": cols}
-        import cupy
-        wgrads = [g for g in grad_names if role[g[1:]] == "weight"]
-        for g in wgrads:
-            values[f"{g}_partials"] = cupy.empty((geom.partials, cols), dtype=np.float32)
-        if rows:
-            self.launcher(op).launch(kernel, geom.grid, geom.threads, values)
-            for g in wgrads:
-                red = op.kernel("wgrad_reduce", dtype)
-                grid, block = reduce_geometry(red.plan, cols)
-                self.launcher(op).launch(red, grid, block, {
-                    "partials": values[f"{g}_partials"], "dw": values[g],
-                    "num_partials": geom.partials, "cols": cols, "accumulate": 0})
-        else:
-            for g in wgrads:
+        results = _outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
+                           stage)
+        values = dict(zip(sig.names, args))
+        values.update(zip(sig.writes, results))
+        values.update(params)
+        values["rows"], values["cols"] = rows, cols
+        if not rows:
+            for g in sig.wgrads:
                 values[g].fill(0)
+            return results
+        for g in sig.wgrads:
+            values[f"{g}_partials"] = self._workspace(op, g, geom.partials, cols)
+        launcher = self.launcher(op)
+        launcher.launch(kernel, geom.grid, geom.threads, values)
+        for g in sig.wgrads:
+            red = op.kernel("wgrad_reduce", dtype)
+            grid, block = reduce_geometry(red.plan, cols)
+            launcher.launch(red, grid, block, {
+                "partials": values[f"{g}_partials"], "dw": values[g],
+                "num_partials": geom.partials, "cols": cols, "accumulate": 0})
         return results
+
+    def _workspace(self, op: OpEntry, grad: str, partials: int, cols: int):
+        """The float32 [partials, cols] buffer of one weight's per-worker partial sums, kept
+        between calls: launches on one stream run in order, so each call's reduce has read
+        the buffer before the next call's kernel writes it."""
+        import cupy
+        key = (op.name, grad, partials, cols)
+        if key not in self._workspaces:
+            self._workspaces[key] = cupy.empty((partials, cols), dtype=np.float32)
+        return self._workspaces[key]
 
     # -- pair: [B, T, H, D] tensors, element k paired with k + D/2; strided views allowed ------
 
