@@ -220,6 +220,13 @@ class CudaPrinter(_Printer):
             return f"sqrtf({self.expr(base)})", _ATOM
         if exp == -sp.S.Half:
             return f"rsqrtf({self.expr(base)})", _ATOM
+        if exp.is_Rational and exp.q == 2 and abs(exp.p) <= 7:
+            # x**(±k/2): a square root (or rsqrt) times a small power, not powf:
+            # norm backwards hold (var + eps)**(-3/2) in every element's expression.
+            whole = abs(exp.p) // 2
+            root = f"{'sqrtf' if exp > 0 else 'rsqrtf'}({self.expr(base)})"
+            power = self._wrap(base ** whole, _POW) if whole > 1 else b
+            return (f"{power}*{root}" if exp > 0 else f"{root}/{power}"), _MUL
         return f"powf({self.expr(base)}, {self.expr(exp)})", _ATOM
 
 
