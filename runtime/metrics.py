@@ -176,8 +176,9 @@ def _tb_writer(folder: Path, resume_step: int | None):
     # purge_step hides events at steps >= it that an earlier, interrupted process wrote.
     # The suffix keeps a resume within the same second from reusing (and truncating) the
     # earlier event file, whose name is otherwise only the time in seconds and the host.
+    # flush_secs: a live TensorBoard sees a step within seconds, not the default 2 minutes.
     return SummaryWriter(logdir=str(folder), purge_step=None if resume_step is None else resume_step + 1,
-                         filename_suffix=f".{time.time_ns()}")
+                         filename_suffix=f".{time.time_ns()}", flush_secs=10)
 
 
 class _Progress:
