@@ -343,7 +343,7 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         {
           const float t0 = eps + var;
           const float t1 = dy*w;
-          const float sum_dvar = -0.5f*t1*powf(t0, -1.5f)*(x - mu);
+          const float sum_dvar = -0.5f*t1*rsqrtf(t0)/t0*(x - mu);
           const float sum_dmu = -t1*rsqrtf(t0);
           const float sum_var_dmu = 2.0f*mu - 2.0f*x;
           if (col_ < cols_) {
@@ -370,7 +370,7 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         {
           const float t0 = eps + var;
           const float t1 = dy*w;
-          const float sum_dvar = -0.5f*t1*powf(t0, -1.5f)*(x - mu);
+          const float sum_dvar = -0.5f*t1*rsqrtf(t0)/t0*(x - mu);
           const float sum_dmu = -t1*rsqrtf(t0);
           const float sum_var_dmu = 2.0f*mu - 2.0f*x;
           if (col_ < cols_) {

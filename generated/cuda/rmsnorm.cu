@@ -228,7 +228,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_c_[s_][e_];
         const float w = w_w_[e_];
         {
-          const float sum_dms = -0.5f*dy*w*x*powf(eps + ms, -1.5f);
+          const float sum_dms = -0.5f*dy*w*x*rsqrtf(eps + ms)/(eps + ms);
           if (col_ < cols_) {
             acc_sum_dms_ += sum_dms;
           }
@@ -249,7 +249,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float sum_dms = -0.5f*dy*w*x*powf(eps + ms, -1.5f);
+          const float sum_dms = -0.5f*dy*w*x*rsqrtf(eps + ms)/(eps + ms);
           if (col_ < cols_) {
             acc_sum_dms_ += sum_dms;
           }
