@@ -109,6 +109,8 @@ def test_resume_repeats_the_uninterrupted_losses_bitwise(lib, shard, tmp_path):
     straight = _trainer(lib, shard, tmp_path / "a").run()
     first = _trainer(lib, shard, tmp_path / "b")
     first.run(stop_after=5)                       # checkpoints at 3; steps 4-5 are lost
+    assert first.result.losses == {s: straight.losses[s] for s in range(1, 6)}, \
+        "two runs with one seed must agree"
     assert checkpoint.latest(tmp_path / "b").name == "ckpt_00000003"
     cfg = resume_config(tmp_path / "b")
     resumed = Trainer(cfg, lib, resume=True, progress=False, tensorboard=False)
@@ -174,6 +176,23 @@ def test_config_errors_reach_the_cli_as_one_line(setting, says, tmp_path):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and says in lines[0], result.output
+
+
+def test_sample_command_continues_the_prompt_from_a_run(lib, shard, tmp_path):
+    _trainer(lib, shard, tmp_path / "s", total_steps=3).run()
+    args = ["sample", str(tmp_path / "s"), "--prompt", "def ", "--max-new-tokens", "12",
+            "--device", "numpy"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert first.output.startswith("def ") and len(first.output) > len("def \n")
+    assert CliRunner().invoke(main, args).output == first.output, "same seed, same text"
+
+
+def test_resume_with_more_steps_continues_past_the_old_end(lib, shard, tmp_path):
+    _trainer(lib, shard, tmp_path / "m", total_steps=4, warmup_steps=1).run()
+    cfg = resume_config(tmp_path / "m", ["training.total_steps=6"])
+    rest = Trainer(cfg, lib, resume=True, progress=False, tensorboard=False).run()
+    assert list(rest.losses) == [5, 6]
 
 
 def test_plan_command_prints_every_buffer_and_the_total(tmp_path):
