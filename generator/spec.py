@@ -374,7 +374,8 @@ def _update(doc: YamlDoc, data: dict, inputs: tuple[Input, ...], names: _Names):
 
 def _backward(doc: YamlDoc, data: dict, inputs, outputs, names: _Names):
     """Explicit gradients (pointwise ops): formulas over the inputs, params and d<output>."""
-    table = dict(names.table)
+    # The backward recomputes from the inputs: output values are not among its arguments.
+    table = {k: v for k, v in names.table.items() if k not in {o.name for o in outputs}}
     for out in outputs:
         table["d" + out.name] = symbol("d" + out.name)
     known = {i.name for i in inputs}

@@ -157,3 +157,8 @@ def test_missing_ops_directory_is_an_error(tmp_path, monkeypatch):
 def test_every_shipped_op_loads():
     for name, path in find_ops().items():
         assert load_spec(path).name == name
+
+
+def test_explicit_backward_may_not_read_the_output(tmp_path):
+    path = write(tmp_path, GOOD + "backward:\n  x: dy*(1 - y**2)\n")
+    assert "backward.x: unknown name 'y'" in error_of(path)
