@@ -135,6 +135,24 @@ def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
     return result
 
 
+def _attempt(fn) -> dict:
+    """One system's figures, or the one line that says why it could not run (the other
+    systems still run: a benchmark that stops at the first failure reports nothing)."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - reported in the table, not hidden
+        import traceback
+        traceback.print_exc()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return {"error": f"{type(err).__name__}: {first}"[:160]}
+    finally:   # a failed run's arrays die with its frames: hand their memory back
+        import cupy
+        import torch
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps, no torch.compile")
@@ -146,17 +164,17 @@ def main() -> None:
     rows = []
     for preset in args.presets.split(","):
         cfg = _config(preset, args.batch, args.seq)
-        tokens = args.batch * args.seq
-        say(f"{preset}: eulergen")
-        ours = run_eulergen(cfg, warmup, iters)
-        say(f"{preset}: eulergen {tokens / ours['seconds']:,.0f} tok/s; torch eager")
-        eager = run_torch(cfg, warmup, iters, compiled=False)
-        rows.append((preset, "eulergen", ours, eager))
-        rows.append((preset, "torch eager", eager, eager))
+        systems = [("eulergen", lambda: run_eulergen(cfg, warmup, iters)),
+                   ("torch eager", lambda: run_torch(cfg, warmup, iters, compiled=False))]
         if not args.quick:
-            say(f"{preset}: torch.compile (first step compiles)")
-            rows.append((preset, "torch.compile", run_torch(cfg, warmup, iters, compiled=True),
-                         eager))
+            systems.append(("torch.compile", lambda: run_torch(cfg, warmup, iters, compiled=True)))
+        results = {}
+        for system, fn in systems:
+            say(f"{preset}: {system}")
+            results[system] = _attempt(fn)
+            if "seconds" in results[system]:
+                say(f"{preset}: {system} {args.batch * args.seq / results[system]['seconds']:,.0f} tok/s")
+        rows += [(preset, system, r, results["torch eager"]) for system, r in results.items()]
     gib = 1024 ** 3
     head = (f"{'preset':<10} {'system':<14} {'tok/s':>9} {'ms/step':>8} {'peak GiB':>9} "
             f"{'plan GiB':>9} {'tok/s vs eager':>15} {'mem vs eager':>13} {'loss':>7}")
@@ -164,10 +182,14 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for preset, system, r, eager in rows:
+        if "error" in r:
+            print(f"{preset:<10} {system:<14} failed: {r['error']}")
+            continue
         plan = f"{r['plan'] / gib:9.2f}" if "plan" in r else f"{'-':>9}"
+        speed, mem = (f"{eager['seconds'] / r['seconds']:15.2f}", f"{r['peak'] / eager['peak']:13.2f}") \
+            if "seconds" in eager else (f"{'-':>15}", f"{'-':>13}")
         print(f"{preset:<10} {system:<14} {args.batch * args.seq / r['seconds']:9,.0f} "
-              f"{1e3 * r['seconds']:8.1f} {r['peak'] / gib:9.2f} {plan} "
-              f"{eager['seconds'] / r['seconds']:15.2f} {r['peak'] / eager['peak']:13.2f} "
+              f"{1e3 * r['seconds']:8.1f} {r['peak'] / gib:9.2f} {plan} {speed} {mem} "
               f"{r['loss']:7.3f}")
     print("targets: eulergen tok/s vs eager >= 1.00, mem vs eager <= 0.90")
 
