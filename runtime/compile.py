@@ -41,12 +41,13 @@ class Source:
     path: Path
     text: str
     files: tuple[tuple[str, str], ...]   # (name as in #line, original text) for error display
+    template: str = ""                   # the template it was rendered from, where known
 
     def original(self, name: str) -> str | None:
         return next((t for n, t in self.files if n == name), None)
 
 
-def read_source(path: str | Path) -> Source:
+def read_source(path: str | Path, template: str = "") -> Source:
     """Read a .cu file and inline each `#include "x"` that names a file beside it.
 
     System includes (<cuda_bf16.h>) are left to NVRTC. Each local header is included
@@ -75,7 +76,7 @@ def read_source(path: str | Path) -> Source:
                     f'#line {n + 1} "{path.name}"']
         else:
             out.append(f'#line {n + 1} "{path.name}"')
-    return Source(path, "\n".join(out) + "\n", tuple(files))
+    return Source(path, "\n".join(out) + "\n", tuple(files), template)
 
 
 def cache_key(source: str, options: tuple[str, ...], arch: str, nvrtc_version: tuple) -> str:
@@ -87,12 +88,16 @@ def cache_key(source: str, options: tuple[str, ...], arch: str, nvrtc_version: t
 
 
 def _origin(src: Source) -> str:
-    """The template and spec a generated file names in its header comment."""
+    """The spec and template a generated file came from: its header comment names them
+    (an op's spec, or the template itself for template-only kernels); the manifest may
+    name the template too."""
     head = "\n".join(src.files[0][1].splitlines()[:12])
-    template = re.search(r"[\w./-]+\.cu(?:h)?\.j2", head)
     spec = re.search(r"[\w./-]+\.ya?ml", head)
-    return (f"template {template.group(0) if template else '?'}, "
-            f"spec {spec.group(0) if spec else '?'}")
+    template = src.template or (lambda m: m.group(0) if m else "")(
+        re.search(r"[\w./-]+\.cuh?\.j2", head))
+    parts = ([f"spec {spec.group(0)}"] if spec else []) + (
+        [f"template {template}"] if template else [])
+    return ", ".join(parts) or "origin not named in its header"
 
 
 def compile_error(src: Source, log: str) -> EulerError:
@@ -206,11 +211,11 @@ class Compiled:
                              "rebuild with `eulergen build`", key=name) from None
 
 
-def compile_file(path: str | Path, options: tuple[str, ...] = ()) -> Compiled:
+def compile_file(path: str | Path, options: tuple[str, ...] = (), template: str = "") -> Compiled:
     """The loaded module for a .cu file on the current device, compiling only when neither
-    this process nor the disk cache has it."""
+    this process nor the disk cache has it. `template` names its template in errors."""
     import cupy
-    src = read_source(path)
+    src = read_source(path, template)
     arch = device_arch()
     key = cache_key(src.text, BASE_OPTIONS + tuple(options), arch, nvrtc_version())
     cubin = kernel_cache_dir() / f"{src.path.stem}-sm{arch}-{key[:32]}.cubin"
@@ -248,7 +253,7 @@ def compile_manifest(path: str | Path, progress=None) -> list[tuple[str, str]]:
     for name, op in sorted(load_manifest(path).ops.items()):
         if op.cuda is None:
             continue
-        how = compile_file(op.cuda, op_options(op)).from_cache
+        how = compile_file(op.cuda, op_options(op), op.template).from_cache
         done.append((name, how))
         if progress:
             progress(f"{name}: {how}")

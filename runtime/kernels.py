@@ -116,7 +116,7 @@ class Launcher:
                 raise EulerError("op has no CUDA source", file=str(self.op.manifest),
                                  key=f"ops.{self.op.name}.cuda")
             from eulergen.runtime.compile import compile_file, op_options
-            self._compiled = compile_file(self.op.cuda, op_options(self.op))
+            self._compiled = compile_file(self.op.cuda, op_options(self.op), self.op.template)
         return self._compiled.function(kernel.name)
 
     def launch(self, kernel: Kernel, grid, block, values: dict, *, shared_mem: int = 0,

@@ -49,6 +49,7 @@ class OpEntry:
     kernels: dict = field(default_factory=dict, hash=False)  # name -> Kernel
     manifest: Path = Path()
     fast_math: bool = False              # the spec opted in (`fast_math: true`)
+    template: str = ""                   # templates/<x>.cu.j2, where the manifest names it
 
     @property
     def grads(self) -> tuple[str, ...]:
@@ -133,7 +134,8 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         cuda=(folder / o["cuda"]) if o.get("cuda") else None,
         cuda_sha256=str(o.get("cuda_sha256", "")),
         kernels={kn: _kernel(kn, k, file, f"{where}.kernels.{kn}") for kn, k in kernels.items()},
-        manifest=file, fast_math=bool(o.get("fast_math", False)))
+        manifest=file, fast_math=bool(o.get("fast_math", False)),
+        template=str(o.get("template", "")))
 
 
 def load_manifest(path: str | Path) -> Manifest:

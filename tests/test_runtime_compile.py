@@ -58,9 +58,16 @@ def test_an_nvrtc_error_shows_the_generated_line_with_context_template_and_spec(
     err = cc.compile_error(src, log)
     text = str(err)
     assert text.startswith(f"{tmp_path / 'twice.cu'}:6: NVRTC error: identifier \"yy\" is undefined")
-    assert "template templates/pointwise.cu.j2, spec ops/twice.yaml" in text
+    assert "(spec ops/twice.yaml, template templates/pointwise.cu.j2)" in text
     assert ">     6 |   if (i < n) y[i] = eg_twice(x[i]);" in text
     assert "      4 | extern" in text and "      7 | }" in text   # two lines around it
+
+
+def test_the_manifest_can_name_the_template_when_the_header_does_not(tmp_path):
+    kernel = KERNEL.replace(" with templates/pointwise.cu.j2", "")
+    src = cc.read_source(write(tmp_path, kernel=kernel), template="templates/row.cu.j2")
+    err = cc.compile_error(src, "twice.cu(6): error: oops\n")
+    assert "(spec ops/twice.yaml, template templates/row.cu.j2)" in str(err)
 
 
 def test_an_error_inside_the_header_points_into_the_header(tmp_path):
