@@ -189,7 +189,8 @@ def sample(run, prompt, max_new_tokens, temperature, top_k, seed, device, ops_di
     cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
     tok = load_tokenizer(cfg.data.tokenizer_path)
     ids = tok.encode(prompt)
-    sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True))
+    # the context it was trained on: learned positions past training.seq_len never moved
+    sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True), seq_len=cfg.training.seq_len)
     sampler.model.load_state_dict(ck.params)
     click.echo(prompt, nl=False)
     sampler.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,

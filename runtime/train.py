@@ -273,7 +273,8 @@ class Trainer:
         data = self.val_data or self.train_data
         prompt = np.asarray(data.shards[0][:min(16, self.cfg.training.seq_len // 4)],
                             dtype=np.int64)
-        sampler = Sampler(self.cfg.model, self.lib, params=self.model.mem.arenas["params"])
+        sampler = Sampler(self.cfg.model, self.lib, params=self.model.mem.arenas["params"],
+                          seq_len=self.cfg.training.seq_len)
         ids = sampler.generate(prompt, n, top_k=40, temperature=0.8, seed=self.cfg.training.seed)
         if self.tokenizer.vocab_size < self.cfg.model.vocab_size:
             return " ".join(map(str, ids))
