@@ -70,7 +70,7 @@ class OpLibrary:
         self.ops: dict[str, OpEntry] = {}
         self._cuda = None
         if backend.is_gpu:
-            from eulergen.runtime.kernels import CudaOps
+            from eulergen.runtime.cuda_ops import CudaOps
             self._cuda = CudaOps()
         self._missing_builtin = not BUILTIN_MANIFEST.exists()
         paths = ([] if self._missing_builtin else [BUILTIN_MANIFEST]) + [Path(p) for p in manifests]

@@ -1,0 +1,341 @@
+"""The CUDA half of runtime/ops.py: forward, backward, step and fused calls of manifest
+ops on CuPy arrays, one method per op kind.
+
+Each call checks its arrays' shapes against one another (dtypes, contiguity and devices
+are checked in kernels.bind), allocates the outputs it was not given in the storage type
+the kernel writes, and launches the kernels with the geometry of their plans. Weight
+gradients of row ops go through a float32 workspace of per-worker partial sums and the
+op's `wgrad_reduce` kernel (deterministic: fixed order, no atomics). Attention is
+launched by runtime/attention.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from eulergen.errors import EulerError
+from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, cdiv, grid_for, parse_ctype,
+                                      pointwise_geometry, reduce_geometry, row_geometry,
+                                      row_kernel, storage_dtype_name)
+from eulergen.runtime.manifest import Kernel, OpEntry
+
+
+def _outputs(kernel: Kernel, names, shapes, given, op: OpEntry, call: str) -> tuple:
+    """The caller's `out` arrays (shape-checked here, dtype-checked in bind) or new ones in
+    the storage type the kernel writes (a weight gradient, written by the reduce kernel
+    rather than this one, is in the storage dtype)."""
+    import cupy
+    if given is None:
+        args = dict(kernel.args)
+        return tuple(cupy.empty(s, dtype=parse_ctype(args[n]).dtype if n in args
+                                else DTYPE_OF[kernel.dtype]) for n, s in zip(names, shapes))
+    if len(given) != len(names):
+        raise EulerError(f"{op.name}.{call}: out= has {len(given)} arrays, expected "
+                         f"{len(names)} ({', '.join(names)})", file=op.spec, key="out")
+    for n, a, s in zip(names, given, shapes):
+        if tuple(a.shape) != tuple(s):
+            raise EulerError(f"{op.name}.{call}: out {n} has shape {tuple(a.shape)}, expected "
+                             f"{tuple(s)}", file=op.spec, key="out")
+    return tuple(given)
+
+
+def _same_shape(op: OpEntry, call: str, named: dict, shape) -> None:
+    for n, a in named.items():
+        if tuple(a.shape) != tuple(shape):
+            raise EulerError(f"{op.name}.{call}: {n} has shape {tuple(a.shape)}, expected "
+                             f"{tuple(shape)} (the shape of {next(iter(named))})",
+                             file=op.spec, key=n)
+
+
+@dataclass(frozen=True)
+class RowSig:
+    """What one stage of a row op reads and writes, by name and role (computed once)."""
+    names: tuple[str, ...]        # the call's arrays in order: inputs, then output grads
+    roles: tuple[str, ...]        # 'row' | 'weight' | 'index' | 'scalar' for each
+    x: int                        # position of the first row input (it sets the shape)
+    writes: tuple[str, ...]       # forward outputs, then input grads, in GRADS order
+    write_roles: tuple[str, ...]
+    wgrads: tuple[str, ...]       # the weight grads among `writes` (workspace + reduce)
+
+
+@lru_cache(maxsize=None)
+def _row_sig(op: OpEntry, stage: str) -> RowSig:
+    douts = [o for o in op.outputs if stage == "backward" or
+             (stage == "fwdbwd" and o.role == "scalar")]
+    names = tuple(o.name for o in op.inputs) + tuple(f"d{o.name}" for o in douts)
+    roles = tuple(o.role for o in op.inputs) + tuple(o.role for o in douts)
+    fwd = [o for o in op.outputs] if stage in ("forward", "fwdbwd") else []
+    grads = [o for o in op.inputs if o.differentiable] if stage != "forward" else []
+    return RowSig(names, roles, roles.index("row"),
+                  tuple(o.name for o in fwd) + tuple(f"d{o.name}" for o in grads),
+                  tuple(o.role for o in fwd) + tuple(o.role for o in grads),
+                  tuple(f"d{o.name}" for o in grads if o.role == "weight"))
+
+
+class CudaOps:
+    """Forward, backward, step and fused calls of manifest ops on CuPy arrays."""
+
+    def __init__(self):
+        self._launchers: dict[tuple, Launcher] = {}
+        self._attention: dict[tuple, object] = {}
+        self._workspaces: dict[tuple, object] = {}
+
+    def launcher(self, op: OpEntry) -> Launcher:
+        key = (op.name, str(op.cuda), op.cuda_sha256)
+        if key not in self._launchers:
+            self._launchers[key] = Launcher(op)
+        return self._launchers[key]
+
+    def attention(self, op: OpEntry):
+        """Attention kernels are launched by runtime/attention.py (flash tiling, strided q/k/v)."""
+        from eulergen.runtime.attention import AttentionKernels
+        key = (op.name, str(op.cuda), op.cuda_sha256)
+        if key not in self._attention:
+            self._attention[key] = AttentionKernels.from_op(op)
+        return self._attention[key]
+
+    def forward(self, op: OpEntry, inputs: tuple, out, params: dict, pos0: int = 0) -> tuple:
+        if op.kind == "pointwise":
+            return self._pointwise(op, "forward", inputs, out, params)
+        if op.kind == "row":
+            return self._row(op, "forward", inputs, out, params)
+        if op.kind == "pair":
+            return self._pair(op, "forward", inputs, out, params, pos0)
+        if op.kind == "embedding":
+            return self._embedding_forward(op, inputs, out)
+        if op.kind == "attention":
+            from eulergen.runtime.attention import attention_forward
+            o, lse = (None, None) if out is None else out
+            return attention_forward(self.attention(op), *inputs, out=o, lse=lse, **params)
+        raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA forward",
+                         file=op.spec, key="kind")
+
+    def backward(self, op: OpEntry, args: tuple, out, params: dict, pos0: int = 0) -> tuple:
+        if op.kind == "pointwise":
+            return self._pointwise(op, "backward", args, out, params)
+        if op.kind == "row":
+            return self._row(op, "backward", args, out, params)
+        if op.kind == "pair":
+            return self._pair(op, "backward", args, out, params, pos0)
+        if op.kind == "embedding":
+            return self._embedding_backward(op, args, out)
+        if op.kind == "attention":
+            from eulergen.runtime.attention import attention_backward
+            return attention_backward(self.attention(op), *args, out=out, **params)
+        raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA backward",
+                         file=op.spec, key="kind")
+
+    def step(self, op: OpEntry, args: tuple, params: dict) -> None:
+        """An update op over flat buffers: state float32, grads in the storage dtype; every
+        operand the same shape (the caller launches once per weight-decay range)."""
+        named = dict(zip((o.name for o in op.inputs), args))
+        _same_shape(op, "step", named, args[0].shape)
+        grads = [a for o, a in zip(op.inputs, args) if o.role == "grad"]
+        kernel = op.kernel("step", storage_dtype_name(grads[0]) if grads else "f32")
+        n = args[0].size
+        if n:
+            grid = grid_for(cdiv(n, kernel.plan["vec"] * kernel.plan["threads"]), kernel.plan)
+            self.launcher(op).launch(kernel, grid, kernel.plan["threads"],
+                                     {**named, **params, "n": n})
+
+    def fused(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
+        n_in, n_out = len(op.inputs), len(op.outputs)
+        has_fwdbwd = any(k.stage == "fwdbwd" for k in op.kernels.values())
+        if op.kind == "row" and has_fwdbwd:
+            return self._row(op, "fwdbwd", args, out, params)
+        # No one-pass kernel: forward, then backward into fresh buffers, so that a gradient
+        # `out` may alias an input the backward still reads.
+        outs = self.forward(op, args[:n_in], None if out is None else tuple(out[:n_out]), params)
+        grads = self.backward(op, args, None, params)
+        if out is not None:
+            for dst, src in zip(out[n_out:], grads):
+                dst[...] = src
+            grads = tuple(out[n_out:])
+        return tuple(outs) + tuple(grads)
+
+    # -- pointwise: every operand the same shape, one flat loop ----------------------------
+
+    def _pointwise(self, op: OpEntry, stage: str, args: tuple, out, params: dict) -> tuple:
+        ins = [o.name for o in op.inputs]
+        outs = [o.name for o in op.outputs]
+        names = ins + ([f"d{o}" for o in outs] if stage == "backward" else [])
+        named = dict(zip(names, args))
+        shape = args[0].shape
+        _same_shape(op, stage, named, shape)
+        dtype = storage_dtype_name(args[0])
+        kernel = op.kernel(stage, dtype)
+        writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
+        results = _outputs(kernel, writes, [shape] * len(writes), out, op, stage)
+        values = {**named, **dict(zip(writes, results)), **params, "n": args[0].size}
+        arg_names = {n for n, _ in kernel.args}
+        if stage == "backward" and arg_names & set(outs):
+            # The planner chose to read forward outputs in the backward: recompute them.
+            values.update(zip(outs, self._pointwise(op, "forward", args[:len(ins)], None, params)))
+        if args[0].size:
+            grid, block = pointwise_geometry(kernel.plan, args[0].size)
+            self.launcher(op).launch(kernel, grid, block, values)
+        return results
+
+    # -- row: [..., cols] rows, weights [cols], one index or scalar per row -------------------
+
+    def _row(self, op: OpEntry, stage: str, args: tuple, out, params: dict) -> tuple:
+        sig = _row_sig(op, stage)
+        x = args[sig.x]
+        if x.ndim < 1 or x.shape[-1] == 0:
+            raise EulerError(f"{op.name}.{stage}: row input has shape {tuple(x.shape)}; rows "
+                             "need a last axis of length ≥ 1", file=op.spec, key="shape")
+        shape = tuple(x.shape)
+        cols, lead = shape[-1], shape[:-1]
+        by_role = {"row": shape, "weight": (cols,), "index": lead, "scalar": lead}
+        for n, r, a in zip(sig.names, sig.roles, args):
+            if tuple(a.shape) != by_role[r]:
+                raise EulerError(f"{op.name}.{stage}: {n} has shape {tuple(a.shape)}, expected "
+                                 f"{by_role[r]} for rows of shape {shape}", file=op.spec, key=n)
+        rows = x.size // cols
+        dtype = storage_dtype_name(x)
+        kernel = row_kernel(op, stage, dtype, cols)
+        geom = row_geometry(kernel.plan, rows, cols)
+        results = _outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
+                           stage)
+        values = dict(zip(sig.names, args))
+        values.update(zip(sig.writes, results))
+        values.update(params)
+        values["rows"], values["cols"] = rows, cols
+        if not rows:
+            for g in sig.wgrads:
+                values[g].fill(0)
+            return results
+        for g in sig.wgrads:
+            values[f"{g}_partials"] = self._workspace(op, g, geom.partials, cols)
+        launcher = self.launcher(op)
+        launcher.launch(kernel, geom.grid, geom.threads, values)
+        for g in sig.wgrads:
+            red = op.kernel("wgrad_reduce", dtype)
+            grid, block = reduce_geometry(red.plan, cols)
+            launcher.launch(red, grid, block, {
+                "partials": values[f"{g}_partials"], "dw": values[g],
+                "num_partials": geom.partials, "cols": cols, "accumulate": 0})
+        return results
+
+    def _workspace(self, op: OpEntry, grad: str, partials: int, cols: int):
+        """The float32 [partials, cols] buffer of one weight's per-worker partial sums, kept
+        between calls: launches on one stream run in order, so each call's reduce has read
+        the buffer before the next call's kernel writes it."""
+        import cupy
+        key = (op.name, grad, partials, cols)
+        if key not in self._workspaces:
+            self._workspaces[key] = cupy.empty((partials, cols), dtype=np.float32)
+        return self._workspaces[key]
+
+    # -- pair: [B, T, H, D] tensors, element k paired with k + D/2; strided views allowed ------
+
+    def _pair(self, op: OpEntry, stage: str, args: tuple, out, params: dict, pos0: int) -> tuple:
+        ins = [o.name for o in op.inputs]
+        outs = [o.name for o in op.outputs]
+        names = ins + ([f"d{o}" for o in outs] if stage == "backward" else [])
+        named = dict(zip(names, args))
+        x = args[0]
+        if x.ndim != 4 or x.shape[-1] % 2:
+            raise EulerError(f"{op.name}.{stage}: expected [B, T, H, D] with D even, got shape "
+                             f"{tuple(x.shape)}", file=op.spec, key=names[0])
+        _same_shape(op, stage, named, x.shape)
+        B, T, H, D = x.shape
+        kernel = op.kernel(stage, storage_dtype_name(x))
+        writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
+        results = _outputs(kernel, writes, [x.shape] * len(writes), out, op, stage)
+        values = {**named, **dict(zip(writes, results)), **params,
+                  "B": B, "T": T, "H": H, "D": D, "pos0": pos0}
+        if stage == "backward" and {n for n, _ in kernel.args} & set(outs):
+            values.update(zip(outs, self._pair(op, "forward", args[:len(ins)], None, params, pos0)))
+        for name in list(values):
+            a = values[name]
+            if hasattr(a, "strides") and f"{name}_sb" in dict(kernel.args):
+                item = a.dtype.itemsize
+                if a.strides[3] != item:
+                    raise EulerError(f"{op.name}.{stage}: {name} must be contiguous along D "
+                                     f"(strides {a.strides})", file=op.spec, key=name)
+                values[f"{name}_sb"], values[f"{name}_st"], values[f"{name}_sh"] = (
+                    s // item for s in a.strides[:3])
+        if x.size:
+            self.launcher(op).launch(kernel, grid_for(B * T, kernel.plan), kernel.plan["threads"],
+                                     values, contiguous=False)
+        return results
+
+    # -- embedding: out[b, t] = wte[ids[b, t]] (+ wpe[t]); deterministic backward ----------------
+
+    def _embedding_check(self, op: OpEntry, call: str, ids, wte, wpe):
+        import cupy
+        if ids.ndim < 1 or ids.dtype != np.int32:
+            raise EulerError(f"{op.name}.{call}: ids must be int32 [..., T], got {ids.dtype} "
+                             f"{tuple(ids.shape)}", file=op.spec, key="ids")
+        if wte.ndim != 2:
+            raise EulerError(f"{op.name}.{call}: wte must be [vocab, C], got {tuple(wte.shape)}",
+                             file=op.spec, key="wte")
+        T, C = ids.shape[-1], wte.shape[1]
+        if wpe is not None and (wpe.ndim != 2 or wpe.shape[1] != C or wpe.shape[0] < T):
+            raise EulerError(f"{op.name}.{call}: wpe has shape {tuple(wpe.shape)}, expected "
+                             f"[≥ {T}, {C}]", file=op.spec, key="wpe")
+        if ids.size:
+            # An id past the table would read (or, backward, write) outside it: one host
+            # sync per call buys a clear error instead of an illegal-address fault.
+            lo, hi = (int(v) for v in cupy.stack([ids.min(), ids.max()]).get())
+            if lo < 0 or hi >= wte.shape[0]:
+                raise EulerError(f"{op.name}.{call}: ids span [{lo}, {hi}], the table has "
+                                 f"{wte.shape[0]} rows", file=op.spec, key="ids")
+        return T, C
+
+    def _embedding_forward(self, op: OpEntry, inputs: tuple, out) -> tuple:
+        ids, wte, wpe = inputs
+        T, C = self._embedding_check(op, "forward", ids, wte, wpe)
+        kernel = op.kernel("forward", storage_dtype_name(wte))
+        (y,) = _outputs(kernel, ["out"], [tuple(ids.shape) + (C,)], out, op, "forward")
+        bt = ids.size
+        if bt:
+            plan = kernel.plan
+            grid = grid_for(cdiv(bt * C, plan["vec"] * plan["threads"]), plan)
+            self.launcher(op).launch(kernel, grid, plan["threads"], {
+                "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt, "T": T,
+                "C": C})
+        return (y,)
+
+    def _embedding_backward(self, op: OpEntry, args: tuple, out) -> tuple:
+        """(dwte, dwpe), written (not added to). Rows of dout are grouped by id after a sort
+        of the keys id · BT + position, which are unique, so the order inside a group is
+        token order on any sort: each dwte row has one writer and one summation order."""
+        import cupy
+        ids, wte, wpe, dout = args
+        T, C = self._embedding_check(op, "backward", ids, wte, wpe)
+        dtype = storage_dtype_name(wte)
+        wte_k, wpe_k = op.kernel("backward_wte", dtype), op.kernel("backward_wpe", dtype)
+        if tuple(dout.shape) != tuple(ids.shape) + (C,):
+            raise EulerError(f"{op.name}.backward: dout has shape {tuple(dout.shape)}, expected "
+                             f"{tuple(ids.shape) + (C,)}", file=op.spec, key="dout")
+        names, shapes = ["dwte"], [wte.shape]
+        if wpe is not None:
+            names, shapes = names + ["dwpe"], shapes + [wpe.shape]
+        given = None if out is None else tuple(g for g in out if g is not None)
+        grads = _outputs(wte_k, names, shapes, given, op, "backward")
+        for g in grads:
+            g.fill(0)
+        bt = ids.size
+        if bt:
+            flat = ids.reshape(-1).astype(np.int64)
+            order = cupy.argsort(flat * bt + cupy.arange(bt, dtype=np.int64))
+            sorted_ids = flat[order]
+            starts = cupy.flatnonzero(cupy.concatenate([
+                cupy.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1]]))
+            segments = int(starts.size)
+            offsets = cupy.concatenate([starts, cupy.asarray([bt])]).astype(np.int32)
+            plan = wte_k.plan
+            self.launcher(op).launch(
+                wte_k, (segments, cdiv(C, plan["threads_x"])), plan["threads_x"],
+                {"dout": dout, "sorted_pos": order.astype(np.int32), "seg_offsets": offsets,
+                 "seg_ids": sorted_ids[starts].astype(np.int32), "dwte": grads[0], "C": C})
+            if wpe is not None:
+                plan = wpe_k.plan
+                self.launcher(op).launch(
+                    wpe_k, grid_for(cdiv(T * C, plan["threads"]), plan), plan["threads"],
+                    {"dout": dout, "dwpe": grads[1], "B": bt // T, "T": T, "C": C})
+        return grads + ((None,) if wpe is None else ())
