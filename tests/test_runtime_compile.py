@@ -127,3 +127,66 @@ def test_a_real_nvrtc_error_comes_back_at_the_generated_line(tmp_path):
         cc.compile_cubin(cc.read_source(write(tmp_path, kernel=bad)), "90")
     assert info.value.line == 6 and "eg_thrice" in str(info.value)
     assert "spec ops/twice.yaml" in str(info.value)
+
+
+class _FakeRawModule:
+    """cupy.RawModule(path=…) stand-in: loading fails on a file that is not a cubin."""
+
+    def __init__(self, path):
+        self.path = path
+
+    @property
+    def module(self):
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+        return self
+
+
+@pytest.fixture
+def fake_compiler(monkeypatch, tmp_path):
+    """compile_file with NVRTC and the device replaced: counts compiles, keeps real caching."""
+    import sys
+    import types
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=_FakeRawModule))
+    monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cc, "device_arch", lambda: "90")
+    monkeypatch.setattr(cc, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(cc, "_MODULES", {})
+    calls = []
+
+    def compile_cubin(src, arch, options=()):
+        calls.append((src.path.name, arch, options))
+        return b"\x7fELF" + src.text.encode()
+    monkeypatch.setattr(cc, "compile_cubin", compile_cubin)
+    return calls
+
+
+def test_compile_file_compiles_once_then_hits_memory_then_disk(fake_compiler, tmp_path):
+    path = write(tmp_path)
+    first = cc.compile_file(path)
+    assert first.from_cache == "compiled" and first.cubin.is_file()
+    assert first.cubin.parent == tmp_path / "cache" / "kernels"
+    assert cc.compile_file(path).from_cache == "memory"
+    cc._MODULES.clear()                       # a new process: only the disk cache is left
+    assert cc.compile_file(path).from_cache == "disk"
+    assert len(fake_compiler) == 1
+    assert cc.compile_file(path, ("--use_fast_math",)).from_cache == "compiled"  # other key
+
+
+def test_an_edited_source_or_header_is_a_new_cache_entry(fake_compiler, tmp_path):
+    path = write(tmp_path)
+    a = cc.compile_file(path)
+    (tmp_path / cc.COMMON_HEADER).write_text(HEADER + "// edited\n")
+    b = cc.compile_file(path)
+    assert b.from_cache == "compiled" and b.cubin != a.cubin
+
+
+def test_a_damaged_cache_file_is_compiled_again_and_replaced(fake_compiler, tmp_path):
+    path = write(tmp_path)
+    cubin = cc.compile_file(path).cubin
+    cubin.write_bytes(b"garbage")
+    cc._MODULES.clear()
+    again = cc.compile_file(path)
+    assert again.from_cache == "compiled" and cubin.read_bytes()[:4] == b"\x7fELF"
+    assert len(fake_compiler) == 2
