@@ -6,7 +6,8 @@
 
 Shapes are those of /work/shared/ANCHORS.md: pointwise ops 2^28 elements (two-input ops
 2^27 pairs), norms and softmax 262144 × 768, cross-entropy 8192 × 50257, AdamW 124M fp32
-parameters, embedding 8 × 1024 ids into 50304 × 768. Inputs are made once in PyTorch and
+parameters, embedding 8 × 1024 ids into 50304 × 768; RoPE (not in ANCHORS) 8 × 1024 × 32
+× 128. Inputs are made once in PyTorch and
 shared with CuPy through DLPack (bf16 travels as int16 bits), so both sides read the
 same memory. GB/s counts the fewest bytes an op must move (each input read once, each
 output written once; a forward+backward re-reads its inputs); "of copy" divides that by a
@@ -32,6 +33,7 @@ NORM_ROWS, NORM_COLS = 262144, 768
 CE_ROWS, CE_COLS = 8192, 50257
 ADAMW_N = 124_439_808                        # GPT-2 124M, tied embeddings
 EMB_B, EMB_T, EMB_V, EMB_C = 8, 1024, 50304, 768
+ROPE_SHAPE = (8, 1024, 32, 128)              # B, T, H, D: 2^25 elements
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,39 @@ class Bench:
                    lambda: self.grad(F.cross_entropy(logits, target64), (logits,), None),
                    2 * R * V * s / 1e9)
 
+    def pair(self, name: str, dtype: str):
+        """RoPE against the eager rotate-half form with precomputed cos/sin tables."""
+        torch, lib = self.torch, self.lib
+        op = self.lib.op(name)
+        s = 4 if dtype == "f32" else 2
+        B, T, H, D = ROPE_SHAPE
+        n = B * T * H * D
+        x_t = self.randn(ROPE_SHAPE, dtype, grad=True)
+        dy_t = self.randn(ROPE_SHAPE, dtype)
+        x, dy = self.ours(x_t.detach()), self.ours(dy_t)
+        y, dx = self.ours(self.empty(ROPE_SHAPE, dtype)), self.ours(self.empty(ROPE_SHAPE, dtype))
+        theirs_fwd = theirs = None
+        if name == "rope":
+            half, base = D // 2, float(op.params.get("base") or 10000.0)
+            inv = base ** (-2.0 * torch.arange(half, device="cuda", dtype=torch.float32) / D)
+            theta = torch.arange(T, device="cuda", dtype=torch.float32)[:, None] * inv
+            cos = theta.cos()[None, :, None, :].to(x_t.dtype)
+            sin = theta.sin()[None, :, None, :].to(x_t.dtype)
+
+            def rope(a):
+                a0, a1 = a[..., :half], a[..., half:]
+                return torch.cat((a0 * cos - a1 * sin, a0 * sin + a1 * cos), -1)
+            theirs_fwd = lambda: rope(x_t.detach())  # noqa: E731
+            theirs = lambda: self.grad(rope(x_t), (x_t,), dy_t)  # noqa: E731
+
+        def ours():
+            lib.forward(name, x, out=y)
+            lib.backward(name, x, dy, out=dx)
+        yield Case(f"{name} fwd", dtype, lambda: lib.forward(name, x, out=y), theirs_fwd,
+                   2 * n * s / 1e9)
+        # The backward of a rotation reads only dy: 2n forward + 2n backward.
+        yield Case(f"{name} fwd+bwd", dtype, ours, theirs, 4 * n * s / 1e9)
+
     def adamw(self, dtype: str):
         """One flat fp32 buffer (PyTorch's fused AdamW takes fp32 parameters; the bf16
         variant of our kernel reads bf16 grads and has no eager peer with the same math)."""
@@ -240,7 +275,7 @@ def main(argv=None) -> int:
     bench = Bench(args.quick)
     wanted = [o for o in args.ops.split(",") if o]
     ops = {n: o for n, o in bench.lib.ops.items() if o.kind in
-           ("pointwise", "row", "update", "embedding") and (not wanted or n in wanted)}
+           ("pointwise", "row", "pair", "update", "embedding") and (not wanted or n in wanted)}
     say(f"device: {bench.lib.backend.device}; torch {torch.__version__}, cupy {cupy.__version__}")
     from eulergen.runtime.compile import compile_file, op_options
     for name, op in sorted(ops.items()):
@@ -248,12 +283,13 @@ def main(argv=None) -> int:
     copy = copy_gbps()
     say(f"device-to-device copy: {copy:.0f} GB/s")
     rows: list[Row] = []
-    order = {"pointwise": 0, "row": 1, "update": 2, "embedding": 3}
+    order = {"pointwise": 0, "row": 1, "pair": 2, "update": 3, "embedding": 4}
     for name, op in sorted(ops.items(), key=lambda kv: (order[kv[1].kind], kv[0])):
         for dtype in ("f32", "bf16"):
             say(f"{name} {dtype}")
             cases = (bench.pointwise(name, dtype) if op.kind == "pointwise" else
                      bench.row(name, dtype) if op.kind == "row" else
+                     bench.pair(name, dtype) if op.kind == "pair" else
                      bench.adamw(dtype) if name == "adamw" else
                      bench.embedding(dtype) if name == "embedding" else ())
             try:
