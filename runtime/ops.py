@@ -9,23 +9,27 @@
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
-kernels); on a GPU they launch the op's generated kernels (runtime/kernels.py), which
-check shapes, dtypes and contiguity before the launch.
+kernels); on a GPU they launch the op's generated kernels (runtime/cuda_ops.py and
+runtime/kernels.py), which check shapes, dtypes and contiguity before the launch.
+
+Results: `forward` returns one array bare and several as a tuple (spec order);
+`backward` always returns a tuple, one gradient per differentiable input in input order
+(the module's GRADS), so a tape can zip it with the inputs; `fused` returns the forward
+outputs followed by the gradients; with `out=` the given arrays come back.
 
 bf16 on the GPU: CuPy has no bfloat16 dtype, so a bf16 tensor is a uint16 array holding
 the bf16 bit patterns (the top half of the float32 bits). `to_bf16` rounds float32 to
 nearest-even into that form and `from_bf16` widens it back exactly; a kernel's dtype
 (f32 or bf16) follows its first floating input. Compute inside kernels is fp32; per-row
 scalar outputs such as a loss stay float32 whatever the storage dtype. The numpy
-backend computes in float32 or float64 and has no bf16. Results come back as the module gives them: `forward` returns one array bare
-and several as a tuple; `backward` always returns a tuple, one gradient per
-differentiable input in input order (the module's GRADS), so a tape can zip it with
-the inputs; `fused` returns the forward outputs followed by the gradients.
+backend computes in float32 or float64 and has no bf16.
 """
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
+
+import numpy as np
 
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
@@ -39,8 +43,7 @@ def _xp(a):
     if type(a).__module__.startswith("cupy"):
         import cupy
         return cupy
-    import numpy
-    return numpy
+    return np
 
 
 def to_bf16(a):
@@ -230,7 +233,6 @@ class _NumpyEmbedding:
 
     @staticmethod
     def forward(ids, wte, wpe):
-        import numpy as np
         out = np.take(wte, ids, axis=0)
         if wpe is not None:
             out += wpe[: ids.shape[-1]]
@@ -238,7 +240,6 @@ class _NumpyEmbedding:
 
     @staticmethod
     def backward(ids, wte, wpe, dout):
-        import numpy as np
         C = wte.shape[1]
         dwte = np.zeros_like(wte)
         np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
