@@ -4,11 +4,12 @@ A KernelPlan is chosen from a DerivedOp alone (sizes such as the row length arri
 launch), so it is a frozen value that the render step and the manifest share. The facts
 the runtime needs to launch a kernel travel in `KernelSig.plan` as (key, value) pairs;
 the keys, per template (every kernel also has `threads`, the block size, and
-`grid_max`: the grid is min(the formula below, grid_max), kernels loop over the rest):
+`grid_max`: the grid is min(the formula below, grid_max), kernels loop over the rest;
+None: no cap):
 
 pointwise  vec (elements per 16-byte access), unroll (vectors per thread per step):
            grid = cdiv(n, vec · unroll · threads). Any n and any alignment work (a scalar
-           path takes unaligned pointers and the tail).
+           path takes unaligned pointers and the tail); in_place_ok = True.
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
            length, `max_cols` / `min_cols` say where each is the fast one.
            warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block).
@@ -22,8 +23,8 @@ row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct fo
            (block). `<op>_wgrad_reduce_<dt>` then sums them in a fixed order: block
            (threads_x, threads_y), grid = cdiv(cols, threads_x).
            fwdbwd kernels: dx_may_alias_x = True (the row is read before it is written).
-pair       grid = cdiv(B · T · H · D/2, threads); strides are arguments (views of a fused
-           qkv buffer work); in_place_ok = True (y may be x, dx may be dy).
+pair       one block per (b, t) token: grid = B · T; strides are arguments (views of a
+           fused qkv buffer work); in_place_ok = True (y may be x, dx may be dy).
 update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
            are the storage dtype; launch once per weight-decay range.
 embedding  forward: vec, grid = cdiv(BT · C, vec · threads). backward_wte: block
@@ -94,7 +95,7 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 
 def pointwise_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
     return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("unroll", plan.unroll),
-            ("grid_max", _GRID_MAX))
+            ("grid_max", _GRID_MAX), ("in_place_ok", True))
 
 
 def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,

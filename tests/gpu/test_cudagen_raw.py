@@ -1,0 +1,247 @@
+"""The generated kernels launched raw, exactly as KernelSig.plan documents (generator/plan.py),
+without the runtime in between: both row layouts with weight gradients (and that they are
+bitwise deterministic), the fused cross-entropy in place over a 50257-wide row, the
+embedding gather and its deterministic scatter, the stable math helpers at ±1e4.
+Run on the H200: `pytest -m gpu tests/gpu/test_cudagen_raw.py`.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from eulergen import GENERATED_DIR
+
+pytestmark = pytest.mark.gpu
+
+MANIFEST = GENERATED_DIR / "manifest.json"
+OPS = json.loads(MANIFEST.read_text())["ops"] if MANIFEST.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except Exception as err:  # no driver
+        pytest.skip(f"no usable CUDA device: {err}")
+    return cupy
+
+
+def source(op: str) -> str:
+    common = (GENERATED_DIR / "cuda" / "eulergen_common.cuh").read_text()
+    text = (GENERATED_DIR / OPS[op]["cuda"]).read_text()
+    return text.replace('#include "eulergen_common.cuh"', common, 1)
+
+
+_MODULES: dict = {}
+
+
+def kernel(cp, op: str, name: str):
+    if op not in _MODULES:
+        _MODULES[op] = cp.RawModule(code=source(op), options=("-std=c++17",))
+    return _MODULES[op].get_function(name)
+
+
+def plan(op: str, name: str) -> dict:
+    return OPS[op]["kernels"][name]["plan"]
+
+
+def numpy_module(op: str):
+    from eulergen.runtime.manifest import load_manifest, load_numpy_module
+    return load_numpy_module(load_manifest(MANIFEST).ops[op])
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# bf16 lives in uint16 arrays (bits), rounded to nearest even like __float2bfloat16_rn.
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def store(cp, x: np.ndarray, dtype: str):
+    return cp.asarray(to_bf16(x) if dtype == "bf16" else x.astype(np.float32))
+
+
+def load(cp, a, dtype: str) -> np.ndarray:
+    h = cp.asnumpy(a)
+    return from_bf16(h) if dtype == "bf16" else h
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+TOL = {"f32": 1e-5, "bf16": 2e-2}
+
+
+def row_launch(p: dict, rows: int, cols: int) -> tuple[int, int, int]:
+    """(grid, threads, partials) by the plan's rules."""
+    if p["layout"] == "block_per_row":
+        threads = min(max(cdiv(cdiv(cols, p["cols_per_thread"]), 32) * 32, p["threads_min"]),
+                      p["threads"])
+        grid = min(rows, p["grid_max"])
+        return grid, threads, grid
+    grid = min(cdiv(rows, p["rows_per_block"]), p["grid_max"])
+    return grid, p["threads"], grid * p["rows_per_block"]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["", "_block"])
+@pytest.mark.parametrize("cols", [17, 768, 2048, 9000])
+def test_norm_backward_with_weight_grads_matches_numpy_and_is_deterministic(cp, cols, layout, dtype):
+    op = "layernorm"
+    rng = np.random.default_rng(cols)
+    rows = 1000
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    b = rng.standard_normal(cols).astype(np.float32)
+    dy = rng.standard_normal((rows, cols)).astype(np.float32)
+    if dtype == "bf16":
+        x, w, b, dy = (from_bf16(to_bf16(a)) for a in (x, w, b, dy))
+    name = f"{op}_backward{layout}_{dtype}"
+    p = plan(op, name)
+    grid, threads, partials = row_launch(p, rows, cols)
+    dx = store(cp, np.full((rows, cols), np.nan, np.float32), dtype)
+    ws = [cp.full((partials, cols), np.nan, np.float32) for _ in range(2)]
+    grads = [store(cp, np.full(cols, np.nan, np.float32), dtype) for _ in range(2)]
+    args = [store(cp, a, dtype) for a in (x, w, b, dy)]
+    results = []
+    for _ in range(2):
+        kernel(cp, op, name)((grid,), (threads,), (*args, dx, *ws, np.float32(1e-5),
+                                                   np.int64(rows), np.int32(cols)))
+        for part, g in zip(ws, grads):
+            kernel(cp, op, f"{op}_wgrad_reduce_{dtype}")(
+                (cdiv(cols, 32),), (32, 32), (part, g, np.int32(partials), np.int32(cols), np.int32(0)))
+        results.append([cp.asnumpy(a).copy() for a in (dx, *grads)])
+    for a, b2 in zip(*results):
+        assert a.tobytes() == b2.tobytes(), f"{name}: two runs differ"
+    want = numpy_module(op).backward(x.astype(np.float64), w.astype(np.float64),
+                                     b.astype(np.float64), dy.astype(np.float64), eps=1e-5)
+    for label, got, ref in zip(("dx", "dw", "db"), (dx, *grads), want):
+        err = rel_err(load(cp, got, dtype), ref)
+        assert err < TOL[dtype], f"{name} {label}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["", "_block"])
+def test_fused_cross_entropy_overwrites_50257_wide_logits_with_their_gradient(cp, layout, dtype):
+    op, rows, cols = "cross_entropy", 64, 50257
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    if dtype == "bf16":
+        x = from_bf16(to_bf16(x))
+    target = rng.integers(0, cols, rows).astype(np.int32)
+    dloss = np.full(rows, 1.0 / rows, np.float32)
+    name = f"{op}_fwdbwd{layout}_{dtype}"
+    grid, threads, _ = row_launch(plan(op, name), rows, cols)
+    logits = store(cp, x, dtype)
+    loss = cp.full(rows, np.nan, np.float32)
+    kernel(cp, op, name)((grid,), (threads,), (logits, cp.asarray(target), cp.asarray(dloss), loss,
+                                               logits, np.int64(rows), np.int32(cols)))
+    mod = numpy_module(op)
+    want_loss = mod.forward(x.astype(np.float64), target)
+    want_dx = mod.backward(x.astype(np.float64), target, dloss.astype(np.float64))
+    assert rel_err(cp.asnumpy(loss), want_loss) < 1e-5
+    assert rel_err(load(cp, logits, dtype), want_dx) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("C,with_wpe", [(768, True), (768, False), (50, True)])
+def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C, with_wpe, dtype):
+    rng = np.random.default_rng(C)
+    B, T, V = 4, 64, 300
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids[0, :10] = 7                                   # a long segment
+    wte = rng.standard_normal((V, C)).astype(np.float32)
+    wpe = rng.standard_normal((T, C)).astype(np.float32)
+    if dtype == "bf16":
+        wte, wpe = from_bf16(to_bf16(wte)), from_bf16(to_bf16(wpe))
+    d_wte, d_wpe = store(cp, wte, dtype), store(cp, wpe, dtype)
+    out = store(cp, np.full((B, T, C), np.nan, np.float32), dtype)
+    p = plan("embedding", f"embedding_forward_{dtype}")
+    grid = min(cdiv(B * T * C, p["vec"] * p["threads"]), p["grid_max"])
+    kernel(cp, "embedding", f"embedding_forward_{dtype}")(
+        (grid,), (p["threads"],), (cp.asarray(ids), d_wte, d_wpe if with_wpe else np.uint64(0), out,
+                                   np.int64(B * T), np.int32(T), np.int32(C)))
+    want = wte[ids] + (wpe[None] if with_wpe else 0)
+    assert rel_err(load(cp, out, dtype), want) < TOL[dtype] / 4
+
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    if dtype == "bf16":
+        dout = from_bf16(to_bf16(dout))
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    uniq, starts = np.unique(flat[order], return_index=True)
+    offsets = np.append(starts, len(flat)).astype(np.int32)
+    grads = []
+    for _ in range(2):
+        dwte = store(cp, np.ones((V, C), np.float32), dtype)   # the kernel adds into it
+        p = plan("embedding", f"embedding_backward_wte_{dtype}")
+        kernel(cp, "embedding", f"embedding_backward_wte_{dtype}")(
+            (len(uniq), cdiv(C, p["threads_x"])), (p["threads_x"],),
+            (store(cp, dout, dtype), cp.asarray(order), cp.asarray(offsets),
+             cp.asarray(uniq.astype(np.int32)), dwte, np.int32(C)))
+        dwpe = store(cp, np.zeros((T, C), np.float32), dtype)
+        p = plan("embedding", f"embedding_backward_wpe_{dtype}")
+        kernel(cp, "embedding", f"embedding_backward_wpe_{dtype}")(
+            (min(cdiv(T * C, p["threads"]), p["grid_max"]),), (p["threads"],),
+            (store(cp, dout, dtype), dwpe, np.int32(B), np.int32(T), np.int32(C)))
+        grads.append((cp.asnumpy(dwte).copy(), cp.asnumpy(dwpe).copy()))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(*grads)), "two runs differ"
+    want_wte = np.ones((V, C))
+    np.add.at(want_wte, flat, dout.reshape(-1, C).astype(np.float64))
+    assert rel_err(from_bf16(grads[0][0]) if dtype == "bf16" else grads[0][0], want_wte) < TOL[dtype]
+    got_wpe = from_bf16(grads[0][1]) if dtype == "bf16" else grads[0][1]
+    assert rel_err(got_wpe, dout.astype(np.float64).sum(0)) < TOL[dtype]
+
+
+def test_stable_helpers_give_no_nan_at_the_extremes(cp):
+    common = (GENERATED_DIR / "cuda" / "eulergen_common.cuh").read_text()
+    src = common + r'''
+extern "C" __global__ void helpers(const float* x, float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  out[4 * i] = eg_sigmoid(x[i]);
+  out[4 * i + 1] = eg_softplus(x[i]);
+  out[4 * i + 2] = eg_logaddexp(x[i], -x[i]);
+  out[4 * i + 3] = eg_logaddexp(x[i], x[i]);
+}
+'''
+    f = cp.RawModule(code=src, options=("-std=c++17",)).get_function("helpers")
+    x = np.array([0, 1e-30, -1e-30, 1, -1, 80, -80, 1e4, -1e4], np.float32)
+    out = cp.zeros(4 * len(x), np.float32)
+    f((1,), (32,), (cp.asarray(x), out, np.int32(len(x))))
+    got = cp.asnumpy(out).reshape(-1, 4).astype(np.float64)
+    xd = x.astype(np.float64)
+    want = np.stack([np.exp(-np.logaddexp(0, -xd)), np.logaddexp(0, xd), np.logaddexp(xd, -xd),
+                     np.logaddexp(xd, xd)], 1)
+    assert np.isfinite(got).all()
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+def test_rope_sine_and_cosine_stay_accurate_at_long_positions(cp):
+    common = (GENERATED_DIR / "cuda" / "eulergen_common.cuh").read_text()
+    src = common + r'''
+extern "C" __global__ void trig(const float* x, float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) { out[2 * i] = eg_sinf(x[i]); out[2 * i + 1] = eg_cosf(x[i]); }
+}
+'''
+    f = cp.RawModule(code=src, options=("-std=c++17",)).get_function("trig")
+    x = np.linspace(-70000, 70000, 100001).astype(np.float32)
+    out = cp.zeros(2 * len(x), np.float32)
+    f((cdiv(len(x), 256),), (256,), (cp.asarray(x), out, np.int32(len(x))))
+    got = cp.asnumpy(out).reshape(-1, 2)
+    xd = x.astype(np.float64)
+    assert np.max(np.abs(got[:, 0] - np.sin(xd))) < 2e-6
+    assert np.max(np.abs(got[:, 1] - np.cos(xd))) < 2e-6

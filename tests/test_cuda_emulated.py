@@ -1,0 +1,357 @@
+"""The generated pointwise, row, pair, update and embedding kernels, run on the CPU: each
+.cu in generated/cuda is compiled by g++ against tests/cudagen_emulator (CUDA threads as
+fibers, warp shuffles and __syncthreads as barriers), launched with the geometry its
+KernelSig.plan documents, and checked against the generated numpy module evaluated in
+float64 on the same inputs. Small grids make every grid-stride loop, both row layouts, the
+registers-then-global row split and the scalar tails run. Speed and the real PTX are for
+tests/gpu/.
+
+Tolerances: fp32 outputs within 1e-5 of the largest reference value (∞-norm relative);
+bf16 outputs within 2^-8 of it (one rounding of the fp32 result to bf16). Where an output
+is a difference of nearly equal terms (a norm's gradient over rows of length 1 is 0,
+computed as a - a), the same formula in float32 numpy is as far off, so the error may
+also reach 16x that float32 error (as tests/gpu/test_kernels.py allows)."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eulergen import GENERATED_DIR
+from eulergen.runtime.manifest import load_manifest, load_numpy_module
+from eulergen.runtime.ops import from_bf16, to_bf16
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]
+
+MANIFEST = GENERATED_DIR / "manifest.json"
+OPS = json.loads(MANIFEST.read_text())["ops"] if MANIFEST.exists() else {}
+EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
+_FOLDER = Path(tempfile.mkdtemp(prefix="eg-cudagen-emu-"))
+TOL = {"f32": 1e-5, "bf16": 2.0 ** -8}
+_ELEM = {"float": ("float", np.float32), "__nv_bfloat16": ("__nv_bfloat16", np.uint16),
+         "int": ("int", np.int32)}
+_SCALAR = {"float": "(float)std::atof", "int": "std::atoi", "long long": "std::atoll"}
+
+
+def _ops(*kinds) -> list[str]:
+    return sorted(n for n, o in OPS.items() if o["kind"] in kinds)
+
+
+def _runner(op: str) -> str:
+    """C++ main: `run KERNEL GX GY BX ARGS…`; a pointer argument is a file (or '-' for
+    null) read before and, when not const, written back after the launch."""
+    cases = []
+    for name, k in OPS[op]["kernels"].items():
+        if k["plan"].get("threads_y"):
+            continue  # 2-D blocks are beyond the emulator (the fixed-order reduce)
+        loads, call, saves = [], [], []
+        for n, (arg, ctype) in enumerate(k["args"]):
+            if ctype.endswith("*"):
+                elem = ctype.replace("const ", "").rstrip("*").strip()
+                loads.append(f"    std::vector<{elem}> a{n} = load<{elem}>(argv[{n + 5}]);")
+                call.append(f"(std::string(argv[{n + 5}]) == \"-\" ? nullptr : a{n}.data())")
+                if not ctype.startswith("const"):
+                    saves.append(f"    save(argv[{n + 5}], a{n});")
+            else:
+                call.append(f"{_SCALAR[ctype]}(argv[{n + 5}])")
+        cases.append(f'  if (kernel == "{name}") {{\n' + "\n".join(loads) + "\n"
+                     f"    emu_launch(grid, block, [&] {{ {name}({', '.join(call)}); }});\n"
+                     + "\n".join(saves) + "\n    return 0;\n  }")
+    return (f'#include "{op}.cu"\n#include <string>\n\n'
+            "template <typename T> static std::vector<T> load(const char* path) {\n"
+            "  std::vector<T> v;\n  if (std::string(path) == \"-\") return v;\n"
+            "  FILE* f = std::fopen(path, \"rb\");\n  std::fseek(f, 0, SEEK_END);\n"
+            "  v.resize(std::ftell(f) / sizeof(T));\n  std::fseek(f, 0, SEEK_SET);\n"
+            "  if (std::fread(v.data(), sizeof(T), v.size(), f) != v.size()) std::exit(2);\n"
+            "  std::fclose(f);\n  return v;\n}\n"
+            "template <typename T> static void save(const char* path, const std::vector<T>& v) {\n"
+            "  FILE* f = std::fopen(path, \"wb\");\n  std::fwrite(v.data(), sizeof(T), v.size(), f);\n"
+            "  std::fclose(f);\n}\n\n"
+            "int main(int argc, char** argv) {\n  const std::string kernel = argv[1];\n"
+            "  const dim3 grid(std::atoi(argv[2]), std::atoi(argv[3])), block(std::atoi(argv[4]));\n"
+            + "\n".join(cases) + "\n  return 3;\n}\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _binary(op: str) -> Path:
+    folder = _FOLDER / op
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in ("eulergen_common.cuh", f"{op}.cu"):
+        shutil.copy(GENERATED_DIR / "cuda" / f, folder / f)
+    (folder / "run.cpp").write_text(_runner(op))
+    done = subprocess.run(["g++", "-std=c++17", "-O1", f"-I{EMULATOR}", "-o", "run", "run.cpp"],
+                          cwd=folder, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[:4000]
+    return folder / "run"
+
+
+def launch(op: str, kernel: str, grid, block: int, **args) -> dict[str, np.ndarray]:
+    """Run one kernel; arrays go in by argument name and the written ones come back."""
+    sig = OPS[op]["kernels"][kernel]["args"]
+    work = Path(tempfile.mkdtemp(dir=_FOLDER))
+    argv, outs = [], {}
+    for name, ctype in sig:
+        value = args[name]
+        if ctype.endswith("*"):
+            if value is None:
+                argv.append("-")
+                continue
+            elem = _ELEM[ctype.replace("const ", "").rstrip("*").strip()][1]
+            path = work / f"{name}.bin"
+            np.ascontiguousarray(value, elem).tofile(path)
+            argv.append(str(path))
+            if not ctype.startswith("const"):
+                outs[name] = (path, elem, np.shape(value))
+        else:
+            argv.append(repr(value))
+    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+    done = subprocess.run([str(_binary(op)), kernel, str(gx), str(gy), str(block), *argv],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{kernel}: exit {done.returncode}\n{done.stderr[:2000]}"
+    return {n: np.fromfile(p, e).reshape(s) for n, (p, e, s) in outs.items()}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stored(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x as the kernel stores it (bf16 bits or float32)."""
+    return to_bf16(x.astype(np.float32)) if dtype == "bf16" else x.astype(np.float32)
+
+
+def value(a: np.ndarray, dtype: str) -> np.ndarray:
+    return from_bf16(a).astype(np.float64) if dtype == "bf16" else a.astype(np.float64)
+
+
+def inputs_as_stored(arrays: list[np.ndarray], dtype: str) -> list[np.ndarray]:
+    """Inputs rounded to the storage dtype, so the float64 reference sees what the kernel reads."""
+    return [value(stored(a, dtype), dtype) if a.dtype.kind == "f" else a for a in arrays]
+
+
+def close(got: np.ndarray, want: np.ndarray, tol: float, what: str, want32=None) -> None:
+    want = np.broadcast_to(np.asarray(want, np.float64), got.shape)
+    assert np.isfinite(got).all(), f"{what}: non-finite output"
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    err = float(np.max(np.abs(got - want)))
+    noise = 0.0 if want32 is None else 16 * float(np.max(np.abs(np.broadcast_to(want32, got.shape) - want)))
+    assert err <= max(tol * scale, noise), \
+        f"{what}: error {err / scale:.2e} of max |ref| {scale:.3g} (tol {tol:.1e}, f32 noise {noise:.1e})"
+
+
+def f32(arrays: list) -> list:
+    return [a.astype(np.float32) if a.dtype.kind == "f" else a for a in arrays]
+
+
+def as_tuple(r) -> tuple:
+    return r if isinstance(r, tuple) else (r,)
+
+
+def _params(op: str) -> dict:
+    return {k: v for k, v in OPS[op]["params"].items() if v is not None}
+
+
+# ---- pointwise --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", _ops("pointwise"))
+def test_pointwise_forward_and_backward_match_numpy(name, dtype):
+    op = OPS[name]
+    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    n = 5003                       # not a multiple of any vector width: the scalar tail runs
+    rng = np.random.default_rng(1)
+    xs = inputs_as_stored([rng.uniform(-4, 4, n) for _ in op["inputs"]], dtype)
+    ins = {o["name"]: stored(x, dtype) for o, x in zip(op["inputs"], xs)}
+    p = OPS[name]["kernels"][f"{name}_forward_{dtype}"]["plan"]
+    outs = {o["name"]: stored(np.full(n, np.nan), dtype) for o in op["outputs"]}
+    got = launch(name, f"{name}_forward_{dtype}", 2, p["threads"], **ins, **outs, n=n)
+    for o, w, w32 in zip(op["outputs"], as_tuple(mod.forward(*xs)), as_tuple(mod.forward(*f32(xs)))):
+        close(value(got[o["name"]], dtype), w, TOL[dtype], f"{name} {o['name']}", w32)
+
+    dys = inputs_as_stored([rng.uniform(-1, 1, n) for _ in op["outputs"]], dtype)
+    grads = [o["name"] for o in op["inputs"] if o["differentiable"]]
+    bwd = {f"d{o['name']}": stored(d, dtype) for o, d in zip(op["outputs"], dys)}
+    bwd |= {f"d{g}": stored(np.full(n, np.nan), dtype) for g in grads}
+    got = launch(name, f"{name}_backward_{dtype}", 3, p["threads"], **ins, **bwd, n=n)
+    want32 = as_tuple(mod.backward(*f32(xs), *f32(dys)))
+    for g, w, w32 in zip(grads, as_tuple(mod.backward(*xs, *dys)), want32):
+        close(value(got[f"d{g}"], dtype), w, TOL[dtype], f"{name} d{g}", w32)
+
+
+# ---- row --------------------------------------------------------------------------------
+
+def _row_geometry(plan: dict, rows: int, cols: int) -> tuple[int, int, int]:
+    """(grid, threads, partials), kept small so that workers loop over rows."""
+    if plan["layout"] == "block_per_row":
+        threads = min(max(cdiv(cdiv(cols, plan["cols_per_thread"]), 32) * 32,
+                          plan["threads_min"]), plan["threads"])
+        grid = min(rows, 2)
+        return grid, threads, grid
+    return 1, plan["threads"], plan["rows_per_block"]
+
+
+ROW_CASES = [(1, "warp"), (17, "warp"), (768, "warp"), (3001, "warp"),
+             (17, "block"), (1000, "block"), (8800, "block")]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("cols,layout", ROW_CASES)
+@pytest.mark.parametrize("name", _ops("row"))
+def test_row_kernels_match_numpy(name, cols, layout, dtype):
+    op = OPS[name]
+    entry = load_manifest(MANIFEST).ops[name]
+    mod = load_numpy_module(entry)
+    rows = 3 if cols > 5000 else 11
+    rng = np.random.default_rng(cols)
+    xs = []
+    for o in op["inputs"]:
+        if o["role"] == "index":
+            xs.append(rng.integers(0, cols, rows).astype(np.int32))
+        else:
+            xs.append(rng.uniform(-2, 2, (cols,) if o["role"] == "weight" else (rows, cols)))
+    xs = inputs_as_stored(xs, dtype)
+    ins = {o["name"]: (x if o["role"] == "index" else stored(x, dtype))
+           for o, x in zip(op["inputs"], xs)}
+    params = _params(name)
+    suffix = "_block" if layout == "block" else ""
+    scalar_out = {o["name"] for o in op["outputs"] if o["role"] == "scalar"}
+
+    def out_buf(o, shape):
+        return np.full(shape, np.nan, np.float32) if o in scalar_out else stored(np.full(shape, np.nan), dtype)
+
+    k = f"{name}_forward{suffix}_{dtype}"
+    grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    outs = {o["name"]: out_buf(o["name"], (rows,) if o["role"] == "scalar" else (rows, cols))
+            for o in op["outputs"]}
+    got = launch(name, k, grid, threads, **ins, **outs, **params, rows=rows, cols=cols)
+    want = as_tuple(mod.forward(*xs, **params))
+    want32 = as_tuple(mod.forward(*f32(xs), **params))
+    for o, w, w32 in zip(op["outputs"], want, want32):
+        g = got[o["name"]]
+        close(g.astype(np.float64) if o["name"] in scalar_out else value(g, dtype), w,
+              TOL["f32"] if o["name"] in scalar_out else TOL[dtype], f"{k} {o['name']}", w32)
+
+    douts = [rng.uniform(-1, 1, (rows,) if o["role"] == "scalar" else (rows, cols))
+             for o in op["outputs"]]
+    douts = [d.astype(np.float32).astype(np.float64) if o["name"] in scalar_out
+             else inputs_as_stored([d], dtype)[0] for o, d in zip(op["outputs"], douts)]
+    dargs = {f"d{o['name']}": (d.astype(np.float32) if o["name"] in scalar_out else stored(d, dtype))
+             for o, d in zip(op["outputs"], douts)}
+    want = dict(zip(entry.grads, as_tuple(mod.backward(*xs, *douts, **params))))
+    want32 = dict(zip(entry.grads, as_tuple(mod.backward(*f32(xs), *f32(douts), **params))))
+    weights = {o["name"] for o in op["inputs"] if o["role"] == "weight"}
+    stages = ["backward"] + (["fwdbwd"] if f"{name}_fwdbwd_{dtype}" in op["kernels"] else [])
+    for stage in stages:
+        k = f"{name}_{stage}{suffix}_{dtype}"
+        grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+        bufs = {}
+        for g in entry.grads:
+            if g in weights:
+                bufs[f"d{g}_partials"] = np.full((partials, cols), np.nan, np.float32)
+            else:
+                bufs[f"d{g}"] = stored(np.full((rows, cols), np.nan), dtype)
+        if stage == "fwdbwd":
+            bufs |= {o: np.full(rows, np.nan, np.float32) for o in scalar_out}
+        got = launch(name, k, grid, threads, **ins, **dargs, **bufs, **params, rows=rows, cols=cols)
+        for g, w in want.items():
+            if g in weights:  # the fixed-order reduce of the partial rows, done here
+                close(got[f"d{g}_partials"].astype(np.float64).sum(0), w, TOL["f32"], f"{k} d{g}",
+                      want32[g])
+            else:
+                close(value(got[f"d{g}"], dtype), w, TOL[dtype], f"{k} d{g}", want32[g])
+        if stage == "fwdbwd":
+            for o in scalar_out:
+                close(got[o].astype(np.float64), mod.forward(*xs, **params), TOL["f32"], f"{k} {o}")
+
+
+# ---- pair, update, embedding --------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", _ops("pair"))
+def test_pair_kernels_on_strided_views_match_numpy(name, dtype):
+    op = OPS[name]
+    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    B, T, H, D, pos0 = 2, 5, 3, 16, 0
+    rng = np.random.default_rng(2)
+    x = inputs_as_stored([rng.uniform(-1, 1, (B, T, H, D))], dtype)[0]
+    params = _params(name)
+    # The output is the first H heads of a [B, T, 2H, D] buffer: strides differ from x's.
+    wide = (T * 2 * H * D, 2 * H * D, D)
+    strides = {"x": (T * H * D, H * D, D), "y": wide, "dy": (T * H * D, H * D, D), "dx": wide}
+    args = {f"{n}_{s}": strides[n][i] for n in strides for i, s in enumerate(("sb", "st", "sh"))}
+    k = f"{name}_forward_{dtype}"
+    got = launch(name, k, 3, op["kernels"][k]["plan"]["threads"], x=stored(x, dtype),
+                 y=stored(np.full((B, T, 2 * H, D), np.nan), dtype), **params, **args,
+                 B=B, T=T, H=H, D=D, pos0=pos0)
+    close(value(got["y"], dtype)[:, :, :H], mod.forward(x, **params), TOL[dtype], k)
+    dy = inputs_as_stored([rng.uniform(-1, 1, (B, T, H, D))], dtype)[0]
+    k = f"{name}_backward_{dtype}"
+    sig = [a for a, _ in op["kernels"][k]["args"]]
+    extra = {"x": stored(x, dtype)} if "x" in sig else {}
+    got = launch(name, k, 3, op["kernels"][k]["plan"]["threads"], **extra, dy=stored(dy, dtype),
+                 dx=stored(np.full((B, T, 2 * H, D), np.nan), dtype), **params, **args,
+                 B=B, T=T, H=H, D=D, pos0=pos0)
+    close(value(got["dx"], dtype)[:, :, :H], mod.backward(x, dy, **params), TOL[dtype], k)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", _ops("update"))
+def test_update_step_matches_numpy(name, dtype):
+    op = OPS[name]
+    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    n = 2051
+    rng = np.random.default_rng(3)
+    arrays = {}
+    for o in op["inputs"]:
+        a = rng.uniform(0, 1, n) if o["name"] == "v" else rng.uniform(-1, 1, n)
+        arrays[o["name"]] = (inputs_as_stored([a], dtype)[0] if o["role"] == "grad"
+                             else a.astype(np.float32).astype(np.float64))
+    params = dict(_params(name), lr=1e-2, step=3.0)
+    k = f"{name}_step_{dtype}"
+    bufs = {o["name"]: stored(arrays[o["name"]], dtype) if o["role"] == "grad"
+            else arrays[o["name"]].astype(np.float32) for o in op["inputs"]}
+    got = launch(name, k, 2, op["kernels"][k]["plan"]["threads"], **bufs, **params, n=n)
+    ref = {n_: a.copy() for n_, a in arrays.items()}
+    mod.step(*(ref[o["name"]] for o in op["inputs"]), **params)
+    for o in op["inputs"]:
+        if o["role"] == "state":
+            close(got[o["name"]].astype(np.float64), ref[o["name"]], TOL["f32"], f"{k} {o['name']}")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("C,with_wpe", [(64, True), (64, False), (50, True)])
+def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
+    rng = np.random.default_rng(C)
+    B, T, V = 2, 9, 13
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    wte, wpe = inputs_as_stored([rng.uniform(-1, 1, (V, C)), rng.uniform(-1, 1, (T, C))], dtype)
+    k = f"embedding_forward_{dtype}"
+    got = launch("embedding", k, 2, 64, ids=ids, wte=stored(wte, dtype),
+                 wpe=stored(wpe, dtype) if with_wpe else None,
+                 out=stored(np.full((B, T, C), np.nan), dtype), BT=B * T, T=T, C=C)
+    close(value(got["out"], dtype), wte[ids] + (wpe[None] if with_wpe else 0), TOL[dtype], k)
+
+    dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    uniq, starts = np.unique(flat[order], return_index=True)
+    offsets = np.append(starts, len(flat)).astype(np.int32)
+    k = f"embedding_backward_wte_{dtype}"
+    tx = OPS["embedding"]["kernels"][k]["plan"]["threads_x"]
+    got = launch("embedding", k, (len(uniq), cdiv(C, tx)), tx, dout=stored(dout, dtype),
+                 sorted_pos=order, seg_offsets=offsets, seg_ids=uniq.astype(np.int32),
+                 dwte=stored(np.ones((V, C)), dtype), C=C)
+    want = np.ones((V, C))
+    np.add.at(want, flat, dout.reshape(-1, C))
+    close(value(got["dwte"], dtype), want, TOL[dtype], k)
+    k = f"embedding_backward_wpe_{dtype}"
+    got = launch("embedding", k, 2, 64, dout=stored(dout, dtype),
+                 dwpe=stored(np.zeros((T, C)), dtype), B=B, T=T, C=C)
+    close(value(got["dwpe"], dtype), dout.sum(0), TOL[dtype], k)
