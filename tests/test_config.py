@@ -147,3 +147,12 @@ def test_val_dataset_derivation():
 
 def test_head_dim():
     assert ModelConfig(hidden_dim=768, num_heads=12).head_dim == 64
+
+
+def test_shipped_yaml_example_is_a_small_nanoeuler_on_stdlib():
+    cfg = load_config(CONFIG_DIR / "stdlib-nanoeuler.yaml")
+    m = cfg.model
+    assert (m.norm, m.activation, m.positions, m.bias) == ("rmsnorm", "swiglu", "rope", False)
+    assert (m.hidden_dim, m.num_heads, m.num_kv_heads, m.vocab_size) == (128, 4, 2, 256)
+    assert cfg.training.learning_rate == pytest.approx(2e-3)
+    assert cfg.data.dataset == "builtin:stdlib"
