@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError
 
 
@@ -123,8 +124,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     source = "<default>"
     if path is not None:
         source = str(path)
-        raw = _read_file(Path(path))
-        where = {key: (source, line) for key, line in _key_lines(Path(path)).items()}
+        path = _locate(Path(path))
+        raw = _read_file(path)
+        where = {key: (source, line) for key, line in _key_lines(path).items()}
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides:
         _apply_override(raw, item, where)
@@ -173,6 +175,15 @@ def as_dict(cfg: RunConfig) -> dict[str, Any]:
 
 
 # -- reading -------------------------------------------------------------------------------
+
+def _locate(path: Path) -> Path:
+    """`path` as given, or else the shipped file of that relative name, so that
+    `--config config/gpt2-small.json` works from any folder once eulergen is installed."""
+    if path.exists() or path.is_absolute():
+        return path
+    shipped = PACKAGE_DIR / path
+    return shipped if shipped.is_file() else path
+
 
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():

@@ -28,6 +28,14 @@ def test_shipped_gpt2_small_is_gpt2_124m():
     assert cfg.run_dir == "runs/gpt2-small"
 
 
+def test_shipped_config_found_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("config/gpt2-small.json")
+    assert cfg.model.preset == "gpt2" and cfg.run_dir == "runs/gpt2-small"
+    with pytest.raises(EulerError, match="config/nope.json: config file not found"):
+        load_config("config/nope.json")
+
+
 def test_shipped_nanoeuler_preset():
     m = load_config(CONFIG_DIR / "nanoeuler.json").model
     assert (m.norm, m.activation, m.positions, m.bias) == ("rmsnorm", "swiglu", "rope", False)
