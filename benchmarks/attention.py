@@ -123,12 +123,16 @@ def sweep() -> None:
     family changed at a time: the data for choosing plan_attention's defaults."""
     base = plan_attention(D, "bf16")
     variants = [("default", {})]
-    variants += [(f"fwd warps={w} n={n}", {"fwd_warps": w, "fwd_block_n": n})
-                 for w, n in ((4, 128), (8, 64), (8, 32), (2, 64))]
+    variants += [(f"fwd warps={w} slabs={mt} n={n}",
+                  {"fwd_warps": w, "fwd_mtiles": mt, "fwd_block_n": n})
+                 for w, mt, n in ((4, 1, 128), (8, 1, 64), (2, 1, 64), (4, 2, 32), (4, 2, 64),
+                                  (2, 2, 64))]
     variants += [(f"dkv warps={w} m={m}", {"dkv_warps": w, "dkv_block_m": m})
                  for w, m in ((4, 32), (4, 128), (8, 64), (8, 32), (2, 64))]
-    variants += [(f"dq warps={w} n={n}", {"dq_warps": w, "dq_block_n": n})
-                 for w, n in ((4, 32), (4, 128), (8, 64), (8, 32), (2, 64))]
+    variants += [(f"dq warps={w} slabs={mt} n={n}",
+                  {"dq_warps": w, "dq_mtiles": mt, "dq_block_n": n})
+                 for w, mt, n in ((4, 1, 32), (4, 1, 128), (8, 1, 64), (2, 1, 64), (4, 2, 32),
+                                  (2, 2, 32))]
     B, T = CASES[0]
     print(f"bf16 d={D} B={B} T={T} H={H}/{KVH}: milliseconds by tiling (default: {base})")
     print(f"{'variant':<24} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8}")

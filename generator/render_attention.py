@@ -54,6 +54,8 @@ class AttentionPlan:
     dkv_block_m: int
     dq_warps: int
     dq_block_n: int
+    fwd_mtiles: int = 1   # 16-row slabs a warp owns (2: each K/V fragment feeds two mma)
+    dq_mtiles: int = 1
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -63,6 +65,9 @@ class AttentionPlan:
             if getattr(self, name) not in (1, 2, 4, 8):
                 raise EulerError(f"{name} = {getattr(self, name)}: expected 1, 2, 4 or 8",
                                  key=name)
+        for name in ("fwd_mtiles", "dq_mtiles"):
+            if getattr(self, name) not in (1, 2):
+                raise EulerError(f"{name} = {getattr(self, name)}: expected 1 or 2", key=name)
         for name in ("fwd_block_n", "dkv_block_m", "dq_block_n"):
             if getattr(self, name) not in (16, 32, 64, 128):
                 raise EulerError(f"{name} = {getattr(self, name)}: expected 16, 32, 64 or 128",
@@ -82,14 +87,14 @@ class AttentionPlan:
     def smem_bytes(self, role: str) -> int:
         """Dynamic shared memory of each kernel; must match the carving in the templates."""
         if role == "forward":
-            bm, bn = 16 * self.fwd_warps, self.fwd_block_n
+            bm, bn = 16 * self.fwd_warps * self.fwd_mtiles, self.fwd_block_n
             return self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
         if role == "backward_dkv":
             bn, bm = 16 * self.dkv_warps, self.dkv_block_m
             return (2 * self._tile_bytes(bn) + 2 * self.stages * self._tile_bytes(bm)
                     + 2 * self.stages * bm * 4)
         if role == "backward_dq":
-            bm, bn = 16 * self.dq_warps, self.dq_block_n
+            bm, bn = 16 * self.dq_warps * self.dq_mtiles, self.dq_block_n
             return 2 * self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
         raise ValueError(role)
 
@@ -208,19 +213,22 @@ def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: st
                "comment": "delta = rowsum(dO ∘ O), one warp per (batch, head, row)"}
     else:
         d = plan.head_dim
-        warps, tile, rows = {
-            "forward": (plan.fwd_warps, plan.fwd_block_n, "query"),
-            "backward_dkv": (plan.dkv_warps, plan.dkv_block_m, "key"),
-            "backward_dq": (plan.dq_warps, plan.dq_block_n, "query"),
+        warps, mtiles, tile, rows = {
+            "forward": (plan.fwd_warps, plan.fwd_mtiles, plan.fwd_block_n, "query"),
+            "backward_dkv": (plan.dkv_warps, 1, plan.dkv_block_m, "key"),
+            "backward_dq": (plan.dq_warps, plan.dq_mtiles, plan.dq_block_n, "query"),
         }[role]
         name = f"{op}_{role}_d{d}_{dtype}"
-        facts = {"role": role, "head_dim": d, "threads": 32 * warps, "block_rows": 16 * warps,
+        facts = {"role": role, "head_dim": d, "threads": 32 * warps,
+                 "block_rows": 16 * warps * mtiles,
                  "grid_rows": rows, "tile": tile, "smem_bytes": plan.smem_bytes(role),
                  "mask": mode}
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
                "head_dim": d, "warps": warps, "tile": tile,
+               "mtiles": f"{mtiles}, " if role != "backward_dkv" else "",
                "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
-               "comment": f"{role}, D = {d}: {16 * warps} {rows} rows a block, tiles of {tile}"}
+               "comment": f"{role}, D = {d}: {16 * warps * mtiles} {rows} rows a block, "
+                          f"tiles of {tile}"}
     facts["params"] = [[p, v] for p, v in zip(params, defaults)]
     ctx["args"] = _wrap([f"{ty} {a}" for a, ty in args])
     ctx["call"] = call
