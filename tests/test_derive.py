@@ -134,3 +134,18 @@ def test_pair_op_derives_both_halves():
     assert derived.body.forward.names == ("y0", "y1")
     assert derived.body.backward.names == ("dx0", "dx1")
     assert dict(derived.body.index) == {"pos": "position", "k": "pair", "D": "head_dim"}
+
+
+def test_declared_name_equal_to_a_generated_row_sum_is_refused(tmp_path):
+    (tmp_path / "clash.yaml").write_text(textwrap.dedent("""\
+        name: clash
+        kind: row
+        inputs: {x: row}
+        reduce:
+          z: sum(exp(x))
+          sum_dz: sum(x)
+        outputs:
+          y: exp(x)/z + sum_dz
+        """))
+    with pytest.raises(EulerError, match="'sum_dz' is the name of a generated row sum"):
+        derive(load_spec(tmp_path / "clash.yaml"))
