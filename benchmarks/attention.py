@@ -125,8 +125,8 @@ def sweep() -> None:
     variants = [("default", {})]
     variants += [(f"fwd warps={w} slabs={mt} n={n}",
                   {"fwd_warps": w, "fwd_mtiles": mt, "fwd_block_n": n})
-                 for w, mt, n in ((4, 1, 128), (8, 1, 64), (2, 1, 64), (4, 2, 32), (4, 2, 64),
-                                  (2, 2, 64))]
+                 for w, mt, n in ((4, 1, 64), (4, 1, 128), (8, 1, 64), (4, 2, 32), (2, 2, 64),
+                                  (8, 2, 64))]
     variants += [(f"dkv warps={w} m={m}", {"dkv_warps": w, "dkv_block_m": m})
                  for w, m in ((4, 32), (4, 128), (8, 64), (8, 32), (2, 64))]
     variants += [(f"dq warps={w} slabs={mt} n={n}",
