@@ -355,11 +355,19 @@ class GPT:
         self.mem["dloss"][...] = 1.0 / (self.batch * self.seq * micro_steps)
 
     def load_tokens(self, idx, targets=None) -> None:
-        """Copy a [B, T] batch (host integers) into the planned token buffers."""
+        """Copy a [B, T] batch (host integers) into the planned token buffers. Ids are
+        checked on the host first: an id past the table would index outside it."""
         xp = self.xp
-        self.mem["idx"][...] = xp.asarray(idx, dtype=np.int32)
-        if targets is not None:
-            self.mem["targets"][...] = xp.asarray(targets, dtype=np.int32)
+        for name, ids in (("idx", idx), ("targets", targets)):
+            if ids is None:
+                continue
+            ids = np.asarray(ids)
+            lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+            if lo < 0 or hi >= self.arch.vocab:
+                raise EulerError(f"token id {hi if hi >= self.arch.vocab else lo} is outside the "
+                                 f"model's vocabulary of {self.arch.vocab} (a dataset tokenized "
+                                 "for another vocab?)", key="model.vocab_size")
+            self.mem[name][...] = xp.asarray(ids, dtype=np.int32)
 
     def logits(self):
         self.tape.forward()

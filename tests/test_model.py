@@ -164,3 +164,9 @@ def test_a_norm_slot_refuses_a_pointwise_op(lib):
     cfg = load_config(None, ["model.norm=gelu"]).model
     with pytest.raises(EulerError, match="model.norm"):
         arch_of(cfg, lib)
+
+
+def test_a_token_id_outside_the_vocab_is_one_error(lib):
+    model = _model(lib, "gpt2")
+    with pytest.raises(EulerError, match="token id 11 is outside .* vocabulary of 11"):
+        model.load_tokens(np.full((2, 5), 11), np.zeros((2, 5), int))
