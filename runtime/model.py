@@ -34,7 +34,7 @@ _NORM_PARAM_NAMES = ("weight", "bias")
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
-    init: str           # 'normal' | 'residual' (normal scaled by 1/sqrt(2·layers)) | 'ones' | 'zeros'
+    init: str   # 'normal' | 'residual' (normal scaled by 1/sqrt(2·layers)) | 'ones' | 'zeros'
 
     @property
     def decay(self) -> bool:
@@ -285,10 +285,9 @@ class GPT:
         b = self.params[f"{name}.bias"][rows] if a.bias else None
         dw = Grad(self.grads[f"{name}.weight"][rows], param=True) if tr else None
         db = Grad(self.grads[f"{name}.bias"][rows], param=True) if tr and a.bias else None
-        dx = self._g(dx_name, add=dx_add) if dx_name else None
+        dx = Grad(flat(m[dx_name]), add=dx_add) if tr and dx_name else None
         dy = flat(m[dy_name]) if tr else None
-        return Linear(flat(x), w, flat(y), dy, dx and Grad(flat(dx.buf), add=dx.add), dw, b, db,
-                      m["ones"] if a.bias else None)
+        return Linear(flat(x), w, flat(y), dy, dx, dw, b, db, m["ones"] if a.bias else None)
 
     def _record(self) -> None:
         a, m, tape, tr = self.arch, self.mem, self.tape, self.training
@@ -343,9 +342,9 @@ class GPT:
             tape.record(Add(m[f"{h}.x_mid"], m["proj"], x_next))
         tape.record(self._norm("ln_f", m["x_final"], m["ln_f"], dx_add=False))
         # tied LM head; its gradient arrives as dlogits written over the logits
-        tape.record(Linear(m["ln_f"].reshape(-1, a.d), self.params["wte.weight"], m["logits"],
-                           m["logits"] if tr else None, self._g("d.ln") and
-                           Grad(m["d.ln"].reshape(-1, a.d)),
+        tape.record(Linear(self._rows(m["ln_f"]), self.params["wte.weight"], m["logits"],
+                           m["logits"] if tr else None,
+                           Grad(self._rows(m["d.ln"])) if tr else None,
                            self._g("wte.weight", param=True)))
 
     # -- running it -------------------------------------------------------------------
