@@ -45,7 +45,8 @@ CTYPE = {"f32": "float", "bf16": "__nv_bfloat16"}
 # H200: 132 SMs. grid_max bounds the grid where a kernel loops over its work anyway;
 # for row backward kernels with weights it also bounds the workspace of partial sums.
 _GRID_MAX = 132 * 16
-_GRID_MAX_WGRAD = 132 * 2
+_GRID_MAX_WGRAD = 132 * 2              # warp_per_row: 8 partial rows per block
+_GRID_MAX_WGRAD_BLOCK = 132 * 8        # block_per_row: one per block (blocks may be small)
 
 WARP_ROWS_PER_BLOCK = 8
 WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
@@ -101,7 +102,8 @@ def pointwise_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], 
 def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
                fwdbwd: bool = False) -> tuple[tuple[str, object], ...]:
     v = plan.vec_of(dtype)
-    grid_max = _GRID_MAX_WGRAD if wgrad else _GRID_MAX
+    grid_max = _GRID_MAX if not wgrad else (
+        _GRID_MAX_WGRAD if layout == "warp_per_row" else _GRID_MAX_WGRAD_BLOCK)
     extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
 
     def partials(rule: str) -> tuple[tuple[str, object], ...]:
@@ -118,7 +120,11 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
             ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1)) + partials("grid") + extra
 
 
-WGRAD_REDUCE_LAUNCH = (("threads", 1024), ("threads_x", 32), ("threads_y", 32), ("grid_max", None))
+# The fixed-order reduce of weight partials: 8 columns (a 32-byte sector) by 128 partial
+# groups per block, so that even a 768-wide weight spreads over 96 blocks.
+REDUCE_X, REDUCE_Y = 8, 128
+WGRAD_REDUCE_LAUNCH = (("threads", REDUCE_X * REDUCE_Y), ("threads_x", REDUCE_X),
+                       ("threads_y", REDUCE_Y), ("grid_max", None))
 
 
 def pair_launch(plan: KernelPlan) -> tuple[tuple[str, object], ...]:

@@ -255,6 +255,7 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
     wgrad = any(k["wgrads"] for k in kernels)
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
                        dtypes=_dtypes(p), layouts=layouts, wgrad=wgrad,
+                       reduce={"x": planner.REDUCE_X, "y": planner.REDUCE_Y},
                        row_operands=rows_in + d_elem_out, weights=weights)
     sigs = []
     for k in kernels:

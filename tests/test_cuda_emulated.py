@@ -45,24 +45,22 @@ def _ops(*kinds) -> list[str]:
 
 
 def _runner(op: str) -> str:
-    """C++ main: `run KERNEL GX GY BX ARGS…`; a pointer argument is a file (or '-' for
+    """C++ main: `run KERNEL GX GY BX BY ARGS…`; a pointer argument is a file (or '-' for
     null) read before and, when not const, written back after the launch."""
     cases = []
     for name, k in OPS[op]["kernels"].items():
-        if k["plan"].get("threads_y"):
-            continue  # 2-D blocks are beyond the emulator (the fixed-order reduce)
         loads, call, saves = [], [], []
         for n, (arg, ctype) in enumerate(k["args"]):
             if ctype.endswith("*"):
                 elem = ctype.replace("const ", "").rstrip("*").strip()
-                loads.append(f"    std::vector<{elem}> a{n} = load<{elem}>(argv[{n + 5}]);")
-                call.append(f"(std::string(argv[{n + 5}]) == \"-\" ? nullptr : a{n}.data())")
+                loads.append(f"    std::vector<{elem}> a{n} = load<{elem}>(argv[{n + 6}]);")
+                call.append(f"(std::string(argv[{n + 6}]) == \"-\" ? nullptr : a{n}.data())")
                 if not ctype.startswith("const"):
-                    saves.append(f"    save(argv[{n + 5}], a{n});")
+                    saves.append(f"    save(argv[{n + 6}], a{n});")
             else:
-                call.append(f"{_SCALAR[ctype]}(argv[{n + 5}])")
+                call.append(f"{_SCALAR[ctype]}(argv[{n + 6}])")
         cases.append(f'  if (kernel == "{name}") {{\n' + "\n".join(loads) + "\n"
-                     f"    emu_launch(grid, block, [&] {{ {name}({', '.join(call)}); }});\n"
+                     f"    emu_launch_2d(grid, block, [&] {{ {name}({', '.join(call)}); }});\n"
                      + "\n".join(saves) + "\n    return 0;\n  }")
     return (f'#include "{op}.cu"\n#include <string>\n\n'
             "template <typename T> static std::vector<T> load(const char* path) {\n"
@@ -75,7 +73,7 @@ def _runner(op: str) -> str:
             "  FILE* f = std::fopen(path, \"wb\");\n  std::fwrite(v.data(), sizeof(T), v.size(), f);\n"
             "  std::fclose(f);\n}\n\n"
             "int main(int argc, char** argv) {\n  const std::string kernel = argv[1];\n"
-            "  const dim3 grid(std::atoi(argv[2]), std::atoi(argv[3])), block(std::atoi(argv[4]));\n"
+            "  const dim3 grid(std::atoi(argv[2]), std::atoi(argv[3])), block(std::atoi(argv[4]), std::atoi(argv[5]));\n"
             + "\n".join(cases) + "\n  return 3;\n}\n")
 
 
@@ -92,7 +90,7 @@ def _binary(op: str) -> Path:
     return folder / "run"
 
 
-def launch(op: str, kernel: str, grid, block: int, **args) -> dict[str, np.ndarray]:
+def launch(op: str, kernel: str, grid, block, **args) -> dict[str, np.ndarray]:
     """Run one kernel; arrays go in by argument name and the written ones come back."""
     sig = OPS[op]["kernels"][kernel]["args"]
     work = Path(tempfile.mkdtemp(dir=_FOLDER))
@@ -112,7 +110,8 @@ def launch(op: str, kernel: str, grid, block: int, **args) -> dict[str, np.ndarr
         else:
             argv.append(repr(value))
     gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
-    done = subprocess.run([str(_binary(op)), kernel, str(gx), str(gy), str(block), *argv],
+    bx, by = block if isinstance(block, tuple) else (block, 1)
+    done = subprocess.run([str(_binary(op)), kernel, str(gx), str(gy), str(bx), str(by), *argv],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{kernel}: exit {done.returncode}\n{done.stderr[:2000]}"
     return {n: np.fromfile(p, e).reshape(s) for n, (p, e, s) in outs.items()}
@@ -261,14 +260,32 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
             bufs |= {o: np.full(rows, np.nan, np.float32) for o in scalar_out}
         got = launch(name, k, grid, threads, **ins, **dargs, **bufs, **params, rows=rows, cols=cols)
         for g, w in want.items():
-            if g in weights:  # the fixed-order reduce of the partial rows, done here
-                close(got[f"d{g}_partials"].astype(np.float64).sum(0), w, TOL["f32"], f"{k} d{g}",
-                      want32[g])
+            if g in weights:  # summed here; the reduce kernel has its own test below
+                close(got[f"d{g}_partials"].astype(np.float64).sum(0), w, TOL["f32"],
+                      f"{k} d{g}", want32[g])
             else:
                 close(value(got[f"d{g}"], dtype), w, TOL[dtype], f"{k} d{g}", want32[g])
         if stage == "fwdbwd":
             for o in scalar_out:
                 close(got[o].astype(np.float64), mod.forward(*xs, **params), TOL["f32"], f"{k} {o}")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", [n for n in _ops("row") if any(
+    k["pass"] == "wgrad_reduce" for k in OPS[n]["kernels"].values())])
+def test_weight_gradient_reduce_sums_partials_and_may_accumulate(name, dtype):
+    k = f"{name}_wgrad_reduce_{dtype}"
+    p = OPS[name]["kernels"][k]["plan"]
+    partials, cols = 300, 20              # 3 blocks of columns, uneven partial groups
+    rng = np.random.default_rng(4)
+    ws = rng.uniform(-1, 1, (partials, cols)).astype(np.float32)
+    base = inputs_as_stored([rng.uniform(-1, 1, cols)], dtype)[0]
+    for accumulate in (0, 1):
+        got = launch(name, k, cdiv(cols, p["threads_x"]), (p["threads_x"], p["threads_y"]),
+                     partials=ws, dw=stored(base, dtype), num_partials=partials, cols=cols,
+                     accumulate=accumulate)
+        want = ws.astype(np.float64).sum(0) + (base if accumulate else 0)
+        close(value(got["dw"], dtype), want, TOL[dtype], f"{k} accumulate={accumulate}")
 
 
 # ---- pair, update, embedding --------------------------------------------------------------

@@ -225,13 +225,15 @@ __device__ __forceinline__ bool visible(const Score& sc, int i, int j, int n) {
 
 // ---- forward: FlashAttention-2, one block per (query tile, head, batch) ----------------------
 //
-// Each warp owns 16 query rows; the block streams key/value tiles of BN rows through
-// shared memory (double-buffered with cp.async for bf16) and keeps a running max and
-// sum per row (online softmax, base 2). The score's own scale is inside Score::score2,
-// which returns score·log2(e). Writes o and the row log-sum-exp (natural log) for backward.
+// Each warp owns MT slabs of 16 query rows (MT > 1 reuses every key/value fragment read
+// from shared memory for MT mma, halving shared-memory traffic at MT = 2); the block
+// streams key/value tiles of BN rows through shared memory (double-buffered with cp.async
+// for bf16) and keeps a running max and sum per row (online softmax, base 2). The score's
+// own scale is inside Score::score2, which returns score·log2(e). Writes o and the row
+// log-sum-exp (natural log) for backward.
 namespace eg_attn {
 
-template <typename T, int D, int WARPS, int BN, int MASK, typename Score>
+template <typename T, int D, int WARPS, int MT, int BN, int MASK, typename Score>
 __device__ __forceinline__ void attention_forward(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
     float* __restrict__ lse, int n, int n_heads, int n_kv_heads,
@@ -240,7 +242,7 @@ __device__ __forceinline__ void attention_forward(
     Score sc) {
   constexpr bool SPLIT = sizeof(T) == 4;
   constexpr int NS = SPLIT ? 2 : 1, STAGES = SPLIT ? 1 : 2;
-  constexpr int LD = D + 8, BM = 16 * WARPS, NTHR = 32 * WARPS;
+  constexpr int LD = D + 8, WM = 16 * MT, BM = WM * WARPS, NTHR = 32 * WARPS;
   constexpr int QPLANE = BM * LD, KPLANE = BN * LD;
   static_assert(BN % 16 == 0 && D % 16 == 0, "key tiles and head dims come in 16s");
   extern __shared__ __align__(16) unsigned char eg_smem[];
@@ -269,12 +271,18 @@ __device__ __forceinline__ void attention_forward(
   load_tile<BN, D, LD, NTHR>(sV, v, v_st, 0, n, tid);
   cp_async_commit();
 
-  Frag qf[D / 16];
-  float acc[D / 8][4];
+  Frag qf[MT][D / 16];
+  float acc[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int d = 0; d < D / 8; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.0f;
-  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};
-  const int wrow = q0 + warp * 16;  // first row of this warp; the thread has wrow+g, wrow+g+8
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.0f;
+    m[mt][0] = m[mt][1] = neg_inf();
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
+  // First row of this warp; slab mt gives the thread rows wrow + 16·mt + g (+ 8).
+  const int wrow = q0 + warp * WM;
 
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = t * BN;
@@ -296,73 +304,90 @@ __device__ __forceinline__ void attention_forward(
     __syncthreads();
     if (t == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) load_a<SPLIT, LD, QPLANE>(qf[kk], sQ, warp * 16, kk * 16, lane);
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          load_a<SPLIT, LD, QPLANE>(qf[mt][kk], sQ, warp * WM + mt * 16, kk * 16, lane);
+      }
     }
     const bf16* tK = sK + st * NS * KPLANE;
     const bf16* tV = sV + st * NS * KPLANE;
     // A causal tile past every row of this warp adds nothing.
-    if (MASK != MASK_CAUSAL || k0 <= wrow + 15) {
-      float s[BN / 8][4];
+    if (MASK != MASK_CAUSAL || k0 <= wrow + WM - 1) {
+      float s[MT][BN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+      }
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
         for (int np = 0; np < BN / 16; ++np) {
           Frag kb;
           load_b_nk<SPLIT, LD, KPLANE>(kb, tK, np * 16, kk * 16, lane);
-          mma<SPLIT>(s[2 * np], qf[kk], kb, 0);
-          mma<SPLIT>(s[2 * np + 1], qf[kk], kb, 1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<SPLIT>(s[mt][2 * np], qf[mt][kk], kb, 0);
+            mma<SPLIT>(s[mt][2 * np + 1], qf[mt][kk], kb, 1);
+          }
         }
       }
       // Per-element visibility only where the tile may hold hidden elements.
       const bool all_visible = MASK != MASK_GENERIC && k0 + BN <= n &&
                                (MASK != MASK_CAUSAL || k0 + BN - 1 <= wrow);
-      float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = wrow + g + (e >> 1) * 8, j = k0 + nt * 8 + 2 * c + (e & 1);
-          float x = sc.score2(s[nt][e], (float)i, (float)j);
-          if (!all_visible && !visible<MASK>(sc, i, j, n)) x = neg_inf();
-          s[nt][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = wrow + mt * 16 + g + (e >> 1) * 8, j = k0 + nt * 8 + 2 * c + (e & 1);
+            float x = sc.score2(s[mt][nt][e], (float)i, (float)j);
+            if (!all_visible && !visible<MASK>(sc, i, j, n)) x = neg_inf();
+            s[mt][nt][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+          }
         }
-      }
-      float ref[2];
+        float ref[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m[r], quad_max(mx[r]));
-        ref[r] = m_new == neg_inf() ? 0.0f : m_new;  // a row with nothing visible yet stays 0
-        const float alpha = exp2f(m[r] - ref[r]);
-        m[r] = m_new;
-        l[r] *= alpha;
+        for (int r = 0; r < 2; ++r) {
+          const float m_new = fmaxf(m[mt][r], quad_max(mx[r]));
+          ref[r] = m_new == neg_inf() ? 0.0f : m_new;  // a row with nothing visible yet stays 0
+          const float alpha = exp2f(m[mt][r] - ref[r]);
+          m[mt][r] = m_new;
+          l[mt][r] *= alpha;
 #pragma unroll
-        for (int d = 0; d < D / 8; ++d) {
-          acc[d][2 * r] *= alpha;
-          acc[d][2 * r + 1] *= alpha;
+          for (int d = 0; d < D / 8; ++d) {
+            acc[mt][d][2 * r] *= alpha;
+            acc[mt][d][2 * r + 1] *= alpha;
+          }
         }
-      }
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[nt][e] - ref[e >> 1]);
-          l[e >> 1] += p;
-          s[nt][e] = p;
+          for (int e = 0; e < 4; ++e) {
+            const float p = exp2f(s[mt][nt][e] - ref[e >> 1]);
+            l[mt][e >> 1] += p;
+            s[mt][nt][e] = p;
+          }
         }
       }
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        Frag pf;
-        acc_to_a<SPLIT>(pf, s[2 * kk], s[2 * kk + 1]);
+        Frag pf[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc_to_a<SPLIT>(pf[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           Frag vb;
           load_b_kn<SPLIT, LD, KPLANE>(vb, tV, kk * 16, dp * 16, lane);
-          mma<SPLIT>(acc[2 * dp], pf, vb, 0);
-          mma<SPLIT>(acc[2 * dp + 1], pf, vb, 1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<SPLIT>(acc[mt][2 * dp], pf[mt], vb, 0);
+            mma<SPLIT>(acc[mt][2 * dp + 1], pf[mt], vb, 1);
+          }
         }
       }
     }
@@ -370,16 +395,20 @@ __device__ __forceinline__ void attention_forward(
   }
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = quad_sum(l[r]);
-    const int i = wrow + g + r * 8;
-    if (i < n) {
-      // Nothing visible: o = 0 and lse = 0 (finite; backward masks those elements anyway).
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      T* orow = o + (long long)i * o_st;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int d = 0; d < D / 8; ++d) store2(orow + d * 8 + 2 * c, acc[d][2 * r] * inv, acc[d][2 * r + 1] * inv);
-      if (c == 0) lse[i] = sum > 0.0f ? (m[r] + log2f(sum)) * LN2 : 0.0f;
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_sum(l[mt][r]);
+      const int i = wrow + mt * 16 + g + r * 8;
+      if (i < n) {
+        // Nothing visible: o = 0 and lse = 0 (finite; backward masks those elements anyway).
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        T* orow = o + (long long)i * o_st;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d)
+          store2(orow + d * 8 + 2 * c, acc[mt][d][2 * r] * inv, acc[mt][d][2 * r + 1] * inv);
+        if (c == 0) lse[i] = sum > 0.0f ? (m[mt][r] + log2f(sum)) * LN2 : 0.0f;
+      }
     }
   }
 }
@@ -428,6 +457,10 @@ __device__ __forceinline__ void attention_backward_dkv(
   constexpr int LD = D + 8, BN = 16 * WARPS, NTHR = 32 * WARPS;
   constexpr int KPLANE = BN * LD, QPLANE = BM * LD;
   static_assert(BM % 16 == 0 && D % 16 == 0, "query tiles and head dims come in 16s");
+  // This warp's K and V fragments are the same at every step: with bf16 at D = 64 they
+  // fit in registers (32 more, no loss of occupancy) and are read from shared memory once.
+  constexpr bool KV_IN_REGS = !SPLIT && D == 64;
+  constexpr int KV_FRAGS = KV_IN_REGS ? D / 16 : 1;
   extern __shared__ __align__(16) unsigned char eg_smem[];
   bf16* sK = reinterpret_cast<bf16*>(eg_smem);  // [NS][BN][LD]
   bf16* sV = sK + NS * KPLANE;                   // [NS][BN][LD]
@@ -480,6 +513,7 @@ __device__ __forceinline__ void attention_backward_dkv(
     acc_dv[d][0] = acc_dv[d][1] = acc_dv[d][2] = acc_dv[d][3] = 0.0f;
   }
   const int wkey = k0 + warp * 16;  // first key of this warp; the thread has wkey+g, wkey+g+8
+  Frag kreg[KV_FRAGS], vreg[KV_FRAGS];
 
   for (int step = 0; step < steps; ++step) {
     const int st = STAGES == 1 ? 0 : (step & 1);
@@ -493,6 +527,13 @@ __device__ __forceinline__ void attention_backward_dkv(
       cp_async_wait<0>();
     }
     __syncthreads();
+    if (KV_IN_REGS && step == 0) {
+#pragma unroll
+      for (int kk = 0; kk < KV_FRAGS; ++kk) {
+        load_a<SPLIT, LD, KPLANE>(kreg[kk], sK, warp * 16, kk * 16, lane);
+        load_a<SPLIT, LD, KPLANE>(vreg[kk], sV, warp * 16, kk * 16, lane);
+      }
+    }
     const int h = kvh * group + step / per_head;
     const int q0 = (first + step % per_head) * BM;
     sc.set_head(h);
@@ -509,7 +550,8 @@ __device__ __forceinline__ void attention_backward_dkv(
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         Frag kf;
-        load_a<SPLIT, LD, KPLANE>(kf, sK, warp * 16, kk * 16, lane);
+        if (KV_IN_REGS) kf = kreg[kk % KV_FRAGS];
+        else load_a<SPLIT, LD, KPLANE>(kf, sK, warp * 16, kk * 16, lane);
 #pragma unroll
         for (int np = 0; np < BM / 16; ++np) {
           Frag qb;
@@ -557,7 +599,8 @@ __device__ __forceinline__ void attention_backward_dkv(
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         Frag vf;
-        load_a<SPLIT, LD, KPLANE>(vf, sV, warp * 16, kk * 16, lane);
+        if (KV_IN_REGS) vf = vreg[kk % KV_FRAGS];
+        else load_a<SPLIT, LD, KPLANE>(vf, sV, warp * 16, kk * 16, lane);
 #pragma unroll
         for (int np = 0; np < BM / 16; ++np) {
           Frag ob;
@@ -603,7 +646,8 @@ __device__ __forceinline__ void attention_backward_dkv(
   }
 }
 
-template <typename T, int D, int WARPS, int BN, int MASK, typename Score>
+// Each warp owns MT slabs of 16 query rows, as in the forward.
+template <typename T, int D, int WARPS, int MT, int BN, int MASK, typename Score>
 __device__ __forceinline__ void attention_backward_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -613,7 +657,7 @@ __device__ __forceinline__ void attention_backward_dq(
     long long dq_sb, long long dq_st, long long dq_sh, Score sc) {
   constexpr bool SPLIT = sizeof(T) == 4;
   constexpr int NS = SPLIT ? 2 : 1, STAGES = SPLIT ? 1 : 2;
-  constexpr int LD = D + 8, BM = 16 * WARPS, NTHR = 32 * WARPS;
+  constexpr int LD = D + 8, WM = 16 * MT, BM = WM * WARPS, NTHR = 32 * WARPS;
   constexpr int QPLANE = BM * LD, KPLANE = BN * LD;
   static_assert(BN % 16 == 0 && D % 16 == 0, "key tiles and head dims come in 16s");
   extern __shared__ __align__(16) unsigned char eg_smem[];
@@ -645,17 +689,20 @@ __device__ __forceinline__ void attention_backward_dq(
   load_tile<BN, D, LD, NTHR>(sV, v, v_st, 0, n, tid);
   cp_async_commit();
 
-  const int wrow = q0 + warp * 16;
-  float lse2[2], dl[2];
+  const int wrow = q0 + warp * WM;  // slab mt gives the thread rows wrow + 16·mt + g (+ 8)
+  float lse2[MT][2], dl[MT][2];
+  float acc[MT][D / 8][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = wrow + g + r * 8;
-    lse2[r] = i < n ? lse[i] * LOG2E : 0.0f;
-    dl[r] = i < n ? delta[i] : 0.0f;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = wrow + mt * 16 + g + r * 8;
+      lse2[mt][r] = i < n ? lse[i] * LOG2E : 0.0f;
+      dl[mt][r] = i < n ? delta[i] : 0.0f;
+    }
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.0f;
   }
-  float acc[D / 8][4];
-#pragma unroll
-  for (int d = 0; d < D / 8; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.0f;
 
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = t * BN;
@@ -677,54 +724,72 @@ __device__ __forceinline__ void attention_backward_dq(
     __syncthreads();
     const bf16* tK = sK + st * NS * KPLANE;
     const bf16* tV = sV + st * NS * KPLANE;
-    if (MASK != MASK_CAUSAL || k0 <= wrow + 15) {
-      float s[BN / 8][4], dp_[BN / 8][4];
+    if (MASK != MASK_CAUSAL || k0 <= wrow + WM - 1) {
+      float s[MT][BN / 8][4], dp_[MT][BN / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        dp_[nt][0] = dp_[nt][1] = dp_[nt][2] = dp_[nt][3] = 0.0f;
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+          dp_[mt][nt][0] = dp_[mt][nt][1] = dp_[mt][nt][2] = dp_[mt][nt][3] = 0.0f;
+        }
       }
       // S = Q·Kᵀ and dP = dO·Vᵀ, sharing the k loop.
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Frag qf, of;
-        load_a<SPLIT, LD, QPLANE>(qf, sQ, warp * 16, kk * 16, lane);
-        load_a<SPLIT, LD, QPLANE>(of, sO, warp * 16, kk * 16, lane);
+        Frag qf[MT], of[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          load_a<SPLIT, LD, QPLANE>(qf[mt], sQ, warp * WM + mt * 16, kk * 16, lane);
+          load_a<SPLIT, LD, QPLANE>(of[mt], sO, warp * WM + mt * 16, kk * 16, lane);
+        }
 #pragma unroll
         for (int np = 0; np < BN / 16; ++np) {
           Frag kb, vb;
           load_b_nk<SPLIT, LD, KPLANE>(kb, tK, np * 16, kk * 16, lane);
-          mma<SPLIT>(s[2 * np], qf, kb, 0);
-          mma<SPLIT>(s[2 * np + 1], qf, kb, 1);
           load_b_nk<SPLIT, LD, KPLANE>(vb, tV, np * 16, kk * 16, lane);
-          mma<SPLIT>(dp_[2 * np], of, vb, 0);
-          mma<SPLIT>(dp_[2 * np + 1], of, vb, 1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<SPLIT>(s[mt][2 * np], qf[mt], kb, 0);
+            mma<SPLIT>(s[mt][2 * np + 1], qf[mt], kb, 1);
+            mma<SPLIT>(dp_[mt][2 * np], of[mt], vb, 0);
+            mma<SPLIT>(dp_[mt][2 * np + 1], of[mt], vb, 1);
+          }
         }
       }
       const bool all_visible = MASK != MASK_GENERIC && k0 + BN <= n &&
                                (MASK != MASK_CAUSAL || k0 + BN - 1 <= wrow);
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1, i = wrow + g + r * 8, j = k0 + nt * 8 + 2 * c + (e & 1);
-          const bool vis = all_visible || visible<MASK>(sc, i, j, n);
-          const float x = s[nt][e];
-          const float p = vis ? exp2f(sc.score2(x, (float)i, (float)j) - lse2[r]) : 0.0f;
-          s[nt][e] = vis ? p * (dp_[nt][e] - dl[r]) * sc.dscore(x, (float)i, (float)j) : 0.0f;
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, i = wrow + mt * 16 + g + r * 8;
+            const int j = k0 + nt * 8 + 2 * c + (e & 1);
+            const bool vis = all_visible || visible<MASK>(sc, i, j, n);
+            const float x = s[mt][nt][e];
+            const float p = vis ? exp2f(sc.score2(x, (float)i, (float)j) - lse2[mt][r]) : 0.0f;
+            s[mt][nt][e] =
+                vis ? p * (dp_[mt][nt][e] - dl[mt][r]) * sc.dscore(x, (float)i, (float)j) : 0.0f;
+          }
         }
       }
       // dQ += dS·K
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        Frag df;
-        acc_to_a<SPLIT>(df, s[2 * kk], s[2 * kk + 1]);
+        Frag df[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc_to_a<SPLIT>(df[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           Frag kb;
           load_b_kn<SPLIT, LD, KPLANE>(kb, tK, kk * 16, dp * 16, lane);
-          mma<SPLIT>(acc[2 * dp], df, kb, 0);
-          mma<SPLIT>(acc[2 * dp + 1], df, kb, 1);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<SPLIT>(acc[mt][2 * dp], df[mt], kb, 0);
+            mma<SPLIT>(acc[mt][2 * dp + 1], df[mt], kb, 1);
+          }
         }
       }
     }
@@ -732,12 +797,16 @@ __device__ __forceinline__ void attention_backward_dq(
   }
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = wrow + g + r * 8;
-    if (i < n) {
-      T* row = dq + (long long)i * dq_st;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int d = 0; d < D / 8; ++d) store2(row + d * 8 + 2 * c, acc[d][2 * r], acc[d][2 * r + 1]);
+    for (int r = 0; r < 2; ++r) {
+      const int i = wrow + mt * 16 + g + r * 8;
+      if (i < n) {
+        T* row = dq + (long long)i * dq_st;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d)
+          store2(row + d * 8 + 2 * c, acc[mt][d][2 * r], acc[mt][d][2 * r + 1]);
+      }
     }
   }
 }
@@ -772,7 +841,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_forward_d64_f
     long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
     long long o_sb, long long o_st, long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_forward<float, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_forward<float, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, o, lse, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
@@ -797,7 +866,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
     long long v_sb, long long v_st, long long v_sh, long long do_sb, long long do_st,
     long long do_sh, long long dq_sb, long long dq_st, long long dq_sh) {
   const causal_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_backward_dq<float, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<float, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -808,7 +877,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_forward_d128_
     long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
     long long o_sb, long long o_st, long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_forward<float, 128, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_forward<float, 128, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, o, lse, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
@@ -833,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
     long long v_sb, long long v_st, long long v_sh, long long do_sb, long long do_st,
     long long do_sh, long long dq_sb, long long dq_st, long long dq_sh) {
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_backward_dq<float, 128, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<float, 128, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -845,14 +914,14 @@ extern "C" __global__ void __launch_bounds__(256) causal_attention_backward_rowd
   eg_attn::attention_rowdot<float>(o, dout, delta, batch, n, n_heads, head_dim, o_sb, o_st, o_sh, do_sb, do_st, do_sh);
 }
 
-// forward, D = 64: 64 query rows a block, tiles of 64
+// forward, D = 64: 128 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(128) causal_attention_forward_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
     float* lse, int n, int n_heads, int n_kv_heads, long long q_sb, long long q_st,
     long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
     long long v_st, long long v_sh, long long o_sb, long long o_st, long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_forward<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_forward<__nv_bfloat16, 64, 4, 2, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, o, lse, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
@@ -879,7 +948,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
     long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
     long long dq_sh) {
   const causal_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_backward_dq<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<__nv_bfloat16, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -890,7 +959,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_forward_d128_
     long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
     long long v_st, long long v_sh, long long o_sb, long long o_st, long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_forward<__nv_bfloat16, 128, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_forward<__nv_bfloat16, 128, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, o, lse, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
@@ -917,7 +986,7 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
     long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
     long long dq_sh) {
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_backward_dq<__nv_bfloat16, 128, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<__nv_bfloat16, 128, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 

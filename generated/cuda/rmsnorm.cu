@@ -345,23 +345,26 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_block_bf16(c
   rmsnorm_backward<__nv_bfloat16, false, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
-// Sum of the per-worker partial weight gradients, in a fixed order: thread (x, y) adds
-// partials y, y + 32, … of column x; then row y = 0 adds the 32 sums in order.
+// Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX
+// columns (one 32-byte sector of each partial row); thread (x, y) adds partials y, y + RY,
+// … of column x, then a fixed pairwise tree adds the RY sums.
 template <typename scalar_t>
 __device__ __forceinline__ void rmsnorm_wgrad_reduce(const float* partials_, scalar_t* dw_,
                                                       int num_partials_, int cols_, int accumulate_) {
-  __shared__ float sums_[32][33];
-  const int c_ = blockIdx.x * 32 + threadIdx.x;
+  constexpr int RX = 8, RY = 128;
+  __shared__ float sums_[RY][RX + 1];
+  const int c_ = blockIdx.x * RX + threadIdx.x;
   float acc_ = 0.0f;
   if (c_ < cols_)
-    for (int p_ = threadIdx.y; p_ < num_partials_; p_ += 32) acc_ += partials_[(long long)p_ * cols_ + c_];
+    for (int p_ = threadIdx.y; p_ < num_partials_; p_ += RY) acc_ += partials_[(long long)p_ * cols_ + c_];
   sums_[threadIdx.y][threadIdx.x] = acc_;
   __syncthreads();
-  if (threadIdx.y == 0 && c_ < cols_) {
-    float total_ = accumulate_ ? eg_load(dw_, c_) : 0.0f;
-    for (int y_ = 0; y_ < 32; ++y_) total_ += sums_[y_][threadIdx.x];
-    eg_store(dw_, c_, total_);
+  for (int half_ = RY / 2; half_ > 0; half_ /= 2) {
+    if (threadIdx.y < half_) sums_[threadIdx.y][threadIdx.x] += sums_[threadIdx.y + half_][threadIdx.x];
+    __syncthreads();
   }
+  if (threadIdx.y == 0 && c_ < cols_)
+    eg_store(dw_, c_, (accumulate_ ? eg_load(dw_, c_) : 0.0f) + sums_[0][threadIdx.x]);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_wgrad_reduce_f32(
     const float* partials, float* dw, int num_partials, int cols, int accumulate) {

@@ -10,3 +10,16 @@
 
 inline float __sinf(float x) { return std::sin(x); }
 inline float __cosf(float x) { return std::cos(x); }
+
+// A 2-D block (the fixed-order weight-gradient reduce): thread t is (t % x, t / x). Only
+// for kernels without warp collectives, which the base emulator keys on threadIdx.x.
+template <typename F>
+void emu_launch_2d(dim3 grid, dim3 block, F&& kernel) {
+  const unsigned n = block.x * block.y;
+  emu_launch(grid, dim3(n), [&] {
+    const unsigned t = emu::self().tid.x;
+    emu::self().tid = {t % block.x, t / block.x, 0};
+    emu_block_dim() = block;
+    kernel();
+  });
+}
