@@ -104,7 +104,8 @@ def _kernels(rendered: ir.RenderedCuda) -> dict:
 def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]:
     from eulergen.generator import numpy_module, render
     label = numpy_module.spec_label(derived)
-    head = render.header(label, derived.spec_sha256)
+    template = render.template_of(derived)
+    head = render.header(label, derived.spec_sha256, template)
     rendered = render.render_op(derived, head)
     cuda = rendered.source.encode()
     py = numpy_module.render_numpy_module(derived).encode()
@@ -118,7 +119,7 @@ def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]
         "inputs": _operands(derived.inputs), "outputs": outputs,
         "params": {p.name: p.default for p in derived.params},
         "numpy": f"numpy/{derived.name}.py", "numpy_sha256": _sha(py),
-        "cuda": f"cuda/{derived.name}.cu", "cuda_sha256": _sha(cuda),
+        "cuda": f"cuda/{derived.name}.cu", "cuda_sha256": _sha(cuda), "template": template,
         "kernels": _kernels(rendered), "build_key": key,
     }
     return entry, {entry["cuda"]: cuda, entry["numpy"]: py}
@@ -137,6 +138,7 @@ def _render_embedding() -> tuple[dict, dict[str, bytes]]:
                    {"name": "wpe", "role": "weight", "differentiable": True}],
         "outputs": [{"name": "out", "role": "row", "differentiable": True}],
         "params": {}, "numpy": None, "cuda": "cuda/embedding.cu", "cuda_sha256": _sha(cuda),
+        "template": "templates/embedding.cu.j2",
         "kernels": _kernels(rendered),
     }
     return entry, {entry["cuda"]: cuda}
