@@ -45,10 +45,13 @@ CTYPE = {"f32": "float", "bf16": "__nv_bfloat16"}
 # H200: 132 SMs. grid_max bounds the grid where a kernel loops over its work anyway;
 # for row backward kernels with weights it also bounds the workspace of partial sums.
 _GRID_MAX = 132 * 16
-_GRID_MAX_WGRAD = 132 * 2              # warp_per_row: 8 partial rows per block
+_GRID_MAX_WGRAD = 132 * 4              # warp_per_row: 4 partial rows per block
 _GRID_MAX_WGRAD_BLOCK = 132 * 8        # block_per_row: one per block (blocks may be small)
 
 WARP_ROWS_PER_BLOCK = 8
+# With weight gradients a warp keeps its partial rows in shared memory: 4 warps a block
+# keep two 768-wide fp32 rows each (layernorm's w and b) within the 48 KB of static smem.
+WARP_ROWS_PER_BLOCK_WGRAD = 4
 WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
 BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
 BLOCK_THREADS_MAX = 1024
@@ -110,8 +113,9 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
         return (("wgrad_partials", rule),) if wgrad else ()
     if layout == "warp_per_row":
         cached = 32 * v * dict(plan.warp_slots)[dtype]
-        return (("layout", layout), ("threads", plan.threads),
-                ("rows_per_block", WARP_ROWS_PER_BLOCK), ("grid_max", grid_max),
+        rpb = WARP_ROWS_PER_BLOCK_WGRAD if wgrad else WARP_ROWS_PER_BLOCK
+        return (("layout", layout), ("threads", 32 * rpb),
+                ("rows_per_block", rpb), ("grid_max", grid_max),
                 ("max_cols", cached)) + partials("grid*rows_per_block") + extra
     per_thread = v * dict(plan.block_slots)[dtype]
     return (("layout", layout), ("threads", BLOCK_THREADS_MAX),

@@ -252,6 +252,8 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
             "cached": [a.name for a in ptrs if a.role == "row" and a.name in reads
                        and a.name in uses],
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
+            "warp_threads": 32 * (planner.WARP_ROWS_PER_BLOCK_WGRAD if wgrads
+                                  else planner.WARP_ROWS_PER_BLOCK),
             "max_reductions": max((len(s["ops"]) for s in steps if s["kind"] == "pass"),
                                   default=0),
         })

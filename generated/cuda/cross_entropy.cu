@@ -2,7 +2,7 @@
 //
 // Row kernels of `cross_entropy` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
-//   WARP = true:  one warp per row, blockDim.x / 32 rows per block (short rows);
+//   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
 // A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
 // owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
@@ -13,7 +13,7 @@
 #include "eulergen_common.cuh"
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -145,20 +145,20 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<float, true, 6>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, true, 6, 8>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_forward_block_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<float, false, 2>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, false, 2, 1>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<__nv_bfloat16, true, 3>(x, target, loss, rows, cols);
+  cross_entropy_forward<__nv_bfloat16, true, 3, 8>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_forward_block_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<__nv_bfloat16, false, 1>(x, target, loss, rows, cols);
+  cross_entropy_forward<__nv_bfloat16, false, 1, 1>(x, target, loss, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -326,20 +326,20 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward<float, true, 6>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<float, true, 6, 8>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward<float, false, 2>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<float, false, 2, 1>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward<__nv_bfloat16, true, 3>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<__nv_bfloat16, true, 3, 8>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward<__nv_bfloat16, false, 1>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<__nv_bfloat16, false, 1, 1>(x, target, dloss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -514,14 +514,14 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<float, true, 6>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<float, true, 6, 8>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<float, false, 2>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<float, false, 2, 1>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<__nv_bfloat16, true, 3>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<__nv_bfloat16, false, 1>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<__nv_bfloat16, false, 1, 1>(x, target, dloss, loss, dx, rows, cols);
 }

@@ -2,7 +2,7 @@
 //
 // Row kernels of `layernorm` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
-//   WARP = true:  one warp per row, blockDim.x / 32 rows per block (short rows);
+//   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
 // A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
 // owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
@@ -13,7 +13,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x, w, b
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* b_ptr, scalar_t* y_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -171,20 +171,20 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
   }
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_forward_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  layernorm_forward<float, true, 6>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, true, 6, 8>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  layernorm_forward<float, false, 2>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, false, 2, 1>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  layernorm_forward<__nv_bfloat16, true, 3>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, true, 3, 8>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  layernorm_forward<__nv_bfloat16, false, 1>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, false, 1, 1>(x, w, b, y, eps, rows, cols);
 }
 
 // backward: dx, dw, db from x, w, b, dy
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* b_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* dw_partials_ptr, float* db_partials_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -195,27 +195,41 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 == 0;
   __shared__ float red_[3][32];
-  // This worker's partial dw row: registers for the cached chunks, the workspace for
-  // the rest (zeroed here by the thread that later adds into it).
+  // This worker's partial dw row. The cached columns: per warp in shared memory (in
+  // registers they would halve a warp-per-row backward's occupancy), per thread in
+  // registers for a block per row; each thread only ever touches its own columns. The
+  // other columns: the workspace row, zeroed here by the thread that later adds into it.
   float* dw_part_ = dw_partials_ptr + worker_ * cols_;
-  float dw_acc_[SLOTS][VEC];
+  float dw_acc_[WARP ? 1 : SLOTS][VEC];
+  __shared__ float dw_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
+  float* dw_mine_ = dw_sm_[WARP ? threadIdx.x / 32 : 0];
 #pragma unroll
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
-    for (int e_ = 0; e_ < VEC; ++e_) dw_acc_[s_][e_] = 0.0f;
+    for (int e_ = 0; e_ < VEC; ++e_) {
+      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
+      if (WARP) dw_mine_[col_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
+    }
   for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC)
     for (int e_ = 0; e_ < VEC; ++e_) {
       const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
       if (col_ < cols_) dw_part_[col_] = 0.0f;
     }
-  // This worker's partial db row: registers for the cached chunks, the workspace for
-  // the rest (zeroed here by the thread that later adds into it).
+  // This worker's partial db row. The cached columns: per warp in shared memory (in
+  // registers they would halve a warp-per-row backward's occupancy), per thread in
+  // registers for a block per row; each thread only ever touches its own columns. The
+  // other columns: the workspace row, zeroed here by the thread that later adds into it.
   float* db_part_ = db_partials_ptr + worker_ * cols_;
-  float db_acc_[SLOTS][VEC];
+  float db_acc_[WARP ? 1 : SLOTS][VEC];
+  __shared__ float db_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
+  float* db_mine_ = db_sm_[WARP ? threadIdx.x / 32 : 0];
 #pragma unroll
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
-    for (int e_ = 0; e_ < VEC; ++e_) db_acc_[s_][e_] = 0.0f;
+    for (int e_ = 0; e_ < VEC; ++e_) {
+      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
+      if (WARP) db_mine_[col_] = 0.0f; else db_acc_[WARP ? 0 : s_][e_] = 0.0f;
+    }
   for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC)
     for (int e_ = 0; e_ < VEC; ++e_) {
       const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
@@ -432,8 +446,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
           const float dw = t3*(x - mu);
           const float db = dy;
           dx_o_[e_] = dx;
-          dw_acc_[s_][e_] += dw;
-          db_acc_[s_][e_] += db;
+          if (WARP) dw_mine_[col_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
+          if (WARP) db_mine_[col_] += db; else db_acc_[WARP ? 0 : s_][e_] += db;
         }
       }
       eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
@@ -472,27 +486,27 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
       const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) dw_part_[col_] = dw_acc_[s_][e_];
+      if (col_ < cols_) dw_part_[col_] = WARP ? dw_mine_[col_] : dw_acc_[WARP ? 0 : s_][e_];
     }
 #pragma unroll
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
       const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) db_part_[col_] = db_acc_[s_][e_];
+      if (col_ < cols_) db_part_[col_] = WARP ? db_mine_[col_] : db_acc_[WARP ? 0 : s_][e_];
     }
 }
-extern "C" __global__ void __launch_bounds__(256) layernorm_backward_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, true, 6>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) layernorm_backward_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
+  layernorm_backward<float, true, 6, 4>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_backward_block_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, false, 2>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, false, 2, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) layernorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<__nv_bfloat16, true, 3>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) layernorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
+  layernorm_backward<__nv_bfloat16, true, 3, 4>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<__nv_bfloat16, false, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, false, 1, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX

@@ -2,7 +2,7 @@
 //
 // Row kernels of `log_softmax` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
-//   WARP = true:  one warp per row, blockDim.x / 32 rows per block (short rows);
+//   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
 // A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
 // owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
@@ -13,7 +13,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -159,20 +159,20 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
   }
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  log_softmax_forward<float, true, 6>(x, y, rows, cols);
+  log_softmax_forward<float, true, 6, 8>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) log_softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  log_softmax_forward<float, false, 2>(x, y, rows, cols);
+  log_softmax_forward<float, false, 2, 1>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  log_softmax_forward<__nv_bfloat16, true, 3>(x, y, rows, cols);
+  log_softmax_forward<__nv_bfloat16, true, 3, 8>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) log_softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  log_softmax_forward<__nv_bfloat16, false, 1>(x, y, rows, cols);
+  log_softmax_forward<__nv_bfloat16, false, 1, 1>(x, y, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -376,14 +376,14 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  log_softmax_backward<float, true, 6>(x, dy, dx, rows, cols);
+  log_softmax_backward<float, true, 6, 8>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) log_softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  log_softmax_backward<float, false, 2>(x, dy, dx, rows, cols);
+  log_softmax_backward<float, false, 2, 1>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  log_softmax_backward<__nv_bfloat16, true, 3>(x, dy, dx, rows, cols);
+  log_softmax_backward<__nv_bfloat16, true, 3, 8>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) log_softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  log_softmax_backward<__nv_bfloat16, false, 1>(x, dy, dx, rows, cols);
+  log_softmax_backward<__nv_bfloat16, false, 1, 1>(x, dy, dx, rows, cols);
 }

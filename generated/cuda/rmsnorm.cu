@@ -2,7 +2,7 @@
 //
 // Row kernels of `rmsnorm` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
-//   WARP = true:  one warp per row, blockDim.x / 32 rows per block (short rows);
+//   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
 // A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
 // owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
@@ -13,7 +13,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x, w
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const scalar_t* w_ptr, scalar_t* y_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -119,20 +119,20 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   }
 }
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, true, 6>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<float, true, 6, 8>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, false, 2>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<float, false, 2, 1>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<__nv_bfloat16, true, 3>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<__nv_bfloat16, true, 3, 8>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<__nv_bfloat16, false, 1>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<__nv_bfloat16, false, 1, 1>(x, w, y, eps, rows, cols);
 }
 
 // backward: dx, dw from x, w, dy
-template <typename scalar_t, bool WARP, int SLOTS>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB>
 __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -143,14 +143,21 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 == 0;
   __shared__ float red_[1][32];
-  // This worker's partial dw row: registers for the cached chunks, the workspace for
-  // the rest (zeroed here by the thread that later adds into it).
+  // This worker's partial dw row. The cached columns: per warp in shared memory (in
+  // registers they would halve a warp-per-row backward's occupancy), per thread in
+  // registers for a block per row; each thread only ever touches its own columns. The
+  // other columns: the workspace row, zeroed here by the thread that later adds into it.
   float* dw_part_ = dw_partials_ptr + worker_ * cols_;
-  float dw_acc_[SLOTS][VEC];
+  float dw_acc_[WARP ? 1 : SLOTS][VEC];
+  __shared__ float dw_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
+  float* dw_mine_ = dw_sm_[WARP ? threadIdx.x / 32 : 0];
 #pragma unroll
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
-    for (int e_ = 0; e_ < VEC; ++e_) dw_acc_[s_][e_] = 0.0f;
+    for (int e_ = 0; e_ < VEC; ++e_) {
+      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
+      if (WARP) dw_mine_[col_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
+    }
   for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC)
     for (int e_ = 0; e_ < VEC; ++e_) {
       const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
@@ -293,7 +300,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
           const float dx = t0*w + 2.0f*dms*x/N;
           const float dw = t0*x;
           dx_o_[e_] = dx;
-          dw_acc_[s_][e_] += dw;
+          if (WARP) dw_mine_[col_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
         }
       }
       eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
@@ -329,20 +336,20 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
       const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) dw_part_[col_] = dw_acc_[s_][e_];
+      if (col_ < cols_) dw_part_[col_] = WARP ? dw_mine_[col_] : dw_acc_[WARP ? 0 : s_][e_];
     }
 }
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<float, true, 6>(x, w, dy, dx, dw_partials, eps, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward<float, true, 6, 4>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_block_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<float, false, 2>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<float, false, 2, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, true, 3>(x, w, dy, dx, dw_partials, eps, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward<__nv_bfloat16, true, 3, 4>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, false, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<__nv_bfloat16, false, 1, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX

@@ -71,6 +71,11 @@ __device__ __forceinline__ void cp_async16(bf16* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
+// 4 bytes (one float), the same way; .ca because .cg copies 16 bytes only.
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -212,6 +217,22 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Which (tile, head, batch) this block works on, for a grid (tiles, heads, batch). Blocks
+// start in order of their linear index (x fastest), so the index is renumbered to make the
+// tile vary slowest: every head's and batch's tile of rank 0 (the most causal work) starts
+// before any of rank 1, and the light tiles fill the last wave. Taking the tiles of one
+// (head, batch) first instead leaves the heavy tiles of the last heads to start late and
+// finish alone (a tail of ~25% at 512 blocks).
+struct BlockJob {
+  int rank, head, batch;
+};
+__device__ __forceinline__ BlockJob block_job() {
+  const int heads = (int)gridDim.y, per_rank = heads * (int)gridDim.z;
+  const int linear = (int)blockIdx.x + (int)gridDim.x * ((int)blockIdx.y + heads * (int)blockIdx.z);
+  const int rest = linear % per_rank;
+  return {linear / per_rank, rest % heads, rest / heads};
+}
+
 // Whether element (i, j) takes part: keys and queries inside the sequence, then the mask.
 template <int MASK, typename Score>
 __device__ __forceinline__ bool visible(const Score& sc, int i, int j, int n) {
@@ -253,7 +274,8 @@ __device__ __forceinline__ void attention_forward(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
   // Longest causal rows first: the last query tiles see the most keys.
-  const int q_tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const BlockJob job = block_job();
+  const int q_tile = gridDim.x - 1 - job.rank, h = job.head, b = job.batch;
   const int kvh = h / (n_heads / n_kv_heads);
   const int q0 = q_tile * BM;
   q += b * q_sb + h * q_sh;
@@ -292,16 +314,20 @@ __device__ __forceinline__ void attention_forward(
         load_tile<BN, D, LD, NTHR>(sK, k, k_st, k0, n, tid);
         load_tile<BN, D, LD, NTHR>(sV, v, v_st, k0, n, tid);
       }
-    } else if (t + 1 < n_tiles) {
-      const int nx = (t + 1) & 1;
-      load_tile<BN, D, LD, NTHR>(sK + nx * NS * KPLANE, k, k_st, k0 + BN, n, tid);
-      load_tile<BN, D, LD, NTHR>(sV + nx * NS * KPLANE, v, v_st, k0 + BN, n, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
+      __syncthreads();
     } else {
+      // One barrier a tile: once every thread's copies of this tile have landed, every
+      // thread is also done reading the other buffer (the last tile), so the next tile
+      // may go there while this one is used.
       cp_async_wait<0>();
+      __syncthreads();
+      if (t + 1 < n_tiles) {
+        const int nx = (t + 1) & 1;
+        load_tile<BN, D, LD, NTHR>(sK + nx * NS * KPLANE, k, k_st, k0 + BN, n, tid);
+        load_tile<BN, D, LD, NTHR>(sV + nx * NS * KPLANE, v, v_st, k0 + BN, n, tid);
+        cp_async_commit();
+      }
     }
-    __syncthreads();
     if (t == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -391,7 +417,7 @@ __device__ __forceinline__ void attention_forward(
         }
       }
     }
-    __syncthreads();
+    if (STAGES == 1) __syncthreads();  // the next tile is stored over this one
   }
 
 #pragma unroll
@@ -466,38 +492,42 @@ __device__ __forceinline__ void attention_backward_dkv(
   bf16* sV = sK + NS * KPLANE;                   // [NS][BN][LD]
   bf16* sQ = sV + NS * KPLANE;                   // [STAGES][NS][BM][LD]
   bf16* sO = sQ + STAGES * NS * QPLANE;          // dO, [STAGES][NS][BM][LD]
-  float* sL = reinterpret_cast<float*>(sO + STAGES * NS * QPLANE);  // [STAGES][BM] lse·log2(e)
+  float* sL = reinterpret_cast<float*>(sO + STAGES * NS * QPLANE);  // [STAGES][BM] lse
   float* sD = sL + STAGES * BM;                                     // [STAGES][BM] delta
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
-  const int kvh = blockIdx.y, b = blockIdx.z;  // key tile 0 has the most work: first in line
-  const int k0 = blockIdx.x * BN;
-  const int group = n_heads / n_kv_heads;
+  const BlockJob job = block_job();  // key tile 0 has the most work: first in line
+  const int kvh = job.head, b = job.batch;
+  const int k0 = job.rank * BN;
+  const int group = n_heads / n_kv_heads, h0 = kvh * group;  // first query head of the group
   k += b * k_sb + kvh * k_sh;
   v += b * v_sb + kvh * v_sh;
   dk += b * dk_sb + kvh * dk_sh;
   dv += b * dv_sb + kvh * dv_sh;
-  q += b * q_sb;
-  dout += b * do_sb;
-  lse += (long long)b * n_heads * n;
-  delta += (long long)b * n_heads * n;
+  q += b * q_sb + h0 * q_sh;
+  dout += b * do_sb + h0 * do_sh;
+  lse += ((long long)b * n_heads + h0) * n;
+  delta += ((long long)b * n_heads + h0) * n;
 
   const int q_tiles = (n + BM - 1) / BM;
   const int first = MASK == MASK_CAUSAL ? k0 / BM : 0;  // earlier query tiles see none of these keys
   const int per_head = q_tiles - first;
   const int steps = group * per_head;
 
-  // Step s: query head kvh·group + s / per_head, query tile first + s % per_head.
+  // Step s: query head h0 + s / per_head, query tile first + s % per_head.
   auto issue = [&](int step, int stage) {
-    const int h = kvh * group + step / per_head;
+    const int h = step / per_head;
     const int q0 = (first + step % per_head) * BM;
     load_tile<BM, D, LD, NTHR>(sQ + stage * NS * QPLANE, q + h * q_sh, q_st, q0, n, tid);
     load_tile<BM, D, LD, NTHR>(sO + stage * NS * QPLANE, dout + h * do_sh, do_st, q0, n, tid);
+    // Copied like the tiles: a plain load here would hold its warp (and, at the barrier,
+    // the block) for a global-memory round trip every step.
     for (int r = tid; r < BM; r += NTHR) {
       const bool ok = q0 + r < n;
-      sL[stage * BM + r] = ok ? lse[(long long)h * n + q0 + r] * LOG2E : 0.0f;
-      sD[stage * BM + r] = ok ? delta[(long long)h * n + q0 + r] : 0.0f;
+      const long long at = ok ? (long long)h * n + q0 + r : 0;
+      cp_async4(sL + stage * BM + r, lse + at, ok);
+      cp_async4(sD + stage * BM + r, delta + at, ok);
     }
   };
 
@@ -517,16 +547,21 @@ __device__ __forceinline__ void attention_backward_dkv(
 
   for (int step = 0; step < steps; ++step) {
     const int st = STAGES == 1 ? 0 : (step & 1);
-    if (STAGES == 1) {
-      if (step > 0) issue(step, 0);
-    } else if (step + 1 < steps) {
-      issue(step + 1, (step + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
+    if (STAGES == 1) {  // tiles are stored as they load; lse and delta are in flight
+      if (step > 0) {
+        issue(step, 0);
+        cp_async_commit();
+      }
       cp_async_wait<0>();
+      __syncthreads();
+    } else {  // one barrier a step, as in the forward
+      cp_async_wait<0>();
+      __syncthreads();
+      if (step + 1 < steps) {
+        issue(step + 1, (step + 1) & 1);
+        cp_async_commit();
+      }
     }
-    __syncthreads();
     if (KV_IN_REGS && step == 0) {
 #pragma unroll
       for (int kk = 0; kk < KV_FRAGS; ++kk) {
@@ -534,9 +569,8 @@ __device__ __forceinline__ void attention_backward_dkv(
         load_a<SPLIT, LD, KPLANE>(vreg[kk], sV, warp * 16, kk * 16, lane);
       }
     }
-    const int h = kvh * group + step / per_head;
     const int q0 = (first + step % per_head) * BM;
-    sc.set_head(h);
+    sc.set_head(h0 + step / per_head);
     const bf16* tQ = sQ + st * NS * QPLANE;
     const bf16* tO = sO + st * NS * QPLANE;
     const float* tL = sL + st * BM;
@@ -570,7 +604,7 @@ __device__ __forceinline__ void attention_backward_dkv(
           const int j = wkey + g + (e >> 1) * 8, il = nt * 8 + 2 * c + (e & 1), i = q0 + il;
           const bool vis = all_visible || visible<MASK>(sc, i, j, n);
           const float x = s[nt][e];
-          p[nt][e] = vis ? exp2f(sc.score2(x, (float)i, (float)j) - tL[il]) : 0.0f;
+          p[nt][e] = vis ? exp2f(sc.score2(x, (float)i, (float)j) - tL[il] * LOG2E) : 0.0f;
           s[nt][e] = vis ? sc.dscore(x, (float)i, (float)j) : 0.0f;  // from here on, ∂score/∂s
         }
       }
@@ -628,7 +662,7 @@ __device__ __forceinline__ void attention_backward_dkv(
         }
       }
     }
-    __syncthreads();
+    if (STAGES == 1) __syncthreads();  // the next tile is stored over this one
   }
 
 #pragma unroll
@@ -668,7 +702,8 @@ __device__ __forceinline__ void attention_backward_dq(
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
-  const int q_tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const BlockJob job = block_job();
+  const int q_tile = gridDim.x - 1 - job.rank, h = job.head, b = job.batch;
   const int kvh = h / (n_heads / n_kv_heads);
   const int q0 = q_tile * BM;
   q += b * q_sb + h * q_sh;
@@ -712,16 +747,20 @@ __device__ __forceinline__ void attention_backward_dq(
         load_tile<BN, D, LD, NTHR>(sK, k, k_st, k0, n, tid);
         load_tile<BN, D, LD, NTHR>(sV, v, v_st, k0, n, tid);
       }
-    } else if (t + 1 < n_tiles) {
-      const int nx = (t + 1) & 1;
-      load_tile<BN, D, LD, NTHR>(sK + nx * NS * KPLANE, k, k_st, k0 + BN, n, tid);
-      load_tile<BN, D, LD, NTHR>(sV + nx * NS * KPLANE, v, v_st, k0 + BN, n, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
+      __syncthreads();
     } else {
+      // One barrier a tile: once every thread's copies of this tile have landed, every
+      // thread is also done reading the other buffer (the last tile), so the next tile
+      // may go there while this one is used.
       cp_async_wait<0>();
+      __syncthreads();
+      if (t + 1 < n_tiles) {
+        const int nx = (t + 1) & 1;
+        load_tile<BN, D, LD, NTHR>(sK + nx * NS * KPLANE, k, k_st, k0 + BN, n, tid);
+        load_tile<BN, D, LD, NTHR>(sV + nx * NS * KPLANE, v, v_st, k0 + BN, n, tid);
+        cp_async_commit();
+      }
     }
-    __syncthreads();
     const bf16* tK = sK + st * NS * KPLANE;
     const bf16* tV = sV + st * NS * KPLANE;
     if (MASK != MASK_CAUSAL || k0 <= wrow + WM - 1) {
@@ -793,7 +832,7 @@ __device__ __forceinline__ void attention_backward_dq(
         }
       }
     }
-    __syncthreads();
+    if (STAGES == 1) __syncthreads();  // the next tile is stored over this one
   }
 
 #pragma unroll

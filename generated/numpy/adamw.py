@@ -14,7 +14,7 @@ def step(p, g, m, v, *, lr, step, beta1=0.9, beta2=0.95, eps=1e-08, weight_decay
     """In place and sequential: a later update reads the new value of an earlier one."""
     _m, _v, _p = m, v, p
     m = beta1*m + g*(1.0 - beta1)
-    v = beta2*v + g**2*(1.0 - beta2)
+    v = beta2*v + g*g*(1.0 - beta2)
     p = p*(1.0 - lr*weight_decay) - lr*m/((1.0 - beta1**step)*(eps + np.sqrt(v/(1.0 - beta2**step))))
     _m[...] = m
     _v[...] = v

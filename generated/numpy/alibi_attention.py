@@ -27,11 +27,16 @@ def _visible(i, j, h, n_heads):
     return j <= i
 
 
+def _hm(x):
+    """[B, T, H, D] → [B, H, T, D]: head-major, so products are batched matmuls (BLAS)."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def _scores(q, k):
     """s = q·k per (batch, head, i, j), the score, what is visible, and k repeated per query head."""
     B, T, H, D = q.shape
     kr = np.repeat(k, H // k.shape[2], axis=2)
-    s = np.einsum("bihd,bjhd->bhij", q, kr)
+    s = _hm(q) @ _hm(kr).swapaxes(-1, -2)
     i = np.arange(T, dtype=q.dtype)[:, None]
     j = np.arange(T, dtype=q.dtype)[None, :]
     h = np.arange(H, dtype=q.dtype)[:, None, None]
@@ -51,7 +56,7 @@ def forward(q, k, v):
     some = l > 0
     l_safe = np.where(some, l, 1.0)
     vr = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
-    o = np.einsum("bhij,bjhd->bihd", p / l_safe, vr)
+    o = _hm((p / l_safe) @ _hm(vr))
     lse = np.where(some, m + np.log(l_safe), 0.0)[..., 0]
     return o.astype(q.dtype), lse.astype(q.dtype)
 
@@ -67,12 +72,12 @@ def backward(q, k, v, o, lse, do):
     _, x, dx, visible, kr = _scores(q, k)
     p = np.where(visible, np.exp(np.where(visible, x, 0.0) - lse[..., None]), 0.0)
     vr = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
-    dv = np.einsum("bhij,bihd->bjhd", p, do)
-    dp = np.einsum("bihd,bjhd->bhij", do, vr)
-    delta = np.einsum("bihd,bihd->bhi", do, o)[..., None]
+    dv = _hm(p.swapaxes(-1, -2) @ _hm(do))
+    dp = _hm(do) @ _hm(vr).swapaxes(-1, -2)
+    delta = _hm(do * o).sum(axis=-1)[..., None]
     ds = np.where(visible, p * (dp - delta) * dx, 0.0)
-    dq = np.einsum("bhij,bjhd->bihd", ds, kr)
-    dk = np.einsum("bhij,bihd->bjhd", ds, q)
+    dq = _hm(ds @ _hm(kr))
+    dk = _hm(ds.swapaxes(-1, -2) @ _hm(q))
     kvh = k.shape[2]
     return (dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
             _per_kv_head(dv, kvh).astype(q.dtype))

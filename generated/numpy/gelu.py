@@ -27,7 +27,7 @@ def forward(x):
     x = np.asarray(x)
     shape = np.broadcast_shapes(x.shape)
     dtype = _dtype(x)
-    y = 0.5*x*(np.tanh(0.7978845608028654*(x + 0.044715*x**3)) + 1.0)
+    y = 0.5*x*(np.tanh(0.7978845608028654*(x + 0.044715*x*x*x)) + 1.0)
     return _fresh(y, shape, dtype)
 
 
@@ -36,6 +36,6 @@ def backward(x, dy):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, dy.shape)
     dtype = _dtype(x, dy)
-    t0 = np.tanh(0.7978845608028654*(x + 0.044715*x**3))
-    dx = dy*(0.5*t0 + 0.3989422804014327*x*(1.0 - t0**2)*(0.134145*x**2 + 1.0) + 0.5)
+    t0 = np.tanh(0.7978845608028654*(x + 0.044715*x*x*x))
+    dx = dy*(0.5*t0 + 0.3989422804014327*x*(1.0 - t0*t0)*(0.134145*x*x + 1.0) + 0.5)
     return _fresh(dx, shape, dtype)

@@ -46,5 +46,5 @@ def backward(x, dy):
     shape = np.broadcast_shapes(x.shape, dy.shape)
     dtype = _dtype(x, dy)
     t1 = 0.7071067811865476*x
-    dx = dy*(0.5*_erf(t1) + 0.5641895835477563*t1*np.exp(-0.5*x**2) + 0.5)
+    dx = dy*(0.5*_erf(t1) + 0.5641895835477563*t1*np.exp(-0.5*x*x) + 0.5)
     return _fresh(dx, shape, dtype)

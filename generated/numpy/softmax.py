@@ -57,7 +57,7 @@ def backward(x, dy):
     m = _reduce('max', m, shape)
     z = np.exp(x - m)
     z = _reduce('sum', z, shape)
-    sum_dz = -dy*np.exp(x - m)/z**2
+    sum_dz = -dy*np.exp(x - m)/(z*z)
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = sum_dz
     t0 = np.exp(x - m)
