@@ -289,11 +289,31 @@ class NumpyPrinter(_Printer):
         if exp == -sp.S.Half:
             return f"1.0/np.sqrt({self.expr(base)})", _MUL
         b = self._wrap(base, _ATOM)
-        if exp.is_Integer and exp < 0:
-            n = -int(exp)
-            return (f"1.0/{b}" if n == 1 else f"1.0/{b}**{n}"), _MUL
         if exp.is_Integer:
-            return f"{b}**{int(exp)}", _POW
+            n = int(exp)
+            # small powers as products, as in CUDA: numpy 2 has a fast path for x**2 only,
+            # and x**3 through pow costs as much as the rest of a float32 training step.
+            # A compound base is evaluated once per square (b**2 is np.square), not per factor.
+            if 1 <= abs(n) <= 4:
+                if n in (1, -1):
+                    prod, prec = b, _ATOM
+                elif isinstance(base, sp.Symbol):
+                    prod, prec = "*".join([b] * abs(n)), _MUL
+                else:
+                    prod, prec = {2: (f"{b}**2", _POW), 3: (f"{b}**2*{b}", _MUL),
+                                  4: (f"({b}**2)**2", _POW)}[abs(n)]
+                if n > 0:
+                    return prod, prec
+                return f"1.0/{prod if prec >= _POW else f'({prod})'}", _MUL
+            if n < 0:
+                return f"1.0/{b}**{-n}", _MUL
+            return f"{b}**{n}", _POW
+        if exp.is_Rational and exp.q == 2 and abs(exp.p) <= 7:
+            # x**(±k/2): a square root times a small power (norm backwards' (var + eps)**-1.5)
+            whole = abs(exp.p) // 2
+            root = f"np.sqrt({self.expr(base)})"
+            power = self._wrap(base ** whole, _POW) if whole > 1 else b
+            return (f"{power}*{root}" if exp > 0 else f"1.0/({power}*{root})"), _MUL
         return f"{b}**{self._wrap(exp, _ATOM)}", _POW
 
 
