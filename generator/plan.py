@@ -13,7 +13,7 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ste
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
            length, `max_cols` / `min_cols` say where each is the fast one.
            warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block).
-           block_per_row: threads is the most a block takes (1024); launch
+           block_per_row: threads is the most a block takes (1024, 512 with weights); launch
            clamp(round_up(cdiv(cols, cols_per_thread), 32), threads_min, threads) threads,
            grid = rows. The first cols_per_thread elements a thread owns stay in
            registers; longer rows are re-read (from L2) once per pass.
@@ -55,6 +55,9 @@ WARP_ROWS_PER_BLOCK_WGRAD = 4
 WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
 BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
 BLOCK_THREADS_MAX = 1024
+# A block per row with weight gradients holds their partials in registers as well: 512
+# threads leave 128 registers a thread, where 1024 (64 registers) spill.
+BLOCK_THREADS_MAX_WGRAD = 512
 BLOCK_THREADS_MIN = 128
 
 
@@ -118,7 +121,7 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
                 ("rows_per_block", rpb), ("grid_max", grid_max),
                 ("max_cols", cached)) + partials("grid*rows_per_block") + extra
     per_thread = v * dict(plan.block_slots)[dtype]
-    return (("layout", layout), ("threads", BLOCK_THREADS_MAX),
+    return (("layout", layout), ("threads", BLOCK_THREADS_MAX_WGRAD if wgrad else BLOCK_THREADS_MAX),
             ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
             ("rows_per_block", 1), ("grid_max", grid_max),
             ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1)) + partials("grid") + extra

@@ -254,14 +254,15 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
             "warp_threads": 32 * (planner.WARP_ROWS_PER_BLOCK_WGRAD if wgrads
                                   else planner.WARP_ROWS_PER_BLOCK),
+            "block_threads": (planner.BLOCK_THREADS_MAX_WGRAD if wgrads
+                              else planner.BLOCK_THREADS_MAX),
             "max_reductions": max((len(s["ops"]) for s in steps if s["kind"] == "pass"),
                                   default=0),
         })
     layouts = [
-        {"suffix": "", "warp": "true", "threads": p.threads, "slots": dict(p.warp_slots),
-         "layout": "warp_per_row"},
-        {"suffix": "_block", "warp": "false", "threads": planner.BLOCK_THREADS_MAX,
-         "slots": dict(p.block_slots), "layout": "block_per_row"},
+        {"suffix": "", "warp": "true", "slots": dict(p.warp_slots), "layout": "warp_per_row"},
+        {"suffix": "_block", "warp": "false", "slots": dict(p.block_slots),
+         "layout": "block_per_row"},
     ]
     wgrad = any(k["wgrads"] for k in kernels)
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),

@@ -342,13 +342,13 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
   rmsnorm_backward<float, true, 6, 4>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_block_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
   rmsnorm_backward<float, false, 2, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
   rmsnorm_backward<__nv_bfloat16, true, 3, 4>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
   rmsnorm_backward<__nv_bfloat16, false, 1, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
