@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +173,22 @@ def test_templates_branch_on_plans_never_on_op_names():
         text = (TEMPLATES_DIR / t).read_text()
         assert "op.name" not in text and "op ==" not in text, t
         assert not [n for n in names if f"'{n}'" in text or f'"{n}"' in text], t
+
+
+def test_output_does_not_depend_on_the_hash_seed(tmp_path):
+    script = (
+        "import hashlib, sys\nfrom pathlib import Path\nfrom eulergen import OPS_DIR\n"
+        "from eulergen.generator import build\n"
+        f"names = {FEW!r}\n"
+        "out = build.plan_build(Path(sys.argv[1]), {n: OPS_DIR / f'{n}.yaml' for n in names},"
+        " embedding=True, force=True)\n"
+        "h = hashlib.sha256()\n"
+        "for k in sorted(out.files): h.update(k.encode() + out.files[k])\n"
+        "print(h.hexdigest())\n")
+    digests = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path / seed)], env=env,
+                              capture_output=True, text=True, check=True)
+        digests.add(done.stdout.strip())
+    assert len(digests) == 1
