@@ -64,11 +64,11 @@ def plot(run_dir: Path) -> None:
 
 # -- training: train, plan, sample (runtime/train.py, memory.py, sample.py) ----------------
 
-def _run_config(config_path, overrides, run_dir=None, device=None):
+def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_dir=False):
     from eulergen.runtime.config import load_config
     extra = [f"run_dir={run_dir}"] if run_dir else []
     extra += [f"training.device={device}"] if device else []
-    return load_config(config_path, [*overrides, *extra])
+    return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir)
 
 
 def _library(cfg, ops_dirs, *, build: bool):
@@ -101,7 +101,8 @@ def _limit_blas_threads() -> None:
               help="Override one config value (repeatable).")
 @click.option("--resume", type=click.Path(path_type=Path), metavar="RUN",
               help="Continue the run in folder RUN from its latest checkpoint.")
-@click.option("--run-dir", type=click.Path(path_type=Path), help="Where the run writes.")
+@click.option("--run-dir", type=click.Path(path_type=Path),
+              help="Where the run writes (default: a new runs/<config>-<date>-<time>).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
 @ops_option
 def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
@@ -118,7 +119,9 @@ def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
         extra = [f"training.device={device}"] if device else []
         cfg = resume_config(resume, [*overrides, *extra])
     else:
-        cfg = _run_config(config_path, overrides, run_dir, device)
+        # no run folder named: a new one per run, so running the same command twice works;
+        # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
+        cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     lib = _library(cfg, ops_dirs, build=True)
     trainer = Trainer(cfg, lib, resume=resume is not None)
     m, t = cfg.model, cfg.training
@@ -133,6 +136,8 @@ def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
                    f"{result.val_losses[steps[-1]]:.4f} (step {steps[-1]})")
     if result.skipped:
         click.echo(f"updates skipped by the spike guard at steps {result.skipped}")
+    click.echo(f"run folder {cfg.run_dir} (continue it: eulergen train --resume {cfg.run_dir} "
+               "--set training.total_steps=N)")
 
 
 @main.command()

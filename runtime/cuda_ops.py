@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from math import prod
 
 import numpy as np
 
@@ -74,6 +75,50 @@ def _row_sig(op: OpEntry, stage: str) -> RowSig:
                   tuple(f"d{o.name}" for o in grads if o.role == "weight"))
 
 
+WORKSPACE_ALIGN = 64   # elements: each workspace slice starts 256-byte aligned (vector loads)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32") -> int:
+    """The float32 elements a `stage` call of `op` needs from a caller's `workspace` (0:
+    none) for inputs of `shape` (a row op's row input, attention's q [B, T, H, D]). Pure:
+    a memory planner calls it without a GPU."""
+    if op.kind == "row":
+        sig = _row_sig(op, stage)
+        if not sig.wgrads:
+            return 0
+        cols = shape[-1]
+        kernel = row_kernel(op, stage, dtype, cols)
+        partials = row_geometry(kernel.plan, prod(shape[:-1]), cols).partials
+        return len(sig.wgrads) * _aligned(partials * cols)
+    if op.kind == "attention" and stage == "backward":
+        B, T, H, _ = shape
+        return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
+    return 0
+
+
+def _carve(op: OpEntry, workspace, shapes) -> list:
+    """Consecutive float32 views of a caller's workspace, laid out as workspace_elements
+    counts them."""
+    if workspace.dtype != np.float32 or workspace.ndim != 1 or not workspace.flags.c_contiguous:
+        raise EulerError(f"{op.name}: workspace must be a contiguous 1-d float32 array, got "
+                         f"{workspace.dtype} {tuple(workspace.shape)}", file=op.spec,
+                         key="workspace")
+    need = sum(_aligned(prod(s)) for s in shapes)
+    if need > workspace.size:
+        raise EulerError(f"{op.name}: workspace has {workspace.size} elements, this call needs "
+                         f"{need} (plan it with workspace_elements)", file=op.spec,
+                         key="workspace")
+    views, at = [], 0
+    for s in shapes:
+        views.append(workspace[at:at + prod(s)].reshape(s))
+        at += _aligned(prod(s))
+    return views
+
+
 class CudaOps:
     """Forward, backward, step and fused calls of manifest ops on CuPy arrays."""
 
@@ -112,18 +157,25 @@ class CudaOps:
         raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA forward",
                          file=op.spec, key="kind")
 
-    def backward(self, op: OpEntry, args: tuple, out, params: dict, pos0: int = 0) -> tuple:
+    def backward(self, op: OpEntry, args: tuple, out, params: dict, pos0: int = 0,
+                 workspace=None) -> tuple:
+        """`workspace`: a float32 buffer of workspace_elements(op, 'backward', …) elements
+        for the kernels' temporaries (a planned buffer); None: the library's own."""
         if op.kind == "pointwise":
             return self._pointwise(op, "backward", args, out, params)
         if op.kind == "row":
-            return self._row(op, "backward", args, out, params)
+            return self._row(op, "backward", args, out, params, workspace)
         if op.kind == "pair":
             return self._pair(op, "backward", args, out, params, pos0)
         if op.kind == "embedding":
             return self._embedding_backward(op, args, out)
         if op.kind == "attention":
             from eulergen.runtime.attention import attention_backward
-            return attention_backward(self.attention(op), *args, out=out, **params)
+            delta = None
+            if workspace is not None:
+                B, T, H, _ = args[0].shape
+                (delta,) = _carve(op, workspace, [(B, H, T)])
+            return attention_backward(self.attention(op), *args, out=out, delta=delta, **params)
         raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA backward",
                          file=op.spec, key="kind")
 
@@ -180,7 +232,8 @@ class CudaOps:
 
     # -- row: [..., cols] rows, weights [cols], one index or scalar per row -------------------
 
-    def _row(self, op: OpEntry, stage: str, args: tuple, out, params: dict) -> tuple:
+    def _row(self, op: OpEntry, stage: str, args: tuple, out, params: dict,
+             workspace=None) -> tuple:
         sig = _row_sig(op, stage)
         x = args[sig.x]
         if x.ndim < 1 or x.shape[-1] == 0:
@@ -207,8 +260,12 @@ class CudaOps:
             for g in sig.wgrads:
                 values[g].fill(0)
             return results
-        for g in sig.wgrads:
-            values[f"{g}_partials"] = self._workspace(op, g, geom.partials, cols)
+        if workspace is not None:
+            views = _carve(op, workspace, [(geom.partials, cols)] * len(sig.wgrads))
+        else:
+            views = [self._workspace(op, g, geom.partials, cols) for g in sig.wgrads]
+        for g, view in zip(sig.wgrads, views):
+            values[f"{g}_partials"] = view
         launcher = self.launcher(op)
         launcher.launch(kernel, geom.grid, geom.threads, values)
         for g in sig.wgrads:
@@ -220,9 +277,10 @@ class CudaOps:
         return results
 
     def _workspace(self, op: OpEntry, grad: str, partials: int, cols: int):
-        """The float32 [partials, cols] buffer of one weight's per-worker partial sums, kept
-        between calls: launches on one stream run in order, so each call's reduce has read
-        the buffer before the next call's kernel writes it."""
+        """The float32 [partials, cols] buffer of one weight's per-worker partial sums, when
+        the caller gave no workspace; kept between calls: launches on one stream run in
+        order, so each call's reduce has read the buffer before the next call's kernel
+        writes it."""
         import cupy
         key = (op.name, grad, partials, cols)
         if key not in self._workspaces:

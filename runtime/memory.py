@@ -8,10 +8,13 @@ A plan is a list of named buffers placed in a few big arenas (one allocation eac
     adam_m/v     the same layout again (training only)
     activations  what the forward pass keeps for the backward pass
     workspace    temporaries the backward pass reuses from layer to layer
+    kernels      float32 workspace of the generated backward kernels (row ops' weight-
+                 gradient partials, attention's row dots), shared by every call
     tokens       int32 token ids and targets, and the embedding scatter's index lists
 
-`allocate` turns a plan into arrays once; every tensor the model touches afterwards
-is a view into them, so a training step allocates nothing.
+`Memory` turns a plan into arrays once; every tensor the model touches afterwards
+is a view into them, and host data arrives through `upload` (no device temporary), so
+a training step allocates nothing.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from eulergen.errors import EulerError
 
 ALIGN = 64  # elements: every buffer starts on a 256-byte boundary, so 128-bit loads line up
 
-ARENA_ORDER = ("params", "grads", "adam_m", "adam_v", "activations", "workspace", "tokens")
+ARENA_ORDER = ("params", "grads", "adam_m", "adam_v", "activations", "workspace", "kernels",
+               "tokens")
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,17 @@ class Memory:
 
     def __contains__(self, name: str) -> bool:
         return name in self._views
+
+
+def upload(dst, host) -> None:
+    """Copy host data into a contiguous view of an arena, converted to its dtype on the
+    host. On CuPy this is one host-to-device copy: `view[...] = cupy.asarray(host)` would
+    first allocate a device temporary of the same size from the pool, outside the plan."""
+    host = np.ascontiguousarray(np.asarray(host).reshape(dst.shape), dtype=dst.dtype)
+    if isinstance(dst, np.ndarray):
+        dst[...] = host
+    else:
+        dst.set(host)
 
 
 def check_fits(plan: Plan, backend, shared: dict | None = None) -> None:

@@ -18,13 +18,14 @@ generated kernel sees is dense.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.memory import Memory, Plan, Planner, check_fits
-from eulergen.runtime.tape import Add, Embedding, Grad, Linear, Op, Tape
+from eulergen.runtime.cuda_ops import workspace_elements
+from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
+from eulergen.runtime.tape import Add, Embedding, Grad, Linear, Op, Tape, cublas_nrm2
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
 _NORM_PARAM_NAMES = ("weight", "bias")
@@ -62,6 +63,10 @@ class Arch:
     activation: str
     attention: str
     rope_params: dict
+    # the manifest entries of the norm and attention ops: their backward kernels' float32
+    # workspace (weight-gradient partials, attention's row dots) is sized from their plans
+    norm_op: object = field(default=None, compare=False, repr=False)
+    attention_op: object = field(default=None, compare=False, repr=False)
 
     @property
     def q_dim(self) -> int:
@@ -110,7 +115,9 @@ def arch_of(cfg, lib) -> Arch:
         raise EulerError(f"activation {cfg.activation!r} has {len(act.inputs)} inputs and "
                          f"{len(act.outputs)} outputs; want 1 (or 2: gated) and 1",
                          key="model.activation")
-    _need_op(lib, cfg.attention, "model.attention", ("attention",))
+    attention = _need_op(lib, cfg.attention, "model.attention", ("attention",))
+    if lib.backend.is_gpu:
+        _check_head_dim(attention, d, H)
     if cfg.positions not in ("learned", "rope"):
         raise EulerError(f"positions {cfg.positions!r}: expected 'learned' or 'rope'",
                          key="model.positions")
@@ -125,7 +132,22 @@ def arch_of(cfg, lib) -> Arch:
                 gated=len(act.inputs) == 2, rope=cfg.positions == "rope", bias=bool(cfg.bias),
                 norm=cfg.norm, norm_weights=_NORM_PARAM_NAMES[:len(weights)],
                 norm_params=_op_params(norm, {"eps": float(cfg.norm_eps)}),
-                activation=cfg.activation, attention=cfg.attention, rope_params=rope_params)
+                activation=cfg.activation, attention=cfg.attention, rope_params=rope_params,
+                norm_op=norm, attention_op=attention)
+
+
+def _check_head_dim(attention, d: int, heads: int) -> None:
+    """The flash kernels exist for a few head dims only: refuse another one when the
+    config is read, not at the first attention launch after the run has started."""
+    dims = sorted({k.plan["head_dim"] for k in attention.kernels.values()
+                   if "head_dim" in k.plan})
+    if d // heads in dims:
+        return
+    fits = [d // hd for hd in dims if d % hd == 0]
+    hint = f"; e.g. --set model.num_heads={fits[0]} (num_kv_heads dividing it)" if fits else ""
+    raise EulerError(f"head dim {d // heads} (hidden_dim {d} / num_heads {heads}): "
+                     f"{attention.name} has CUDA kernels for head dims {dims} only{hint}",
+                     key="model.num_heads")
 
 
 def parameters(a: Arch) -> list[ParamSpec]:
@@ -218,6 +240,13 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         # gradients that are added rather than written (a norm's dx into the stream, and
         # its weights on later micro-steps) pass through here: dx plus two weight rows
         p.add("workspace", "scratch", (N * d + 2 * d,), dtype)
+        # float32 workspace of the generated backward kernels, reused call after call
+        # (one stream: a call's kernels have read it before the next call writes it)
+        kernel_ws = max(workspace_elements(a.norm_op, "backward", (B, T, d)),
+                        workspace_elements(a.attention_op, "backward",
+                                           (B, T, a.heads, a.head_dim)))
+        if kernel_ws:
+            p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
         p.add("tokens", "emb_links", (2, N), "int32")   # GPU embedding scatter: first, next
     p.add("tokens", "idx", (B, T), "int32")
     p.add("tokens", "targets", (B, T), "int32")
@@ -252,7 +281,7 @@ class GPT:
             memory["ones"][...] = 1
         self.set_accumulation(1)
         self.tape = Tape(self.backend, lib, memory["scratch"] if self.training else None,
-                         tf32=tf32)
+                         memory["kernel_ws"] if "kernel_ws" in memory else None, tf32=tf32)
         self._record()
 
     # -- the graph --------------------------------------------------------------------
@@ -356,7 +385,6 @@ class GPT:
     def load_tokens(self, idx, targets=None) -> None:
         """Copy a [B, T] batch (host integers) into the planned token buffers. Ids are
         checked on the host first: an id past the table would index outside it."""
-        xp = self.xp
         for name, ids in (("idx", idx), ("targets", targets)):
             if ids is None:
                 continue
@@ -366,7 +394,7 @@ class GPT:
                 raise EulerError(f"token id {hi if hi >= self.arch.vocab else lo} is outside the "
                                  f"model's vocabulary of {self.arch.vocab} (a dataset tokenized "
                                  "for another vocab?)", key="model.vocab_size")
-            self.mem[name][...] = xp.asarray(ids, dtype=np.int32)
+            upload(self.mem[name], ids)
 
     def logits(self):
         self.tape.forward()
@@ -393,6 +421,15 @@ class GPT:
         self.tape.backward()
         return m["loss"]
 
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients, read to the host. On the GPU it is cuBLAS's
+        snrm2 straight into a host scalar: `cupy.dot(g, g)` would allocate a temporary the
+        size of every gradient (CuPy multiplies, then sums), outside the plan."""
+        g = self.mem.arenas["grads"]
+        if self.backend.is_gpu:
+            return cublas_nrm2(g)
+        return math.sqrt(float(np.dot(g, g)))
+
     # -- weights ----------------------------------------------------------------------
 
     def init_weights(self, seed: int) -> None:
@@ -406,7 +443,7 @@ class GPT:
                 host = rng.standard_normal(s.shape, dtype=np.float64) * std[s.init]
             else:
                 host = np.full(s.shape, 1.0 if s.init == "ones" else 0.0)
-            view[...] = self.xp.asarray(host.astype(view.dtype))
+            upload(view, host)
 
     def state_dict(self) -> dict:
         """Parameter name -> host array (a copy), in model order."""
@@ -423,7 +460,7 @@ class GPT:
             if tuple(arr.shape) != s.shape:
                 raise EulerError(f"{s.name} has shape {tuple(arr.shape)}, the model wants "
                                  f"{s.shape}", key="model")
-            self.params[s.name][...] = self.xp.asarray(arr.astype(self.params[s.name].dtype))
+            upload(self.params[s.name], arr)
 
 
 def ops_used(cfg) -> tuple[str, ...]:

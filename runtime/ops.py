@@ -104,13 +104,16 @@ class OpLibrary:
         got = self._module(op).forward(*inputs, **p)
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
-    def backward(self, name: str, *inputs_and_douts, out=None, **params):
+    def backward(self, name: str, *inputs_and_douts, out=None, workspace=None, **params):
+        """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
+        (cuda_ops.workspace_elements says how big); numpy needs none and ignores it."""
         op = self.op(name)
         self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
         pos0 = self._pos0(op, params)
         p = self._params(op, params)
         if self._cuda:
-            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0))
+            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0,
+                                             workspace))
         got = self._module(op).backward(*inputs_and_douts, **p)
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)

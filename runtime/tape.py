@@ -28,13 +28,14 @@ class Grad:
 
 
 class Tape:
-    def __init__(self, backend, lib, scratch, *, tf32: bool = False):
+    def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False):
         self.backend = backend
         self.xp = backend.xp
         self.lib = lib
         self.nodes: list = []
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
+        self.kernel_ws = kernel_ws  # float32 workspace the generated backward kernels share
         self.gemm = CublasGemm.for_cupy(self.xp, tf32) if backend.is_gpu else numpy_gemm
 
     def record(self, node):
@@ -116,6 +117,20 @@ class CublasGemm:
             out.strides[0] // 4, self.compute, self.GEMM_DEFAULT)
 
 
+def cublas_nrm2(x) -> float:
+    """‖x‖₂ of a contiguous float32 CuPy vector by cublasSnrm2 into a host scalar (cuBLAS's
+    default host pointer mode, as CublasGemm's scalars; the call returns once the result
+    is there). Nothing is allocated on the device."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"nrm2 wants a contiguous float32 array, got {x.dtype} {x.strides}")
+    result = np.zeros((), np.float32)
+    cublas.snrm2(cupy.cuda.device.get_cublas_handle(), x.size, x.data.ptr, 1,
+                 result.ctypes.data)
+    return float(result)
+
+
 # -- nodes ----------------------------------------------------------------------------
 
 
@@ -160,7 +175,7 @@ class Op:
         temps = iter(tape.scratch([g.buf.shape for g in adding]))
         targets = tuple(next(temps) if tape.adds(g) else g.buf for g in self.dins)
         tape.lib.backward(self.name, *self.inputs, *self.saved, *self.douts, out=targets,
-                          **self.params)
+                          workspace=tape.kernel_ws, **self.params)
         for g, t in zip(self.dins, targets):
             if t is not g.buf:
                 tape.xp.add(g.buf, t, out=g.buf)

@@ -21,7 +21,8 @@ from eulergen.errors import EulerError
 from eulergen.runtime import checkpoint, metrics
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import load_tokenizer, make_loaders
-from eulergen.runtime.model import GPT, build, param_count
+from eulergen.runtime.memory import upload
+from eulergen.runtime.model import GPT, arch_of, build, param_count
 from eulergen.runtime.sample import Sampler
 
 CONFIG_FILE = "config.json"
@@ -106,14 +107,14 @@ class AdamW:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        mem, xp = self.model.mem, self.model.xp
+        mem = self.model.mem
         for s in self.model.specs:
             b = mem.plan.buffer(s.name)
             for arena, prefix in (("adam_m", "m"), ("adam_v", "v")):
                 if f"{prefix}.{s.name}" not in state:
                     raise EulerError(f"optimizer state lacks {prefix}.{s.name}", key="checkpoint")
-                mem.arenas[arena][b.offset:b.offset + b.size] = xp.asarray(
-                    state[f"{prefix}.{s.name}"].reshape(-1))
+                upload(mem.arenas[arena][b.offset:b.offset + b.size],
+                       state[f"{prefix}.{s.name}"].reshape(-1))
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Trainer:
                  tensorboard: bool = True, cache_dir=None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
+        arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         self.run_dir = Path(cfg.run_dir)
         ckpt = checkpoint.latest(self.run_dir) if resume else None
         if resume and ckpt is None and not (self.run_dir / CONFIG_FILE).is_file():
@@ -185,10 +187,6 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def grad_norm(self) -> float:
-        g = self.model.mem.arenas["grads"]
-        return math.sqrt(float(self.model.xp.dot(g, g)))
-
     def train_step(self) -> tuple[float, float, str | None]:
         """One optimizer step over gradient_accumulation micro-batches: (loss, grad norm,
         why the update was skipped or None)."""
@@ -200,7 +198,7 @@ class Trainer:
             # the host read of the loss is the one synchronisation of a micro-step
             total += float(model.loss_and_grad(accumulate=micro > 0)[0])
         loss = total / t.gradient_accumulation
-        norm = self.grad_norm()
+        norm = self.model.grad_norm()
         step = self.step + 1
         if not (math.isfinite(loss) and math.isfinite(norm)):
             kept = checkpoint.latest(self.run_dir)
