@@ -54,7 +54,27 @@ def kernels(plans=None, configs=None) -> AttentionKernels:
                             {}, compiled.function)
 
 
-def ours(ak, B, T, dtype):
+class _Only:
+    """AttentionKernels that launch only the kernels whose names contain `role` (the others
+    are skipped), for timing one backward kernel inside attention_backward."""
+
+    def __init__(self, ak: AttentionKernels, role: str):
+        self.ak, self.role = ak, role
+
+    def kernel(self, *args):
+        return self.ak.kernel(*args)
+
+    def param_values(self, given):
+        return self.ak.param_values(given)
+
+    def launch(self, name, plan, grid, args):
+        if self.role in name:
+            self.ak.launch(name, plan, grid, args)
+
+
+def ours(ak, B, T, dtype, split=False):
+    """(forward ms, forward + backward ms), and with split the backward's kernels one by one
+    ({rowdot, dkv, dq: ms})."""
     import cupy
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(s, dtype=np.float32)
@@ -70,7 +90,15 @@ def ours(ak, B, T, dtype):
     def fwd_bwd():
         attention_forward(ak, q, k, v, out=o, lse=lse)
         attention_backward(ak, q, k, v, o, lse, do, out=grads, delta=delta)
-    return time_ms(fwd), time_ms(fwd_bwd)
+    times = time_ms(fwd), time_ms(fwd_bwd)
+    if not split:
+        return times
+    parts = {}
+    for role in ("rowdot", "dkv", "dq"):
+        only = _Only(ak, f"_{role}_")
+        parts[role] = time_ms(
+            lambda: attention_backward(only, q, k, v, o, lse, do, out=grads, delta=delta))
+    return times, parts
 
 
 def torch_sdpa(B, T, dtype):
@@ -119,32 +147,33 @@ def torch_sdpa(B, T, dtype):
 
 
 def sweep() -> None:
-    """Forward and backward times of bf16 d=64 (B=8, T=1024) under other tilings, one kernel
-    family changed at a time: the data for choosing plan_attention's defaults."""
+    """Forward and backward times of bf16 d=64 under other tilings, one kernel family
+    changed at a time, at both sizes (the backward also kernel by kernel): the data for
+    choosing plan_attention's defaults."""
     base = plan_attention(D, "bf16")
     variants = [("default", {})]
     variants += [(f"fwd warps={w} slabs={mt} n={n}",
                   {"fwd_warps": w, "fwd_mtiles": mt, "fwd_block_n": n})
-                 for w, mt, n in ((4, 1, 64), (4, 1, 128), (8, 1, 64), (4, 2, 32), (2, 2, 64),
-                                  (8, 2, 64))]
+                 for w, mt, n in ((4, 1, 64), (4, 1, 128), (8, 2, 64))]
     variants += [(f"dkv warps={w} m={m}", {"dkv_warps": w, "dkv_block_m": m})
-                 for w, m in ((4, 32), (4, 128), (8, 64), (8, 32), (2, 64))]
+                 for w, m in ((4, 32), (8, 64), (2, 64))]
     variants += [(f"dq warps={w} slabs={mt} n={n}",
                   {"dq_warps": w, "dq_mtiles": mt, "dq_block_n": n})
-                 for w, mt, n in ((4, 1, 32), (4, 1, 128), (8, 1, 64), (2, 1, 64), (4, 2, 32),
-                                  (2, 2, 32))]
-    B, T = CASES[0]
-    print(f"bf16 d={D} B={B} T={T} H={H}/{KVH}: milliseconds by tiling (default: {base})")
-    print(f"{'variant':<24} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8}")
+                 for w, mt, n in ((4, 1, 32), (4, 1, 128), (8, 1, 32), (2, 1, 64), (4, 2, 32))]
+    print(f"bf16 d={D} H={H}/{KVH}: milliseconds by tiling (default: {base})")
+    print(f"{'variant':<24} {'case':<11} {'fwd':>6} {'bwd':>6} {'f+b':>6}   "
+          f"{'rowdot':>6} {'dkv':>6} {'dq':>6}")
     for label, change in variants:
         fields = {**base.__dict__, **change}
         try:
             ak = kernels(plans={(D, "bf16"): AttentionPlan(**fields)}, configs=((D, "bf16"),))
-            f, fb = ours(ak, B, T, "bf16")
+            for B, T in CASES:
+                (f, fb), parts = ours(ak, B, T, "bf16", split=True)
+                print(f"{label:<24} {f'B={B} T={T}':<11} {f:6.3f} {fb - f:6.3f} {fb:6.3f}   "
+                      f"{parts['rowdot']:6.3f} {parts['dkv']:6.3f} {parts['dq']:6.3f}",
+                      flush=True)
         except Exception as err:  # a tiling that does not compile or launch: say so, go on
             print(f"{label:<24} failed: {str(err).splitlines()[0][:80]}")
-            continue
-        print(f"{label:<24} {f:8.3f} {fb - f:8.3f} {fb:8.3f}", flush=True)
 
 
 def main() -> None:

@@ -898,7 +898,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dkv
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
-// backward_dq, D = 64: 64 query rows a block, tiles of 64
+// backward_dq, D = 64: 64 query rows a block, tiles of 32
 extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_d64_f32(
     const float* q, const float* k, const float* v, const float* dout, const float* lse,
     const float* delta, float* dq, int n, int n_heads, int n_kv_heads, long long q_sb,
@@ -906,7 +906,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_
     long long v_sb, long long v_st, long long v_sh, long long do_sb, long long do_st,
     long long do_sh, long long dq_sb, long long dq_st, long long dq_sh, float cap) {
   const softcap_attention_score sc{(float)n_heads, 0.125f, cap};
-  eg_attn::attention_backward_dq<float, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<float, 64, 4, 1, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -934,7 +934,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dkv
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
-// backward_dq, D = 128: 64 query rows a block, tiles of 64
+// backward_dq, D = 128: 64 query rows a block, tiles of 32
 extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_d128_f32(
     const float* q, const float* k, const float* v, const float* dout, const float* lse,
     const float* delta, float* dq, int n, int n_heads, int n_kv_heads, long long q_sb,
@@ -942,7 +942,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_
     long long v_sb, long long v_st, long long v_sh, long long do_sb, long long do_st,
     long long do_sh, long long dq_sb, long long dq_st, long long dq_sh, float cap) {
   const softcap_attention_score sc{(float)n_heads, 0.08838834764831845f, cap};
-  eg_attn::attention_backward_dq<float, 128, 4, 1, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<float, 128, 4, 1, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -979,7 +979,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dkv
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
-// backward_dq, D = 64: 64 query rows a block, tiles of 64
+// backward_dq, D = 64: 64 query rows a block, tiles of 32
 extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
     const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dq, int n,
@@ -988,7 +988,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_
     long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
     long long dq_sh, float cap) {
   const softcap_attention_score sc{(float)n_heads, 0.125f, cap};
-  eg_attn::attention_backward_dq<__nv_bfloat16, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<__nv_bfloat16, 64, 4, 1, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -1017,7 +1017,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dkv
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
-// backward_dq, D = 128: 64 query rows a block, tiles of 64
+// backward_dq, D = 128: 64 query rows a block, tiles of 32
 extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_d128_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
     const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dq, int n,
@@ -1026,7 +1026,7 @@ extern "C" __global__ void __launch_bounds__(128) softcap_attention_backward_dq_
     long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
     long long dq_sh, float cap) {
   const softcap_attention_score sc{(float)n_heads, 0.08838834764831845f, cap};
-  eg_attn::attention_backward_dq<__nv_bfloat16, 128, 4, 1, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq<__nv_bfloat16, 128, 4, 1, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
