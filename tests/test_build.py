@@ -192,3 +192,10 @@ def test_output_does_not_depend_on_the_hash_seed(tmp_path):
                               capture_output=True, text=True, check=True)
         digests.add(done.stdout.strip())
     assert len(digests) == 1
+
+
+def test_compile_without_cupy_is_a_one_line_error(generated, few_ops, monkeypatch):
+    monkeypatch.setitem(sys.modules, "eulergen.runtime.compile", None)  # import fails
+    result = CliRunner().invoke(main, ["build", "--compile"])
+    assert result.exit_code == 2 and "--compile needs CuPy" in result.output
+    assert "Traceback" not in result.output
