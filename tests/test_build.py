@@ -199,3 +199,15 @@ def test_compile_without_cupy_is_a_one_line_error(generated, few_ops, monkeypatc
     result = CliRunner().invoke(main, ["build", "--compile"])
     assert result.exit_code == 2 and "--compile needs CuPy" in result.output
     assert "Traceback" not in result.output
+
+
+def test_check_ignores_build_keys_but_not_content(generated, few_ops):
+    build.run_build(echo=lambda s: None)
+    path = generated / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["ops"]["gelu"]["build_key"] = "0" * 64       # as after an unrelated generator edit
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    assert build.run_build(check=True, echo=lambda s: None) == 0
+    manifest["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["plan"]["threads"] = 128
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    assert build.run_build(check=True, echo=lambda s: None) == 1
