@@ -154,12 +154,13 @@ def sweep() -> None:
     variants = [("default", {})]
     variants += [(f"fwd warps={w} slabs={mt} n={n}",
                   {"fwd_warps": w, "fwd_mtiles": mt, "fwd_block_n": n})
-                 for w, mt, n in ((4, 1, 64), (4, 1, 128), (8, 2, 64))]
+                 for w, mt, n in ((4, 1, 64), (8, 2, 64))]
     variants += [(f"dkv warps={w} m={m}", {"dkv_warps": w, "dkv_block_m": m})
                  for w, m in ((4, 32), (8, 64), (2, 64))]
+    variants += [("dkv unpaired", {"dkv_paired": False})]
     variants += [(f"dq warps={w} slabs={mt} n={n}",
                   {"dq_warps": w, "dq_mtiles": mt, "dq_block_n": n})
-                 for w, mt, n in ((4, 1, 32), (4, 1, 128), (8, 1, 32), (2, 1, 64), (4, 2, 32))]
+                 for w, mt, n in ((4, 1, 16), (4, 1, 64), (8, 1, 32), (2, 1, 32), (4, 2, 16))]
     print(f"bf16 d={D} H={H}/{KVH}: milliseconds by tiling (default: {base})")
     print(f"{'variant':<24} {'case':<11} {'fwd':>6} {'bwd':>6} {'f+b':>6}   "
           f"{'rowdot':>6} {'dkv':>6} {'dq':>6}")

@@ -42,7 +42,9 @@ class AttentionPlan:
     """Tiles for one (head dim, dtype). Warps own 16 rows each; `*_tile` is the other side.
 
     forward: a block is 16·fwd_warps queries, streaming fwd_block_n keys at a time.
-    dkv:     a block is 16·dkv_warps keys, streaming dkv_block_m queries at a time.
+    dkv:     a block is 16·dkv_warps keys, streaming dkv_block_m queries at a time;
+             dkv_paired computes Sᵀ with dPᵀ, then dV with dK, in shared loops (two
+             independent mma chains each), else one product after another.
     dq:      a block is 16·dq_warps queries, streaming dq_block_n keys at a time.
     fp32 storage splits every operand in two bf16 planes and loads synchronously (one
     stage); bf16 double-buffers its streamed tiles with cp.async."""
@@ -56,6 +58,7 @@ class AttentionPlan:
     dq_block_n: int
     fwd_mtiles: int = 1   # 16-row slabs a warp owns (2: each K/V fragment feeds two mma)
     dq_mtiles: int = 1
+    dkv_paired: bool = False
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -109,7 +112,9 @@ def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
     D = 128 do not. The dQ kernel streams 32 keys at a time: its score tiles then take half
     the registers (bf16 d=64: 168 → 128), and on the H200 that cut its time by a third at both
     benchmark sizes (bf16 d=64: 0.170 → 0.111 ms at B=8 T=1024, 0.591 → 0.399 at B=2
-    T=4096)."""
+    T=4096). The bf16 dkv kernel at D = 64 pairs its products (dkv_paired): 234 registers
+    instead of 254, and 0.229 → 0.170 ms (T=1024), 0.820 → 0.600 (T=4096); at D = 128 and
+    with fp32's split planes pairing spills, so those keep one product after another."""
     if head_dim not in HEAD_DIMS:
         raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
                          key="head_dim")
@@ -117,7 +122,8 @@ def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
         raise EulerError(f"unknown storage dtype {dtype!r} (expected one of {sorted(CTYPES)})")
     return AttentionPlan(head_dim, dtype, fwd_warps=4, fwd_block_n=64, dkv_warps=4,
                          dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
-                         fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1)
+                         fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
+                         dkv_paired=(head_dim, dtype) == (64, "bf16"))
 
 
 def mask_mode(mask: sp.Basic | None) -> str:
@@ -233,7 +239,8 @@ def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: st
                  "mask": mode}
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
                "head_dim": d, "warps": warps, "tile": tile,
-               "mtiles": f"{mtiles}, " if role != "backward_dkv" else "",
+               # the template argument after the warps: slabs a warp, or (dkv) pairing
+               "mtiles": f"{mtiles if role != 'backward_dkv' else int(plan.dkv_paired)}, ",
                "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
                "comment": f"{role}, D = {d}: {16 * warps * mtiles} {rows} rows a block, "
                           f"tiles of {tile}"}

@@ -102,7 +102,7 @@ def _prelude() -> str:
 
 # Other tilings than the planner's (D = 64): 8 and 1 warps a block, two 16-row slabs a
 # warp, tiles of 16 to 128, so that every loop bound and causal skip is exercised off the
-# 64 x 64 default.
+# 64 x 64 default; dK/dV unpaired (the planner pairs bf16 at D = 64), so both orders run.
 ODD_PLANS = {(64, dt): AttentionPlan(64, dt, fwd_warps=8, fwd_block_n=32, dkv_warps=2,
                                      dkv_block_m=16, dq_warps=1, dq_block_n=128,
                                      fwd_mtiles=2, dq_mtiles=2)

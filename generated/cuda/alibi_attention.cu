@@ -469,7 +469,7 @@ __device__ __forceinline__ void attention_rowdot(
   if (lane == 0) delta[row] = acc;
 }
 
-template <typename T, int D, int WARPS, int BM, int MASK, typename Score>
+template <typename T, int D, int WARPS, int PAIRED, int BM, int MASK, typename Score>
 __device__ __forceinline__ void attention_backward_dkv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -577,88 +577,158 @@ __device__ __forceinline__ void attention_backward_dkv(
     const float* tD = sD + st * BM;
     // Keys of this warp past every query of the tile see nothing of it.
     if (MASK != MASK_CAUSAL || wkey <= q0 + BM - 1) {
-      // Sᵀ = K·Qᵀ: rows are this warp's keys, columns the tile's queries.
-      float s[BM / 8][4];
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Frag kf;
-        if (KV_IN_REGS) kf = kreg[kk % KV_FRAGS];
-        else load_a<SPLIT, LD, KPLANE>(kf, sK, warp * 16, kk * 16, lane);
-#pragma unroll
-        for (int np = 0; np < BM / 16; ++np) {
-          Frag qb;
-          load_b_nk<SPLIT, LD, QPLANE>(qb, tQ, np * 16, kk * 16, lane);
-          mma<SPLIT>(s[2 * np], kf, qb, 0);
-          mma<SPLIT>(s[2 * np + 1], kf, qb, 1);
-        }
-      }
       const bool all_visible = MASK != MASK_GENERIC && q0 + BM <= n &&
                                (MASK != MASK_CAUSAL || wkey + 15 <= q0);
-      float p[BM / 8][4];
+      if (PAIRED) {
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ in one pass (rows: this warp's keys, columns: the tile's
+        // queries): two independent mma chains for the scheduler to interleave.
+        float s[BM / 8][4], dp_[BM / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = wkey + g + (e >> 1) * 8, il = nt * 8 + 2 * c + (e & 1), i = q0 + il;
-          const bool vis = all_visible || visible<MASK>(sc, i, j, n);
-          const float x = s[nt][e];
-          p[nt][e] = vis ? exp2f(sc.score2(x, (float)i, (float)j) - tL[il] * LOG2E) : 0.0f;
-          s[nt][e] = vis ? sc.dscore(x, (float)i, (float)j) : 0.0f;  // from here on, ∂score/∂s
+        for (int nt = 0; nt < BM / 8; ++nt) {
+          s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+          dp_[nt][0] = dp_[nt][1] = dp_[nt][2] = dp_[nt][3] = 0.0f;
         }
-      }
-      // dV += Pᵀ·dO
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        Frag pf;
-        acc_to_a<SPLIT>(pf, p[2 * kk], p[2 * kk + 1]);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          Frag kf, vf;
+          if (KV_IN_REGS) {
+            kf = kreg[kk % KV_FRAGS];
+            vf = vreg[kk % KV_FRAGS];
+          } else {
+            load_a<SPLIT, LD, KPLANE>(kf, sK, warp * 16, kk * 16, lane);
+            load_a<SPLIT, LD, KPLANE>(vf, sV, warp * 16, kk * 16, lane);
+          }
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          Frag ob;
-          load_b_kn<SPLIT, LD, QPLANE>(ob, tO, kk * 16, dp * 16, lane);
-          mma<SPLIT>(acc_dv[2 * dp], pf, ob, 0);
-          mma<SPLIT>(acc_dv[2 * dp + 1], pf, ob, 1);
+          for (int np = 0; np < BM / 16; ++np) {
+            Frag qb, ob;
+            load_b_nk<SPLIT, LD, QPLANE>(qb, tQ, np * 16, kk * 16, lane);
+            load_b_nk<SPLIT, LD, QPLANE>(ob, tO, np * 16, kk * 16, lane);
+            mma<SPLIT>(s[2 * np], kf, qb, 0);
+            mma<SPLIT>(s[2 * np + 1], kf, qb, 1);
+            mma<SPLIT>(dp_[2 * np], vf, ob, 0);
+            mma<SPLIT>(dp_[2 * np + 1], vf, ob, 1);
+          }
         }
-      }
-      // dSᵀ = Pᵀ ∘ (V·dOᵀ − delta) ∘ ∂score/∂s, kept in p.
+        // Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − delta) ∘ ∂score/∂s, packed as A operands at once: the
+        // float tiles end here, which leaves registers for the second pass.
+        Frag pf[BM / 16], df[BM / 16];
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) {
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          float pv[2][4], dsv[2][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[nt][e] *= s[nt][e];
-      }
-      float dp_[BM / 8][4];
+          for (int half = 0; half < 2; ++half) {
+            const int nt = 2 * kk + half;
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) dp_[nt][0] = dp_[nt][1] = dp_[nt][2] = dp_[nt][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Frag vf;
-        if (KV_IN_REGS) vf = vreg[kk % KV_FRAGS];
-        else load_a<SPLIT, LD, KPLANE>(vf, sV, warp * 16, kk * 16, lane);
-#pragma unroll
-        for (int np = 0; np < BM / 16; ++np) {
-          Frag ob;
-          load_b_nk<SPLIT, LD, QPLANE>(ob, tO, np * 16, kk * 16, lane);
-          mma<SPLIT>(dp_[2 * np], vf, ob, 0);
-          mma<SPLIT>(dp_[2 * np + 1], vf, ob, 1);
+            for (int e = 0; e < 4; ++e) {
+              const int j = wkey + g + (e >> 1) * 8, il = nt * 8 + 2 * c + (e & 1), i = q0 + il;
+              const bool vis = all_visible || visible<MASK>(sc, i, j, n);
+              const float x = s[nt][e];
+              const float p = vis ? exp2f(sc.score2(x, (float)i, (float)j) - tL[il] * LOG2E) : 0.0f;
+              pv[half][e] = p;
+              dsv[half][e] = vis ? p * (dp_[nt][e] - tD[il]) * sc.dscore(x, (float)i, (float)j)
+                                 : 0.0f;
+            }
+          }
+          acc_to_a<SPLIT>(pf[kk], pv[0], pv[1]);
+          acc_to_a<SPLIT>(df[kk], dsv[0], dsv[1]);
         }
-      }
+        // dV += Pᵀ·dO and dK += dSᵀ·Q in one pass, again two chains.
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) {
+        for (int kk = 0; kk < BM / 16; ++kk) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[nt][e] *= dp_[nt][e] - tD[nt * 8 + 2 * c + (e & 1)];
-      }
-      // dK += dSᵀ·Q
+          for (int dp = 0; dp < D / 16; ++dp) {
+            Frag ob, qb;
+            load_b_kn<SPLIT, LD, QPLANE>(ob, tO, kk * 16, dp * 16, lane);
+            load_b_kn<SPLIT, LD, QPLANE>(qb, tQ, kk * 16, dp * 16, lane);
+            mma<SPLIT>(acc_dv[2 * dp], pf[kk], ob, 0);
+            mma<SPLIT>(acc_dv[2 * dp + 1], pf[kk], ob, 1);
+            mma<SPLIT>(acc_dk[2 * dp], df[kk], qb, 0);
+            mma<SPLIT>(acc_dk[2 * dp + 1], df[kk], qb, 1);
+          }
+        }
+      } else {
+        // Sᵀ = K·Qᵀ: rows are this warp's keys, columns the tile's queries.
+        float s[BM / 8][4];
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        Frag df;
-        acc_to_a<SPLIT>(df, p[2 * kk], p[2 * kk + 1]);
+        for (int nt = 0; nt < BM / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          Frag qb;
-          load_b_kn<SPLIT, LD, QPLANE>(qb, tQ, kk * 16, dp * 16, lane);
-          mma<SPLIT>(acc_dk[2 * dp], df, qb, 0);
-          mma<SPLIT>(acc_dk[2 * dp + 1], df, qb, 1);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          Frag kf;
+          if (KV_IN_REGS) kf = kreg[kk % KV_FRAGS];
+          else load_a<SPLIT, LD, KPLANE>(kf, sK, warp * 16, kk * 16, lane);
+#pragma unroll
+          for (int np = 0; np < BM / 16; ++np) {
+            Frag qb;
+            load_b_nk<SPLIT, LD, QPLANE>(qb, tQ, np * 16, kk * 16, lane);
+            mma<SPLIT>(s[2 * np], kf, qb, 0);
+            mma<SPLIT>(s[2 * np + 1], kf, qb, 1);
+          }
+        }
+        float p[BM / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = wkey + g + (e >> 1) * 8, il = nt * 8 + 2 * c + (e & 1), i = q0 + il;
+            const bool vis = all_visible || visible<MASK>(sc, i, j, n);
+            const float x = s[nt][e];
+            p[nt][e] = vis ? exp2f(sc.score2(x, (float)i, (float)j) - tL[il] * LOG2E) : 0.0f;
+            s[nt][e] = vis ? sc.dscore(x, (float)i, (float)j) : 0.0f;  // from here on, ∂score/∂s
+          }
+        }
+        // dV += Pᵀ·dO
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          Frag pf;
+          acc_to_a<SPLIT>(pf, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+          for (int dp = 0; dp < D / 16; ++dp) {
+            Frag ob;
+            load_b_kn<SPLIT, LD, QPLANE>(ob, tO, kk * 16, dp * 16, lane);
+            mma<SPLIT>(acc_dv[2 * dp], pf, ob, 0);
+            mma<SPLIT>(acc_dv[2 * dp + 1], pf, ob, 1);
+          }
+        }
+        // dSᵀ = Pᵀ ∘ (V·dOᵀ − delta) ∘ ∂score/∂s, kept in p.
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p[nt][e] *= s[nt][e];
+        }
+        float dp_[BM / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt)
+          dp_[nt][0] = dp_[nt][1] = dp_[nt][2] = dp_[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          Frag vf;
+          if (KV_IN_REGS) vf = vreg[kk % KV_FRAGS];
+          else load_a<SPLIT, LD, KPLANE>(vf, sV, warp * 16, kk * 16, lane);
+#pragma unroll
+          for (int np = 0; np < BM / 16; ++np) {
+            Frag ob;
+            load_b_nk<SPLIT, LD, QPLANE>(ob, tO, np * 16, kk * 16, lane);
+            mma<SPLIT>(dp_[2 * np], vf, ob, 0);
+            mma<SPLIT>(dp_[2 * np + 1], vf, ob, 1);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p[nt][e] *= dp_[nt][e] - tD[nt * 8 + 2 * c + (e & 1)];
+        }
+        // dK += dSᵀ·Q
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          Frag df;
+          acc_to_a<SPLIT>(df, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+          for (int dp = 0; dp < D / 16; ++dp) {
+            Frag qb;
+            load_b_kn<SPLIT, LD, QPLANE>(qb, tQ, kk * 16, dp * 16, lane);
+            mma<SPLIT>(acc_dk[2 * dp], df, qb, 0);
+            mma<SPLIT>(acc_dk[2 * dp + 1], df, qb, 1);
+          }
         }
       }
     }
@@ -893,7 +963,7 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_d
     long long do_sh, long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb,
     long long dv_st, long long dv_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_backward_dkv<float, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dkv<float, 64, 4, 0, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
@@ -929,7 +999,7 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_d
     long long do_sh, long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb,
     long long dv_st, long long dv_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_backward_dkv<float, 128, 4, 32, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dkv<float, 128, 4, 0, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
@@ -974,7 +1044,7 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_d
     long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb, long long dv_st,
     long long dv_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_backward_dkv<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dkv<__nv_bfloat16, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
@@ -1012,7 +1082,7 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_d
     long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb, long long dv_st,
     long long dv_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_backward_dkv<__nv_bfloat16, 128, 4, 32, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dkv<__nv_bfloat16, 128, 4, 0, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
