@@ -12,3 +12,9 @@ OPS_DIR = PACKAGE_DIR / "ops"
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 GENERATED_DIR = PACKAGE_DIR / "generated"
 CONFIG_DIR = PACKAGE_DIR / "config"
+
+
+def cache_dir() -> Path:
+    """Per-user cache: compiled kernels, user-op builds, tokenized built-in data."""
+    import os
+    return Path(os.environ.get("EULERGEN_CACHE") or Path.home() / ".cache" / "eulergen")

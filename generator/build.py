@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__
+from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.errors import EulerError
+from eulergen.files import write_atomic
 from eulergen.generator import ir
 
 FORMAT = 1
@@ -203,18 +202,6 @@ def plan_build(root: Path, specs: dict[str, Path], *, embedding: bool, force: bo
 
 # ---- writing --------------------------------------------------------------------------
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _generated_files(root: Path) -> set[str]:
     found = set()
     for sub, pattern in (("cuda", "*.cu"), ("cuda", "*.cuh"), ("numpy", "*.py")):
@@ -260,14 +247,10 @@ def write(out: Output, changes: list[tuple[str, str]]) -> None:
         if change == "removed":
             (out.root / rel).unlink(missing_ok=True)
         else:
-            _write_atomic(out.root / rel, out.files[rel])
+            write_atomic(out.root / rel, out.files[rel])
 
 
 # ---- the two build sets: built-in and user ops ------------------------------------------
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EULERGEN_CACHE") or Path.home() / ".cache" / "eulergen")
-
 
 def _is_builtin(path: Path) -> bool:
     return path.resolve().parent == OPS_DIR.resolve()

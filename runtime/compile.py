@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eulergen import cache_dir
 from eulergen.errors import EulerError
+from eulergen.files import write_atomic
 
 COMMON_HEADER = "eulergen_common.cuh"
 BASE_OPTIONS = ("-std=c++17",)
@@ -27,12 +28,8 @@ _DIAG_RE = re.compile(r"^(?P<file>[^\s()]+)\((?P<line>\d+)\): (?P<kind>(?:catast
                       r"(?P<msg>.*)$")
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("EULERGEN_CACHE") or Path.home() / ".cache" / "eulergen")
-
-
 def kernel_cache_dir() -> Path:
-    return cache_root() / "kernels"
+    return cache_dir() / "kernels"
 
 
 @dataclass(frozen=True)
@@ -181,18 +178,6 @@ def compile_cubin(src: Source, arch: str, options: tuple[str, ...] = ()) -> byte
         nvrtc.destroyProgram(prog)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 _MODULES: dict[str, object] = {}
 
 
@@ -223,7 +208,7 @@ def compile_file(path: str | Path, options: tuple[str, ...] = (), template: str 
         return Compiled(_MODULES[key], key, cubin, "memory")
     how = "disk"
     if not cubin.is_file():
-        _write_atomic(cubin, compile_cubin(src, arch, options))
+        write_atomic(cubin, compile_cubin(src, arch, options))
         how = "compiled"
     try:
         module = cupy.RawModule(path=str(cubin))
@@ -233,7 +218,7 @@ def compile_file(path: str | Path, options: tuple[str, ...] = (), template: str 
             raise
         # A cache file that does not load (another toolkit wrote it, a disk fault):
         # compile again and replace it.
-        _write_atomic(cubin, compile_cubin(src, arch, options))
+        write_atomic(cubin, compile_cubin(src, arch, options))
         module = cupy.RawModule(path=str(cubin))
         how = "compiled"
     _MODULES[key] = module

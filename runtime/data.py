@@ -19,7 +19,9 @@ from typing import Iterator
 
 import numpy as np
 
+import eulergen
 from eulergen.errors import EulerError
+from eulergen.files import write_atomic
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -94,15 +96,8 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     magic = 20240801 if wide else 20240520
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (magic, SHARD_VERSIONS[magic], tokens.size)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(SHARD_MAGICS[magic]).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(Path(path), header.tobytes() + tokens.astype(SHARD_MAGICS[magic]).tobytes(),
+                 fsync=True)
 
 
 def resolve_files(pattern: str, cache_dir: str | Path | None = None, split: str = "train") -> list[Path]:
@@ -249,10 +244,6 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("EULERGEN_CACHE", Path.home() / ".cache" / "eulergen"))
-
-
 def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
     """Build (once) and return the train and val shards of builtin:stdlib: byte-level
     tokens of every stdlib .py file, each followed by byte 0; every 10th file (by
@@ -266,7 +257,7 @@ def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
     key.update(f"{sys.version}\nval every {STDLIB_VAL_EVERY}\n".encode())
     for p in files:
         key.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
-    folder = Path(cache_dir or default_cache_dir()) / "data" / f"stdlib-{key.hexdigest()[:16]}"
+    folder = Path(cache_dir or eulergen.cache_dir()) / "data" / f"stdlib-{key.hexdigest()[:16]}"
     paths = {"train": folder / "train.bin", "val": folder / "val.bin"}
     if all(p.is_file() for p in paths.values()):
         return paths

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eulergen.errors import EulerError
+from eulergen.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -153,9 +154,7 @@ def peak_flops(device_name: str, precision: str) -> float | None:
 # -- internals ------------------------------------------------------------------------------
 
 def _write_records(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
 
 
 def _tb_tag(key: str) -> str:
