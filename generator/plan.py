@@ -7,9 +7,12 @@ the keys, per template (every kernel also has `threads`, the block size, and
 `grid_max`: the grid is min(the formula below, grid_max), kernels loop over the rest;
 None: no cap):
 
-pointwise  vec (elements per 16-byte access), unroll (vectors per thread per step):
-           grid = cdiv(n, vec · unroll · threads). Any n and any alignment work (a scalar
-           path takes unaligned pointers and the tail); in_place_ok = True.
+pointwise  vec (elements per 16-byte access), unroll (vectors per thread: a block's tile
+           is threads · unroll vectors): grid = cdiv(n, vec · unroll · threads), uncapped
+           (grid_max None: short blocks that each stream one tile keep the resident blocks
+           on one contiguous window of memory and leave no tail wave). Any n and any
+           alignment work (a scalar path takes unaligned pointers and the tail);
+           in_place_ok = True.
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
            length, `max_cols` / `min_cols` say where each is the fast one.
            warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block).
@@ -53,6 +56,10 @@ WARP_ROWS_PER_BLOCK = 8
 # keep two 768-wide fp32 rows each (layernorm's w and b) within the 48 KB of static smem.
 WARP_ROWS_PER_BLOCK_WGRAD = 4
 WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
+# bf16 warp-per-row kernels load the next row while computing one (templates/row.cu.j2).
+# Held to 64 registers (4 blocks of 256 threads an SM: the warps the kernels had without
+# the prefetch) the forward kernels do not spill; backward ones would, so they are not held.
+WARP_MIN_BLOCKS = {("bf16", "forward"): 4}
 BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
 BLOCK_THREADS_MAX = 1024
 # A block per row with weight gradients holds their partials in registers as well: 512
@@ -88,7 +95,7 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
                          line=op.where.line, key="kind")
     vec = tuple(VEC.items())
     if op.kind == "pointwise":
-        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec, unroll=2)
+        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec, unroll=4)
     if op.kind == "row":
         scalar_only = all(o.role == "scalar" for o in op.outputs)
         return KernelPlan("row.cu.j2", DTYPES, threads=32 * WARP_ROWS_PER_BLOCK, vec=vec,
@@ -102,7 +109,7 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 
 def pointwise_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
     return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("unroll", plan.unroll),
-            ("grid_max", _GRID_MAX), ("in_place_ok", True))
+            ("grid_max", None), ("in_place_ok", True))
 
 
 def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,

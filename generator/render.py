@@ -256,6 +256,8 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
                                   else planner.WARP_ROWS_PER_BLOCK),
             "block_threads": (planner.BLOCK_THREADS_MAX_WGRAD if wgrads
                               else planner.BLOCK_THREADS_MAX),
+            "warp_min_blocks": {dt: planner.WARP_MIN_BLOCKS[(dt, stage)]
+                                for dt in planner.DTYPES if (dt, stage) in planner.WARP_MIN_BLOCKS},
             "max_reductions": max((len(s["ops"]) for s in steps if s["kind"] == "pass"),
                                   default=0),
         })

@@ -24,13 +24,37 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
   // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0;
   __shared__ float red_[1][32];
+  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
+  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
+  // registers a group) before the current row is computed. fp32 keeps one row at a time:
+  // its registers already hold twice the bytes, and prefetching would halve occupancy.
+  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  uint4 x_next_[SLOTS];
+  if (PREFETCH_ && worker_ < rows_) {
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
+                                            lane_, lanes_, cols_, vec_);
+    }
+  }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     float x_c_[SLOTS][VEC];
+    if (PREFETCH_) {
+      const long long next_ = row_ + workers_;
 #pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
+                                                lane_, lanes_, cols_, vec_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+      }
     }
     // pass: mu = mean of the per-element terms
     float acc_mu_ = 0.0f;
@@ -176,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_forward_f32(const fl
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
   layernorm_forward<float, false, 2, 1>(x, w, b, y, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) layernorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
   layernorm_forward<__nv_bfloat16, true, 3, 8>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
@@ -235,6 +259,22 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
       if (col_ < cols_) db_part_[col_] = 0.0f;
     }
+  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
+  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
+  // registers a group) before the current row is computed. fp32 keeps one row at a time:
+  // its registers already hold twice the bytes, and prefetching would halve occupancy.
+  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  uint4 x_next_[SLOTS];
+  uint4 dy_next_[SLOTS];
+  if (PREFETCH_ && worker_ < rows_) {
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
+                                            lane_, lanes_, cols_, vec_);
+      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, s_ * lanes_ * VEC,
+                                            lane_, lanes_, cols_, vec_);
+    }
+  }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     const scalar_t* dy_row_ = dy_ptr + row_ * cols_;
@@ -242,10 +282,25 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     const float N = (float)cols_;
     float x_c_[SLOTS][VEC];
     float dy_c_[SLOTS][VEC];
+    if (PREFETCH_) {
+      const long long next_ = row_ + workers_;
 #pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
-      eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
+                                                lane_, lanes_, cols_, vec_);
+        eg_unpack_vec<scalar_t>(dy_next_[s_], dy_c_[s_]);
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, s_ * lanes_ * VEC,
+                                                lane_, lanes_, cols_, vec_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+        eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+      }
     }
     // pass: mu = mean of the per-element terms
     float acc_mu_ = 0.0f;

@@ -24,13 +24,37 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0;
   __shared__ float red_[1][32];
+  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
+  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
+  // registers a group) before the current row is computed. fp32 keeps one row at a time:
+  // its registers already hold twice the bytes, and prefetching would halve occupancy.
+  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  uint4 x_next_[SLOTS];
+  if (PREFETCH_ && worker_ < rows_) {
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
+                                            lane_, lanes_, cols_, vec_);
+    }
+  }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     float x_c_[SLOTS][VEC];
+    if (PREFETCH_) {
+      const long long next_ = row_ + workers_;
 #pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
+                                                lane_, lanes_, cols_, vec_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+      }
     }
     // pass: m = max of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
@@ -164,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(256) softmax_forward_f32(const floa
 extern "C" __global__ void __launch_bounds__(1024) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
   softmax_forward<float, false, 2, 1>(x, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   softmax_forward<__nv_bfloat16, true, 3, 8>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
@@ -183,16 +207,47 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 == 0;
   __shared__ float red_[1][32];
+  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
+  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
+  // registers a group) before the current row is computed. fp32 keeps one row at a time:
+  // its registers already hold twice the bytes, and prefetching would halve occupancy.
+  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  uint4 x_next_[SLOTS];
+  uint4 dy_next_[SLOTS];
+  if (PREFETCH_ && worker_ < rows_) {
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
+                                            lane_, lanes_, cols_, vec_);
+      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, s_ * lanes_ * VEC,
+                                            lane_, lanes_, cols_, vec_);
+    }
+  }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     const scalar_t* dy_row_ = dy_ptr + row_ * cols_;
     scalar_t* dx_row_ = dx_ptr + row_ * cols_;
     float x_c_[SLOTS][VEC];
     float dy_c_[SLOTS][VEC];
+    if (PREFETCH_) {
+      const long long next_ = row_ + workers_;
 #pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
-      eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
+                                                lane_, lanes_, cols_, vec_);
+        eg_unpack_vec<scalar_t>(dy_next_[s_], dy_c_[s_]);
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, s_ * lanes_ * VEC,
+                                                lane_, lanes_, cols_, vec_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+        eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+      }
     }
     // pass: m = max of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
