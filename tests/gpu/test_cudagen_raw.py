@@ -18,17 +18,6 @@ MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = json.loads(MANIFEST.read_text())["ops"] if MANIFEST.exists() else {}
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("no CUDA device")
-    except Exception as err:  # no driver
-        pytest.skip(f"no usable CUDA device: {err}")
-    return cupy
-
-
 def source(op: str) -> str:
     common = (GENERATED_DIR / "cuda" / "eulergen_common.cuh").read_text()
     text = (GENERATED_DIR / OPS[op]["cuda"]).read_text()

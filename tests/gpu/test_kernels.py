@@ -40,24 +40,6 @@ def _ops(*kinds):
     return sorted(n for n, o in OPS.items() if o.kind in kinds)
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("no CUDA device")
-    except Exception as err:  # no driver
-        pytest.skip(f"no usable CUDA device: {err}")
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def libs(cp):
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.ops import OpLibrary
-    return OpLibrary(get_backend("cuda")), OpLibrary(get_backend("numpy"))
-
-
 def progress(*parts):
     print(*parts, file=sys.stderr, flush=True)
 

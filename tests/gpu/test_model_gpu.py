@@ -32,24 +32,6 @@ COMMON = ["model.num_layers=2", "model.vocab_size=300", "model.max_seq_len=128",
 TOLERANCE = 2e-3
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            pytest.skip("no CUDA device")
-    except Exception as err:  # no driver
-        pytest.skip(f"no usable CUDA device: {err}")
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def libs(cp):
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.ops import OpLibrary
-    return OpLibrary(get_backend("cuda")), OpLibrary(get_backend("numpy"))
-
-
 def torch_gpt():
     """benchmarks/torch_gpt.py, by path (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location("torch_gpt", PACKAGE_DIR / "benchmarks" / "torch_gpt.py")
