@@ -211,3 +211,12 @@ def test_check_ignores_build_keys_but_not_content(generated, few_ops):
     manifest["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["plan"]["threads"] = 128
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     assert build.run_build(check=True, echo=lambda s: None) == 1
+
+
+def test_a_fast_math_op_is_marked_so_in_its_manifest_and_the_runtime_reads_it(
+        generated, few_ops, tmp_path):
+    from eulergen.runtime.manifest import load_manifest
+    folder = _user_ops(tmp_path, MISH + "fast_math: true\n")
+    (manifest,) = build.ensure_built(["mish"], [folder], echo=lambda _: None)
+    assert json.loads(manifest.read_text())["ops"]["mish"]["fast_math"] is True
+    assert load_manifest(manifest).ops["mish"].fast_math
