@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
+from eulergen.runtime.ops import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
 
 pytestmark = pytest.mark.gpu
 
@@ -44,16 +45,6 @@ def numpy_module(op: str):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# bf16 lives in uint16 arrays (bits), rounded to nearest even like __float2bfloat16_rn.
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def from_bf16(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << 16).view(np.float32)
 
 
 def store(cp, x: np.ndarray, dtype: str):
