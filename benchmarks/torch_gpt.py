@@ -21,6 +21,7 @@ from torch import nn
 
 from eulergen.errors import EulerError
 from eulergen.runtime.config import ModelConfig
+from eulergen.runtime.model import padded_vocab
 
 
 def _gelu_tanh(x):
@@ -116,7 +117,8 @@ class TorchGPT(nn.Module):
         super().__init__()
         _check_supported(cfg)
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_dim)
+        # eulergen's padded rows (runtime/model.py padded_vocab): the same shapes, the same loss
+        self.wte = nn.Embedding(padded_vocab(cfg.vocab_size), cfg.hidden_dim)
         if cfg.positions == "learned":
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.hidden_dim)
         else:
@@ -138,7 +140,7 @@ class TorchGPT(nn.Module):
                 nn.init.zeros_(p)   # norm weights keep torch's ones
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx [B, T] int ⇒ logits [B, T, V], and the mean cross-entropy when targets are given."""
+        """idx [B, T] int ⇒ logits [B, T, padded V], and the mean cross-entropy when targets are given."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise EulerError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")

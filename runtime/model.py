@@ -29,6 +29,15 @@ from eulergen.runtime.tape import Add, Embedding, Grad, Linear, Op, Tape, cublas
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
 _NORM_PARAM_NAMES = ("weight", "bias")
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """Rows of the token embedding and the tied LM head: the tokenizer's vocab rounded up
+    to a multiple of 64 (50257 -> 50304, 256 stays), so the head's GEMM and the logits
+    rows are aligned. Padded ids never occur in data (the loaders refuse ids past
+    model.vocab_size) and the sampler never draws them."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,7 @@ class Arch:
     heads: int
     kv_heads: int
     head_dim: int
-    vocab: int
+    vocab: int                        # the tokenizer's (model.vocab_size); vocab_rows is padded
     max_seq: int
     ffn: int                          # F: the activation's width
     gated: bool
@@ -67,6 +76,10 @@ class Arch:
     # workspace (weight-gradient partials, attention's row dots) is sized from their plans
     norm_op: object = field(default=None, compare=False, repr=False)
     attention_op: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def vocab_rows(self) -> int:
+        return padded_vocab(self.vocab)
 
     @property
     def q_dim(self) -> int:
@@ -152,7 +165,7 @@ def _check_head_dim(attention, d: int, heads: int) -> None:
 
 def parameters(a: Arch) -> list[ParamSpec]:
     """Every parameter in model order, named as torch names them."""
-    ps = [ParamSpec("wte.weight", (a.vocab, a.d), "normal")]
+    ps = [ParamSpec("wte.weight", (a.vocab_rows, a.d), "normal")]
     if not a.rope:
         ps.append(ParamSpec("wpe.weight", (a.max_seq, a.d), "normal"))
 
@@ -217,7 +230,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         p.add("activations", f"{h}.act", (B, T, F), dtype)
     p.add("activations", "x_final", (B, T, d), dtype)
     p.add("activations", "ln_f", (B, T, d), dtype)
-    p.add("activations", "logits", (N, a.vocab), dtype)   # the fused cross-entropy
+    p.add("activations", "logits", (N, a.vocab_rows), dtype)   # the fused cross-entropy
     p.add("activations", "losses", (N,), dtype)            # overwrites it with dlogits
     p.add("activations", "loss", (1,), dtype)
 

@@ -113,7 +113,15 @@ def test_loss_and_gradients_match_the_torch_reference_model(lib, structure):
 
 def test_gpt2_preset_has_gpt2_small_parameter_count(lib):
     arch = arch_of(load_config(None, ["model.preset=gpt2"]).model, lib)
-    assert param_count(arch) == 124_439_808   # GPT-2 124M with its 50257-token vocab
+    # GPT-2 124M (124,439,808 with its 50257-token vocab) plus 47 padded rows of 768
+    assert param_count(arch) == 124_439_808 + 47 * 768
+
+
+@pytest.mark.parametrize("vocab,rows", [(50257, 50304), (256, 256), (11, 64), (65, 128)])
+def test_the_embedding_rows_are_the_vocab_padded_to_64(lib, vocab, rows):
+    arch = arch_of(load_config(None, [f"model.vocab_size={vocab}"]).model, lib)
+    assert arch.vocab == vocab
+    assert dict((s.name, s.shape) for s in parameters(arch))["wte.weight"] == (rows, arch.d)
 
 
 def test_decayed_matrices_come_first_and_contiguous(lib):
