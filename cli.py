@@ -170,34 +170,116 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     console.print(plan_table(p, title))
 
 
-@main.command()
-@click.argument("run", type=click.Path(path_type=Path))
-@click.option("--prompt", default="\n", show_default=True)
-@click.option("--max-new-tokens", default=200, show_default=True)
-@click.option("--temperature", default=0.8, show_default=True)
-@click.option("--top-k", default=40, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
-@ops_option
-def sample(run, prompt, max_new_tokens, temperature, top_k, seed, device, ops_dirs) -> None:
-    """Generate text from a run folder's latest checkpoint (or one checkpoint folder)."""
+def _checkpoint_sampler(run, device, ops_dirs, num_samples: int):
+    """The tokenizer and a KV-cache Sampler over a run folder's latest checkpoint (or one
+    checkpoint folder), with the config it was trained with. Weights that do not fit the
+    config's model (another architecture, an unpadded vocab) are one error naming the
+    checkpoint file and the tensor."""
     _limit_blas_threads()
     from eulergen.runtime import checkpoint
     from eulergen.runtime.config import config_from_dict
-    from eulergen.runtime.data import load_tokenizer
     from eulergen.runtime.sample import Sampler
+    from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
     ck = checkpoint.load(run)
     raw = dict(ck.state["config"])
     if device:
         raw["training"] = {**raw["training"], "device": device}
     cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
-    tok = load_tokenizer(cfg.data.tokenizer_path)
-    ids = tok.encode(prompt)
+    tok = load_tokenizer(cfg.data)
+    check_fits(tok, cfg.model.vocab_size)
     # the context it was trained on: learned positions past training.seq_len never moved
-    sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True), seq_len=cfg.training.seq_len)
-    sampler.model.load_state_dict(ck.params)
-    click.echo(prompt, nl=False)
-    sampler.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                     on_token=lambda t: click.echo(tok.decode([t]), nl=False))
-    click.echo()
+    sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True), batch=num_samples,
+                      seq_len=cfg.training.seq_len, notify=lambda m: click.echo(m, err=True))
+    try:
+        sampler.decoder.load_state_dict(ck.params)
+    except EulerError as err:
+        raise EulerError(err.message, file=str(ck.path / checkpoint.MODEL_FILE),
+                         key=err.key) from None
+    return tok, sampler
+
+
+def _sampling_options(f):
+    for option in reversed([
+            click.option("--max-new-tokens", default=200, show_default=True),
+            click.option("--temperature", default=0.8, show_default=True,
+                         help="0: greedy (always the most likely token)."),
+            click.option("--top-k", default=40, show_default=True,
+                         help="Draw from the k most likely tokens (0: all)."),
+            click.option("--top-p", default=1.0, show_default=True,
+                         help="Nucleus: the fewest tokens whose probability reaches p (1: all)."),
+            click.option("--seed", default=0, show_default=True),
+            click.option("--device", type=click.Choice(["auto", "cuda", "numpy"])),
+            ops_option]):
+        f = option(f)
+    return f
+
+
+def _settings(temperature, top_k, top_p, seed) -> dict:
+    return dict(temperature=temperature, top_k=top_k or None,
+                top_p=None if top_p == 1 else top_p, seed=seed)
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--prompt", default="\n", show_default=True)
+@click.option("--num-samples", default=1, show_default=True,
+              help="Samples of the prompt, generated as one batch.")
+@_sampling_options
+def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, seed, device,
+           ops_dirs) -> None:
+    """Continue a prompt with a run folder's latest checkpoint (or one checkpoint folder),
+    printing the text as it comes (one sample), or each sample in turn (several); a sample
+    ends at the tokenizer's end of text or after --max-new-tokens."""
+    from eulergen.runtime.sample import TextStream
+
+    tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples)
+    ids = tok.encode(prompt)
+    stream = TextStream(tok.decode)
+    live = num_samples == 1
+    if live:
+        click.echo(prompt, nl=False)
+
+    def show(tokens):
+        if tokens[0] != tok.eot:
+            click.echo(stream.push(tokens[0]), nl=False)
+
+    rows = sampler.samples(ids, max_new_tokens, stop=tok.eot, on_step=show if live else None,
+                           **_settings(temperature, top_k, top_p, seed))
+    if live:
+        click.echo(stream.flush())
+        return
+    for n, row in enumerate(rows, 1):
+        click.echo(f"--- sample {n} of {num_samples}")
+        click.echo(prompt + tok.decode(row))
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=Path))
+@_sampling_options
+def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs) -> None:
+    """Talk with a checkpoint: each line you type joins the conversation and the model
+    continues it until its end of text or --max-new-tokens. Ctrl-D or /quit ends."""
+    import itertools
+
+    from eulergen.runtime.sample import TextStream
+
+    tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1)
+    settings = _settings(temperature, top_k, top_p, seed)
+    for turn in itertools.count():
+        click.echo("> ", nl=False)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            click.echo()
+            return
+        stream = TextStream(tok.decode)
+
+        def show(tokens):
+            if tokens[0] != tok.eot:
+                click.echo(stream.push(tokens[0]), nl=False)
+
+        # the conversation so far stays in the KV cache: each turn appends to it
+        sampler.samples(tok.encode(line if line.endswith("\n") else line + "\n"),
+                        max_new_tokens, stop=tok.eot, on_step=show, append=turn > 0,
+                        **{**settings, "seed": seed + turn})
+        click.echo(stream.flush())

@@ -83,7 +83,8 @@ class TrainingConfig:
 class DataConfig:
     dataset: str = "builtin:stdlib"  # a glob of llm.c shards, a nanoGPT train.bin, or builtin:stdlib
     val_dataset: str | None = None   # not given: derived from dataset (train -> val)
-    tokenizer_path: str | None = None  # HF tokenizer.json; none: byte level
+    tokenizer: str = "byte"          # "byte" | "gpt2" (tiktoken) | a path to a tokenizer.json
+    tokenizer_path: str | None = None  # NanoEuler's key: a tokenizer.json (same as tokenizer=path)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": ("auto", "cuda", "numpy"),
 }
 
+TOKENIZER_KINDS = ("byte", "gpt2")   # else a path: runtime/tokenizer.py reads all three
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -174,7 +176,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "<dict>",
 
     model = _resolve_model(values["model"], fail)
     training = _resolve_training(values["training"], model)
-    data = _resolve_data(values["data"])
+    data = _resolve_data(values["data"], fail)
     run_dir = raw.get("run_dir", default_run_dir)
     if not isinstance(run_dir, str) or not run_dir:
         fail("run_dir", f"expected a directory path, got {_show(run_dir)}")
@@ -351,8 +353,14 @@ def _resolve_training(given: dict[str, Any], model: dict[str, Any]) -> dict[str,
     return training
 
 
-def _resolve_data(given: dict[str, Any]) -> dict[str, Any]:
+def _resolve_data(given: dict[str, Any], fail) -> dict[str, Any]:
     data = {**dataclasses.asdict(DataConfig()), **given}
+    path = data["tokenizer_path"]
+    if path is not None:
+        if "tokenizer" in given and given["tokenizer"] != path:
+            fail("data.tokenizer", f"{given['tokenizer']!r} and data.tokenizer_path {path!r} "
+                 "name different tokenizers: give one of them")
+        data["tokenizer"] = path
     if "val_dataset" not in given:
         data["val_dataset"] = derive_val_dataset(data["dataset"])
     return data
@@ -420,6 +428,9 @@ def _validate(cfg: RunConfig, fail) -> None:
             fail(key, f"must be in [0, 1), got {beta}")
     if not d.dataset:
         fail("data.dataset", "must name a dataset (a glob, a .bin file or builtin:stdlib)")
+    if d.tokenizer not in TOKENIZER_KINDS and not d.tokenizer.endswith(".json"):
+        fail("data.tokenizer", f"{d.tokenizer!r} is not {', '.join(TOKENIZER_KINDS)} or a path to a "
+             "tokenizer .json" + _suggest(d.tokenizer, list(TOKENIZER_KINDS)))
 
 
 def _suggest(word: str, options: list[str], what: str = "") -> str:

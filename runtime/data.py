@@ -1,5 +1,6 @@
 """Token data: llm.c shards and nanoGPT .bin files, memory-mapped; a resumable,
-deterministic batch loader; the built-in `builtin:stdlib` dataset; tokenizers.
+deterministic batch loader; the built-in `builtin:stdlib` dataset (tokenizers live in
+tokenizer.py).
 
 llm.c shard: 256 little-endian int32 header (magic, version, token count), then the
 tokens: uint16 under magic 20240520 (version 1, GPT-2), uint32 under 20240801 (version 7,
@@ -22,6 +23,7 @@ import numpy as np
 import eulergen
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
+from eulergen.runtime.tokenizer import BYTE_EOT
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -37,7 +39,6 @@ BUILTIN_STDLIB = "builtin:stdlib"
 # Every 10th file (by path) is validation: a held-out sample with the training mix
 # (the stdlib's tail, by path, is mostly unittest/tkinter/xml, unlike the rest).
 STDLIB_VAL_EVERY = 10
-DOC_SEPARATOR = 0  # byte 0 never occurs in source text: it ends each file in builtin:stdlib
 
 
 # -- token files ----------------------------------------------------------------------------
@@ -88,16 +89,17 @@ def _open_shard(path: Path, head: np.ndarray, size: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
-def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+def write_shard(path: str | Path, tokens: np.ndarray) -> str:
     """Write an llm.c shard atomically (temp file, fsync, rename): uint16 when every id
-    fits, else uint32."""
+    fits, else uint32. Returns the file's sha256 (hex)."""
     tokens = np.asarray(tokens)
     wide = tokens.size and int(tokens.max()) > np.iinfo(np.uint16).max
     magic = 20240801 if wide else 20240520
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (magic, SHARD_VERSIONS[magic], tokens.size)
-    write_atomic(Path(path), header.tobytes() + tokens.astype(SHARD_MAGICS[magic]).tobytes(),
-                 fsync=True)
+    data = header.tobytes() + tokens.astype(SHARD_MAGICS[magic]).tobytes()
+    write_atomic(Path(path), data, fsync=True)
+    return hashlib.sha256(data).hexdigest()
 
 
 def resolve_files(pattern: str, cache_dir: str | Path | None = None, split: str = "train") -> list[Path]:
@@ -267,52 +269,9 @@ def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
         data = bytearray()
         for p in part:
             data += p.read_bytes()
-            data.append(DOC_SEPARATOR)
+            data.append(BYTE_EOT)
         write_shard(paths[name], np.frombuffer(bytes(data), dtype=np.uint8))
     return paths
-
-
-# -- tokenizers -----------------------------------------------------------------------------
-
-class ByteTokenizer:
-    """Byte-level: token id = byte value; byte 0 is the document separator."""
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if int(i) != DOC_SEPARATOR).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file (the library is imported only when used)."""
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        if not path.is_file():
-            raise EulerError("tokenizer file not found", file=str(path), key="data.tokenizer_path")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise EulerError("reading a tokenizer.json needs the `tokenizers` package "
-                             "(pip install tokenizers)", file=str(path)) from None
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as err:  # the library raises bare Exceptions for bad files
-            raise EulerError(f"not a tokenizers JSON file: {err}", file=str(path)) from None
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
-
-
-def load_tokenizer(tokenizer_path: str | None) -> ByteTokenizer | HFTokenizer:
-    """The byte-level tokenizer, or the HF tokenizer JSON that `data.tokenizer_path` names."""
-    return ByteTokenizer() if tokenizer_path is None else HFTokenizer(tokenizer_path)
 
 
 def make_loaders(cfg, cache_dir: str | Path | None = None) -> tuple[DataLoader, DataLoader | None]:

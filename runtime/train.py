@@ -20,10 +20,11 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.runtime import checkpoint, metrics
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
-from eulergen.runtime.data import load_tokenizer, make_loaders
+from eulergen.runtime.data import make_loaders
 from eulergen.runtime.memory import upload
 from eulergen.runtime.model import GPT, arch_of, build, param_count
 from eulergen.runtime.sample import Sampler
+from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
 CONFIG_FILE = "config.json"
 SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
@@ -144,8 +145,9 @@ class Trainer:
             raise EulerError("this run folder holds checkpoints: continue it with "
                              "`eulergen train --resume` or pick another --run-dir",
                              file=str(self.run_dir))
+        self.tokenizer = load_tokenizer(cfg.data)
+        check_fits(self.tokenizer, cfg.model.vocab_size)
         self.train_data, self.val_data = make_loaders(cfg, cache_dir)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path)
         self.model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation)
         self.optim = AdamW(self.model, t)

@@ -1,14 +1,16 @@
-"""Token files (llm.c shards, nanoGPT .bin), the resumable loader, builtin:stdlib, tokenizers."""
+"""Token files (llm.c shards, nanoGPT .bin), the resumable loader, builtin:stdlib."""
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime.config import load_config
-from eulergen.runtime.data import (DOC_SEPARATOR, HEADER_BYTES, ByteTokenizer, DataLoader,
-                                   load_tokenizer, make_loaders, open_tokens, stdlib_files,
-                                   stdlib_tokens, write_shard)
+from eulergen.runtime.data import (HEADER_BYTES, DataLoader, make_loaders, open_tokens,
+                                   stdlib_files, stdlib_tokens, write_shard)
+from eulergen.runtime.tokenizer import BYTE_EOT
 
 
 def _header(magic, version, count):
@@ -19,7 +21,8 @@ def _header(magic, version, count):
 
 def test_llmc_uint16_shard_round_trips(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16) * 50
-    write_shard(tmp_path / "d_train_000001.bin", tokens)
+    digest = write_shard(tmp_path / "d_train_000001.bin", tokens)
+    assert digest == hashlib.sha256((tmp_path / "d_train_000001.bin").read_bytes()).hexdigest()
     got = open_tokens(tmp_path / "d_train_000001.bin")
     assert got.dtype == np.uint16 and isinstance(got, np.memmap)
     np.testing.assert_array_equal(got, tokens)
@@ -182,7 +185,7 @@ def test_builtin_stdlib_is_cached_byte_level_split(tmp_path):
     paths = stdlib_tokens(tmp_path)
     train, val = open_tokens(paths["train"]), open_tokens(paths["val"])
     assert 5 * len(val) < len(train)
-    assert int(train.max()) < 256 and train[-1] == DOC_SEPARATOR
+    assert int(train.max()) < 256 and train[-1] == BYTE_EOT
     mtime = paths["train"].stat().st_mtime_ns
     assert stdlib_tokens(tmp_path) == paths and paths["train"].stat().st_mtime_ns == mtime
     files = stdlib_files()
@@ -197,28 +200,3 @@ def test_make_loaders_for_the_default_config(tmp_path):
     x, y = next(train)
     assert x.shape == (8, 64) and int(x.max()) < 256
     np.testing.assert_array_equal(next(val)[0], next(make_loaders(load_config(), tmp_path)[1])[0])
-
-
-def test_byte_tokenizer_round_trips_utf8():
-    tok = ByteTokenizer()
-    text = "def f(x):\n    return 'é∂'\n"
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.vocab_size == 256
-
-
-def test_missing_tokenizer_path_is_one_line_error(tmp_path):
-    with pytest.raises(EulerError) as err:
-        load_tokenizer(str(tmp_path / "tok.json"))
-    assert str(err.value) == f"{tmp_path / 'tok.json'}: data.tokenizer_path: tokenizer file not found"
-
-
-def test_hf_tokenizer_json(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    model = tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]")
-    tok = tokenizers.Tokenizer(model)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tok.json"))
-    loaded = load_tokenizer(str(tmp_path / "tok.json"))
-    assert loaded.vocab_size == 3
-    assert loaded.encode("hello world") == [1, 2]
-    assert loaded.decode([1, 2]) == "hello world"

@@ -1,0 +1,145 @@
+"""Tokenizers: byte level, GPT-2 through tiktoken (a small Encoding built here, no
+download), HF tokenizer.json, `eulergen tokenizer train`, the config keys that name them,
+and the vocab check at train start."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from eulergen.cli import main
+from eulergen.errors import EulerError
+from eulergen.runtime.backend import NUMPY
+from eulergen.runtime.config import load_config
+from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.tokenizer import (ENDOFTEXT, ByteTokenizer, check_fits, load_tokenizer,
+                                        tokenizer_named, train_bpe)
+from eulergen.runtime.train import Trainer
+
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXT = "def f(x):\n    return 'é∂' + x  # a comment\n"
+CORPUS = [f"def function_{i}(value):\n    return value * {i} + offset\n" for i in range(200)]
+
+
+def _data(**given):
+    return load_config(None, [f"data.{k}={v}" for k, v in given.items()]).data
+
+
+def _word_level_json(path, words):
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0])
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_byte_tokenizer_round_trips_utf8_and_ends_documents_with_byte_0():
+    tok = load_tokenizer(_data())
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256 and tok.eot == 0
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+
+
+def test_hf_tokenizer_json_with_its_end_of_text_id(tmp_path):
+    path = _word_level_json(tmp_path / "tok.json", ["[UNK]", "hello", "world", ENDOFTEXT])
+    tok = load_tokenizer(_data(tokenizer=path))
+    assert (tok.vocab_size, tok.eot) == (4, 3)
+    assert tok.encode("hello world") == [1, 2]
+    assert tok.decode([1, 2]) == "hello world"
+    assert tok.digest.startswith("sha256:")
+
+
+def test_missing_tokenizer_file_is_one_line_error(tmp_path):
+    with pytest.raises(EulerError) as err:
+        load_tokenizer(_data(tokenizer=tmp_path / "tok.json"))
+    assert str(err.value) == f"{tmp_path / 'tok.json'}: data.tokenizer: tokenizer file not found"
+
+
+def test_a_file_that_is_not_a_tokenizer_json_is_one_line_error(tmp_path):
+    (tmp_path / "tok.json").write_text('{"model": 3}')
+    with pytest.raises(EulerError, match=r"tok.json: data.tokenizer: not a tokenizers JSON file"):
+        tokenizer_named(str(tmp_path / "tok.json"))
+
+
+def _small_gpt2_encoding(tiktoken):
+    """GPT-2's split pattern over the 256 bytes, two merges and <|endoftext|> after them."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update({b"re": 256, b"ret": 257})
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 258})
+
+
+def test_gpt2_through_tiktoken(monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken")
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: _small_gpt2_encoding(tiktoken))
+    tok = load_tokenizer(_data(tokenizer="gpt2"))
+    assert (tok.name, tok.vocab_size, tok.eot) == ("gpt2", 259, 258)
+    ids = tok.encode(TEXT)
+    assert 257 in ids and tok.decode(ids) == TEXT
+    # a document that spells the special token is text: only prepare writes boundaries
+    assert 258 not in tok.encode(f"a {ENDOFTEXT} b")
+
+
+def test_gpt2_without_network_says_how_to_get_the_bpe_files(monkeypatch, tmp_path):
+    tiktoken = pytest.importorskip("tiktoken")
+    import tiktoken.load
+    import tiktoken.registry
+
+    def unreachable(url):
+        raise ConnectionError(f"cannot resolve host of {url}")
+    monkeypatch.setattr(tiktoken.load, "read_file", unreachable)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(EulerError) as err:
+        load_tokenizer(_data(tokenizer="gpt2"))
+    message = str(err.value)
+    assert message.startswith("data.tokenizer: tiktoken could not load the 'gpt2' BPE files "
+                              "(ConnectionError)")
+    assert "TIKTOKEN_CACHE_DIR" in message and "tokenizer.json" in message and "\n" not in message
+
+
+def test_nanoeuler_tokenizer_path_is_the_tokenizer():
+    data = _data(tokenizer_path="tok/gpt2.json")
+    assert data.tokenizer == "tok/gpt2.json"
+    assert load_config(None, ["data.tokenizer=t.json", "data.tokenizer_path=t.json"]).data.tokenizer == "t.json"
+    assert _data().tokenizer == "byte"
+    assert load_config("config/gpt2-small.json").data.tokenizer == "gpt2"
+    assert load_config("config/nanoeuler.json").data.tokenizer == "gpt2"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.tokenizer=gpt2", "data.tokenizer_path=t.json"],
+     "--set: data.tokenizer: 'gpt2' and data.tokenizer_path 't.json' name different tokenizers: "
+     "give one of them"),
+    (["data.tokenizer=gtp2"],
+     "--set: data.tokenizer: 'gtp2' is not byte, gpt2 or a path to a tokenizer .json "
+     "(did you mean 'gpt2'?)"),
+])
+def test_bad_tokenizer_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(EulerError) as err:
+        load_config(None, overrides)
+    assert str(err.value) == message
+
+
+def test_tokenizer_larger_than_the_model_vocab_fails_at_train_start(tmp_path):
+    words = ["[UNK]", *(f"w{i}" for i in range(299))]
+    path = _word_level_json(tmp_path / "big.json", words)
+    cfg = load_config(None, [f"data.tokenizer={path}", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(EulerError) as err:
+        Trainer(cfg, OpLibrary(NUMPY), progress=False, tensorboard=False)
+    assert str(err.value) == (f"model.vocab_size: tokenizer {path} has 300 ids, more than "
+                              "model.vocab_size 256: set model.vocab_size to at least 300")
+    assert not (tmp_path / "run").exists()
+    check_fits(load_tokenizer(cfg.data), 300)
+
+
+def test_trained_bpe_round_trips_and_ends_documents_with_endoftext(tmp_path):
+    tok = train_bpe(CORPUS, 300, tmp_path / "tok.json")
+    assert tok.vocab_size == 300 and tok.eot is not None
+    assert tok.decode([tok.eot]) == "" and tok.eot == tok._tok.token_to_id(ENDOFTEXT)
+    for text in (TEXT, CORPUS[7], "unseen: ∑ ünïcode 🙂\n"):
+        assert tok.decode(tok.encode(text)) == text
+    # merges were learned: the corpus's words take fewer ids than bytes
+    assert len(tok.encode(CORPUS[7])) < len(CORPUS[7].encode()) / 2
