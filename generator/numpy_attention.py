@@ -2,7 +2,8 @@
 flash kernels are tested against and the CPU backend's attention.
 
 The module prints the same score, ∂score/∂s and mask expressions as the CUDA, over whole
-[B, H, T, T] arrays. Conventions shared with the kernels: a row with no visible key gives
+[B, H, Tq, Tk] arrays; forward and decode (queries at positions pos0 …, keys from a KV
+cache) share one function of the query and key positions. Conventions shared with the kernels: a row with no visible key gives
 o = 0 and lse = 0 (finite); elements that are not visible get no gradient.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ _TEMPLATE = '''\
 
 score(s, i, j, h) = {score}; visible where {mask}.
 q, o [B, T, H, D]; k, v [B, T, KVH, D]; lse [B, H, T]; query head h uses kv head h // (H // KVH).
-A row with no visible key gives o = 0 and lse = 0.
+A row with no visible key gives o = 0 and lse = 0. decode: the same rows against a KV cache.
 """
 {imports}
 
@@ -49,22 +50,23 @@ def _hm(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def _scores(q, k{param_kw}):
-    """s = q·k per (batch, head, i, j), the score, what is visible, and k repeated per query head."""
-    B, T, H, D = q.shape
+def _scores(q, k, i, j{param_kw}):
+    """s = q·k per (batch, head, query, key) for queries at positions i and keys at positions
+    j, the score, what is visible, and k repeated per query head."""
+    H, D = q.shape[2:]
     kr = np.repeat(k, H // k.shape[2], axis=2)
     s = _hm(q) @ _hm(kr).swapaxes(-1, -2)
-    i = np.arange(T, dtype=q.dtype)[:, None]
-    j = np.arange(T, dtype=q.dtype)[None, :]
+    i = i.astype(q.dtype)[:, None]
+    j = j.astype(q.dtype)[None, :]
     h = np.arange(H, dtype=q.dtype)[:, None, None]
     args = (i, j, h, float(H), float(D) ** -0.5{param_names})
     visible = np.broadcast_to(_visible(i, j, h, float(H){param_names}), s.shape)
     return s, _score(s, *args), _dscore(s, *args), visible, kr
 
 
-def forward(q, k, v{param_kw}):
-    """-> (o [B, T, H, D], lse [B, H, T])."""
-    _, x, _, visible, _ = _scores(q, k{param_names})
+def _attend(q, k, v, i, j{param_kw}):
+    """(o, lse) of queries at positions i over keys at positions j."""
+    _, x, _, visible, _ = _scores(q, k, i, j{param_names})
     x = np.where(visible, x, -np.inf)
     m = x.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -78,6 +80,21 @@ def forward(q, k, v{param_kw}):
     return o.astype(q.dtype), lse.astype(q.dtype)
 
 
+def forward(q, k, v{param_kw}):
+    """-> (o [B, T, H, D], lse [B, H, T])."""
+    positions = np.arange(q.shape[1])
+    return _attend(q, k, v, positions, positions{param_names})
+
+
+def decode(q, k_cache, v_cache, pos0{param_kw}):
+    """-> o [B, Tq, H, D] for queries q [B, Tq, H, D] at positions pos0 … pos0+Tq-1 over a
+    cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 hold the keys and values (later rows
+    are never read): rows pos0 … pos0+Tq-1 of forward over the whole sequence."""
+    n = pos0 + q.shape[1]
+    o, _ = _attend(q, k_cache[:, :n], v_cache[:, :n], np.arange(pos0, n), np.arange(n){param_names})
+    return o
+
+
 def _per_kv_head(g, kvh):
     """Sum a [B, T, H, D] gradient over the query heads that share each kv head."""
     B, T, H, D = g.shape
@@ -86,7 +103,8 @@ def _per_kv_head(g, kvh):
 
 def backward(q, k, v, o, lse, do{param_kw}):
     """-> (dq, dk, dv): P = exp(score - lse), dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) ∘ ∂score/∂s."""
-    _, x, dx, visible, kr = _scores(q, k{param_names})
+    positions = np.arange(q.shape[1])
+    _, x, dx, visible, kr = _scores(q, k, positions, positions{param_names})
     p = np.where(visible, np.exp(np.where(visible, x, 0.0) - lse[..., None]), 0.0)
     vr = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
     dv = _hm(p.swapaxes(-1, -2) @ _hm(do))

@@ -131,6 +131,29 @@ def _geometry(q, k, v) -> tuple[int, int, int, int, int, str]:
     return B, T, H, KVH, D, dt
 
 
+def decode_geometry(q, k_cache, v_cache, pos0: int) -> tuple[int, int, int, int, int, int]:
+    """(B, Tq, H, KVH, D, Tmax) of a decode call, from shapes alone (both backends): q
+    [B, Tq, H, D] at positions pos0 … pos0+Tq-1, caches [B, Tmax, KVH, D] that hold them."""
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if getattr(a, "ndim", None) != 4:
+            raise EulerError(f"{name}: expected a 4-d array [B, T, heads, D], got "
+                             f"{getattr(a, 'shape', type(a).__name__)}", key=name)
+    B, Tq, H, D = q.shape
+    Tmax, KVH = k_cache.shape[1], k_cache.shape[2]
+    if Tq < 1 or H < 1 or KVH < 1:
+        raise EulerError(f"q: empty shape {tuple(q.shape)}", key="q")
+    if H % KVH:
+        raise EulerError(f"k_cache: {KVH} kv heads do not divide {H} query heads", key="k_cache")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if tuple(a.shape) != (B, Tmax, KVH, D):
+            raise EulerError(f"{name}: shape {tuple(a.shape)}, expected {(B, Tmax, KVH, D)} "
+                             f"([B, Tmax, KVH, D] with q's B and D)", key=name)
+    if pos0 < 0 or pos0 + Tq > Tmax:
+        raise EulerError(f"pos0: {Tq} queries at position {pos0} reach past the cache's "
+                         f"{Tmax} rows (want 0 <= pos0 <= {Tmax - Tq})", key="pos0")
+    return B, Tq, H, KVH, D, Tmax
+
+
 def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **params):
     """(o, lse): o [B, T, H, D] in q's dtype, lse [B, H, T] float32. `out`/`lse` write into
     given arrays (o may be a strided view)."""

@@ -6,6 +6,7 @@
     lib.forward("gelu", x, out=y)              # write into a planned buffer
     lib.step("adamw", p, g, m, v, lr=3e-4, step=1)
     lib.forward("rope", q, out=q, pos0=t)      # pair ops: first position (KV-cache decoding)
+    o = lib.decode("causal_attention", q, k_cache, v_cache, pos0)   # attention over a KV cache
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
@@ -117,6 +118,23 @@ class OpLibrary:
         got = self._module(op).backward(*inputs_and_douts, **p)
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
+
+    def decode(self, name: str, q, k_cache, v_cache, pos0: int, *, out=None, **params):
+        """Attention of new queries q [B, Tq, H, D], at positions pos0 … pos0+Tq-1, over a KV
+        cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 are valid (later rows are never
+        read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence."""
+        from eulergen.runtime.attention import decode_geometry
+        op = self.op(name)
+        if op.kind != "attention":
+            raise EulerError(f"op {name!r} is {op.kind}: decode is for attention ops",
+                             file=op.spec, key="kind")
+        p = self._params(op, params)
+        pos0 = int(pos0)
+        decode_geometry(q, k_cache, v_cache, pos0)
+        if self._cuda:
+            return self._cuda.decode(op, q, k_cache, v_cache, pos0, out, p)
+        got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
+        return self._deliver(op, "decode", got, out, 1)
 
     def step(self, name: str, *state_and_grads, **params) -> None:
         op = self.op(name)

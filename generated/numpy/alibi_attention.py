@@ -3,7 +3,7 @@
 
 score(s, i, j, h) = 2**((-8*h - 8)/n_heads)*(-i + j) + s*scale; visible where j <= i.
 q, o [B, T, H, D]; k, v [B, T, KVH, D]; lse [B, H, T]; query head h uses kv head h // (H // KVH).
-A row with no visible key gives o = 0 and lse = 0.
+A row with no visible key gives o = 0 and lse = 0. decode: the same rows against a KV cache.
 """
 import numpy as np
 
@@ -32,22 +32,23 @@ def _hm(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def _scores(q, k):
-    """s = q·k per (batch, head, i, j), the score, what is visible, and k repeated per query head."""
-    B, T, H, D = q.shape
+def _scores(q, k, i, j):
+    """s = q·k per (batch, head, query, key) for queries at positions i and keys at positions
+    j, the score, what is visible, and k repeated per query head."""
+    H, D = q.shape[2:]
     kr = np.repeat(k, H // k.shape[2], axis=2)
     s = _hm(q) @ _hm(kr).swapaxes(-1, -2)
-    i = np.arange(T, dtype=q.dtype)[:, None]
-    j = np.arange(T, dtype=q.dtype)[None, :]
+    i = i.astype(q.dtype)[:, None]
+    j = j.astype(q.dtype)[None, :]
     h = np.arange(H, dtype=q.dtype)[:, None, None]
     args = (i, j, h, float(H), float(D) ** -0.5)
     visible = np.broadcast_to(_visible(i, j, h, float(H)), s.shape)
     return s, _score(s, *args), _dscore(s, *args), visible, kr
 
 
-def forward(q, k, v):
-    """-> (o [B, T, H, D], lse [B, H, T])."""
-    _, x, _, visible, _ = _scores(q, k)
+def _attend(q, k, v, i, j):
+    """(o, lse) of queries at positions i over keys at positions j."""
+    _, x, _, visible, _ = _scores(q, k, i, j)
     x = np.where(visible, x, -np.inf)
     m = x.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -61,6 +62,21 @@ def forward(q, k, v):
     return o.astype(q.dtype), lse.astype(q.dtype)
 
 
+def forward(q, k, v):
+    """-> (o [B, T, H, D], lse [B, H, T])."""
+    positions = np.arange(q.shape[1])
+    return _attend(q, k, v, positions, positions)
+
+
+def decode(q, k_cache, v_cache, pos0):
+    """-> o [B, Tq, H, D] for queries q [B, Tq, H, D] at positions pos0 … pos0+Tq-1 over a
+    cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 hold the keys and values (later rows
+    are never read): rows pos0 … pos0+Tq-1 of forward over the whole sequence."""
+    n = pos0 + q.shape[1]
+    o, _ = _attend(q, k_cache[:, :n], v_cache[:, :n], np.arange(pos0, n), np.arange(n))
+    return o
+
+
 def _per_kv_head(g, kvh):
     """Sum a [B, T, H, D] gradient over the query heads that share each kv head."""
     B, T, H, D = g.shape
@@ -69,7 +85,8 @@ def _per_kv_head(g, kvh):
 
 def backward(q, k, v, o, lse, do):
     """-> (dq, dk, dv): P = exp(score - lse), dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) ∘ ∂score/∂s."""
-    _, x, dx, visible, kr = _scores(q, k)
+    positions = np.arange(q.shape[1])
+    _, x, dx, visible, kr = _scores(q, k, positions, positions)
     p = np.where(visible, np.exp(np.where(visible, x, 0.0) - lse[..., None]), 0.0)
     vr = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
     dv = _hm(p.swapaxes(-1, -2) @ _hm(do))
