@@ -143,7 +143,8 @@ def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
 @main.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
-@click.option("--inference", is_flag=True, help="Plan a forward-only model (no grads, no AdamW).")
+@click.option("--inference", is_flag=True,
+              help="Plan the sampler's KV-cache model (no grads, no AdamW; k and v per layer).")
 @ops_option
 def plan(config_path, overrides, inference, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
@@ -151,6 +152,7 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
 
     from eulergen.runtime.backend import NUMPY
     from eulergen.runtime.memory import plan_table
+    from eulergen.runtime.decoder import plan_decoder
     from eulergen.runtime.model import arch_of, param_count, plan_model
     from eulergen.runtime.ops import OpLibrary
 
@@ -161,9 +163,10 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
         manifests = ensure_built((), ops_dirs) or []
     arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
     t = cfg.training
-    p = plan_model(arch, t.batch_size, t.seq_len, training=not inference)
+    p = (plan_decoder(arch, t.batch_size, t.seq_len) if inference
+         else plan_model(arch, t.batch_size, t.seq_len))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
-             f"{'inference' if inference else 'training'}")
+             f"{'inference (KV cache)' if inference else 'training'}")
     console = Console()
     if not console.is_terminal:   # piped or captured: never cut a buffer name short
         console = Console(width=120)

@@ -193,6 +193,15 @@ def param_count(a: Arch) -> int:
     return sum(math.prod(p.shape) for p in parameters(a))
 
 
+def plan_params(p: Planner, a: Arch, dtype: str) -> None:
+    """The params arena, the same for every model of an Arch (so a sampler can read the
+    weights of the training model it sits beside): decayed matrices first, then the rest,
+    so AdamW runs as two launches over two ranges."""
+    specs = parameters(a)
+    for spec in [s for s in specs if s.decay] + [s for s in specs if not s.decay]:
+        p.add("params", spec.name, spec.shape, dtype)
+
+
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                dtype: str = "float32") -> Plan:
     """Lay out parameters, (gradients, AdamW state,) activations and workspace."""
@@ -201,10 +210,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                          key="training.seq_len")
     B, T, N, d, F = batch, seq, batch * seq, a.d, a.ffn
     p = Planner()
-    specs = parameters(a)
-    # decayed matrices first, then the rest: AdamW runs as two launches over two ranges
-    for spec in [s for s in specs if s.decay] + [s for s in specs if not s.decay]:
-        p.add("params", spec.name, spec.shape, dtype)
+    plan_params(p, a, dtype)
     total = p.plan().arena("params").size
     if training:
         # same layout as params: a parameter's gradient / moments sit at its offset
@@ -271,7 +277,7 @@ class GPT:
 
     `loss_and_grad()` runs forward, the fused cross-entropy (loss and dlogits in one pass)
     and the reversed tape, leaving the gradients in the grads arena; `loss()` runs forward
-    and the loss only; `logits()` runs forward for sampling."""
+    and the loss only; `logits()` runs forward over the whole window."""
 
     def __init__(self, arch: Arch, lib, memory: Memory, batch: int, seq: int, *,
                  tf32: bool = False):
@@ -463,17 +469,26 @@ class GPT:
         return {s.name: self.backend.asnumpy(self.params[s.name]).copy() for s in self.specs}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = [s.name for s in self.specs if s.name not in state]
-        extra = sorted(set(state) - set(self.params))
-        if missing or extra:
-            what = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
-            raise EulerError(f"weights do not fit this model: {what}", key="model")
-        for s in self.specs:
-            arr = np.asarray(state[s.name])
-            if tuple(arr.shape) != s.shape:
-                raise EulerError(f"{s.name} has shape {tuple(arr.shape)}, the model wants "
-                                 f"{s.shape}", key="model")
-            upload(self.params[s.name], arr)
+        load_params(self.params, state)
+
+
+def load_params(params: dict, state: dict) -> None:
+    """Copy a state dict (name -> host array) into a model's parameter views. Every name
+    and shape is checked before anything is written: a checkpoint of another architecture
+    (or an unpadded vocab) is one error naming the tensor and both shapes, and the model
+    keeps its weights."""
+    missing = [name for name in params if name not in state]
+    extra = sorted(set(state) - set(params))
+    if missing or extra:
+        what = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
+        raise EulerError(f"weights do not fit this model: {what}", key="model")
+    for name, view in params.items():
+        shape = tuple(np.shape(state[name]))
+        if shape != tuple(view.shape):
+            raise EulerError(f"{name} has shape {shape}, the model wants {tuple(view.shape)} "
+                             "(a checkpoint of another architecture?)", key="model")
+    for name, view in params.items():
+        upload(view, state[name])
 
 
 def ops_used(cfg) -> tuple[str, ...]:

@@ -97,12 +97,15 @@ class OpLibrary:
     def forward(self, name: str, *inputs, out=None, **params):
         op = self.op(name)
         self._arity(op, "forward", inputs, len(op.inputs))
-        pos0 = self._pos0(op, params)
+        pos0 = self._pos0(op, params, numpy_shifts=True)
         p = self._params(op, params)
         if self._cuda:
             got = self._cuda.forward(op, inputs, _tuple(out), p, pos0)
             return got[0] if len(got) == 1 else tuple(got)
-        got = self._module(op).forward(*inputs, **p)
+        if pos0:
+            got = _from_position(self._module(op).forward, inputs, pos0, p)
+        else:
+            got = self._module(op).forward(*inputs, **p)
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
     def backward(self, name: str, *inputs_and_douts, out=None, workspace=None, **params):
@@ -172,11 +175,12 @@ class OpLibrary:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _pos0(self, op: OpEntry, params: dict) -> int:
+    def _pos0(self, op: OpEntry, params: dict, *, numpy_shifts: bool = False) -> int:
         """Pair ops take `pos0=`, the position of the first token (decoding with a KV
-        cache); it is a launch argument, not a spec parameter."""
+        cache); it is a launch argument, not a spec parameter. On numpy the forward shifts
+        its inputs (_from_position); the backward has no such path."""
         pos0 = int(params.pop("pos0", 0)) if op.kind == "pair" else 0
-        if pos0 and not self._cuda:
+        if pos0 and not self._cuda and not numpy_shifts:
             raise EulerError(f"op {op.name!r}: pos0={pos0} needs the cuda backend (the numpy "
                              "module starts positions at 0)", file=op.spec, key="pos0")
         return pos0
@@ -270,6 +274,20 @@ class _NumpyEmbedding:
         dwpe = np.zeros_like(wpe)
         dwpe[:T] = dout.reshape(-1, T, C).sum(axis=0)
         return dwte, dwpe
+
+
+def _from_position(forward, inputs: tuple, pos0: int, params: dict):
+    """A pair op's numpy forward with the first row at position pos0: the generated module
+    numbers positions from 0, so it runs on pos0 zero rows followed by the inputs, and
+    keeps the rows from pos0 on (a CPU path: the extra rows cost what a prefill would)."""
+    shifted = []
+    for x in inputs:
+        x = np.asarray(x)
+        padded = np.zeros((x.shape[0], pos0 + x.shape[1], *x.shape[2:]), dtype=x.dtype)
+        padded[:, pos0:] = x
+        shifted.append(padded)
+    got = forward(*shifted, **params)
+    return tuple(g[:, pos0:] for g in got) if isinstance(got, tuple) else got[:, pos0:]
 
 
 def _tuple(out):

@@ -1,58 +1,162 @@
-"""Text generation through the model's own forward pass (no KV cache: each new token
-recomputes the window, which at the sizes `eulergen train` samples is cheap).
+"""Text generation over the KV-cache model (runtime/decoder.py).
 
-The sampler is a forward-only model (batch 1, no gradients, no optimizer state) that
-can share the weights arena of a training model, so sampling at the end of a run
-copies nothing.
+    sampler = Sampler(cfg.model, lib, batch=4, seq_len=1024)
+    rows = sampler.samples(prompt_ids, 200, temperature=0.8, top_k=40, top_p=0.95, seed=1,
+                           on_step=lambda tokens: ...)      # one new token per row
+
+All rows continue the same prompt (`batch` is the number of samples). Each step copies
+the last position's logits [batch, vocab_rows] to the host once and draws there: padded
+vocab rows are masked first, then temperature (0: greedy), top-k and top-p (nucleus);
+one uniform number per row and step from a generator seeded by `seed`, so a seed gives
+the same text on numpy and CUDA up to float rounding near a tie.
 """
 from __future__ import annotations
+
+import sys
+from typing import Callable
 
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.model import build
+from eulergen.runtime.decoder import build_decoder
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 class Sampler:
-    def __init__(self, model_cfg, lib, *, params=None, seq_len: int | None = None):
+    """`params`: an existing params arena (the training model's) to sample from without a
+    copy; `seq_len`: the context (default model.max_seq_len), which a model with learned
+    positions should keep to what it was trained on; `graphs`: decode steps as CUDA graphs
+    on a GPU (decoder.GraphReplay); `notify`: where one-line notices go."""
+
+    def __init__(self, model_cfg, lib, *, batch: int = 1, seq_len: int | None = None,
+                 params=None, dtype: str = "float32", tf32: bool = False,
+                 graphs: bool = True, notify: Callable[[str], None] = _stderr):
+        if batch < 1:
+            raise EulerError(f"num_samples {batch}: want at least 1", key="num_samples")
         self.seq = seq_len or model_cfg.max_seq_len
-        shared = {"params": params} if params is not None else None
-        self.model = build(model_cfg, lib, 1, self.seq, training=False, shared=shared)
+        self.decoder = build_decoder(model_cfg, lib, batch, self.seq, params=params, dtype=dtype,
+                                     tf32=tf32, graphs=graphs, notify=notify)
+        self.batch = batch
         self.vocab = model_cfg.vocab_size
+        self.notify = notify
+        self._unfed = None   # [batch]: the last step's tokens, drawn but not yet in the cache
 
-    def next_logits(self, ids) -> np.ndarray:
-        """Host logits [vocab] after the last of `ids` (the last seq_len of them)."""
-        window = np.asarray(ids[-self.seq:], dtype=np.int64)
-        idx = np.zeros((1, self.seq), dtype=np.int64)
-        idx[0, :window.size] = window   # positions after the window cannot reach it (causal)
-        self.model.load_tokens(idx)
-        logits = self.model.logits()[0, window.size - 1]
-        return self.model.backend.asnumpy(logits).astype(np.float64)
+    def fit_prompt(self, prompt) -> list[int]:
+        """The prompt's ids, cut from the left to the context (saying so)."""
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise EulerError("the prompt is empty: sampling needs at least one token",
+                             key="prompt")
+        if len(ids) > self.seq:
+            self.notify(f"note: the prompt has {len(ids)} tokens, the context {self.seq}: "
+                        f"keeping its last {self.seq}")
+            ids = ids[-self.seq:]
+        return ids
 
-    def generate(self, prompt, n: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 seed: int = 0, on_token=None) -> list[int]:
-        """`n` new token ids after `prompt`: greedy at temperature 0, else sampled from the
-        top_k most likely (all when None), reproducibly for a seed."""
-        if len(prompt) == 0:
-            raise EulerError("the prompt is empty: sampling needs at least one token", key="prompt")
-        if temperature < 0 or (top_k is not None and top_k < 1):
-            raise EulerError(f"temperature {temperature} and top_k {top_k}: want temperature "
-                             ">= 0 and top_k >= 1", key="sample")
+    def samples(self, prompt, max_new_tokens: int, *, temperature: float = 1.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                stop: int | None = None, on_step: Callable[[list[int]], None] | None = None,
+                append: bool = False) -> list[list[int]]:
+        """Up to `max_new_tokens` new ids per row after `prompt`. A row that draws `stop`
+        (the tokenizer's end of text) ends there, without it; generation ends when every
+        row has. `on_step(tokens)` sees each step's tokens, one per row, as they come.
+        `append`: the prompt continues the conversation the cache holds (a chat's next
+        turn: after the previous call's last tokens) instead of starting afresh."""
+        _check_settings(temperature, top_k, top_p, max_new_tokens)
+        ids = np.tile(np.asarray(self.fit_prompt(prompt), dtype=np.int64), (self.batch, 1))
+        dec = self.decoder
+        if append and self._unfed is not None:
+            # the last drawn tokens were never fed: they come first
+            logits = dec.append(np.concatenate([self._unfed[:, None], ids], axis=1))
+        else:
+            logits = dec.prefill(ids)
         rng = np.random.default_rng(seed)
-        ids, new = [int(i) for i in prompt], []
-        for _ in range(n):
-            logits = self.next_logits(ids)
-            if temperature == 0:
-                token = int(np.argmax(logits))
-            else:
-                logits = logits / temperature
-                if top_k is not None and top_k < logits.size:
-                    cut = np.partition(logits, -top_k)[-top_k]
-                    logits = np.where(logits < cut, -np.inf, logits)
-                p = np.exp(logits - logits.max())
-                token = int(rng.choice(logits.size, p=p / p.sum()))
-            ids.append(token)
-            new.append(token)
-            if on_token is not None:
-                on_token(token)
-        return new
+        rows = [[] for _ in range(self.batch)]
+        done = np.zeros(self.batch, dtype=bool)
+        for step in range(max_new_tokens):
+            host = dec.backend.asnumpy(logits)           # the one copy of the step
+            tokens = pick(host, self.vocab, rng, temperature, top_k, top_p)
+            for row, token in zip(rows, tokens):
+                row.append(int(token))
+            if on_step is not None:
+                on_step([int(t) for t in tokens])
+            self._unfed = tokens
+            if stop is not None:
+                done |= tokens == stop
+            if done.all() or step == max_new_tokens - 1:
+                break
+            logits = dec.decode(tokens)
+        if stop is not None:
+            rows = [row[:row.index(stop)] if stop in row else row for row in rows]
+        return rows
+
+    def generate(self, prompt, max_new_tokens: int, **settings) -> list[int]:
+        """The first row of `samples`: what a one-sample caller (the trainer) wants."""
+        return self.samples(prompt, max_new_tokens, **settings)[0]
+
+
+def _check_settings(temperature, top_k, top_p, max_new_tokens) -> None:
+    if temperature < 0:
+        raise EulerError(f"temperature {temperature}: want ≥ 0 (0 is greedy)", key="temperature")
+    if top_k is not None and top_k < 1:
+        raise EulerError(f"top_k {top_k}: want ≥ 1 (or none)", key="top_k")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise EulerError(f"top_p {top_p}: want 0 < top_p ≤ 1", key="top_p")
+    if max_new_tokens < 1:
+        raise EulerError(f"max_new_tokens {max_new_tokens}: want ≥ 1", key="max_new_tokens")
+
+
+def pick(logits: np.ndarray, vocab: int, rng, temperature: float, top_k: int | None,
+         top_p: float | None) -> np.ndarray:
+    """One token per row of host logits [B, vocab_rows]: ids ≥ vocab (padding) never;
+    greedy at temperature 0; else from softmax(logits / temperature) restricted to the
+    top_k most likely and then to the smallest set whose probability reaches top_p."""
+    if temperature == 0:
+        return np.argmax(logits[:, :vocab], axis=1)
+    x = logits[:, :vocab].astype(np.float64) / temperature
+    if top_k is not None and top_k < vocab:
+        cut = np.partition(x, -top_k, axis=1)[:, -top_k][:, None]
+        x = np.where(x < cut, -np.inf, x)
+    p = np.exp(x - x.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    if top_p is not None and top_p < 1:
+        order = np.argsort(-p, axis=1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=1)
+        # keep a token while the mass before it is short of top_p: the first always stays
+        keep_sorted = np.cumsum(sorted_p, axis=1) - sorted_p < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=1, keepdims=True)
+    cdf = np.cumsum(p, axis=1)
+    u = rng.random(len(p))[:, None] * cdf[:, -1:]
+    return np.minimum((cdf <= u).sum(axis=1), vocab - 1)
+
+
+class TextStream:
+    """Token ids to printable text as they arrive: a token that ends inside a multi-byte
+    UTF-8 character decodes to U+FFFD, so it is held until the character completes (or
+    a few tokens later, when it really is invalid). Pending ids are decoded together,
+    so byte-level tokenizers and BPEs over bytes print every character whole."""
+
+    HOLD = 4   # tokens: a UTF-8 character has at most 4 bytes
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self.pending.append(int(token))
+        text = self.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) < self.HOLD:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
