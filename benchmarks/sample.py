@@ -84,8 +84,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--runs", type=int, default=3, help="timed calls (after a warm-up)")
     args = parser.parse_args()
-    new, runs = (64, 1) if args.quick else (256, 3)
+    new, runs = (64, 1) if args.quick else (256, args.runs)
 
     import cupy
     import torch
