@@ -8,10 +8,10 @@ Both sides: fp32 with TF32 off, greedy, the KV cache, a 16-token random prompt (
 prompt in every row), random-init weights (eulergen's GPT-2 init, copied into
 transformers' model: its Conv1D stores weight [in, out], the transpose of ours; gelu_new
 is our `gelu`, the tanh form). tokens/s is batch x new tokens over the median wall time
-of a whole generate call (the prompt's prefill included), after a warm-up call.
-eulergen runs twice: decode steps as CUDA graphs (the default) and eagerly. The first 32
-greedy tokens of every row are compared with transformers' (fp32 rounding can break a
-near-tie between two logits differently; a random-init model's logits are well apart).
+of a whole generate call (the prompt's prefill included), after a warm-up call. The
+first 32 greedy tokens of every row are compared with transformers' (fp32 rounding can
+break a near-tie between two logits differently; a random-init model's logits are well
+apart).
 """
 from __future__ import annotations
 
@@ -117,42 +117,30 @@ def main() -> None:
 
         hf_s, hf_tokens = timed(hf_generate, runs)
         say(f"B={batch} transformers: {batch * new / hf_s:,.0f} tok/s")
-        ours = {}
-        for graphs in (True, False):
-            notes = []
-            sampler = Sampler(cfg.model, lib, batch=batch, seq_len=cfg.model.max_seq_len,
-                              graphs=graphs, notify=notes.append)
-            sampler.decoder.load_state_dict(weights)
-            s, tokens = timed(lambda: sampler.samples(prompt, new, temperature=0), runs)
-            tokens = np.asarray(tokens)
-            agree = int((tokens[:, :AGREE] == hf_tokens[:, :AGREE]).all(axis=0).sum())
-            first_diff = next((i for i in range(AGREE)
-                               if not (tokens[:, i] == hf_tokens[:, i]).all()), None)
-            ours[graphs] = (s, agree, first_diff, sampler.decoder.replaying, notes)
-            say(f"B={batch} eulergen graphs={graphs}: {batch * new / s:,.0f} tok/s, first "
-                f"{AGREE} agree {agree}/{AGREE}, replaying={sampler.decoder.replaying} {notes}")
-            del sampler
-            cupy.get_default_memory_pool().free_all_blocks()
-        rows.append((batch, hf_s, ours))
+        sampler = Sampler(cfg.model, lib, batch=batch, seq_len=cfg.model.max_seq_len)
+        sampler.decoder.load_state_dict(weights)
+        our_s, tokens = timed(lambda: sampler.samples(prompt, new, temperature=0), runs)
+        tokens = np.asarray(tokens)
+        agree = int((tokens[:, :AGREE] == hf_tokens[:, :AGREE]).all(axis=0).sum())
+        say(f"B={batch} eulergen: {batch * new / our_s:,.0f} tok/s, first {AGREE} agree "
+            f"{agree}/{AGREE}")
+        del sampler
+        cupy.get_default_memory_pool().free_all_blocks()
+        rows.append((batch, our_s, hf_s, agree))
 
     print(f"\ngeneration, GPT-2 124M fp32 (TF32 off), greedy, prompt {PROMPT}, {new} new "
           f"tokens, median of {runs}")
-    head = (f"{'batch':>5} {'eulergen graphs':>16} {'eulergen eager':>15} "
-            f"{'transformers':>13} {'ratio':>6} {'eager ratio':>11} {'first 32 agree':>15}")
+    head = (f"{'batch':>5} {'eulergen tok/s':>15} {'transformers tok/s':>19} {'ratio':>6} "
+            f"{'first 32 agree':>15}")
     print(head)
     print("-" * len(head))
-    for batch, hf_s, ours in rows:
-        (g_s, g_agree, g_diff, replaying, _), (e_s, e_agree, _, _, _) = ours[True], ours[False]
-        tps = [batch * new / t for t in (g_s, e_s, hf_s)]
-        label = "graphs" if replaying else "graphs (capture failed: eager)"
-        print(f"{batch:>5} {tps[0]:>16,.0f} {tps[1]:>15,.0f} {tps[2]:>13,.0f} "
-              f"{tps[0] / tps[2]:>6.2f} {tps[1] / tps[2]:>11.2f} "
-              f"{f'{g_agree}/{AGREE}, {e_agree}/{AGREE}':>15}"
-              + (f"  (first difference at token {g_diff})" if g_diff is not None else "")
-              + ("" if replaying else f"  [{label}]"))
+    for batch, our_s, hf_s, agree in rows:
+        ours, theirs = batch * new / our_s, batch * new / hf_s
+        print(f"{batch:>5} {ours:>15,.0f} {theirs:>19,.0f} {ours / theirs:>6.2f} "
+              f"{f'{agree}/{AGREE}':>15}")
     print("tokens/s: batch x new tokens / wall time of one generate call; ratio: eulergen "
-          "over transformers (above 1: faster); agree: greedy tokens equal in every row "
-          "(graphs, eager)")
+          "over transformers (above 1: faster); agree: positions where every row's greedy "
+          "token is transformers'")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ queries' attention over the cache through `lib.decode`, c_proj and the residual 
 norm, the MLP GEMMs, the activation, c_proj and the add. The final norm and the tied head
 run on the last position only: sampling reads nothing else.
 
+Steps run eagerly. At batch 1 a GPT-2 124M step is ~200 small launches and host-bound
+(~4 ms on an H200, benchmarks/sample.py); replaying the position-independent runs of the
+decode tape as CUDA graphs would cut that, but CuPy 14.2 refuses cuBLAS calls during
+stream capture (NotImplementedError, seen on the H200), so that needs a GEMM path
+outside CuPy's wrapper first.
+
 The cache holds `seq` positions. A step that would write past them crops: the decoder
 keeps the last seq // 2 tokens it holds (with the new ones) and prefills them again, so
 positions restart at 0 and the model never sees more than `seq` tokens, as in training.
@@ -22,7 +28,6 @@ positions restart at 0 and the model never sees more than `seq` tokens, as in tr
 from __future__ import annotations
 
 from math import prod
-from typing import Callable
 
 import numpy as np
 
@@ -110,9 +115,6 @@ class Attend:
         tape.lib.decode(self.op, self.q, self.k_cache, self.v_cache, p, out=self.o)
 
 
-_POSITIONAL = (Embed, Rope, Attend)   # the nodes that read the cursor
-
-
 class TakeLast:
     """out [B, d] = x[:, -1]: the only position the head and the sampler need."""
 
@@ -123,78 +125,10 @@ class TakeLast:
         self.out[...] = self.x[:, -1]
 
 
-def graph_runs(nodes: list) -> list:
-    """The tape's nodes in order, with each maximal run of nodes that do not read the
-    cursor gathered into a list (what GraphReplay captures as one graph)."""
-    parts: list = []
-    for node in nodes:
-        if isinstance(node, _POSITIONAL):
-            parts.append(node)
-        elif parts and isinstance(parts[-1], list):
-            parts[-1].append(node)
-        else:
-            parts.append([node])
-    return parts
-
-
-class _Replayed:
-    """A captured CUDA graph standing in for the run of nodes it recorded."""
-
-    def __init__(self, graph, stream):
-        self.graph, self.stream = graph, stream
-
-    def forward(self, tape: Tape) -> None:
-        self.graph.launch(self.stream)
-
-
-class GraphReplay:
-    """The decode tape (one new position) on the GPU as CUDA graphs. At batch 1 a step is
-    a few hundred small launches whose host cost (Python, argument checks) is most of
-    the time; here each run of nodes that does not read the cursor (norms, GEMMs, bias
-    adds, the activation, residual adds, the head) is captured once and replayed as one
-    launch, and only the nodes that depend on the position (embedding, rope, the cache
-    write and attention) run as they are between the graphs. The graphs hold the planned
-    buffers' addresses, which never move.
-
-    Everything runs on one blocking stream: the default stream, which carries the
-    token upload before and the logits copy after, stays ordered with it."""
-
-    def __init__(self):
-        import cupy
-        self.stream = cupy.cuda.Stream(non_blocking=False)
-        self.items: list = []
-
-    def capture(self, tape: Tape) -> None:
-        """Record the graphs. The tape must have run on this stream once before, so that
-        every kernel is compiled and loaded and cuBLAS has set itself up for the stream:
-        none of that may happen during a capture."""
-        with self.stream:
-            self.items = [self._capture(part, tape) if isinstance(part, list) else part
-                          for part in graph_runs(tape.nodes)]
-
-    def _capture(self, nodes: list, tape: Tape) -> _Replayed:
-        self.stream.begin_capture()
-        try:
-            for node in nodes:
-                node.forward(tape)
-        finally:
-            graph = self.stream.end_capture()   # leaves capture mode even after an error
-        return _Replayed(graph, self.stream)
-
-    def forward(self, tape: Tape) -> None:
-        with self.stream:
-            for item in self.items:
-                item.forward(tape)
-
-
 class Decoder:
     """The model over one planned Memory with a KV cache, for a fixed batch and context."""
 
-    def __init__(self, arch, lib, memory: Memory, batch: int, seq: int, *, tf32: bool = False,
-                 graphs: bool = False, notify: Callable[[str], None] | None = None):
-        """`graphs`: replay the decode step as CUDA graphs (GraphReplay; GPU only), captured
-        after the first decode step; a capture that fails is reported through `notify` and
-        the decoder runs eagerly on."""
+    def __init__(self, arch, lib, memory: Memory, batch: int, seq: int, *, tf32: bool = False):
         self.arch, self.lib, self.mem = arch, lib, memory
         self.backend = lib.backend
         self.batch, self.seq = batch, seq
@@ -205,9 +139,6 @@ class Decoder:
         self.tokens = np.zeros((batch, seq), np.int64)   # those tokens: a crop prefills them
         self._decode_tape = self._record(1)
         self.logits = memory["logits"]
-        self.graphs = graphs and self.backend.is_gpu
-        self.notify = notify
-        self._replay: GraphReplay | None = None
 
     # -- the graph at Tq rows ---------------------------------------------------------
 
@@ -311,46 +242,17 @@ class Decoder:
         rows, pos0 = ids.shape[1], self.length
         upload(self._at("idx", rows), ids)
         self.cursor.pos0 = pos0
-        if rows > 1:
-            self._record(rows).forward()
-        elif self._replay is not None:
-            self._replay.forward(self._decode_tape)
-        elif self.graphs:
-            self._first_graph_step()
-        else:
-            self._decode_tape.forward()
+        (self._decode_tape if rows == 1 else self._record(rows)).forward()
         self.tokens[:, pos0:pos0 + rows] = ids
         self.length = pos0 + rows
         return self.logits
-
-    @property
-    def replaying(self) -> bool:
-        """Whether decode steps run as captured CUDA graphs."""
-        return self._replay is not None
-
-    def _first_graph_step(self) -> None:
-        """The first decode step runs eagerly on the stream the graphs will use, then the
-        decode tape is captured; a capture that fails leaves the decoder eager."""
-        self.graphs = False   # one try
-        replay = GraphReplay()
-        with replay.stream:
-            self._decode_tape.forward()
-        try:
-            replay.capture(self._decode_tape)
-        except Exception as err:  # a driver or library that refuses stream capture
-            if self.notify is not None:
-                self.notify(f"note: CUDA graph capture failed ({type(err).__name__}: {err}); "
-                            "decoding without graphs")
-            return
-        self._replay = replay
 
     def load_state_dict(self, state: dict) -> None:
         load_params(self.params, state)
 
 
 def build_decoder(cfg, lib, batch: int, seq: int, *, dtype: str = "float32",
-                  params=None, tf32: bool = False, graphs: bool = False,
-                  notify: Callable[[str], None] | None = None) -> Decoder:
+                  params=None, tf32: bool = False) -> Decoder:
     """Plan, allocate and record a KV-cache model; `params` is an existing params arena to
     read the weights from (a training model's: nothing is copied)."""
     arch = arch_of(cfg, lib)
@@ -358,4 +260,4 @@ def build_decoder(cfg, lib, batch: int, seq: int, *, dtype: str = "float32",
     shared = {"params": params} if params is not None else None
     check_fits(plan, lib.backend, shared)
     return Decoder(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq,
-                   tf32=tf32, graphs=graphs, notify=notify)
+                   tf32=tf32)

@@ -28,17 +28,16 @@ def _stderr(message: str) -> None:
 class Sampler:
     """`params`: an existing params arena (the training model's) to sample from without a
     copy; `seq_len`: the context (default model.max_seq_len), which a model with learned
-    positions should keep to what it was trained on; `graphs`: decode steps as CUDA graphs
-    on a GPU (decoder.GraphReplay); `notify`: where one-line notices go."""
+    positions should keep to what it was trained on; `notify`: where one-line notices go."""
 
     def __init__(self, model_cfg, lib, *, batch: int = 1, seq_len: int | None = None,
                  params=None, dtype: str = "float32", tf32: bool = False,
-                 graphs: bool = True, notify: Callable[[str], None] = _stderr):
+                 notify: Callable[[str], None] = _stderr):
         if batch < 1:
             raise EulerError(f"num_samples {batch}: want at least 1", key="num_samples")
         self.seq = seq_len or model_cfg.max_seq_len
         self.decoder = build_decoder(model_cfg, lib, batch, self.seq, params=params, dtype=dtype,
-                                     tf32=tf32, graphs=graphs, notify=notify)
+                                     tf32=tf32)
         self.batch = batch
         self.vocab = model_cfg.vocab_size
         self.notify = notify

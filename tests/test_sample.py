@@ -15,7 +15,7 @@ from eulergen.runtime import checkpoint
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.data import write_shard
-from eulergen.runtime.decoder import _POSITIONAL, build_decoder, graph_runs, plan_decoder
+from eulergen.runtime.decoder import build_decoder, plan_decoder
 from eulergen.runtime.model import arch_of, build
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.sample import Sampler, TextStream, pick
@@ -207,22 +207,6 @@ def test_the_inference_plan_holds_the_kv_cache(lib):
     assert plan.buffer("h.0.v_cache").arena == "kv_cache"
     assert plan.buffer("logits").shape == (3, 64), "the last position only, padded vocab"
     assert {a.name for a in plan.arenas} == {"params", "kv_cache", "activations", "tokens"}
-
-
-@pytest.mark.parametrize("structure, per_layer", [("gpt2", 1), ("nanoeuler", 3)])
-def test_graph_runs_keep_the_position_dependent_nodes_out(lib, structure, per_layer):
-    _, dec, _ = _models(lib, structure, 1)
-    nodes = dec._record(1).nodes
-    parts = graph_runs(nodes)
-    flat = [n for p in parts for n in (p if isinstance(p, list) else [p])]
-    assert flat == nodes, "every node once, in tape order"
-    alone = [p for p in parts if not isinstance(p, list)]
-    assert all(isinstance(n, _POSITIONAL) for n in alone)
-    assert not any(isinstance(n, _POSITIONAL) for p in parts if isinstance(p, list) for n in p)
-    # the embedding, then per layer (rope on q and k and) attention; two layers make
-    # three graphs: before the first attention, between the two, and after the last
-    assert len(alone) == 1 + 2 * per_layer
-    assert len(parts) - len(alone) == 3
 
 
 # -- the commands ------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def test_cuda_cached_logits_equal_full_recomputation_through_crops(libs, structu
     for step in range(60):
         want = _full_logits(full, context)
         err = np.abs(got - want).max() / np.abs(want).max()
-        assert err < TOLERANCE, f"{structure} B={batch} step {step} (length {dec.length}): {err:.2e}"
+        assert err < TOLERANCE, f"{structure} B={batch} step {step} (at {dec.length}): {err:.2e}"
         new = rng.integers(0, 300, (batch, 1))
         context = np.concatenate([context, new], axis=1)
         if context.shape[1] > SEQ:
@@ -109,19 +109,3 @@ def test_cuda_and_numpy_decoders_agree(libs, structure):
         assert np.abs(got - want).max() / np.abs(want).max() < TOLERANCE, f"position {t - 1}"
         got, want = dec.backend.asnumpy(dec.decode(ids[:, t])), ref.decode(ids[:, t])
 
-
-def test_cuda_graph_decoding_gives_the_eager_logits(libs):
-    from eulergen.runtime.decoder import build_decoder
-    cuda, _ = libs
-    cfg, eager, _, weights = _models(cuda, "nanoeuler", 2)
-    notes = []
-    graphed = build_decoder(cfg, cuda, 2, SEQ, graphs=True, notify=notes.append)
-    graphed.load_state_dict(weights)
-    ids = np.random.default_rng(6).integers(0, 300, (2, 70))
-    a, b = eager.prefill(ids[:, :10]), graphed.prefill(ids[:, :10])
-    for t in range(10, 70):   # through a crop: the graphs outlive a prefill
-        want, got = eager.backend.asnumpy(a), graphed.backend.asnumpy(b)
-        # the same kernels on the same buffers: equal, up to cuBLAS picking another algorithm
-        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), f"step {t}"
-        a, b = eager.decode(ids[:, t]), graphed.decode(ids[:, t])
-    assert graphed.replaying and not notes, notes
