@@ -143,3 +143,25 @@ def test_trained_bpe_round_trips_and_ends_documents_with_endoftext(tmp_path):
         assert tok.decode(tok.encode(text)) == text
     # merges were learned: the corpus's words take fewer ids than bytes
     assert len(tok.encode(CORPUS[7])) < len(CORPUS[7].encode()) / 2
+def test_tokenizer_train_cli_writes_a_json_that_data_tokenizer_uses(tmp_path):
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text("".join(CORPUS[i::3]))
+    (tmp_path / "more.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")
+    out = tmp_path / "tok.json"
+    got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "320", "--out",
+                                    str(out), str(tmp_path / "doc0.txt"), str(tmp_path / "doc1.txt"),
+                                    str(tmp_path / "doc2.txt"), str(tmp_path / "more.jsonl")])
+    assert got.exit_code == 0, got.output
+    assert f"--set data.tokenizer={out}" in got.output
+    tok = load_tokenizer(_data(tokenizer=out))
+    assert tok.vocab_size == 320 and tok.decode(tok.encode(TEXT)) == TEXT
+    assert not list(tmp_path.glob(".tok.json.*"))   # written atomically: no temp left
+
+
+def test_tokenizer_train_refuses_a_vocab_below_the_bytes(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT)
+    got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "100",
+                                    "--out", str(tmp_path / "t.json"), str(tmp_path / "a.txt")])
+    assert got.exit_code == 2
+    assert got.output.strip() == ("error: --vocab-size: --vocab-size 100 is below 257 (256 bytes "
+                                  f"and {ENDOFTEXT})")
