@@ -7,8 +7,9 @@ the keys, per template (every kernel also has `threads`, the block size, and
 `grid_max`: the grid is min(the formula below, grid_max), kernels loop over the rest;
 None: no cap):
 
-pointwise  vec (elements per 16-byte access), unroll (vectors per thread: a block's tile
-           is threads · unroll vectors): grid = cdiv(n, vec · unroll · threads), uncapped
+pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
+           block's tile is threads · unroll vectors; pointwise_unroll gives it, per kernel,
+           from the loads it issues): grid = cdiv(n, vec · unroll · threads), uncapped
            (grid_max None: short blocks that each stream one tile keep the resident blocks
            on one contiguous window of memory and leave no tail wave). Any n and any
            alignment work (a scalar path takes unaligned pointers and the tail);
@@ -66,6 +67,11 @@ BLOCK_THREADS_MAX = 1024
 # threads leave 128 registers a thread, where 1024 (64 registers) spill.
 BLOCK_THREADS_MAX_WGRAD = 512
 BLOCK_THREADS_MIN = 128
+# A block per row forward of an op without weights fits 32 registers a thread: held there,
+# two 1024-thread blocks share an SM, and a long row's latency is hidden by the other
+# (H200, cross-entropy over 50257 columns: f32 at 31 registers ran 0.63 ms, at 42 0.82).
+# With weights (norms) the bound would spill.
+BLOCK_MIN_BLOCKS_FORWARD = 2
 
 
 @dataclass(frozen=True)
@@ -107,8 +113,20 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
     return KernelPlan("update.cu.j2", DTYPES, threads=256, vec=(("f32", 4), ("bf16", 8)))
 
 
-def pointwise_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("unroll", plan.unroll),
+# 16-byte loads a pointwise thread keeps in flight, so that a one-input kernel has as many
+# as a two-input one. (H200: a one-input fp32 forward ran 0.576 ms at 8, as at 4: its 0.89
+# of copy bandwidth has another cause; benchmarks/RESULTS.md.)
+POINTWISE_LOADS_IN_FLIGHT = 8
+
+
+def pointwise_unroll(plan: KernelPlan, loads: int) -> int:
+    """Vectors per thread for a kernel reading `loads` operands: the plan's unroll, or more
+    where that leaves fewer than POINTWISE_LOADS_IN_FLIGHT loads in flight."""
+    return max(plan.unroll, POINTWISE_LOADS_IN_FLIGHT // max(loads, 1))
+
+
+def pointwise_launch(plan: KernelPlan, dtype: str, unroll: int) -> tuple[tuple[str, object], ...]:
+    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("unroll", unroll),
             ("grid_max", None), ("in_place_ok", True))
 
 

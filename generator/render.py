@@ -15,6 +15,7 @@ import sympy as sp
 from eulergen import TEMPLATES_DIR, __version__
 from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
+from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.printer import print_cuda
 
 
@@ -117,16 +118,16 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
              "loads": bwd_reads, "stores": grads, "code": bwd})
     for k in kernels:
         k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
+        k["unroll"] = planner.pointwise_unroll(p, len(k["loads"]))
     source = _template(p.template, header=head, op=op.name, kernels=kernels,
-                       params=_params(op), dtypes=_dtypes(p), threads=p.threads,
-                       unroll=p.unroll)
+                       params=_params(op), dtypes=_dtypes(p), threads=p.threads)
     sigs = []
     for k in kernels:
         for dt in p.dtypes:
             args = tuple((a.name, _ctype(dt, bool(a.const))) for a in k["ptrs"])
             args += tuple((q, "float") for q in _params(op)) + (("n", "long long"),)
             sigs.append(ir.KernelSig(f"{k['kernel']}_{dt}", args, dt, k["stage"],
-                                     planner.pointwise_launch(p, dt)))
+                                     planner.pointwise_launch(p, dt, k["unroll"])))
     return ir.RenderedCuda(source, tuple(sigs))
 
 
@@ -173,35 +174,49 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
         if o.role not in ("row", "weight", "index", "scalar"):
             raise EulerError(f"row op operand {o.name!r} has role {o.role!r}", key="inputs", **where)
 
-    elem_outputs = block(body.elem_outputs)
     row_outputs = block(body.row_outputs, declare=False)
+    # Per-element steps compute their row-invariant parts once per row, before the sweep
+    # (generator/hoist.py); `consts` is that code, its names unique in the op.
+    varying = set(rows_in + d_elem_out + weights) | {"i"}
+    const_names = row_constant_names()
+
+    def sweep_step(kind: str, code: ir.Code, with_outputs: bool, **extra) -> dict:
+        """A pass or an element step; with_outputs: the element outputs are recomputed
+        first (`pre`), for code that reads them."""
+        consts, hoisted = hoist([body.elem_outputs, code] if with_outputs else [code],
+                                varying, const_names)
+        pre, b = [block(c) for c in hoisted] if with_outputs else (None, block(hoisted[0]))
+        c = block(consts) if consts.results else None
+        return {"kind": kind, "block": b, "pre": pre, "consts": c, "uses": _uses(b, pre, c),
+                **extra}
+
+    def reads_outputs(code: ir.Code) -> bool:
+        return bool(block(code).uses & set(elem_out))
 
     def pass_step(ps: ir.Pass) -> dict:
-        b = block(ps.body)
-        pre = elem_outputs if b.uses & set(elem_out) else None
-        return {"kind": "pass", "block": b, "pre": pre, "ops": [list(o) for o in ps.ops],
-                "uses": _uses(b, pre), "stores": [], "wgrads": []}
+        return sweep_step("pass", ps.body, reads_outputs(ps.body),
+                          ops=[list(o) for o in ps.ops], stores=[], wgrads=[])
 
     def row_step(b: Block, stores: list[str]) -> dict:
         return {"kind": "row", "block": b, "stores": stores, "uses": b.uses}
 
-    def elem_step(b: Block, stores: list[str], wgrads: list[str]) -> dict:
-        pre = elem_outputs if b is not elem_outputs and b.uses & set(elem_out) else None
-        return {"kind": "elem", "block": b, "pre": pre, "stores": stores, "wgrads": wgrads,
-                "uses": _uses(b, pre)}
+    def elem_step(code: ir.Code, stores: list[str], wgrads: list[str], outputs: bool = False) -> dict:
+        return sweep_step("elem", code, not outputs and reads_outputs(code), stores=stores,
+                          wgrads=wgrads)
 
     passes = [pass_step(ps) for ps in body.passes]
-    grads = block(body.elem_grads)
+    grads = body.elem_grads
     adjoints = block(body.adjoints, declare=False)
     adjoint_pass = [pass_step(body.adjoint_pass)] if body.adjoint_pass else []
     grad_steps = adjoint_pass + [row_step(adjoints, []),
-                                 elem_step(grads, [g for g in grads.results if g in d_rows],
-                                           [g for g in grads.results if g in d_weights])]
-    needs_row_out = _uses(*(s["block"] for s in grad_steps)) & set(row_out)
+                                 elem_step(grads, [g for g in grads.names if g in d_rows],
+                                           [g for g in grads.names if g in d_weights])]
+    needs_row_out = _uses(*(s["block"] for s in grad_steps),
+                          *(s.get("consts") for s in grad_steps)) & set(row_out)
 
     stages = [("forward", passes
                + ([row_step(row_outputs, row_out)] if row_out else [])
-               + ([elem_step(elem_outputs, elem_out, [])] if elem_out else []),
+               + ([elem_step(body.elem_outputs, elem_out, [], outputs=True)] if elem_out else []),
                rows_in + weights + index, elem_out + row_out, [])]
     if d_rows or d_weights:
         stages.append(("backward", passes
@@ -215,7 +230,7 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
     kernels = []
     chunked = set(rows_in + d_elem_out + elem_out + d_rows)
     for stage, steps, reads, writes, wgrads in stages:
-        uses = _uses(*(s["block"] for s in steps), *(s.get("pre") for s in steps))
+        uses = _uses(*(s[part] for s in steps for part in ("block", "pre", "consts") if part in s))
         ptrs = []
         for name in reads:
             role = ("row" if name in chunked else "weight" if name in weights
@@ -230,6 +245,8 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
         defined = set(_params(op)) | {"i", "N"}
         for s in steps:
             defined |= set(s["block"].results) | {n for n, _ in s.get("ops", [])}
+            if s.get("consts"):
+                defined |= set(s["consts"].results)
             if s.get("pre"):
                 defined |= set(s["pre"].results)
         missing = sorted(uses - defined - set(reads))
@@ -248,7 +265,9 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
             "ptrs": ptrs, "steps": steps, "wgrads": wgrads,
             "row_ptrs": [a for a in ptrs if a.role == "row"
                          and (a.name not in reads or a.name in uses)],
-            "vec_ptrs": [a.name for a in ptrs if a.role in ("row", "weight")],
+            "row_vec_ptrs": [a.name for a in ptrs if a.role == "row"],
+            "weight_ptrs": [a.name for a in ptrs if a.role == "weight"],
+            "split_ptr": next(a.name for a in ptrs if a.role == "row"),
             "cached": [a.name for a in ptrs if a.role == "row" and a.name in reads
                        and a.name in uses],
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
@@ -256,6 +275,8 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
                                   else planner.WARP_ROWS_PER_BLOCK),
             "block_threads": (planner.BLOCK_THREADS_MAX_WGRAD if wgrads
                               else planner.BLOCK_THREADS_MAX),
+            "block_min_blocks": (planner.BLOCK_MIN_BLOCKS_FORWARD
+                                 if stage == "forward" and not weights else 0),
             "warp_min_blocks": {dt: planner.WARP_MIN_BLOCKS[(dt, stage)]
                                 for dt in planner.DTYPES if (dt, stage) in planner.WARP_MIN_BLOCKS},
             "max_reductions": max((len(s["ops"]) for s in steps if s["kind"] == "pass"),

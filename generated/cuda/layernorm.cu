@@ -4,12 +4,15 @@
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
-// owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
-// from global memory (L2) once per pass. Reductions of one level share a pass; sums go through a fixed butterfly and a
-// fixed warp order, so results are deterministic. Weight gradients are summed per row
-// worker into a float32 workspace row and reduced across workers by
-// `layernorm_wgrad_reduce_<dt>`, in a fixed order (no atomics).
+// A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
+// 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
+// of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
+// column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
+// the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
+// of one level share a pass; sums go through a fixed butterfly and a fixed warp order, so
+// results are deterministic. Weight gradients are summed per row worker into a float32
+// workspace row and reduced across workers by `layernorm_wgrad_reduce_<dt>`, in a fixed
+// order (no atomics).
 #include "eulergen_common.cuh"
 
 // forward: y from x, w, b
@@ -21,8 +24,9 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
   const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
                                  : (long long)blockIdx.x;
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
-  // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0;
+  // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
+  // row of each splits at the same columns; otherwise scalar.
+  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
@@ -31,29 +35,33 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
   constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
   uint4 x_next_[SLOTS];
   if (PREFETCH_ && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
-      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
     }
   }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     scalar_t* y_row_ = y_ptr + row_ * cols_;
-    float x_c_[SLOTS][VEC];
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head) | reinterpret_cast<unsigned long long>(b_ptr + sp_.head)) % 16 == 0;
+    uint4 x_c_[SLOTS];
     if (PREFETCH_) {
       const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        x_c_[s_] = x_next_[s_];
         if (next_ < rows_)
-          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: mu = mean of the per-element terms
@@ -61,31 +69,43 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float mu = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_mu_ += mu;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float mu = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_mu_ += mu;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float mu = x;
+        acc_mu_ += mu;
       }
     }
 
@@ -107,31 +127,43 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float var = (x - mu)*(x - mu);
-          if (col_ < cols_) {
+          if (in_) {
             acc_var_ += var;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float var = (x - mu)*(x - mu);
-          if (col_ < cols_) {
+          if (in_) {
             acc_var_ += var;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float var = (x - mu)*(x - mu);
+        acc_var_ += var;
       }
     }
 
@@ -149,47 +181,61 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
     }
     const float var = acc_var_ / (float)cols_;
     // per element: y
+    // once per row: the element terms' row-invariant parts
+    const float r9_ = rsqrtf(eps + var);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float y_o_[VEC];
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float b_w_[VEC];
-      eg_load_group(b_ptr, g0_, lane_, lanes_, cols_, vec_, b_w_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float w = w_w_[e_];
-        const float b = b_w_[e_];
-        {
-          const float y = b + w*rsqrtf(eps + var)*(x - mu);
-          y_o_[e_] = y;
-        }
-      }
-      eg_store_group(y_row_, g0_, lane_, lanes_, cols_, vec_, y_o_);
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
-      float y_o_[VEC];
-      float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
-      float b_w_[VEC];
-      eg_load_group(b_ptr, g0_, lane_, lanes_, cols_, vec_, b_w_);
+      eg_load_group(b_ptr, sp_, g0_, lane_, wide_, b_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         const float b = b_w_[e_];
         {
-          const float y = b + w*rsqrtf(eps + var)*(x - mu);
+          const float y = b + r9_*w*(x - mu);
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, g0_, lane_, lanes_, cols_, vec_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float b_w_[VEC];
+      eg_load_group(b_ptr, sp_, g0_, lane_, wide_, b_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float w = w_w_[e_];
+        const float b = b_w_[e_];
+        {
+          const float y = b + r9_*w*(x - mu);
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      const float b = eg_load(b_ptr, col_);
+      {
+        const float y = b + r9_*w*(x - mu);
+        eg_store(y_row_, col_, y);
+      }
     }
 
   }
@@ -216,13 +262,17 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
                                  : (long long)blockIdx.x;
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
-  // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 == 0;
+  // A thread keeps its own columns' weight-gradient partials across rows, so every row
+  // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
+  // aligned bases; otherwise scalar.
+  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr)) % 16 == 0;
   __shared__ float red_[3][32];
+  const EgSplit whole_ = eg_split(x_ptr, cols_, vec_);   // every row's split
   // This worker's partial dw row. The cached columns: per warp in shared memory (in
-  // registers they would halve a warp-per-row backward's occupancy), per thread in
-  // registers for a block per row; each thread only ever touches its own columns. The
-  // other columns: the workspace row, zeroed here by the thread that later adds into it.
+  // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
+  // element, lane) so that a warp's 32 accesses hit 32 banks; per thread in registers for
+  // a block per row. Each thread only ever touches its own columns. The other columns:
+  // the workspace row, zeroed here by the thread that later adds into it.
   float* dw_part_ = dw_partials_ptr + worker_ * cols_;
   float dw_acc_[WARP ? 1 : SLOTS][VEC];
   __shared__ float dw_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
@@ -231,18 +281,17 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (WARP) dw_mine_[col_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
+      if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
     }
-  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC)
-    for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) dw_part_[col_] = 0.0f;
-    }
+  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_.end; g0_ += lanes_ * VEC)
+    if (eg_in_body<VEC>(whole_, g0_, lane_))
+      for (int e_ = 0; e_ < VEC; ++e_) dw_part_[eg_col<VEC>(whole_, g0_, lane_, e_)] = 0.0f;
+  if (lane_ < eg_edge_count(whole_, cols_)) dw_part_[eg_edge_col(whole_, lane_)] = 0.0f;
   // This worker's partial db row. The cached columns: per warp in shared memory (in
-  // registers they would halve a warp-per-row backward's occupancy), per thread in
-  // registers for a block per row; each thread only ever touches its own columns. The
-  // other columns: the workspace row, zeroed here by the thread that later adds into it.
+  // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
+  // element, lane) so that a warp's 32 accesses hit 32 banks; per thread in registers for
+  // a block per row. Each thread only ever touches its own columns. The other columns:
+  // the workspace row, zeroed here by the thread that later adds into it.
   float* db_part_ = db_partials_ptr + worker_ * cols_;
   float db_acc_[WARP ? 1 : SLOTS][VEC];
   __shared__ float db_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
@@ -251,14 +300,12 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (WARP) db_mine_[col_] = 0.0f; else db_acc_[WARP ? 0 : s_][e_] = 0.0f;
+      if (WARP) db_mine_[(s_ * VEC + e_) * 32 + lane_] = 0.0f; else db_acc_[WARP ? 0 : s_][e_] = 0.0f;
     }
-  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC)
-    for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) db_part_[col_] = 0.0f;
-    }
+  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_.end; g0_ += lanes_ * VEC)
+    if (eg_in_body<VEC>(whole_, g0_, lane_))
+      for (int e_ = 0; e_ < VEC; ++e_) db_part_[eg_col<VEC>(whole_, g0_, lane_, e_)] = 0.0f;
+  if (lane_ < eg_edge_count(whole_, cols_)) db_part_[eg_edge_col(whole_, lane_)] = 0.0f;
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -267,12 +314,13 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
   if (PREFETCH_ && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
-      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
-      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
     }
   }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
@@ -280,26 +328,29 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     const scalar_t* dy_row_ = dy_ptr + row_ * cols_;
     scalar_t* dx_row_ = dx_ptr + row_ * cols_;
     const float N = (float)cols_;
-    float x_c_[SLOTS][VEC];
-    float dy_c_[SLOTS][VEC];
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head) | reinterpret_cast<unsigned long long>(b_ptr + sp_.head)) % 16 == 0;
+    uint4 x_c_[SLOTS];
+    uint4 dy_c_[SLOTS];
     if (PREFETCH_) {
       const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        x_c_[s_] = x_next_[s_];
         if (next_ < rows_)
-          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
-        eg_unpack_vec<scalar_t>(dy_next_[s_], dy_c_[s_]);
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
         if (next_ < rows_)
-          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
+          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
-        eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: mu = mean of the per-element terms
@@ -307,31 +358,43 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float mu = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_mu_ += mu;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float mu = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_mu_ += mu;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float mu = x;
+        acc_mu_ += mu;
       }
     }
 
@@ -353,31 +416,43 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float var = (x - mu)*(x - mu);
-          if (col_ < cols_) {
+          if (in_) {
             acc_var_ += var;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float var = (x - mu)*(x - mu);
-          if (col_ < cols_) {
+          if (in_) {
             acc_var_ += var;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float var = (x - mu)*(x - mu);
+        acc_var_ += var;
       }
     }
 
@@ -398,24 +473,33 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     float acc_sum_dvar_ = 0.0f;
     float acc_sum_dmu_ = 0.0f;
     float acc_sum_var_dmu_ = 0.0f;
+    // once per row: the element terms' row-invariant parts
+    const float r0_ = eps + var;
+    const float r1_ = -0.5f*rsqrtf(r0_)/r0_;
+    const float r2_ = -rsqrtf(r0_);
+    const float r3_ = 2.0f*mu;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float dy = dy_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = eps + var;
           const float t1 = dy*w;
-          const float sum_dvar = -0.5f*t1*rsqrtf(t0)/t0*(x - mu);
-          const float sum_dmu = -t1*rsqrtf(t0);
-          const float sum_var_dmu = 2.0f*mu - 2.0f*x;
-          if (col_ < cols_) {
+          const float sum_dvar = r1_*t1*(x - mu);
+          const float sum_dmu = r2_*t1;
+          const float sum_var_dmu = r3_ - 2.0f*x;
+          if (in_) {
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
             acc_sum_var_dmu_ += sum_var_dmu;
@@ -423,31 +507,46 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, g0_, lane_, lanes_, cols_, vec_, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = eps + var;
           const float t1 = dy*w;
-          const float sum_dvar = -0.5f*t1*rsqrtf(t0)/t0*(x - mu);
-          const float sum_dmu = -t1*rsqrtf(t0);
-          const float sum_var_dmu = 2.0f*mu - 2.0f*x;
-          if (col_ < cols_) {
+          const float sum_dvar = r1_*t1*(x - mu);
+          const float sum_dmu = r2_*t1;
+          const float sum_var_dmu = r3_ - 2.0f*x;
+          if (in_) {
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
             acc_sum_var_dmu_ += sum_var_dmu;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t1 = dy*w;
+        const float sum_dvar = r1_*t1*(x - mu);
+        const float sum_dmu = r2_*t1;
+        const float sum_var_dmu = r3_ - 2.0f*x;
+        acc_sum_dvar_ += sum_dvar;
+        acc_sum_dmu_ += sum_dmu;
+        acc_sum_var_dmu_ += sum_var_dmu;
       }
     }
 
@@ -482,57 +581,81 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       dvar = sum_dvar;
     }
     // per element: dx, dw, db
+    // once per row: the element terms' row-invariant parts
+    const float r4_ = 1.0f/N;
+    const float r5_ = rsqrtf(eps + var);
+    const float r6_ = -2.0f*mu;
+    const float r7_ = dvar*r4_;
+    const float r8_ = dmu*r4_;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float dx_o_[VEC];
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float dy = dy_c_[s_][e_];
-        const float w = w_w_[e_];
-        {
-          const float t2 = 1.0f/N;
-          const float t3 = dy*rsqrtf(eps + var);
-          const float dx = dmu*t2 + t3*w + dvar*t2*(2.0f*x - 2.0f*mu);
-          const float dw = t3*(x - mu);
-          const float db = dy;
-          dx_o_[e_] = dx;
-          if (WARP) dw_mine_[col_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
-          if (WARP) db_mine_[col_] += db; else db_acc_[WARP ? 0 : s_][e_] += db;
-        }
-      }
-      eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
-      float dx_o_[VEC];
-      float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, g0_, lane_, lanes_, cols_, vec_, dy_r_);
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t2 = 1.0f/N;
-          const float t3 = dy*rsqrtf(eps + var);
-          const float dx = dmu*t2 + t3*w + dvar*t2*(2.0f*x - 2.0f*mu);
+          const float t3 = dy*r5_;
+          const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
           const float dw = t3*(x - mu);
           const float db = dy;
           dx_o_[e_] = dx;
-          if (col_ < cols_) dw_part_[col_] += dw;
-          if (col_ < cols_) db_part_[col_] += db;
+          if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
+          if (WARP) db_mine_[(s_ * VEC + e_) * 32 + lane_] += db; else db_acc_[WARP ? 0 : s_][e_] += db;
         }
       }
-      eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t3 = dy*r5_;
+          const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
+          const float dw = t3*(x - mu);
+          const float db = dy;
+          dx_o_[e_] = dx;
+          if (in_) dw_part_[col_] += dw;
+          if (in_) db_part_[col_] += db;
+        }
+      }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t3 = dy*r5_;
+        const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
+        const float dw = t3*(x - mu);
+        const float db = dy;
+        eg_store(dx_row_, col_, dx);
+        dw_part_[col_] += dw;
+        db_part_[col_] += db;
+      }
     }
 
   }
@@ -540,15 +663,15 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) dw_part_[col_] = WARP ? dw_mine_[col_] : dw_acc_[WARP ? 0 : s_][e_];
+      if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
+        dw_part_[eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, e_)] = WARP ? dw_mine_[(s_ * VEC + e_) * 32 + lane_] : dw_acc_[WARP ? 0 : s_][e_];
     }
 #pragma unroll
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) db_part_[col_] = WARP ? db_mine_[col_] : db_acc_[WARP ? 0 : s_][e_];
+      if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
+        db_part_[eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, e_)] = WARP ? db_mine_[(s_ * VEC + e_) * 32 + lane_] : db_acc_[WARP ? 0 : s_][e_];
     }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_backward_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {

@@ -4,12 +4,15 @@
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
-// owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
-// from global memory (L2) once per pass. Reductions of one level share a pass; sums go through a fixed butterfly and a
-// fixed warp order, so results are deterministic. Weight gradients are summed per row
-// worker into a float32 workspace row and reduced across workers by
-// `log_softmax_wgrad_reduce_<dt>`, in a fixed order (no atomics).
+// A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
+// 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
+// of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
+// column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
+// the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
+// of one level share a pass; sums go through a fixed butterfly and a fixed warp order, so
+// results are deterministic. Weight gradients are summed per row worker into a float32
+// workspace row and reduced across workers by `log_softmax_wgrad_reduce_<dt>`, in a fixed
+// order (no atomics).
 #include "eulergen_common.cuh"
 
 // forward: y from x
@@ -21,8 +24,9 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
   const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
                                  : (long long)blockIdx.x;
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
-  // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0;
+  // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
+  // row of each splits at the same columns; otherwise scalar.
+  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
@@ -31,29 +35,32 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
   constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
   uint4 x_next_[SLOTS];
   if (PREFETCH_ && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
-      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
     }
   }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     scalar_t* y_row_ = y_ptr + row_ * cols_;
-    float x_c_[SLOTS][VEC];
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    uint4 x_c_[SLOTS];
     if (PREFETCH_) {
       const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        x_c_[s_] = x_next_[s_];
         if (next_ < rows_)
-          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: m = max of the per-element terms
@@ -61,31 +68,43 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float m = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float m = x;
+        acc_m_ = fmaxf(acc_m_, m);
       }
     }
 
@@ -107,31 +126,43 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float z = expf(x - m);
-          if (col_ < cols_) {
+          if (in_) {
             acc_z_ += z;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
-          if (col_ < cols_) {
+          if (in_) {
             acc_z_ += z;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float z = expf(x - m);
+        acc_z_ += z;
       }
     }
 
@@ -149,35 +180,47 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
     }
     const float z = acc_z_;
     // per element: y
+    // once per row: the element terms' row-invariant parts
+    const float r1_ = -m - logf(z);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float y_o_[VEC];
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        {
-          const float y = x - m - logf(z);
-          y_o_[e_] = y;
-        }
-      }
-      eg_store_group(y_row_, g0_, lane_, lanes_, cols_, vec_, y_o_);
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
-      float y_o_[VEC];
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = x - m - logf(z);
+          const float y = r1_ + x;
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, g0_, lane_, lanes_, cols_, vec_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float y = r1_ + x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float y = r1_ + x;
+        eg_store(y_row_, col_, y);
+      }
     }
 
   }
@@ -185,13 +228,13 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
 extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
   log_softmax_forward<float, true, 6, 8>(x, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) log_softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
   log_softmax_forward<float, false, 2, 1>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   log_softmax_forward<__nv_bfloat16, true, 3, 8>(x, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) log_softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   log_softmax_forward<__nv_bfloat16, false, 1, 1>(x, y, rows, cols);
 }
 
@@ -204,8 +247,10 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
                                  : (long long)blockIdx.x;
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
-  // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 == 0;
+  // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
+  // row of each splits at the same columns; otherwise scalar.
+  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
+                     (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
@@ -215,38 +260,41 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
   if (PREFETCH_ && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
-      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
-      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
     }
   }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     const scalar_t* dy_row_ = dy_ptr + row_ * cols_;
     scalar_t* dx_row_ = dx_ptr + row_ * cols_;
-    float x_c_[SLOTS][VEC];
-    float dy_c_[SLOTS][VEC];
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    uint4 x_c_[SLOTS];
+    uint4 dy_c_[SLOTS];
     if (PREFETCH_) {
       const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        x_c_[s_] = x_next_[s_];
         if (next_ < rows_)
-          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
-        eg_unpack_vec<scalar_t>(dy_next_[s_], dy_c_[s_]);
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
         if (next_ < rows_)
-          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
+          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
-        eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: m = max of the per-element terms
@@ -254,31 +302,43 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float m = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float m = x;
+        acc_m_ = fmaxf(acc_m_, m);
       }
     }
 
@@ -300,31 +360,43 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float z = expf(x - m);
-          if (col_ < cols_) {
+          if (in_) {
             acc_z_ += z;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
-          if (col_ < cols_) {
+          if (in_) {
             acc_z_ += z;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float z = expf(x - m);
+        acc_z_ += z;
       }
     }
 
@@ -343,34 +415,48 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
     const float z = acc_z_;
     // pass: sum_dz = sum of the per-element terms
     float acc_sum_dz_ = 0.0f;
+    // once per row: the element terms' row-invariant parts
+    const float r0_ = -1.0f/z;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float dy = dy_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float dy = dy_r_[e_];
         {
-          const float sum_dz = -dy/z;
-          if (col_ < cols_) {
+          const float sum_dz = dy*r0_;
+          if (in_) {
             acc_sum_dz_ += sum_dz;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dy_r_[VEC];
-      eg_load_group(dy_row_, g0_, lane_, lanes_, cols_, vec_, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float dy = dy_r_[e_];
         {
-          const float sum_dz = -dy/z;
-          if (col_ < cols_) {
+          const float sum_dz = dy*r0_;
+          if (in_) {
             acc_sum_dz_ += sum_dz;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float dy = eg_load(dy_row_, col_);
+      {
+        const float sum_dz = dy*r0_;
+        acc_sum_dz_ += sum_dz;
       }
     }
 
@@ -397,27 +483,13 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float dx_o_[VEC];
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float dy = dy_c_[s_][e_];
-        {
-          const float dx = dy + dz*expf(x - m);
-          dx_o_[e_] = dx;
-        }
-      }
-      eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
-      float dx_o_[VEC];
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, g0_, lane_, lanes_, cols_, vec_, dy_r_);
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -425,7 +497,34 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
           dx_o_[e_] = dx;
         }
       }
-      eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float dx = dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      {
+        const float dx = dy + dz*expf(x - m);
+        eg_store(dx_row_, col_, dx);
+      }
     }
 
   }

@@ -4,12 +4,15 @@
 // one template over the storage type with two layouts (KernelSig.plan says which is which):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// A row is cut into groups of lanes·VEC columns (eg_col in the prelude says which a thread
-// owns); the first SLOTS groups stay in registers for the whole row, the rest are re-read
-// from global memory (L2) once per pass. Reductions of one level share a pass; sums go through a fixed butterfly and a
-// fixed warp order, so results are deterministic. Weight gradients are summed per row
-// worker into a float32 workspace row and reduced across workers by
-// `rmsnorm_wgrad_reduce_<dt>`, in a fixed order (no atomics).
+// A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
+// 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
+// of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
+// column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
+// the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
+// of one level share a pass; sums go through a fixed butterfly and a fixed warp order, so
+// results are deterministic. Weight gradients are summed per row worker into a float32
+// workspace row and reduced across workers by `rmsnorm_wgrad_reduce_<dt>`, in a fixed
+// order (no atomics).
 #include "eulergen_common.cuh"
 
 // forward: y from x, w
@@ -21,8 +24,9 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
                                  : (long long)blockIdx.x;
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
-  // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0;
+  // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
+  // row of each splits at the same columns; otherwise scalar.
+  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
@@ -31,29 +35,33 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
   uint4 x_next_[SLOTS];
   if (PREFETCH_ && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
-      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
     }
   }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     scalar_t* y_row_ = y_ptr + row_ * cols_;
-    float x_c_[SLOTS][VEC];
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0;
+    uint4 x_c_[SLOTS];
     if (PREFETCH_) {
       const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        x_c_[s_] = x_next_[s_];
         if (next_ < rows_)
-          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: ms = mean of the per-element terms
@@ -61,31 +69,43 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float ms = x*x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_ms_ += ms;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float ms = x*x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_ms_ += ms;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float ms = x*x;
+        acc_ms_ += ms;
       }
     }
 
@@ -103,41 +123,54 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
     }
     const float ms = acc_ms_ / (float)cols_;
     // per element: y
+    // once per row: the element terms' row-invariant parts
+    const float r3_ = rsqrtf(eps + ms);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float y_o_[VEC];
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float w = w_w_[e_];
-        {
-          const float y = w*x*rsqrtf(eps + ms);
-          y_o_[e_] = y;
-        }
-      }
-      eg_store_group(y_row_, g0_, lane_, lanes_, cols_, vec_, y_o_);
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
-      float y_o_[VEC];
-      float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         {
-          const float y = w*x*rsqrtf(eps + ms);
+          const float y = r3_*w*x;
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, g0_, lane_, lanes_, cols_, vec_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float y = r3_*w*x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float y = r3_*w*x;
+        eg_store(y_row_, col_, y);
+      }
     }
 
   }
@@ -164,13 +197,17 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
                                  : (long long)blockIdx.x;
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
-  // 16-byte accesses need whole vectors per row and aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 == 0;
+  // A thread keeps its own columns' weight-gradient partials across rows, so every row
+  // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
+  // aligned bases; otherwise scalar.
+  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0;
   __shared__ float red_[1][32];
+  const EgSplit whole_ = eg_split(x_ptr, cols_, vec_);   // every row's split
   // This worker's partial dw row. The cached columns: per warp in shared memory (in
-  // registers they would halve a warp-per-row backward's occupancy), per thread in
-  // registers for a block per row; each thread only ever touches its own columns. The
-  // other columns: the workspace row, zeroed here by the thread that later adds into it.
+  // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
+  // element, lane) so that a warp's 32 accesses hit 32 banks; per thread in registers for
+  // a block per row. Each thread only ever touches its own columns. The other columns:
+  // the workspace row, zeroed here by the thread that later adds into it.
   float* dw_part_ = dw_partials_ptr + worker_ * cols_;
   float dw_acc_[WARP ? 1 : SLOTS][VEC];
   __shared__ float dw_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
@@ -179,14 +216,12 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (WARP) dw_mine_[col_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
+      if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
     }
-  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC)
-    for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) dw_part_[col_] = 0.0f;
-    }
+  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_.end; g0_ += lanes_ * VEC)
+    if (eg_in_body<VEC>(whole_, g0_, lane_))
+      for (int e_ = 0; e_ < VEC; ++e_) dw_part_[eg_col<VEC>(whole_, g0_, lane_, e_)] = 0.0f;
+  if (lane_ < eg_edge_count(whole_, cols_)) dw_part_[eg_edge_col(whole_, lane_)] = 0.0f;
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -195,12 +230,13 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
   if (PREFETCH_ && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
-      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
-      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, s_ * lanes_ * VEC,
-                                            lane_, lanes_, cols_, vec_);
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
     }
   }
   for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
@@ -208,26 +244,29 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     const scalar_t* dy_row_ = dy_ptr + row_ * cols_;
     scalar_t* dx_row_ = dx_ptr + row_ * cols_;
     const float N = (float)cols_;
-    float x_c_[SLOTS][VEC];
-    float dy_c_[SLOTS][VEC];
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0;
+    uint4 x_c_[SLOTS];
+    uint4 dy_c_[SLOTS];
     if (PREFETCH_) {
       const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_unpack_vec<scalar_t>(x_next_[s_], x_c_[s_]);
+        x_c_[s_] = x_next_[s_];
         if (next_ < rows_)
-          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
-        eg_unpack_vec<scalar_t>(dy_next_[s_], dy_c_[s_]);
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
         if (next_ < rows_)
-          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, s_ * lanes_ * VEC,
-                                                lane_, lanes_, cols_, vec_);
+          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
-        eg_load_group(x_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, x_c_[s_]);
-        eg_load_group(dy_row_, s_ * lanes_ * VEC, lane_, lanes_, cols_, vec_, dy_c_[s_]);
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: ms = mean of the per-element terms
@@ -235,31 +274,43 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
         {
           const float ms = x*x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_ms_ += ms;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float ms = x*x;
-          if (col_ < cols_) {
+          if (in_) {
             acc_ms_ += ms;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float ms = x*x;
+        acc_ms_ += ms;
       }
     }
 
@@ -278,44 +329,62 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     const float ms = acc_ms_ / (float)cols_;
     // pass: sum_dms = sum of the per-element terms
     float acc_sum_dms_ = 0.0f;
+    // once per row: the element terms' row-invariant parts
+    const float r0_ = -0.5f*rsqrtf(eps + ms)/(eps + ms);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float dy = dy_c_[s_][e_];
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float sum_dms = -0.5f*dy*w*x*rsqrtf(eps + ms)/(eps + ms);
-          if (col_ < cols_) {
+          const float sum_dms = dy*r0_*w*x;
+          if (in_) {
             acc_sum_dms_ += sum_dms;
           }
         }
       }
     }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, g0_, lane_, lanes_, cols_, vec_, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float sum_dms = -0.5f*dy*w*x*rsqrtf(eps + ms)/(eps + ms);
-          if (col_ < cols_) {
+          const float sum_dms = dy*r0_*w*x;
+          if (in_) {
             acc_sum_dms_ += sum_dms;
           }
         }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float sum_dms = dy*r0_*w*x;
+        acc_sum_dms_ += sum_dms;
       }
     }
 
@@ -338,51 +407,72 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       dms = sum_dms;
     }
     // per element: dx, dw
+    // once per row: the element terms' row-invariant parts
+    const float r1_ = rsqrtf(eps + ms);
+    const float r2_ = 2.0f*dms/N;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float dx_o_[VEC];
       float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
-        const float x = x_c_[s_][e_];
-        const float dy = dy_c_[s_][e_];
-        const float w = w_w_[e_];
-        {
-          const float t0 = dy*rsqrtf(eps + ms);
-          const float dx = t0*w + 2.0f*dms*x/N;
-          const float dw = t0*x;
-          dx_o_[e_] = dx;
-          if (WARP) dw_mine_[col_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
-        }
-      }
-      eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < cols_; g0_ += lanes_ * VEC) {
-      float dx_o_[VEC];
-      float w_w_[VEC];
-      eg_load_group(w_ptr, g0_, lane_, lanes_, cols_, vec_, w_w_);
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, g0_, lane_, lanes_, cols_, vec_, x_r_);
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, g0_, lane_, lanes_, cols_, vec_, dy_r_);
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(g0_, lane_, lanes_, e_, vec_);
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = dy*rsqrtf(eps + ms);
-          const float dx = t0*w + 2.0f*dms*x/N;
+          const float t0 = dy*r1_;
+          const float dx = r2_*x + t0*w;
           const float dw = t0*x;
           dx_o_[e_] = dx;
-          if (col_ < cols_) dw_part_[col_] += dw;
+          if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
         }
       }
-      eg_store_group(dx_row_, g0_, lane_, lanes_, cols_, vec_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r1_;
+          const float dx = r2_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+          if (in_) dw_part_[col_] += dw;
+        }
+      }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t0 = dy*r1_;
+        const float dx = r2_*x + t0*w;
+        const float dw = t0*x;
+        eg_store(dx_row_, col_, dx);
+        dw_part_[col_] += dw;
+      }
     }
 
   }
@@ -390,8 +480,8 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   for (int s_ = 0; s_ < SLOTS; ++s_)
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
-      const int col_ = eg_col<VEC>(s_ * lanes_ * VEC, lane_, lanes_, e_, vec_);
-      if (col_ < cols_) dw_part_[col_] = WARP ? dw_mine_[col_] : dw_acc_[WARP ? 0 : s_][e_];
+      if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
+        dw_part_[eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, e_)] = WARP ? dw_mine_[(s_ * VEC + e_) * 32 + lane_] : dw_acc_[WARP ? 0 : s_][e_];
     }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {

@@ -275,6 +275,48 @@ def test_row_forward_and_backward_match_numpy(name, rows, cols, dtype, cp, libs)
         assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes(), f"{name}.d{g}: two runs differ"
 
 
+@both_dtypes
+@pytest.mark.parametrize("shift_in,shift_out", [(1, 1), (3, 3), (1, 0)])
+@pytest.mark.parametrize("name", _ops("row"))
+def test_row_kernels_on_views_that_start_off_a_16_byte_boundary(name, shift_in, shift_out, dtype,
+                                                                cp, libs):
+    """Row inputs and outputs that start `shift` elements into a buffer: at equal shifts the
+    kernels take a scalar head, a 16-byte body and a scalar tail per row (rows of 203
+    columns start at every offset); at different ones, scalar accesses throughout."""
+    gpu, ref = libs
+    op = OPS[name]
+    rows, cols = 11, 203
+    progress(f"row {name} views shifted {shift_in}/{shift_out} {dtype}")
+    rng = np.random.default_rng(shift_in * 10 + shift_out)
+    host = row_inputs(op, rng, rows, cols, dtype)
+
+    def shifted(a, shift):
+        flat = cp.empty(a.size + shift, dtype=a.dtype)
+        view = flat[shift:].reshape(a.shape)
+        view[...] = a
+        return view
+    dev = [shifted(d, shift_in) if o.role == "row" else d
+           for o, d in zip(op.inputs, to_device(cp, host, dtype))]
+    outs = tuple(shifted(poisoned(cp, _out_shape(o, rows, cols), _out_dtype(o, dtype)),
+                         shift_out if o.role == "row" else 0) for o in op.outputs)
+    gpu.forward(name, *dev, out=outs)
+    for o, got, w in zip(op.outputs, outs, reference(ref.forward, name, *host)):
+        check(f"{name}.{o.name}", got, w, cp)
+    if not op.grads:
+        return
+    douts = [host_values(rng, _out_shape(o, rows, cols), -1, 1,
+                         "f32" if o.role == "scalar" else dtype) for o in op.outputs]
+    douts_dev = [cp.asarray(d.astype(np.float32)) if o.role == "scalar"
+                 else shifted(device(cp, d, dtype), shift_in) for o, d in zip(op.outputs, douts)]
+    role = {o.name: o.role for o in op.inputs}
+    grads = tuple(poisoned(cp, (cols,), _storage(dtype)) if role[g] == "weight"
+                  else shifted(poisoned(cp, (rows, cols), _storage(dtype)), shift_out)
+                  for g in op.grads)
+    gpu.backward(name, *dev, *douts_dev, out=grads)
+    for g, got, w in zip(op.grads, grads, reference(ref.backward, name, *host, *douts)):
+        check(f"{name}.d{g}", got, w, cp)
+
+
 def _fused_ops():
     return sorted(n for n in _ops("row") if any(k.stage == "fwdbwd" for k in OPS[n].kernels.values()))
 
