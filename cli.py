@@ -70,15 +70,10 @@ class _TokenCount(click.ParamType):
     _SCALE = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        text = str(value).strip().upper()
-        scale = self._SCALE.get(text[-1:], None) if text[-1:].isalpha() else 1
-        try:
-            number = float(text[:-1] if text[-1:].isalpha() else text) * scale
-        except (TypeError, ValueError):
-            number = 0.0
-        if not number.is_integer() or number < 1:
+        import re
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)", str(value).strip().upper())
+        number = float(match[1]) * self._SCALE[match[2]] if match else 0.0
+        if number < 1 or not number.is_integer():
             self.fail(f"{value!r} is not a positive token count (e.g. 20000, 10M, 1.5G)", param, ctx)
         return int(number)
 

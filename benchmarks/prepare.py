@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import sysconfig
 import tempfile
@@ -38,6 +39,12 @@ VAL_TOKENS = 1_000_000
 
 def say(*parts) -> None:
     print(*parts, file=sys.stderr, flush=True)
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process, and of its finished children (prepare's workers)."""
+    return time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime \
+        + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime
 
 
 def make_text(path: Path, megabytes: int) -> int:
@@ -88,8 +95,11 @@ def plain_loop(text: Path, out: Path, tok) -> int:
     cap = VAL_TOKENS
     with open(text, encoding="utf-8") as f:
         for line in f:
+            text = json.loads(line)["text"]
+            if not text:
+                continue             # as prepare does: an empty document adds no EOT
             buffer.append(tok.eot)
-            buffer.extend(tok.encode(json.loads(line)["text"]))
+            buffer.extend(tok.encode(text))
             while len(buffer) >= cap:
                 flush(buffer[:cap])
                 total += cap
@@ -116,16 +126,18 @@ def main() -> None:
         say(f"text: {size / 1e6:.0f} MB in {text}")
         tok, which = tokenizer_for(text, args.vocab_size, folder)
 
-        plain_s, prep_s = [], []
+        plain_s, prep_s, cpu = [], [], {}
         for i in range(args.repeat):   # alternated, so a load change on the machine hits both
-            start = time.perf_counter()
+            start, clock = time.perf_counter(), _cpu()
             plain_tokens = plain_loop(text, folder / f"plain{i}", tok)
             plain_s.append(time.perf_counter() - start)
+            cpu["plain"] = _cpu()[0] - clock[0]
             say(f"plain loop: {plain_tokens:,} tokens in {plain_s[-1]:.1f} s")
-            start = time.perf_counter()
+            start, clock = time.perf_counter(), _cpu()
             state = prepare(LocalFiles([str(text)]), folder / f"prepared{i}", tok,
                             Settings(SHARD_TOKENS, VAL_TOKENS, name="d"), workers=args.workers)
             prep_s.append(time.perf_counter() - start)
+            cpu["main"], cpu["workers"] = (b - a for a, b in zip(clock, _cpu()))
             say(f"prepare: {state.tokens:,} tokens in {prep_s[-1]:.1f} s")
             assert state.tokens == plain_tokens, (state.tokens, plain_tokens)
         same = all((folder / "plain0" / f"plain_{i:06d}.bin").read_bytes()
@@ -140,6 +152,9 @@ def main() -> None:
     print(f"plain single-process loop: {plain_rate / 1e6:.2f} M tokens/s ({plain_s:.1f} s)")
     print(f"eulergen prepare, {args.workers} workers: {prep_rate / 1e6:.2f} M tokens/s "
           f"({prep_s:.1f} s), shards byte-identical to the loop's: {same}")
+    print(f"CPU seconds (last run): plain loop {cpu['plain']:.1f}; prepare's main process "
+          f"{cpu['main']:.1f} + workers {cpu['workers']:.1f}; load average after: "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"ratio: {prep_rate / plain_rate:.2f}x (target >= 1.8x on 2 cores)")
 
 

@@ -173,7 +173,8 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
     except EulerError:
         if new_folder and not writer.state.shards:   # bad input before any shard: leave no trace
             (out / STATE_FILE).unlink()
-            out.rmdir()
+            if not any(out.iterdir()):
+                out.rmdir()
         raise
 
 
@@ -235,14 +236,17 @@ def _verify(path: Path, shard: ShardRecord) -> None:
     if not path.is_file():
         raise EulerError(f"shard listed in {STATE_FILE} is missing: delete the folder to prepare "
                          "it again", file=str(path))
-    tokens = open_tokens(path)    # a truncated or foreign file fails here, saying how
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if len(tokens) != shard.tokens or digest != shard.sha256:
-        raise EulerError(f"shard differs from what {STATE_FILE} recorded ({len(tokens)} tokens, "
+    count = len(open_tokens(path))    # a truncated or foreign file fails here, saying how
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    digest = digest.hexdigest()
+    if count != shard.tokens or digest != shard.sha256:
+        raise EulerError(f"shard differs from what {STATE_FILE} recorded ({count} tokens, "
                          f"sha256 {digest[:12]}…; expected {shard.tokens}, {shard.sha256[:12]}…): "
                          "it changed after it was written; delete the folder to prepare it again",
                          file=str(path))
-    del tokens
 
 
 class _ShardWriter:

@@ -83,7 +83,7 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise EulerError("tokenizer file not found", file=str(path), key=key)
-        Tokenizer = _tokenizers(str(path)).Tokenizer
+        Tokenizer = _tokenizers(key).Tokenizer
         data = path.read_bytes()
         try:
             self._tok = Tokenizer.from_str(data.decode("utf-8"))
@@ -137,7 +137,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, *,
     if vocab_size < MIN_BPE_VOCAB:
         raise EulerError(f"--vocab-size {vocab_size} is below {MIN_BPE_VOCAB} (256 bytes and "
                          f"{ENDOFTEXT})", key="--vocab-size")
-    lib = _tokenizers("--out")
+    lib = _tokenizers("--vocab-size")
     tok = lib.Tokenizer(lib.models.BPE())
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = lib.decoders.ByteLevel()
@@ -164,10 +164,10 @@ class _Counted:
             yield text
 
 
-def _tokenizers(where: str):
+def _tokenizers(key: str):
     try:
         import tokenizers
     except ImportError:
         raise EulerError("this needs the `tokenizers` package (pip install tokenizers)",
-                         file=where) from None
+                         key=key) from None
     return tokenizers

@@ -350,3 +350,12 @@ def test_prepare_cli_rejects_sources_and_dataset_together(texts, tmp_path):
     got = CliRunner().invoke(main, ["prepare", str(texts), "--dataset", "x/y", "--out", str(tmp_path)])
     assert got.exit_code == 2
     assert got.output.strip() == "error: --dataset: give local SOURCES or --dataset, not both"
+
+
+@pytest.mark.parametrize("value", ["1.5x", "0", "2.5", "-3M"])
+def test_token_counts_take_k_m_g_and_refuse_the_rest(texts, tmp_path, value):
+    got = CliRunner().invoke(main, ["prepare", str(texts), "--out", str(tmp_path / "d"),
+                                    "--tokenizer", "byte", "--shard-tokens", value])
+    assert got.exit_code == 2
+    assert f"'{value}' is not a positive token count (e.g. 20000, 10M, 1.5G)" in got.output
+    assert not (tmp_path / "d").exists()
