@@ -2,6 +2,8 @@
 
     python benchmarks/attention.py            # the table
     python benchmarks/attention.py --sweep    # bf16 d=64 tilings, one kernel family at a time
+    python benchmarks/attention.py --decode   # KV-cache decoding, one new query a sequence
+    python benchmarks/attention.py --decode-sweep   # decode tiles and split targets
 
 Cases: B=8, T=1024 and B=2, T=4096; 12 query heads, 4 kv heads (GQA), head dim 64; fp32
 and bf16 storage. Torch: bf16 on SDPA's flash backend (enable_gqa); fp32 on the faster of
@@ -13,6 +15,7 @@ forward, FlashAttention's convention). Times are medians of CUDA-event-timed cal
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -25,10 +28,10 @@ from common import say, time_ms  # noqa: E402
 
 from eulergen import OPS_DIR, TEMPLATES_DIR  # noqa: E402
 from eulergen.generator import derive, spec  # noqa: E402
-from eulergen.generator.render_attention import (AttentionPlan, plan_attention,  # noqa: E402
-                                                 render_attention)
+from eulergen.generator.render_attention import (ROLES, AttentionPlan,  # noqa: E402
+                                                 plan_attention, render_attention)
 from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
-                                        attention_forward)
+                                        attention_decode, attention_forward)
 from eulergen.runtime.compile import compile_file  # noqa: E402
 from eulergen.runtime.ops import to_bf16  # noqa: E402
 
@@ -39,14 +42,15 @@ H, KVH, D = 12, 4, 64
 PRELUDE_HEADER = "eulergen_common.cuh, rendered for the attention tests and benchmark"
 
 
-def kernels(plans=None, configs=None) -> AttentionKernels:
-    """causal_attention rendered (with optional tiles), written beside the prelude, compiled."""
+def kernels(plans=None, configs=None, roles=ROLES) -> AttentionKernels:
+    """causal_attention rendered (with optional tiles, some kernels), written beside the
+    prelude, compiled."""
     folder = Path(tempfile.mkdtemp(prefix="eg-attn-bench-"))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (folder / "eulergen_common.cuh").write_text(
         env.get_template("common.cuh.j2").render(header=PRELUDE_HEADER))
     derived = derive.derive(spec.load_spec(OPS_DIR / "causal_attention.yaml"))
-    rendered = render_attention(derived, plans=plans, configs=configs)
+    rendered = render_attention(derived, plans=plans, configs=configs, roles=roles)
     cu = folder / "causal_attention.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
@@ -179,9 +183,178 @@ def sweep() -> None:
             print(f"{label:<24} failed: {str(err).splitlines()[0][:80]}")
 
 
+DECODE_CACHE = 1024
+DECODE_CASES = [(1, 12), (1, 4), (16, 12), (16, 4)]   # (B, KVH); H = 12, d = 64
+DECODE_LAYERS = 12   # caches cycled through, one per layer, as a model's decode step does
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_data(B, kvh, dtype) -> list:
+    """Per layer: q, k_cache, v_cache, o on the device for eulergen, and the same q, k, v in
+    torch's [B, heads, T, D] layout (drawn on the GPU: 12 layers of B=16 caches are GBs)."""
+    import cupy
+    import torch
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    gen = cupy.random.default_rng(0)
+    layers = []
+    for _ in range(DECODE_LAYERS):
+        f32 = [gen.standard_normal(s, dtype=np.float32)
+               for s in ((B, 1, H, D), (B, DECODE_CACHE, kvh, D), (B, DECODE_CACHE, kvh, D))]
+        ours = [to_bf16(a) if dtype == "bf16" else a for a in f32]
+        theirs = [torch.from_dlpack(a).to(tdt).transpose(1, 2).contiguous() for a in f32]
+        layers.append((*ours, cupy.empty_like(ours[0]), *theirs))
+    return layers
+
+
+def _decode_calls(ak, B, kvh, dtype):
+    """(ours, torch's): one call per layer, each decoding one query against its own full
+    cache (so a 12-layer step's caches, not one layer's, compete for L2)."""
+    import torch.nn.functional as F
+    ours, theirs = [], []
+    for q, kc, vc, o, tq, tk, tv in _decode_data(B, kvh, dtype):
+        ours.append(lambda q=q, kc=kc, vc=vc, o=o:
+                    attention_decode(ak, q, kc, vc, DECODE_CACHE - 1, out=o))
+        theirs.append(lambda tq=tq, tk=tk, tv=tv: F.scaled_dot_product_attention(
+            tq, tk, tv, is_causal=False, enable_gqa=kvh < H))
+    return ours, theirs
+
+
+def _call_us(calls) -> float:
+    """Median event-timed single call, cycling through the layers: host launch included."""
+    turn = iter(calls * 1000)
+    return time_ms(lambda: next(turn)(), warmup=DECODE_LAYERS, iters=5 * DECODE_LAYERS) * 1e3
+
+
+def _graph_us(calls, rounds: int = 8) -> float:
+    """Device time a call: `rounds` passes over the layers captured in a CUDA graph (CuPy
+    stream capture), replays timed by events. nan if capture fails."""
+    import statistics
+
+    import cupy
+    try:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            for fn in calls:          # workspaces and compiled kernels, before the capture
+                fn()
+            stream.synchronize()
+            stream.begin_capture()
+            for _ in range(rounds):
+                for fn in calls:
+                    fn()
+            graph = stream.end_capture()
+            graph.launch(stream)
+            times = []
+            for _ in range(10):
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                graph.launch(stream)
+                stop.record(stream)
+                stop.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+        return statistics.median(times) / (rounds * len(calls))
+    except Exception as err:  # noqa: BLE001 - a capture the runtime refuses: say so, go on
+        say(f"graph capture failed: {str(err).splitlines()[0][:100]}")
+        return float("nan")
+
+
+def _torch_graph_us(calls, rounds: int = 8) -> float:
+    """The same for torch calls (torch.cuda.CUDAGraph)."""
+    import statistics
+
+    import torch
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in calls:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(rounds):
+                for fn in calls:
+                    fn()
+        graph.replay()
+        times = []
+        for _ in range(10):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+        return statistics.median(times) / (rounds * len(calls))
+    except Exception as err:  # noqa: BLE001
+        say(f"torch graph capture failed: {str(err).splitlines()[0][:100]}")
+        return float("nan")
+
+
+def decode_kernels(**change) -> AttentionKernels:
+    """causal_attention's decode kernels alone at d=D (fp32 and bf16), plan fields changed."""
+    plans = {(D, dt): AttentionPlan(**{**plan_attention(D, dt).__dict__, **change})
+             for dt in ("f32", "bf16")}
+    return kernels(plans=plans, configs=tuple(plans), roles=("decode",))
+
+
+def decode() -> None:
+    """Decoding one token against full caches of DECODE_CACHE keys (GPT-2 124M's shape: 12
+    heads of 64, 12 layers' caches in turn), eulergen's decode kernel against torch SDPA on
+    the same caches in torch's [B, KVH, T, D] layout (is_causal=False, q of length 1;
+    enable_gqa when KVH < H). `call`: median event-timed single call, host launch included
+    (what a layer sees when the host is the bottleneck); `gpu`: device time a call, from CUDA
+    graph replays (what it costs once launches are off the critical path)."""
+    ak = decode_kernels()
+    head = (f"{'case':<24} {'dtype':<5} {'call us':>8} {'torch':>8} {'ratio':>6} "
+            f"{'gpu us':>8} {'torch':>8} {'ratio':>6}")
+    lines = [head, "-" * len(head)]
+    for B, kvh in DECODE_CASES:
+        for dtype in ("f32", "bf16"):
+            say(f"decode B={B} KVH={kvh} {dtype} …")
+            ours, theirs = _decode_calls(ak, B, kvh, dtype)
+            c, tc = _call_us(ours), _call_us(theirs)
+            g, tg = _graph_us(ours), _torch_graph_us(theirs)
+            lines.append(f"{f'B={B} H={H}/{kvh} d={D} T={DECODE_CACHE}':<24} {dtype:<5} "
+                         f"{c:8.1f} {tc:8.1f} {c / tc:6.2f} {g:8.1f} {tg:8.1f} {g / tg:6.2f}")
+    print("decode attention (1 new query, full cache), ratio = eulergen time / torch time")
+    print("\n".join(lines))
+
+
+def decode_sweep() -> None:
+    """Device time a call (us, CUDA graphs) of the decode kernel under other plans (key
+    tile, rows a block) and split targets (blocks a launch aims for per SM): the data for
+    plan_attention's and attention.DECODE_BLOCKS_PER_SM's defaults."""
+    from eulergen.runtime import attention
+    targets = (1, 2, 4, 8)
+    print(f"decode d={D} T={DECODE_CACHE}: gpu us a call by plan and blocks per SM")
+    for change in ({}, {"dec_tile": 32}, {"dec_tile": 128}, {"dec_rows": 1}, {"dec_rows": 2},
+                   {"dec_rows": 1, "dec_tile": 128}):
+        label = " ".join(f"{k[4:]}={v}" for k, v in change.items()) or "default"
+        try:
+            ak = decode_kernels(**change)
+        except Exception as err:  # a plan that does not compile: say so, go on
+            print(f"{label:<16} failed: {str(err).splitlines()[0][:80]}")
+            continue
+        for B, kvh in DECODE_CASES:
+            for dtype in ("f32", "bf16"):
+                ours, _ = _decode_calls(ak, B, kvh, dtype)
+                row = []
+                for per_sm in targets:
+                    attention.DECODE_BLOCKS_PER_SM = per_sm
+                    row.append(_graph_us(ours, rounds=4))
+                print(f"{label:<16} B={B:<3} KVH={kvh:<3} {dtype:<5} " + " ".join(
+                    f"{n}/SM {t:6.1f}" for n, t in zip(targets, row)), flush=True)
+    attention.DECODE_BLOCKS_PER_SM = 4
+
+
 def main() -> None:
     if "--sweep" in sys.argv[1:]:
         sweep()
+        return
+    if "--decode" in sys.argv[1:]:
+        decode()
+        return
+    if "--decode-sweep" in sys.argv[1:]:
+        decode_sweep()
         return
     ak = kernels()
     head = (f"{'case':<22} {'dtype':<5} {'fwd ms':>7} {'TFLOP/s':>8} {'torch':>7} {'ratio':>6} "

@@ -8,7 +8,10 @@ Kernels per op, for each storage dtype and head dim D ∈ HEAD_DIMS:
   <op>_forward_d<D>_<dt>       q, k, v → o, lse           grid (query tiles, H, B)
   <op>_backward_dkv_d<D>_<dt>  → dk, dv                    grid (key tiles, KVH, B)
   <op>_backward_dq_d<D>_<dt>   → dq                        grid (query tiles, H, B)
-and one <op>_backward_rowdot_<dt> (delta = rowsum(dO ∘ O), any D) run before the other two.
+and one <op>_backward_rowdot_<dt> (delta = rowsum(dO ∘ O), any D) run before the other two;
+  <op>_decode_d<D>_<dt>        q, k/v cache → o            grid (row chunks · splits, KVH, B)
+for new queries at positions pos0 … against a KV cache (split-K over the cache, merged by
+the last block of each chunk: templates/attention_decode.cu.j2).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ MASK_SYMBOLS = frozenset({I, J, H, N_HEADS})
 _HEAD_SYMBOLS = frozenset({H, N_HEADS, SCALE})
 
 ROWDOT_WARPS = 8  # rows per block of the rowdot kernel (one warp a row)
+ROLES = ("forward", "backward_dkv", "backward_dq", "rowdot", "decode")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class AttentionPlan:
     """Tiles for one (head dim, dtype). Warps own 16 rows each; `*_tile` is the other side.
 
     forward: a block is 16·fwd_warps queries, streaming fwd_block_n keys at a time.
+    decode:  a block is dec_rows query rows of one kv head, streaming dec_tile keys a step.
     dkv:     a block is 16·dkv_warps keys, streaming dkv_block_m queries at a time;
              dkv_paired computes Sᵀ with dPᵀ, then dV with dK, in shared loops (two
              independent mma chains each), else one product after another.
@@ -59,6 +64,9 @@ class AttentionPlan:
     fwd_mtiles: int = 1   # 16-row slabs a warp owns (2: each K/V fragment feeds two mma)
     dq_mtiles: int = 1
     dkv_paired: bool = False
+    dec_warps: int = 4    # decode: threads 32·dec_warps, D/16 lanes a key
+    dec_rows: int = 1     # query rows (t, head of the kv head's group) a decode block owns
+    dec_tile: int = 64    # keys a decode block loads at once
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -71,6 +79,12 @@ class AttentionPlan:
         for name in ("fwd_mtiles", "dq_mtiles"):
             if getattr(self, name) not in (1, 2):
                 raise EulerError(f"{name} = {getattr(self, name)}: expected 1 or 2", key=name)
+        key_slots = 32 * self.dec_warps // (self.head_dim // 16)   # keys a decode block reads a step
+        if not (self.dec_warps in (1, 2, 4, 8) and 1 <= self.dec_rows <= min(
+                self.dec_warps, self.head_dim // 16) and self.dec_tile % max(key_slots, 32) == 0):
+            raise EulerError(f"decode plan warps {self.dec_warps}, rows {self.dec_rows}, tile "
+                             f"{self.dec_tile}: want rows <= warps and <= D/16, and a tile of "
+                             f"whole steps of {key_slots} keys and of 32", key="dec_tile")
         for name in ("fwd_block_n", "dkv_block_m", "dq_block_n"):
             if getattr(self, name) not in (16, 32, 64, 128):
                 raise EulerError(f"{name} = {getattr(self, name)}: expected 16, 32, 64 or 128",
@@ -99,6 +113,9 @@ class AttentionPlan:
         if role == "backward_dq":
             bm, bn = 16 * self.dq_warps * self.dq_mtiles, self.dq_block_n
             return 2 * self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
+        if role == "decode":  # scores [rows][tile], 4 per-row values, per-warp sums [warps][rows][D]
+            rows = self.dec_rows
+            return 4 * (rows * self.dec_tile + 4 * rows + self.dec_warps * rows * self.head_dim)
         raise ValueError(role)
 
 
@@ -114,7 +131,14 @@ def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
     benchmark sizes (bf16 d=64: 0.170 → 0.111 ms at B=8 T=1024, 0.591 → 0.399 at B=2
     T=4096). The bf16 dkv kernel at D = 64 pairs its products (dkv_paired): 234 registers
     instead of 254, and 0.229 → 0.170 ms (T=1024), 0.820 → 0.600 (T=4096); at D = 128 and
-    with fp32's split planes pairing spills, so those keep one product after another."""
+    with fp32's split planes pairing spills, so those keep one product after another.
+    Decode blocks own one query row (dec_rows = 1) and load 64 keys at a time: a block of 4
+    rows keeps 4 rows of q and of the output sum in registers (238 a thread against 84-127),
+    and on the H200 (graph-timed, d=64, cache 1024, 12 layers' caches in turn) one row took
+    B=1 9.2 → 7.9 us (fp32) and 8.1 → 6.4 (bf16), B=16 bf16 34.5 → 20.0; GQA groups then
+    read each cached key once per query head, from L2 (B=16 KVH=4 bf16 20.8 → 16.7 us).
+    Key tiles of 32 were slower everywhere, of 128 no better (benchmarks/attention.py
+    --decode-sweep)."""
     if head_dim not in HEAD_DIMS:
         raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
                          key="head_dim")
@@ -123,7 +147,8 @@ def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
     return AttentionPlan(head_dim, dtype, fwd_warps=4, fwd_block_n=64, dkv_warps=4,
                          dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
                          fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
-                         dkv_paired=(head_dim, dtype) == (64, "bf16"))
+                         dkv_paired=(head_dim, dtype) == (64, "bf16"),
+                         dec_warps=4 if head_dim == 64 else 8)
 
 
 def mask_mode(mask: sp.Basic | None) -> str:
@@ -202,6 +227,11 @@ def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[st
     if role == "forward":
         return ([("q", src), ("k", src), ("v", src), ("o", dst), ("lse", "float*")] + sizes
                 + _strides("q", "k", "v", "o") + flt)
+    if role == "decode":
+        return ([("q", src), ("k", src), ("v", src), ("o", dst), ("part", "float*"),
+                 ("counts", "int*"), ("tq", "int"), ("pos0", "int"), ("n_heads", "int"),
+                 ("n_kv_heads", "int"), ("splits", "int"), ("split_keys", "int")]
+                + _strides("q", "k", "v", "o") + flt)
     if role == "rowdot":
         return ([("o", src), ("dout", src), ("delta", "float*"), ("batch", "int"), ("n", "int"),
                  ("n_heads", "int"), ("head_dim", "int")] + _strides("o", "do"))
@@ -227,27 +257,30 @@ def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: st
                "comment": "delta = rowsum(dO ∘ O), one warp per (batch, head, row)"}
     else:
         d = plan.head_dim
-        warps, mtiles, tile, rows = {
-            "forward": (plan.fwd_warps, plan.fwd_mtiles, plan.fwd_block_n, "query"),
-            "backward_dkv": (plan.dkv_warps, 1, plan.dkv_block_m, "key"),
-            "backward_dq": (plan.dq_warps, plan.dq_mtiles, plan.dq_block_n, "query"),
+        # warps, rows a block owns, the template argument after the warps (slabs a warp;
+        # dkv: pairing; decode: rows), streamed tile, what the rows are
+        warps, block_rows, targ, tile, rows = {
+            "forward": (plan.fwd_warps, 16 * plan.fwd_warps * plan.fwd_mtiles, plan.fwd_mtiles,
+                        plan.fwd_block_n, "query"),
+            "backward_dkv": (plan.dkv_warps, 16 * plan.dkv_warps, int(plan.dkv_paired),
+                             plan.dkv_block_m, "key"),
+            "backward_dq": (plan.dq_warps, 16 * plan.dq_warps * plan.dq_mtiles, plan.dq_mtiles,
+                            plan.dq_block_n, "query"),
+            "decode": (plan.dec_warps, plan.dec_rows, plan.dec_rows, plan.dec_tile, "query"),
         }[role]
         name = f"{op}_{role}_d{d}_{dtype}"
-        facts = {"role": role, "head_dim": d, "threads": 32 * warps,
-                 "block_rows": 16 * warps * mtiles,
+        facts = {"role": role, "head_dim": d, "threads": 32 * warps, "block_rows": block_rows,
                  "grid_rows": rows, "tile": tile, "smem_bytes": plan.smem_bytes(role),
                  "mask": mode}
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
-               "head_dim": d, "warps": warps, "tile": tile,
-               # the template argument after the warps: slabs a warp, or (dkv) pairing
-               "mtiles": f"{mtiles if role != 'backward_dkv' else int(plan.dkv_paired)}, ",
+               "head_dim": d, "warps": warps, "tile": tile, "mtiles": f"{targ}, ",
                "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
-               "comment": f"{role}, D = {d}: {16 * warps * mtiles} {rows} rows a block, "
+               "comment": f"{role}, D = {d}: {block_rows} {rows} rows a block, "
                           f"tiles of {tile}"}
     facts["params"] = [[p, v] for p, v in zip(params, defaults)]
     ctx["args"] = _wrap([f"{ty} {a}" for a, ty in args])
     ctx["call"] = call
-    stage = "forward" if role == "forward" else "backward"
+    stage = role if role in ("forward", "decode") else "backward"
     sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage,
                        plan=tuple(facts.items()))
     return ctx, sig
@@ -276,12 +309,14 @@ def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
 def render_attention(derived: ir.DerivedOp, *,
                      templates: jinja2.BaseLoader | None = None,
                      plans: dict[tuple[int, str], AttentionPlan] | None = None,
-                     configs: tuple[tuple[int, str], ...] | None = None) -> ir.RenderedCuda:
+                     configs: tuple[tuple[int, str], ...] | None = None,
+                     roles: tuple[str, ...] = ROLES) -> ir.RenderedCuda:
     """The .cu text of one attention op and its kernels (both dtypes, every head dim).
     `templates` may override template files by name (the CPU emulation test replaces
     attention_ptx.cuh.j2); `plans` may replace the planner's tiles for some
     (head_dim, dtype), and `configs` limit the file to some (head_dim, dtype) (both for
-    the emulation test and `benchmarks/attention.py --sweep`)."""
+    the emulation test and `benchmarks/attention.py --sweep`); `roles` to some kernels
+    (decode alone compiles in a fraction of the time: its tests and sweep)."""
     check_symbols(derived)
     body: ir.AttentionDerived = derived.body
     params = tuple(p.name for p in derived.params)
@@ -298,13 +333,15 @@ def render_attention(derived: ir.DerivedOp, *,
             continue
         for d in dims:
             plan = (plans or {}).get((d, dtype)) or plan_attention(d, dtype)
-            for role in ("forward", "backward_dkv", "backward_dq"):
-                ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)
-                kernels.append(ctx)
-                sigs.append(sig)
-        ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params, defaults)
-        kernels.append(ctx)
-        sigs.append(sig)
+            for role in ("forward", "backward_dkv", "backward_dq", "decode"):
+                if role in roles:
+                    ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)
+                    kernels.append(ctx)
+                    sigs.append(sig)
+        if "rowdot" in roles:
+            ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params, defaults)
+            kernels.append(ctx)
+            sigs.append(sig)
 
     # The same header as every other generated kernel file, with the spec path relative to
     # the package, so that generated/ is byte-identical on every machine.

@@ -3,6 +3,7 @@
     ak = AttentionKernels.from_op(lib.op("causal_attention"))   # or from a rendered file
     o, lse = attention_forward(ak, q, k, v)
     dq, dk, dv = attention_backward(ak, q, k, v, o, lse, do)
+    o = attention_decode(ak, q_new, k_cache, v_cache, pos0)     # new queries over a KV cache
 
 q, o, dq [B, T, H, D]; k, v, dk, dv [B, T, KVH, D]; lse [B, H, T] float32. Arrays are
 CuPy, float32 or bf16 (stored as uint16), all of one dtype. They may be strided views —
@@ -13,6 +14,7 @@ checked before a launch; a mismatch is an EulerError naming the argument.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -30,6 +32,10 @@ class AttentionKernels:
     params: dict
     function: Callable[[str], object]
     _ready: dict = field(default_factory=dict, compare=False, repr=False)  # name -> kernel
+    # decode's split-K records and per-chunk counters (zero between launches), grown on demand,
+    # and its checked launches by array layout
+    _decode_ws: dict = field(default_factory=dict, compare=False, repr=False)
+    _decode_launches: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_op(cls, op) -> "AttentionKernels":
@@ -71,6 +77,17 @@ class AttentionKernels:
                         fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             self._ready[name] = fn
         fn(grid, (int(plan["threads"]),), args, shared_mem=smem)
+
+    def decode_workspace(self, records: int, cells: int) -> tuple:
+        """(part, counts) for a split decode: `records` float32 records of the plan's rows and
+        `cells` counters, which the kernels leave at zero."""
+        import cupy
+        ws = self._decode_ws
+        if ws.get("part") is None or ws["part"].size < records:
+            ws["part"] = cupy.empty(max(records, 1), np.float32)
+        if ws.get("counts") is None or ws["counts"].size < cells:
+            ws["counts"] = cupy.zeros(max(cells, 1), np.int32)
+        return ws["part"], ws["counts"]
 
     def param_values(self, given: dict) -> tuple:
         unknown = sorted(set(given) - set(self.params))
@@ -216,3 +233,105 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
               (q, k, v, do, lse, delta, dq, *sizes, *sq, *sk, *sv, *sdo,
                *_strides("dq", dq, dtype), *pvals))
     return dq, dk, dv
+
+
+# Blocks a decode launch aims for per SM, splitting the cache across blocks until it has them:
+# decoding reads a few MB with little math, so what bounds it is loads in flight.
+DECODE_BLOCKS_PER_SM = 4
+
+
+@lru_cache(maxsize=None)
+def _sm_count() -> int:
+    import cupy
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def decode_splits(cells: int, keys: int, tile: int, sms: int) -> tuple[int, int]:
+    """(splits, keys a split) for `cells` blocks of rows over `keys` cached keys: enough
+    splits to give every SM DECODE_BLOCKS_PER_SM blocks, each split a whole number of tiles."""
+    tiles = _cdiv(keys, tile)
+    splits = max(1, min(tiles, _cdiv(DECODE_BLOCKS_PER_SM * sms, cells)))
+    split_keys = _cdiv(tiles, splits) * tile
+    return _cdiv(keys, split_keys), split_keys
+
+
+@dataclass(frozen=True)
+class _DecodeLaunch:
+    """What the layouts of a decode call's arrays fix, checked once: a sampler calls decode
+    per layer per token with the same layouts, where checks would cost more than the launch."""
+    name: str
+    plan: dict
+    tq: int
+    tmax: int
+    chunks: int       # chunks of block_rows query rows per (batch, kv head)
+    cells: int        # blocks of rows: B · KVH · chunks
+    record: int       # floats of one split's record: block_rows · (D + 2)
+    grid_yz: tuple    # (KVH, B)
+    heads: tuple      # n_heads, n_kv_heads
+    tail: tuple       # strides of q, k, v, o, then the params
+
+
+def _layout(a) -> tuple:
+    """Everything the checks of one array look at (AttributeError: not a CuPy array)."""
+    return type(a), a.shape, a.strides, a.dtype, a.data.ptr % 16
+
+
+def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
+                   params: dict) -> _DecodeLaunch:
+    """Every check of a decode call, before anything is launched: EulerError naming the
+    argument. `out` None: o will be a new contiguous array."""
+    import cupy
+    B, Tq, H, KVH, D, Tmax = decode_geometry(q, k_cache, v_cache, pos0)
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(a, cupy.ndarray):
+            raise EulerError(f"{name}: expected a CuPy array, got {type(a).__name__}", key=name)
+    dt = storage_dtype_name(q)
+    _check("k_cache", k_cache, k_cache.shape, q.dtype)
+    _check("v_cache", v_cache, v_cache.shape, q.dtype)
+    name, plan = ak.kernel("decode", dt, D)
+    pvals = ak.param_values(params)
+    dtype = DTYPE_OF[dt]
+    if out is None:
+        o_strides = tuple(np.int64(s) for s in (Tq * H * D, H * D, D))
+    else:
+        _check("out", out, q.shape, q.dtype)
+        o_strides = _strides("out", out, dtype)
+    rows = int(plan["block_rows"])
+    chunks = _cdiv(Tq * (H // KVH), rows)
+    return _DecodeLaunch(
+        name, plan, Tq, Tmax, chunks, B * KVH * chunks, rows * (D + 2), (KVH, B),
+        (np.int32(H), np.int32(KVH)),
+        (*_strides("q", q, dtype), *_strides("k_cache", k_cache, dtype),
+         *_strides("v_cache", v_cache, dtype), *o_strides, *pvals))
+
+
+def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, out=None, **params):
+    """o [B, Tq, H, D] in q's dtype: queries q at positions pos0 … pos0+Tq-1 over the caches
+    [B, Tmax, KVH, D], of which rows pos0+Tq and later are never read (docs/internals.md).
+    `out` writes into a given array (a strided view works). The split-K workspace belongs to
+    `ak`: calls on one stream run in order, so they may share it."""
+    try:
+        key = (_layout(q), _layout(k_cache), _layout(v_cache),
+               None if out is None else _layout(out), tuple(params.items()))
+    except AttributeError:  # not CuPy arrays: the checks say which
+        key = None
+    launch = ak._decode_launches.get(key)
+    if launch is None:
+        launch = _decode_launch(ak, q, k_cache, v_cache, out, pos0, params)
+        if key is not None:
+            ak._decode_launches[key] = launch
+    elif not 0 <= pos0 <= launch.tmax - launch.tq:
+        decode_geometry(q, k_cache, v_cache, pos0)   # raises, naming pos0
+    if out is None:
+        import cupy
+        out = cupy.empty(q.shape, q.dtype)
+    cells = launch.cells
+    splits, split_keys = decode_splits(cells, pos0 + launch.tq, launch.plan["tile"],
+                                       _sm_count())
+    split = splits > 1
+    part, counts = ak.decode_workspace(cells * splits * launch.record if split else 0,
+                                       cells if split else 0)
+    ak.launch(launch.name, launch.plan, (launch.chunks * splits, *launch.grid_yz),
+              (q, k_cache, v_cache, out, part, counts, np.int32(launch.tq), np.int32(pos0),
+               *launch.heads, np.int32(splits), np.int32(split_keys), *launch.tail))
+    return out

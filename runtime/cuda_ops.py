@@ -179,6 +179,11 @@ class CudaOps:
         raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA backward",
                          file=op.spec, key="kind")
 
+    def decode(self, op: OpEntry, q, k_cache, v_cache, pos0: int, out, params: dict):
+        """New queries over a KV cache: runtime/attention.py's attention_decode."""
+        from eulergen.runtime.attention import attention_decode
+        return attention_decode(self.attention(op), q, k_cache, v_cache, pos0, out=out, **params)
+
     def step(self, op: OpEntry, args: tuple, params: dict) -> None:
         """An update op over flat buffers: state float32, grads in the storage dtype; every
         operand the same shape (the caller launches once per weight-decay range)."""

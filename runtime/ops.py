@@ -133,9 +133,9 @@ class OpLibrary:
                              file=op.spec, key="kind")
         p = self._params(op, params)
         pos0 = int(pos0)
-        decode_geometry(q, k_cache, v_cache, pos0)
-        if self._cuda:
+        if self._cuda:   # checked there, once per layout of the arrays
             return self._cuda.decode(op, q, k_cache, v_cache, pos0, out, p)
+        decode_geometry(q, k_cache, v_cache, pos0)
         got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
         return self._deliver(op, "decode", got, out, 1)
 

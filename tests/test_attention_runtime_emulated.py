@@ -74,10 +74,11 @@ class FakeKernel:
                 ctypes.c_uint(block[0]), *cargs)
 
 
-def _library(name: str, folder: Path):
+def _library(name: str, folder: Path, **render):
+    """`render`: more keywords of render_attention (plans, roles)."""
     derived = attention_ops.load(name, folder)
     rendered = render_attention(derived, templates=jinja2.FileSystemLoader(str(EMULATOR)),
-                                configs=CONFIGS)
+                                configs=CONFIGS, **render)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (folder / "eulergen_common.cuh").write_text(
         env.get_template("common.cuh.j2").render(header="prelude (CPU emulation)"))

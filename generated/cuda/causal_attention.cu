@@ -922,6 +922,285 @@ __device__ __forceinline__ void attention_backward_dq(
 
 }  // namespace eg_attn
 
+// ---- decode: a few new queries against a KV cache, one block per (rows, key split, kv head, batch)
+//
+// A block owns RC query rows of one kv head: row r = t·G + g is query t (position pos0 + t)
+// of query head kvh·G + g (G = H / KVH). RC = G would load each key once for a whole GQA
+// group, but every row costs registers (q and the output sum): the planner's RC is 1, and
+// a group's blocks share its keys through L2 (render_attention.plan_attention). The
+// block's keys [split·split_keys, …) stream in tiles of KT: L = D / 16 lanes share a key
+// (16 dims each, 16-byte loads), so the block covers KG = 32·WARPS / L keys a step; every K
+// and V load of a tile is issued before any math (decoding is latency bound). Per tile: the
+// scores go to shared memory, one warp per row takes the tile's max and the exp2s (online
+// softmax), then every thread adds p·v into its 16 dims of each row. Only cache rows below
+// the chunk's last visible position are read.
+//
+// Long caches are split over blocks (split-K): each block writes its rows' (max, sum, acc)
+// to `part`; the last block of a chunk to finish (a counter in `counts`, which that block
+// resets to 0 for the next launch) merges them in split order, so the result does not depend
+// on which block finished last. With one split the block writes o directly.
+namespace eg_attn {
+
+// The 16 dims of a row that lane c (of the L lanes of a key) owns: load m covers dims
+// (m·L + c)·VEC … +VEC, so the L lanes read consecutive 16-byte pieces. Zeros when !ok:
+// rows past the visible keys are never read.
+template <int L>
+__device__ __forceinline__ void load_dims(float (&x)[16], const float* p, int c, bool ok) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (ok) f = *reinterpret_cast<const float4*>(p + (m * L + c) * 4);
+    x[4 * m] = f.x;
+    x[4 * m + 1] = f.y;
+    x[4 * m + 2] = f.z;
+    x[4 * m + 3] = f.w;
+  }
+}
+
+template <int L>
+__device__ __forceinline__ void load_dims(float (&x)[16], const bf16* p, int c, bool ok) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    uint4 u;
+    u.x = u.y = u.z = u.w = 0u;
+    if (ok) u = *reinterpret_cast<const uint4*>(p + (m * L + c) * 8);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[8 * m + 2 * e] = __uint_as_float(w[e] << 16);
+      x[8 * m + 2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+    }
+  }
+}
+
+// Element e of the 16 dims that lane c owns, as a column of the row.
+template <int L, typename T>
+__device__ __forceinline__ int dim_of(int e, int c) {
+  constexpr int VEC = 16 / sizeof(T);
+  return ((e / VEC) * L + c) * VEC + e % VEC;
+}
+
+__device__ __forceinline__ void store1(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store1(bf16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+template <typename T, int D, int WARPS, int RC, int KT, int MASK, typename Score>
+__device__ __forceinline__ void attention_decode(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+    float* __restrict__ part, int* __restrict__ counts, int tq, int pos0, int n_heads,
+    int n_kv_heads, int splits, int split_keys,
+    long long q_sb, long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
+    long long v_sb, long long v_st, long long v_sh, long long o_sb, long long o_st, long long o_sh,
+    Score sc) {
+  constexpr int L = D / 16, NTHR = 32 * WARPS, KG = NTHR / L, U = KT / KG;
+  constexpr int PER = (RC * D + NTHR - 1) / NTHR;  // output elements a thread writes or merges
+  static_assert(KT % KG == 0 && KT % 32 == 0, "a tile is whole steps of the block, and of a warp");
+  static_assert(RC <= WARPS && RC <= L, "a warp per row's softmax, a lane per row's score");
+  extern __shared__ __align__(16) unsigned char eg_smem[];
+  float* sP = reinterpret_cast<float*>(eg_smem);  // [RC][KT] scores, then probabilities
+  float* sM = sP + RC * KT;                        // [RC] running max (base 2)
+  float* sL = sM + RC;                             // [RC] running sum
+  float* sA = sL + RC;                             // [RC] this tile's rescale of acc
+  int* sLast = reinterpret_cast<int*>(sA + RC);    // [RC] (one used): merge here?
+  float* sO = sA + 2 * RC;                         // [WARPS][RC][D] per-warp sums of acc
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int c = tid % L, slot = tid / L;
+  const int group = n_heads / n_kv_heads;
+  const int chunks = gridDim.x / splits;
+  const int chunk = blockIdx.x / splits, split = blockIdx.x % splits;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int r0 = chunk * RC, nr = min(RC, tq * group - r0);
+  // Keys this chunk may see: the cache up to its last query's position (causal), or up to
+  // the last new query's (any other mask, evaluated per key).
+  const int n = pos0 + (MASK == MASK_CAUSAL ? (r0 + nr - 1) / group + 1 : tq);
+  const int used = (n + split_keys - 1) / split_keys;  // splits holding keys of this chunk
+  if (split >= used) return;
+  const int j0 = split * split_keys, j1 = min(n, j0 + split_keys);
+
+  Score rs[RC];
+  int pos[RC];
+  float qv[RC][16], acc[RC][16];
+#pragma unroll
+  for (int r = 0; r < RC; ++r) {
+    const int row = r0 + min(r, nr - 1), t = row / group, hq = kvh * group + row % group;
+    rs[r] = sc;
+    rs[r].set_head(hq);
+    pos[r] = pos0 + t;
+    load_dims<L>(qv[r], q + b * q_sb + t * q_st + hq * q_sh, c, true);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[r][e] = 0.0f;
+  }
+  k += b * k_sb + kvh * k_sh;
+  v += b * v_sb + kvh * v_sh;
+  if (tid < RC) {
+    sM[tid] = neg_inf();
+    sL[tid] = 0.0f;
+  }
+
+  for (int t0 = j0; t0 < j1; t0 += KT) {
+    float kx[U][16], vx[U][16];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = t0 + slot + u * KG;
+      load_dims<L>(kx[u], k + j * k_st, c, j < j1);
+      load_dims<L>(vx[u], v + j * v_st, c, j < j1);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = t0 + slot + u * KG;
+      float dot[RC];
+#pragma unroll
+      for (int r = 0; r < RC; ++r) {
+        dot[r] = 0.0f;
+        if (r < nr) {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) dot[r] = fmaf(qv[r][e], kx[u][e], dot[r]);
+        }
+      }
+#pragma unroll
+      for (int off = 1; off < L; off <<= 1) {
+#pragma unroll
+        for (int r = 0; r < RC; ++r) {
+          if (r < nr) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
+        }
+      }
+      // Lane c of the key scores row c.
+#pragma unroll
+      for (int r = 0; r < RC; ++r) {
+        if (r == c) {
+          float x = rs[r].score2(dot[r], (float)pos[r], (float)j);
+          if (!(j < j1 && visible<MASK>(rs[r], pos[r], j, pos0 + tq))) x = neg_inf();
+          sP[r * KT + j - t0] = x;
+        }
+      }
+    }
+    __syncthreads();
+    if (warp < nr) {
+      float* p = sP + warp * KT;
+      float x[KT / 32], mx = neg_inf();
+#pragma unroll
+      for (int e = 0; e < KT / 32; ++e) {
+        x[e] = p[lane + 32 * e];
+        mx = fmaxf(mx, x[e]);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = sM[warp], m_new = fmaxf(m_old, mx);
+      const float ref = m_new == neg_inf() ? 0.0f : m_new;  // nothing visible yet: stays 0
+      float sum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < KT / 32; ++e) {
+        const float pe = exp2f(x[e] - ref);
+        p[lane + 32 * e] = pe;
+        sum += pe;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) {
+        const float alpha = exp2f(m_old - ref);
+        sA[warp] = alpha;
+        sL[warp] = sL[warp] * alpha + sum;
+        sM[warp] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+      if (r < nr) {
+        const float alpha = sA[r];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[r][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const float p = sP[r * KT + slot + u * KG];
+#pragma unroll
+          for (int e = 0; e < 16; ++e) acc[r][e] = fmaf(p, vx[u][e], acc[r][e]);
+        }
+      }
+    }
+    __syncthreads();  // the next tile's scores go where these probabilities are
+  }
+
+  // Sum acc over the key slots: within a warp they differ in the lane bits from L up, then
+  // across warps in a fixed order.
+#pragma unroll
+  for (int off = L; off < 32; off <<= 1) {
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+      if (r < nr) {
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], off);
+      }
+    }
+  }
+  if (lane < L) {
+#pragma unroll
+    for (int r = 0; r < RC; ++r) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) sO[(warp * RC + r) * D + dim_of<L, T>(e, c)] = acc[r][e];
+    }
+  }
+  __syncthreads();
+  float sums[PER];
+#pragma unroll
+  for (int x = 0; x < PER; ++x) {
+    const int idx = tid + x * NTHR;
+    sums[x] = 0.0f;
+    if (idx < RC * D) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sums[x] += sO[w * RC * D + idx];
+    }
+  }
+
+  const long long cell = ((long long)b * gridDim.y + kvh) * chunks + chunk;
+  if (used > 1) {
+    float* rec = part + (cell * splits + split) * (RC * (D + 2));
+#pragma unroll
+    for (int x = 0; x < PER; ++x) {
+      if (tid + x * NTHR < RC * D) rec[tid + x * NTHR] = sums[x];
+    }
+    if (tid < RC) {
+      rec[RC * D + tid] = sM[tid];
+      rec[RC * D + RC + tid] = sL[tid];
+    }
+    __threadfence();  // this block's record is visible before the counter says so
+    __syncthreads();
+    if (tid == 0) sLast[0] = atomicAdd(counts + cell, 1) == used - 1;
+    __syncthreads();
+    if (!sLast[0]) return;
+    __threadfence();
+    if (tid == 0) counts[cell] = 0;
+  }
+#pragma unroll
+  for (int x = 0; x < PER; ++x) {
+    const int idx = tid + x * NTHR, r = idx / D, d = idx % D;
+    if (idx >= RC * D || r >= nr) continue;
+    float total, weight;
+    if (used == 1) {
+      total = sums[x];
+      weight = sL[r];
+    } else {
+      // Merge the splits' records in split order (L2 reads: other blocks wrote them).
+      const float* rec = part + cell * splits * (RC * (D + 2));
+      float mx = neg_inf();
+      for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(rec + s * (RC * (D + 2)) + RC * D + r));
+      const float ref = mx == neg_inf() ? 0.0f : mx;
+      total = weight = 0.0f;
+      for (int s = 0; s < used; ++s) {
+        const float* one = rec + s * (RC * (D + 2));
+        const float w = exp2f(__ldcg(one + RC * D + r) - ref);
+        weight += w * __ldcg(one + RC * D + RC + r);
+        total += w * __ldcg(one + idx);
+      }
+    }
+    const int row = r0 + r, t = row / group, hq = kvh * group + row % group;
+    // Nothing visible: o = 0, as in the forward.
+    store1(o + b * o_sb + t * o_st + hq * o_sh + d, weight > 0.0f ? total / weight : 0.0f);
+  }
+}
+
+}  // namespace eg_attn
+
 // ---- causal_attention: the score, its derivative and the mask, from ops/causal_attention.yaml -------------------------
 // score2 is the score times log2(e), for exp2-based softmax; dscore is ∂score/∂s.
 struct causal_attention_score {
@@ -979,6 +1258,18 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
+// decode, D = 64: 1 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(128) causal_attention_decode_d64_f32(
+    const float* q, const float* k, const float* v, float* o, float* part, int* counts, int tq,
+    int pos0, int n_heads, int n_kv_heads, int splits, int split_keys, long long q_sb,
+    long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
+    long long v_sb, long long v_st, long long v_sh, long long o_sb, long long o_st,
+    long long o_sh) {
+  const causal_attention_score sc{(float)n_heads, 0.125f};
+  eg_attn::attention_decode<float, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+}
+
 // forward, D = 128: 64 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(128) causal_attention_forward_d128_f32(
     const float* q, const float* k, const float* v, float* o, float* lse, int n, int n_heads,
@@ -1013,6 +1304,18 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
   eg_attn::attention_backward_dq<float, 128, 4, 1, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
+}
+
+// decode, D = 128: 1 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(256) causal_attention_decode_d128_f32(
+    const float* q, const float* k, const float* v, float* o, float* part, int* counts, int tq,
+    int pos0, int n_heads, int n_kv_heads, int splits, int split_keys, long long q_sb,
+    long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
+    long long v_sb, long long v_st, long long v_sh, long long o_sb, long long o_st,
+    long long o_sh) {
+  const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
+  eg_attn::attention_decode<float, 128, 8, 1, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
 // delta = rowsum(dO ∘ O), one warp per (batch, head, row)
@@ -1061,6 +1364,18 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
+// decode, D = 64: 1 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(128) causal_attention_decode_d64_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
+    float* part, int* counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits,
+    int split_keys, long long q_sb, long long q_st, long long q_sh, long long k_sb,
+    long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
+    long long o_sb, long long o_st, long long o_sh) {
+  const causal_attention_score sc{(float)n_heads, 0.125f};
+  eg_attn::attention_decode<__nv_bfloat16, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+}
+
 // forward, D = 128: 64 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(128) causal_attention_forward_d128_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
@@ -1097,6 +1412,18 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
   eg_attn::attention_backward_dq<__nv_bfloat16, 128, 4, 1, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
+}
+
+// decode, D = 128: 1 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(256) causal_attention_decode_d128_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
+    float* part, int* counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits,
+    int split_keys, long long q_sb, long long q_st, long long q_sh, long long k_sb,
+    long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
+    long long o_sb, long long o_st, long long o_sh) {
+  const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
+  eg_attn::attention_decode<__nv_bfloat16, 128, 8, 1, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
 // delta = rowsum(dO ∘ O), one warp per (batch, head, row)

@@ -130,6 +130,11 @@ inline dim3& emu_block_dim() { static dim3 d; return d; }
 #define gridDim (emu_grid())
 
 inline void __syncthreads() { emu::block_barrier(); }
+// Blocks run one after another, so memory is always coherent: the fence and the L2 load
+// are plain, and an atomic needs no lock.
+inline void __threadfence() {}
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
