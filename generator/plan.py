@@ -31,9 +31,16 @@ pair       one block per (b, t) token: grid = B · T; strides are arguments (vie
            fused qkv buffer work); in_place_ok = True (y may be x, dx may be dy).
 update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
            are the storage dtype; launch once per weight-decay range.
-embedding  forward: vec, grid = cdiv(BT · C, vec · threads). backward_wte: block
-           (threads_x = channels per block, 1), grid = (segments, cdiv(C, threads_x)),
-           adds into dwte. backward_wpe: grid = cdiv(T · C, threads), adds into dwpe.
+embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on the device.
+           backward (n = BT ids, a planned int64 workspace `tiled` and `keys` of n each):
+           backward_sort: tile, grid = cdiv(n, tile) (a block sorts one tile of keys
+           id << 32 | position); backward_merge: grid = cdiv(n, threads) (each key to its
+           rank); backward_wte: block (threads_x = channel units per block, 1), grid = (n,
+           cdiv(C / w, threads_x)) with w = vec when the `vec` argument is 1 (C % vec == 0
+           and dout, dwte 16-byte aligned), else 1; backward_wpe: vec, grid = cdiv(T · C,
+           vec · threads). Both backward_w* add into their output when `accumulate` is 1.
+           The sort kernels read no floats; each dtype has its copy, so that every stage
+           is looked up by (stage, dtype).
 """
 from __future__ import annotations
 
@@ -168,13 +175,18 @@ def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...
 
 
 EMBEDDING_THREADS = 256
-EMBEDDING_WTE_CHANNELS = 128          # channels per block of the dwte kernel (one per thread)
+EMBEDDING_WTE_UNITS = 128             # channel units (16-byte vectors) per block of the dwte kernel
+EMBEDDING_SORT_THREADS = 1024
+EMBEDDING_TILE = 2 * EMBEDDING_SORT_THREADS   # keys a block sorts: one compare-exchange a thread
 
 
 def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
-    if stage == "forward":
+    if stage in ("forward", "backward_wpe"):
         return (("threads", EMBEDDING_THREADS), ("vec", VEC[dtype]), ("grid_max", _GRID_MAX))
-    if stage == "backward_wte":
-        return (("threads", EMBEDDING_WTE_CHANNELS), ("threads_x", EMBEDDING_WTE_CHANNELS),
+    if stage == "backward_sort":
+        return (("threads", EMBEDDING_SORT_THREADS), ("tile", EMBEDDING_TILE),
                 ("grid_max", None))
-    return (("threads", EMBEDDING_THREADS), ("grid_max", _GRID_MAX))
+    if stage == "backward_merge":
+        return (("threads", EMBEDDING_THREADS), ("tile", EMBEDDING_TILE), ("grid_max", None))
+    return (("threads", EMBEDDING_WTE_UNITS), ("threads_x", EMBEDDING_WTE_UNITS),
+            ("vec", VEC[dtype]), ("grid_max", None))

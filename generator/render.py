@@ -397,23 +397,25 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
     dtypes = [{"name": d, "ctype": planner.CTYPE[d]} for d in planner.DTYPES]
     source = _template("embedding.cu.j2", header=header_line, dtypes=dtypes,
                        threads=planner.EMBEDDING_THREADS,
-                       wte_threads=planner.EMBEDDING_WTE_CHANNELS)
+                       sort_threads=planner.EMBEDDING_SORT_THREADS,
+                       tile=planner.EMBEDDING_TILE, wte_threads=planner.EMBEDDING_WTE_UNITS)
     sigs = []
     for dt in planner.DTYPES:
         c = planner.CTYPE[dt]
-        sigs += [
-            ir.KernelSig(f"embedding_forward_{dt}",
-                         (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
-                          ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int")),
-                         dt, "forward", planner.embedding_launch("forward", dt)),
-            ir.KernelSig(f"embedding_backward_wte_{dt}",
-                         (("dout", f"const {c}*"), ("sorted_pos", "const int*"),
-                          ("seg_offsets", "const int*"), ("seg_ids", "const int*"),
-                          ("dwte", f"{c}*"), ("C", "int")),
-                         dt, "backward_wte", planner.embedding_launch("backward_wte", dt)),
-            ir.KernelSig(f"embedding_backward_wpe_{dt}",
-                         (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"), ("T", "int"),
-                          ("C", "int")),
-                         dt, "backward_wpe", planner.embedding_launch("backward_wpe", dt)),
-        ]
+        stages = (
+            ("forward", (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
+                         ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"),
+                         ("V", "int"))),
+            ("backward_sort", (("ids", "const int*"), ("tiled", "long long*"), ("n", "int"),
+                               ("V", "int"))),
+            ("backward_merge", (("tiled", "const long long*"), ("keys", "long long*"),
+                                ("n", "int"))),
+            ("backward_wte", (("dout", f"const {c}*"), ("keys", "const long long*"),
+                              ("dwte", f"{c}*"), ("n", "int"), ("C", "int"), ("vec", "int"),
+                              ("accumulate", "int"))),
+            ("backward_wpe", (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"),
+                              ("T", "int"), ("C", "int"), ("accumulate", "int"))),
+        )
+        sigs += [ir.KernelSig(f"embedding_{stage}_{dt}", args, dt, stage,
+                              planner.embedding_launch(stage, dt)) for stage, args in stages]
     return ir.RenderedCuda(source, tuple(sigs))

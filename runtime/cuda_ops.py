@@ -97,6 +97,8 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32") -> in
     if op.kind == "attention" and stage == "backward":
         B, T, H, _ = shape
         return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
+    if op.kind == "embedding" and stage == "backward":
+        return 2 * _aligned(2 * prod(shape))    # int64 sort keys, tiled and merged (shape: ids')
     return 0
 
 
@@ -158,9 +160,10 @@ class CudaOps:
                          file=op.spec, key="kind")
 
     def backward(self, op: OpEntry, args: tuple, out, params: dict, pos0: int = 0,
-                 workspace=None) -> tuple:
+                 workspace=None, accumulate: tuple = ()) -> tuple:
         """`workspace`: a float32 buffer of workspace_elements(op, 'backward', …) elements
-        for the kernels' temporaries (a planned buffer); None: the library's own."""
+        for the kernels' temporaries (a planned buffer); None: the library's own.
+        `accumulate`: per gradient, add into `out` rather than overwrite (embedding only)."""
         if op.kind == "pointwise":
             return self._pointwise(op, "backward", args, out, params)
         if op.kind == "row":
@@ -168,7 +171,8 @@ class CudaOps:
         if op.kind == "pair":
             return self._pair(op, "backward", args, out, params, pos0)
         if op.kind == "embedding":
-            return self._embedding_backward(op, args, out)
+            return self._embedding_backward(op, args, out, workspace,
+                                            accumulate or (False,) * len(op.grads))
         if op.kind == "attention":
             from eulergen.runtime.attention import attention_backward
             delta = None
@@ -329,10 +333,16 @@ class CudaOps:
     # -- embedding: out[b, t] = wte[ids[b, t]] (+ wpe[t]); deterministic backward ----------------
 
     def _embedding_check(self, op: OpEntry, call: str, ids, wte, wpe):
-        import cupy
+        """Shapes only. The ids' range is checked by the kernels (templates/embedding.cu.j2:
+        an id outside the table traps, so the launch fails at the next synchronisation):
+        reading the ids back here would cost a device-to-host sync every call. Ids that
+        come from the host are checked there (GPT.load_tokens, the numpy backend)."""
         if ids.ndim < 1 or ids.dtype != np.int32:
             raise EulerError(f"{op.name}.{call}: ids must be int32 [..., T], got {ids.dtype} "
                              f"{tuple(ids.shape)}", file=op.spec, key="ids")
+        if ids.size >= 2 ** 31:
+            raise EulerError(f"{op.name}.{call}: {ids.size} ids; at most 2^31 - 1 per call",
+                             file=op.spec, key="ids")
         if wte.ndim != 2:
             raise EulerError(f"{op.name}.{call}: wte must be [vocab, C], got {tuple(wte.shape)}",
                              file=op.spec, key="wte")
@@ -340,13 +350,6 @@ class CudaOps:
         if wpe is not None and (wpe.ndim != 2 or wpe.shape[1] != C or wpe.shape[0] < T):
             raise EulerError(f"{op.name}.{call}: wpe has shape {tuple(wpe.shape)}, expected "
                              f"[≥ {T}, {C}]", file=op.spec, key="wpe")
-        if ids.size:
-            # An id past the table would read (or, backward, write) outside it: one host
-            # sync per call buys a clear error instead of an illegal-address fault.
-            lo, hi = (int(v) for v in cupy.stack([ids.min(), ids.max()]).get())
-            if lo < 0 or hi >= wte.shape[0]:
-                raise EulerError(f"{op.name}.{call}: ids span [{lo}, {hi}], the table has "
-                                 f"{wte.shape[0]} rows", file=op.spec, key="ids")
         return T, C
 
     def _embedding_forward(self, op: OpEntry, inputs: tuple, out) -> tuple:
@@ -359,19 +362,21 @@ class CudaOps:
             plan = kernel.plan
             grid = grid_for(cdiv(bt * C, plan["vec"] * plan["threads"]), plan)
             self.launcher(op).launch(kernel, grid, plan["threads"], {
-                "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt, "T": T,
-                "C": C})
+                "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt,
+                "T": T, "C": C, "V": wte.shape[0]})
         return (y,)
 
-    def _embedding_backward(self, op: OpEntry, args: tuple, out) -> tuple:
-        """(dwte, dwpe), written (not added to). Rows of dout are grouped by id after a sort
-        of the keys id · BT + position, which are unique, so the order inside a group is
-        token order on any sort: each dwte row has one writer and one summation order."""
-        import cupy
+    def _embedding_backward(self, op: OpEntry, args: tuple, out, workspace,
+                            accumulate: tuple) -> tuple:
+        """(dwte, dwpe), each written or, where `accumulate` says so, added to. No host
+        sync: the ids are sorted on the device by keys id << 32 | position (unique, so
+        equal ids stay in token order), then the first key of each run of equal ids sums
+        that run's rows of dout into dwte. Each element has one writer and one summation
+        order: a rerun gives the same bits. The keys live in `workspace` (planned) or in
+        the library's own buffer."""
         ids, wte, wpe, dout = args
         T, C = self._embedding_check(op, "backward", ids, wte, wpe)
         dtype = storage_dtype_name(wte)
-        wte_k, wpe_k = op.kernel("backward_wte", dtype), op.kernel("backward_wpe", dtype)
         if tuple(dout.shape) != tuple(ids.shape) + (C,):
             raise EulerError(f"{op.name}.backward: dout has shape {tuple(dout.shape)}, expected "
                              f"{tuple(ids.shape) + (C,)}", file=op.spec, key="dout")
@@ -379,26 +384,45 @@ class CudaOps:
         if wpe is not None:
             names, shapes = names + ["dwpe"], shapes + [wpe.shape]
         given = None if out is None else tuple(g for g in out if g is not None)
+        wte_k = op.kernel("backward_wte", dtype)
         grads = _outputs(wte_k, names, shapes, given, op, "backward")
-        for g in grads:
-            g.fill(0)
-        bt = ids.size
-        if bt:
-            flat = ids.reshape(-1).astype(np.int64)
-            order = cupy.argsort(flat * bt + cupy.arange(bt, dtype=np.int64))
-            sorted_ids = flat[order]
-            starts = cupy.flatnonzero(cupy.concatenate([
-                cupy.ones(1, dtype=bool), sorted_ids[1:] != sorted_ids[:-1]]))
-            segments = int(starts.size)
-            offsets = cupy.concatenate([starts, cupy.asarray([bt])]).astype(np.int32)
-            plan = wte_k.plan
-            self.launcher(op).launch(
-                wte_k, (segments, cdiv(C, plan["threads_x"])), plan["threads_x"],
-                {"dout": dout, "sorted_pos": order.astype(np.int32), "seg_offsets": offsets,
-                 "seg_ids": sorted_ids[starts].astype(np.int32), "dwte": grads[0], "C": C})
-            if wpe is not None:
-                plan = wpe_k.plan
-                self.launcher(op).launch(
-                    wpe_k, grid_for(cdiv(T * C, plan["threads"]), plan), plan["threads"],
-                    {"dout": dout, "dwpe": grads[1], "B": bt // T, "T": T, "C": C})
+        add_wte, add_wpe = accumulate
+        n = ids.size
+        if not add_wte:
+            grads[0].fill(0)                 # rows of ids that do not occur get no writer
+        if wpe is not None and not add_wpe:
+            grads[1][T if n else 0:].fill(0)   # positions the wpe kernel does not write
+        if not n:
+            return grads + ((None,) if wpe is None else ())
+        launcher = self.launcher(op)
+        keys = self._embedding_sort(op, dtype, ids, wte.shape[0], workspace)
+        vec = wte_k.plan["vec"]
+        use_vec = C % vec == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
+        units = C // vec if use_vec else C
+        launcher.launch(wte_k, (n, cdiv(units, wte_k.plan["threads_x"])), wte_k.plan["threads_x"],
+                        {"dout": dout, "keys": keys, "dwte": grads[0], "n": n, "C": C,
+                         "vec": int(use_vec), "accumulate": int(add_wte)})
+        if wpe is not None:
+            wpe_k = op.kernel("backward_wpe", dtype)
+            plan = wpe_k.plan
+            launcher.launch(wpe_k, grid_for(cdiv(T * C, plan["vec"] * plan["threads"]), plan),
+                            plan["threads"], {"dout": dout, "dwpe": grads[1], "B": n // T, "T": T,
+                                              "C": C, "accumulate": int(add_wpe)})
         return grads + ((None,) if wpe is None else ())
+
+    def _embedding_sort(self, op: OpEntry, dtype: str, ids, rows: int, workspace):
+        """The keys id << 32 | position of `ids`, sorted (int64 [n]), in `workspace` or the
+        library's own buffer: each tile sorted in shared memory, then every key put at its
+        rank. Two launches, no host read; an id outside [0, rows) traps."""
+        n = ids.size
+        if workspace is not None:
+            tiled, keys = (v.view(np.int64) for v in _carve(op, workspace, [(2 * n,)] * 2))
+        else:
+            tiled, keys = (v.view(np.int64) for v in self._workspace(op, "keys", 2, 2 * n))
+        sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)
+        launcher = self.launcher(op)
+        launcher.launch(sort_k, cdiv(n, sort_k.plan["tile"]), sort_k.plan["threads"],
+                        {"ids": ids, "tiled": tiled, "n": n, "V": rows})
+        launcher.launch(merge_k, cdiv(n, merge_k.plan["threads"]), merge_k.plan["threads"],
+                        {"tiled": tiled, "keys": keys, "n": n})
+        return keys

@@ -76,6 +76,7 @@ class Arch:
     # workspace (weight-gradient partials, attention's row dots) is sized from their plans
     norm_op: object = field(default=None, compare=False, repr=False)
     attention_op: object = field(default=None, compare=False, repr=False)
+    embedding_op: object = field(default=None, compare=False, repr=False)
 
     @property
     def vocab_rows(self) -> int:
@@ -146,7 +147,8 @@ def arch_of(cfg, lib) -> Arch:
                 norm=cfg.norm, norm_weights=_NORM_PARAM_NAMES[:len(weights)],
                 norm_params=_op_params(norm, {"eps": float(cfg.norm_eps)}),
                 activation=cfg.activation, attention=cfg.attention, rope_params=rope_params,
-                norm_op=norm, attention_op=attention)
+                norm_op=norm, attention_op=attention,
+                embedding_op=_need_op(lib, "embedding", "model", ("embedding",)))
 
 
 def _check_head_dim(attention, d: int, heads: int) -> None:
@@ -263,10 +265,10 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         # (one stream: a call's kernels have read it before the next call writes it)
         kernel_ws = max(workspace_elements(a.norm_op, "backward", (B, T, d)),
                         workspace_elements(a.attention_op, "backward",
-                                           (B, T, a.heads, a.head_dim)))
+                                           (B, T, a.heads, a.head_dim)),
+                        workspace_elements(a.embedding_op, "backward", (B, T)))
         if kernel_ws:
             p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
-        p.add("tokens", "emb_links", (2, N), "int32")   # GPU embedding scatter: first, next
     p.add("tokens", "idx", (B, T), "int32")
     p.add("tokens", "targets", (B, T), "int32")
     return p.plan()
@@ -341,10 +343,9 @@ class GPT:
         a, m, tape, tr = self.arch, self.mem, self.tape, self.training
         tape.record(Embedding(m["idx"], self.params["wte.weight"], m["h.0.x"],
                               m["d.x"] if tr else None,
-                              self.grads.get("wte.weight"),
+                              Grad(self.grads["wte.weight"], add=True) if tr else None,
                               None if a.rope else self.params["wpe.weight"],
-                              None if a.rope or not tr else self._g("wpe.weight", param=True),
-                              m["emb_links"] if tr else None))
+                              None if a.rope or not tr else self._g("wpe.weight", param=True)))
         for layer in range(a.layers):
             h = f"h.{layer}"
             x = m[f"{h}.x"]

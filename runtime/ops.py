@@ -108,16 +108,23 @@ class OpLibrary:
             got = self._module(op).forward(*inputs, **p)
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
-    def backward(self, name: str, *inputs_and_douts, out=None, workspace=None, **params):
+    def backward(self, name: str, *inputs_and_douts, out=None, workspace=None,
+                 accumulate=False, **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
-        (cuda_ops.workspace_elements says how big); numpy needs none and ignores it."""
+        (cuda_ops.workspace_elements says how big); numpy needs none and ignores it.
+        `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
+        all or one per gradient (GRADS order); the embedding op only (its table gradient
+        meets the tied LM head's)."""
         op = self.op(name)
         self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
         pos0 = self._pos0(op, params)
+        adds = self._accumulate(op, accumulate, out)
         p = self._params(op, params)
         if self._cuda:
             return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0,
-                                             workspace))
+                                             workspace, adds))
+        if op.kind == "embedding" and op.numpy is None:
+            return _NumpyEmbedding.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
         got = self._module(op).backward(*inputs_and_douts, **p)
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
@@ -184,6 +191,23 @@ class OpLibrary:
             raise EulerError(f"op {op.name!r}: pos0={pos0} needs the cuda backend (the numpy "
                              "module starts positions at 0)", file=op.spec, key="pos0")
         return pos0
+
+    @staticmethod
+    def _accumulate(op: OpEntry, accumulate, out) -> tuple[bool, ...]:
+        """`accumulate=` as one flag per gradient."""
+        flags = (tuple(bool(a) for a in accumulate) if isinstance(accumulate, (tuple, list))
+                 else (bool(accumulate),) * len(op.grads))
+        if len(flags) != len(op.grads):
+            raise EulerError(f"{op.name}.backward: accumulate= has {len(flags)} flags, expected "
+                             f"{len(op.grads)} ({', '.join(op.grads)})", file=op.spec,
+                             key="accumulate")
+        if any(flags) and op.kind != "embedding":
+            raise EulerError(f"{op.name}.backward: accumulate= is for the embedding op; add "
+                             "other gradients yourself", file=op.spec, key="accumulate")
+        if any(flags) and out is None:
+            raise EulerError(f"{op.name}.backward: accumulate= needs out= (the arrays to add "
+                             "into)", file=op.spec, key="accumulate")
+        return flags
 
     @staticmethod
     def _module(op: OpEntry):
@@ -254,40 +278,48 @@ class OpLibrary:
 class _NumpyEmbedding:
     """The embedding op on numpy. It has no formula (DESIGN.md: pure data movement), so no
     generated module: out = wte[ids] (+ wpe[:T]); the backward adds rows in token order
-    (np.add.at is sequential), the same order the GPU kernel sums each id's rows in."""
+    (np.add.at is sequential), the order the GPU kernel sums each id's rows in. The ids
+    are on the host here, so their range is checked before use (np.take would wrap a
+    negative id)."""
+
+    @staticmethod
+    def _check(ids, wte, call: str) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= wte.shape[0]):
+            raise EulerError(f"embedding.{call}: ids span [{ids.min()}, {ids.max()}], the table "
+                             f"has {wte.shape[0]} rows", key="ids")
 
     @staticmethod
     def forward(ids, wte, wpe):
+        _NumpyEmbedding._check(ids, wte, "forward")
         out = np.take(wte, ids, axis=0)
         if wpe is not None:
             out += wpe[: ids.shape[-1]]
         return out
 
     @staticmethod
-    def backward(ids, wte, wpe, dout):
+    def backward(ids, wte, wpe, dout, *, out=None, accumulate=(False, False)):
+        """(dwte, dwpe): into `out` where given (added to where `accumulate` says), else new."""
+        _NumpyEmbedding._check(ids, wte, "backward")
+        out = out or (None, None)
+        for name, g, w in zip(("dwte", "dwpe"), out, (wte, wpe)):
+            if g is not None and w is not None and g.shape != w.shape:
+                raise EulerError(f"embedding.backward: out {name} has shape {g.shape}, "
+                                 f"expected {w.shape}", key="out")
         C = wte.shape[1]
-        dwte = np.zeros_like(wte)
+        dwte = out[0] if out[0] is not None else np.zeros_like(wte)
+        if not accumulate[0]:
+            dwte[...] = 0
         np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
         if wpe is None:
             return dwte, None
         T = ids.shape[-1]
-        dwpe = np.zeros_like(wpe)
-        dwpe[:T] = dout.reshape(-1, T, C).sum(axis=0)
+        dwpe = out[1] if len(out) > 1 and out[1] is not None else np.zeros_like(wpe)
+        if accumulate[1]:
+            dwpe[:T] += dout.reshape(-1, T, C).sum(axis=0)
+        else:
+            dwpe[T:] = 0
+            np.sum(dout.reshape(-1, T, C), axis=0, out=dwpe[:T])
         return dwte, dwpe
-
-
-def _from_position(forward, inputs: tuple, pos0: int, params: dict):
-    """A pair op's numpy forward with the first row at position pos0: the generated module
-    numbers positions from 0, so it runs on pos0 zero rows followed by the inputs, and
-    keeps the rows from pos0 on (a CPU path: the extra rows cost what a prefill would)."""
-    shifted = []
-    for x in inputs:
-        x = np.asarray(x)
-        padded = np.zeros((x.shape[0], pos0 + x.shape[1], *x.shape[2:]), dtype=x.dtype)
-        padded[:, pos0:] = x
-        shifted.append(padded)
-    got = forward(*shifted, **params)
-    return tuple(g[:, pos0:] for g in got) if isinstance(got, tuple) else got[:, pos0:]
 
 
 def _tuple(out):

@@ -2,9 +2,9 @@
 
 Every node is built once, over views of planned buffers, so running the tape allocates
 nothing. The only backward math written here by hand is what has no formula to derive
-(DESIGN.md, invariant 1): a GEMM's backward is two GEMMs, the embedding's backward is a
-deterministic scatter-add, a residual stream's fan-in is a sum. Every other backward is
-`lib.backward` of a generated op.
+(DESIGN.md, invariant 1): a GEMM's backward is two GEMMs, a residual stream's fan-in is a
+sum. Every other backward is `lib.backward` of an op: a generated one, or the embedding
+(templates/embedding.cu.j2: a deterministic scatter-add).
 
 A node writes each gradient either over its destination (the first writer of that
 buffer in backward order) or adds into it (later writers: residual fan-in, the tied
@@ -197,76 +197,25 @@ class Add:
 
 
 class Embedding:
-    """out = table[ids] (+ positions[:T] broadcast over the batch).
+    """out = table[ids] (+ positions[:T] broadcast over the batch): the op library's
+    embedding, forward and backward.
 
-    Backward: dtable[ids[i]] += dout[i] in token order, which fixes the summation order of
-    repeated ids (deterministic), and dpositions = Σ_batch dout. The table gradient is
-    always added: the tied LM head, later in the forward pass, writes it first."""
+    Backward: dtable[ids[i]] (+)= dout[i] summed in token order per id (deterministic),
+    dpositions (+)= Σ_batch dout; each gradient is added or written as its Grad says (the
+    table's is added: the tied LM head, later in the forward pass, writes it first). The
+    sort the backward needs lives in the tape's kernel workspace."""
 
-    def __init__(self, ids, table, out, dout, dtable, positions=None,
-                 dpositions: Grad | None = None, links=None):
+    def __init__(self, ids, table, out, dout, dtable: Grad | None, positions=None,
+                 dpositions: Grad | None = None):
         self.ids, self.table, self.out, self.dout = ids, table, out, dout
         self.dtable, self.positions, self.dpositions = dtable, positions, dpositions
-        self.links = links  # int32 [2, rows] workspace for the GPU scatter (first flag, next)
 
     def forward(self, tape: Tape) -> None:
-        xp = tape.xp
-        flat_ids = self.ids.reshape(-1)
-        xp.take(self.table, flat_ids, axis=0, out=self.out.reshape(flat_ids.size, -1))
-        if self.positions is not None:
-            T = self.out.shape[1]
-            xp.add(self.out, self.positions[:T], out=self.out)
+        tape.lib.forward("embedding", self.ids, self.table, self.positions, out=self.out)
 
     def backward(self, tape: Tape) -> None:
-        xp = tape.xp
-        rows = self.dout.reshape(-1, self.dout.shape[-1])
-        if tape.backend.is_gpu:
-            scatter_add_rows_gpu(xp, self.ids.reshape(-1), rows, self.dtable, self.links)
-        else:
-            np.add.at(self.dtable, self.ids.reshape(-1), rows)
-        if self.positions is not None:
-            T = self.dout.shape[1]
-            dpos = self.dpositions.buf[:T]
-            if tape.adds(self.dpositions):
-                (tmp,) = tape.scratch([dpos.shape])
-                xp.sum(self.dout, axis=0, out=tmp)
-                xp.add(dpos, tmp, out=dpos)
-            else:
-                xp.sum(self.dout, axis=0, out=dpos)
-
-
-_SCATTER_SRC = r"""
-extern "C" __global__ void link_ids(const int* ids, int* first, int* next, int n) {
-  // first[i] = 1 when no earlier row has ids[i]; next[i] = the next row with ids[i], or -1
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  int id = ids[i], f = 1, nx = -1;
-  for (int j = 0; j < i; ++j) if (ids[j] == id) { f = 0; break; }
-  for (int j = i + 1; j < n; ++j) if (ids[j] == id) { nx = j; break; }
-  first[i] = f; next[i] = nx;
-}
-extern "C" __global__ void scatter_rows(const int* ids, const int* first, const int* next,
-                                        const float* src, float* dst, int n, int d) {
-  // one thread per (first row of an id, column): sums that id's rows in row order
-  int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
-  if (c >= d || !first[i]) return;
-  float s = 0.f;
-  for (int j = i; j >= 0; j = next[j]) s += src[(long long)j * d + c];
-  dst[(long long)ids[i] * d + c] += s;
-}
-"""
-_SCATTER = {}
-
-
-def scatter_add_rows_gpu(cupy, ids, rows, dst, links) -> None:
-    """dst[ids[i]] += rows[i], summed per id in row order: no float atomics, so a rerun
-    gives the same bits."""
-    if "mod" not in _SCATTER:
-        _SCATTER["mod"] = cupy.RawModule(code=_SCATTER_SRC)
-    mod = _SCATTER["mod"]
-    n, d = rows.shape
-    first, nxt = links[0], links[1]
-    mod.get_function("link_ids")(((n + 255) // 256,), (256,), (ids, first, nxt, np.int32(n)))
-    # rows on grid x (up to 2^31 - 1), column blocks on y (up to 65535)
-    mod.get_function("scatter_rows")((n, (d + 127) // 128), (128,),
-                                     (ids, first, nxt, rows, dst, np.int32(n), np.int32(d)))
+        dpos = self.dpositions
+        adds = (tape.adds(self.dtable), dpos is not None and tape.adds(dpos))
+        tape.lib.backward("embedding", self.ids, self.table, self.positions, self.dout,
+                          out=(self.dtable.buf, None if dpos is None else dpos.buf),
+                          accumulate=adds, workspace=tape.kernel_ws)

@@ -36,7 +36,7 @@ EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
 _FOLDER = Path(tempfile.mkdtemp(prefix="eg-cudagen-emu-"))
 TOL = {"f32": 1e-5, "bf16": 2.0 ** -8}
 _ELEM = {"float": ("float", np.float32), "__nv_bfloat16": ("__nv_bfloat16", np.uint16),
-         "int": ("int", np.int32)}
+         "int": ("int", np.int32), "long long": ("long long", np.int64)}
 _SCALAR = {"float": "(float)std::atof", "int": "std::atoi", "long long": "std::atoll"}
 
 
@@ -113,7 +113,8 @@ def launch(op: str, kernel: str, grid, block, **args) -> dict[str, np.ndarray]:
     bx, by = block if isinstance(block, tuple) else (block, 1)
     done = subprocess.run([str(_binary(op)), kernel, str(gx), str(gy), str(bx), str(by), *argv],
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{kernel}: exit {done.returncode}\n{done.stderr[:2000]}"
+    assert done.returncode == 0, (f"{kernel}: exit {done.returncode}\n{done.stdout[-2000:]}"
+                                  f"{done.stderr[:2000]}")
     return {n: np.fromfile(p, e).reshape(s) for n, (p, e, s) in outs.items()}
 
 
@@ -342,33 +343,75 @@ def test_update_step_matches_numpy(name, dtype):
             close(got[o["name"]].astype(np.float64), ref[o["name"]], TOL["f32"], f"{k} {o['name']}")
 
 
+def _embedding_keys(ids: np.ndarray, dtype: str) -> np.ndarray:
+    """The backward's device sort: tiles sorted in shared memory, then merged by rank."""
+    n = ids.size
+    k = f"embedding_backward_sort_{dtype}"
+    p = OPS["embedding"]["kernels"][k]["plan"]
+    tiled = launch("embedding", k, cdiv(n, p["tile"]), p["threads"], ids=ids,
+                   tiled=np.full(n, -1, np.int64), n=n, V=int(ids.max()) + 1)["tiled"]
+    k = f"embedding_backward_merge_{dtype}"
+    p = OPS["embedding"]["kernels"][k]["plan"]
+    return launch("embedding", k, cdiv(n, p["threads"]), p["threads"], tiled=tiled,
+                  keys=np.full(n, -1, np.int64), n=n)["keys"]
+
+
+@pytest.mark.parametrize("n,vocab", [(5000, 7), (5000, 100000), (2048, 3), (1, 1)])
+def test_embedding_sort_orders_ids_and_keeps_token_order_within_an_id(n, vocab):
+    """Keys id << 32 | position come out sorted: by id, and equal ids in token order, over
+    several tiles (5000 > 2 · 2048), exactly one tile, and one id."""
+    ids = np.random.default_rng(n + vocab).integers(0, vocab, n).astype(np.int32)
+    got = _embedding_keys(ids, "f32")
+    want = np.sort((ids.astype(np.int64) << 32) | np.arange(n))
+    assert (got == want).all()
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("C,with_wpe", [(64, True), (64, False), (50, True)])
 def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
     rng = np.random.default_rng(C)
     B, T, V = 2, 9, 13
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids[0, :6] = 4                                   # a run longer than a fetch batch
     wte, wpe = inputs_as_stored([rng.uniform(-1, 1, (V, C)), rng.uniform(-1, 1, (T, C))], dtype)
     k = f"embedding_forward_{dtype}"
     got = launch("embedding", k, 2, 64, ids=ids, wte=stored(wte, dtype),
                  wpe=stored(wpe, dtype) if with_wpe else None,
-                 out=stored(np.full((B, T, C), np.nan), dtype), BT=B * T, T=T, C=C)
+                 out=stored(np.full((B, T, C), np.nan), dtype), BT=B * T, T=T, C=C, V=V)
     close(value(got["out"], dtype), wte[ids] + (wpe[None] if with_wpe else 0), TOL[dtype], k)
 
     dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
     flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable").astype(np.int32)
-    uniq, starts = np.unique(flat[order], return_index=True)
-    offsets = np.append(starts, len(flat)).astype(np.int32)
+    keys = _embedding_keys(ids, dtype)
     k = f"embedding_backward_wte_{dtype}"
-    tx = OPS["embedding"]["kernels"][k]["plan"]["threads_x"]
-    got = launch("embedding", k, (len(uniq), cdiv(C, tx)), tx, dout=stored(dout, dtype),
-                 sorted_pos=order, seg_offsets=offsets, seg_ids=uniq.astype(np.int32),
-                 dwte=stored(np.ones((V, C)), dtype), C=C)
-    want = np.ones((V, C))
-    np.add.at(want, flat, dout.reshape(-1, C))
-    close(value(got["dwte"], dtype), want, TOL[dtype], k)
+    p = OPS["embedding"]["kernels"][k]["plan"]
+    vec = int(C % p["vec"] == 0)
+    units = C // p["vec"] if vec else C
+    for accumulate in (0, 1):
+        base = np.ones((V, C)) if accumulate else np.full((V, C), np.nan)
+        got = launch("embedding", k, (flat.size, cdiv(units, p["threads_x"])), p["threads_x"],
+                     dout=stored(dout, dtype), keys=keys, dwte=stored(base, dtype), n=flat.size,
+                     C=C, vec=vec, accumulate=accumulate)
+        want = np.full((V, C), float(accumulate))
+        np.add.at(want, flat, dout.reshape(-1, C))
+        seen = np.unique(flat)
+        close(value(got["dwte"], dtype)[seen], want[seen], TOL[dtype], f"{k} accumulate={accumulate}")
+        assert np.isnan(value(got["dwte"], dtype)).sum() == (V - seen.size) * C * (1 - accumulate), \
+            "dwte rows of absent ids are the caller's (the runtime zero-fills them)"
     k = f"embedding_backward_wpe_{dtype}"
-    got = launch("embedding", k, 2, 64, dout=stored(dout, dtype),
-                 dwpe=stored(np.zeros((T, C)), dtype), B=B, T=T, C=C)
-    close(value(got["dwpe"], dtype), dout.sum(0), TOL[dtype], k)
+    for accumulate in (0, 1):
+        got = launch("embedding", k, 2, 64, dout=stored(dout, dtype),
+                     dwpe=stored(np.ones((T, C)), dtype), B=B, T=T, C=C, accumulate=accumulate)
+        close(value(got["dwpe"], dtype), dout.sum(0) + accumulate, TOL[dtype], k)
+
+
+def test_embedding_id_outside_the_table_traps():
+    """The range check costs no host sync: the kernel prints the id and traps."""
+    ids = np.int32([[0, 3, 13]])
+    with pytest.raises(AssertionError, match=r"ids\[2\] = 13 is outside the table of 13 rows"):
+        launch("embedding", "embedding_forward_f32", 1, 64, ids=ids,
+               wte=np.zeros((13, 4), np.float32), wpe=None,
+               out=np.zeros((1, 3, 4), np.float32), BT=3, T=3, C=4, V=13)
+    with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
+        launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
+               tiled=np.zeros(2, np.int64), n=2, V=13)

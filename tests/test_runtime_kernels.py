@@ -36,6 +36,10 @@ class FakeArray(np.ndarray):
     def get(self):
         return np.asarray(self)
 
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
 
 def _wrap(fn):
     def call(*args, **kwargs):
@@ -148,21 +152,30 @@ class Emulator:
         load_numpy_module(op).step(*[v[o.name] for o in op.inputs], **self._params(op, v))
 
     def _embedding(self, op, kernel, v):
-        C = int(v["C"])
         if kernel.stage == "forward":
-            T, flat = int(v["T"]), np.asarray(v["ids"]).reshape(-1)
+            C, T, flat = int(v["C"]), int(v["T"]), np.asarray(v["ids"]).reshape(-1)
+            assert 0 <= flat.min() and flat.max() < int(v["V"]), "the kernel traps"
             out = v["out"].reshape(-1, C)
             out[...] = v["wte"][flat]
             if not isinstance(v["wpe"], np.uint64):
                 out += np.tile(v["wpe"][:T], (flat.size // T, 1))
+        elif kernel.stage == "backward_sort":
+            n, tile = int(v["n"]), kernel.plan["tile"]
+            keys = (np.asarray(v["ids"]).reshape(-1).astype(np.int64) << 32) | np.arange(n)
+            for b in range(0, n, tile):
+                v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
+        elif kernel.stage == "backward_merge":
+            v["keys"][...] = np.sort(v["tiled"])
         elif kernel.stage == "backward_wte":
-            dout = v["dout"].reshape(-1, C)
-            off = v["seg_offsets"]
-            for s, row in enumerate(v["seg_ids"]):
-                v["dwte"][row] += dout[v["sorted_pos"][off[s]:off[s + 1]]].sum(axis=0)
+            C, keys = int(v["C"]), np.asarray(v["keys"])
+            rows = v["dout"].reshape(-1, C)
+            if not v["accumulate"]:
+                v["dwte"][np.unique(keys >> 32)] = 0
+            np.add.at(v["dwte"], keys >> 32, rows[keys & 0xFFFFFFFF])
         else:
-            B, T = int(v["B"]), int(v["T"])
-            v["dwpe"][:T] += v["dout"].reshape(B, T, C).sum(axis=0)
+            B, T, C = int(v["B"]), int(v["T"]), int(v["C"])
+            total = v["dout"].reshape(B, T, C).sum(axis=0)
+            v["dwpe"][:T] = v["dwpe"][:T] + total if v["accumulate"] else total
 
 
 @pytest.fixture
@@ -286,8 +299,44 @@ def test_embedding_backward_groups_repeated_ids_and_matches_numpy(libs, emu):
     want = ref.backward("embedding", ids, wte, wpe, dout)
     close(got[0], want[0])
     close(got[1], want[1])
-    with pytest.raises(EulerError, match=r"ids span \[0, 9\], the table has 5 rows"):
-        gpu.forward("embedding", dev(np.int32([[0, 9]])), dev(wte), dev(wpe))
+    assert not got[1][4:].any(), "positions past T have a zero gradient"
+    # accumulate: the table's gradient adds to what is there (the tied head's), per flag
+    dwte, dwpe = dev(np.ones_like(wte)), dev(np.ones_like(wpe))
+    gpu.backward("embedding", dev(ids), dev(wte), dev(wpe), dev(dout), out=(dwte, dwpe),
+                 accumulate=(True, False))
+    close(dwte, want[0] + 1)
+    close(dwpe, want[1])
+    with pytest.raises(EulerError, match="accumulate= needs out="):
+        gpu.backward("embedding", dev(ids), dev(wte), dev(wpe), dev(dout), accumulate=True)
+    with pytest.raises(EulerError, match="accumulate= has 1 flags, expected 2"):
+        gpu.backward("embedding", dev(ids), dev(wte), dev(wpe), dev(dout), out=(dwte, dwpe),
+                     accumulate=(True,))
+
+
+@needs_manifest
+@pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
+def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, emu):
+    """No host read of the ids (the range check is the kernels'): sort, merge, run sums
+    and the position sum are four launches, and the sort keys live in the caller's
+    workspace, so a planned step allocates nothing."""
+    from eulergen.runtime.cuda_ops import workspace_elements
+    gpu, ref = libs
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, 3, (2, 5000)).astype(np.int32)   # several sort tiles
+    wte = rng.standard_normal((3, 8)).astype(np.float32)
+    dout = rng.standard_normal((2, 5000, 8)).astype(np.float32)
+    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape), np.nan,
+                     np.float32))
+    emu.launches.clear()
+    got = gpu.backward("embedding", dev(ids), dev(wte), None, dev(dout), workspace=ws)
+    assert [n for n, *_ in emu.launches] == ["embedding_backward_sort_f32",
+                                              "embedding_backward_merge_f32",
+                                              "embedding_backward_wte_f32"]
+    tile = gpu.op("embedding").kernel("backward_sort", "f32").plan["tile"]
+    assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
+    assert np.shares_memory(emu.launches[2][3]["keys"], ws)
+    close(got[0], ref.backward("embedding", ids, wte, None, dout)[0])
+    assert got[1] is None
 
 
 @needs_manifest

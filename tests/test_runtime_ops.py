@@ -199,3 +199,38 @@ def test_a_stale_module_that_disagrees_with_the_manifest_is_reported(tmp_path):
     lib = OpLibrary(get_backend("numpy"), manifests=[write_manifest(tmp_path, modules=modules)])
     with pytest.raises(EulerError, match="stale build"):
         lib.forward("scale", np.float32([1]))
+
+
+# ---- the embedding on numpy (no generated module: runtime/ops.py holds it) -----------------
+
+def test_embedding_backward_adds_or_writes_each_gradient_as_accumulate_says(lib):
+    rng = np.random.default_rng(0)
+    ids = np.int32([[0, 2, 0], [1, 0, 2]])
+    wte = rng.standard_normal((4, 3)).astype(np.float32)
+    wpe = rng.standard_normal((5, 3)).astype(np.float32)
+    dout = rng.standard_normal((2, 3, 3)).astype(np.float32)
+    want_wte, want_wpe = lib.backward("embedding", ids, wte, wpe, dout)
+    assert not want_wte[3].any() and not want_wpe[3:].any(), "absent ids and positions: 0"
+    dwte, dwpe = np.ones_like(wte), np.ones_like(wpe)
+    lib.backward("embedding", ids, wte, wpe, dout, out=(dwte, dwpe), accumulate=(True, False))
+    np.testing.assert_array_equal(dwte, np.float32(1) + want_wte)
+    np.testing.assert_array_equal(dwpe, want_wpe)
+    lib.backward("embedding", ids, wte, wpe, dout, out=(dwte, dwpe), accumulate=True)
+    np.testing.assert_allclose(dwpe, 2 * want_wpe, rtol=1e-6)
+
+
+def test_embedding_ids_outside_the_table_are_refused_on_the_host(lib):
+    wte = np.zeros((4, 3), np.float32)
+    with pytest.raises(EulerError, match=r"ids span \[-1, 2\], the table has 4 rows"):
+        lib.forward("embedding", np.int32([[2, -1]]), wte, None)
+    with pytest.raises(EulerError, match=r"ids span \[0, 4\]"):
+        lib.backward("embedding", np.int32([[4, 0]]), wte, None, np.zeros((1, 2, 3), np.float32))
+
+
+def test_accumulate_is_refused_where_it_cannot_be_honoured(lib):
+    x, dy = np.float32([1, 2]), np.float32([5, 7])
+    with pytest.raises(EulerError, match="accumulate= is for the embedding op"):
+        lib.backward("scale", x, dy, out=(np.zeros(2, np.float32),), accumulate=True)
+    with pytest.raises(EulerError, match="accumulate= needs out="):
+        lib.backward("embedding", np.int32([[0]]), np.zeros((1, 2), np.float32), None,
+                     np.zeros((1, 1, 2), np.float32), accumulate=True)

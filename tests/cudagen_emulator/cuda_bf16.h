@@ -23,3 +23,9 @@ void emu_launch_2d(dim3 grid, dim3 block, F&& kernel) {
     kernel();
   });
 }
+
+// A device-side fault (the embedding kernels' id check): the launch ends, as on the GPU.
+[[noreturn]] inline void __trap() {
+  std::fflush(stdout);
+  std::abort();
+}

@@ -101,9 +101,9 @@ def test_fused_cross_entropy_overwrites_50257_wide_logits_with_their_gradient(cp
 @pytest.mark.parametrize("C,with_wpe", [(768, True), (768, False), (50, True)])
 def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C, with_wpe, dtype):
     rng = np.random.default_rng(C)
-    B, T, V = 4, 64, 300
+    B, T, V = 4, 1280, 300                           # 5120 ids: three sort tiles
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
-    ids[0, :10] = 7                                   # a long segment
+    ids[0, :10] = 7                                   # a long run
     wte = rng.standard_normal((V, C)).astype(np.float32)
     wpe = rng.standard_normal((T, C)).astype(np.float32)
     if dtype == "bf16":
@@ -114,30 +114,38 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
     grid = min(cdiv(B * T * C, p["vec"] * p["threads"]), p["grid_max"])
     kernel(cp, "embedding", f"embedding_forward_{dtype}")(
         (grid,), (p["threads"],), (cp.asarray(ids), d_wte, d_wpe if with_wpe else np.uint64(0), out,
-                                   np.int64(B * T), np.int32(T), np.int32(C)))
+                                   np.int64(B * T), np.int32(T), np.int32(C), np.int32(V)))
     want = wte[ids] + (wpe[None] if with_wpe else 0)
     assert rel_err(load(cp, out, dtype), want) < TOL[dtype] / 4
 
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
     if dtype == "bf16":
         dout = from_bf16(to_bf16(dout))
+    n = ids.size
+    tiled, keys = cp.empty(n, cp.int64), cp.empty(n, cp.int64)
+    p = plan("embedding", f"embedding_backward_sort_{dtype}")
+    kernel(cp, "embedding", f"embedding_backward_sort_{dtype}")(
+        (cdiv(n, p["tile"]),), (p["threads"],), (cp.asarray(ids), tiled, np.int32(n), np.int32(V)))
+    p = plan("embedding", f"embedding_backward_merge_{dtype}")
+    kernel(cp, "embedding", f"embedding_backward_merge_{dtype}")(
+        (cdiv(n, p["threads"]),), (p["threads"],), (tiled, keys, np.int32(n)))
     flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable").astype(np.int32)
-    uniq, starts = np.unique(flat[order], return_index=True)
-    offsets = np.append(starts, len(flat)).astype(np.int32)
+    want_keys = np.sort((flat.astype(np.int64) << 32) | np.arange(n))
+    assert (cp.asnumpy(keys) == want_keys).all(), "sorted keys"
     grads = []
     for _ in range(2):
-        dwte = store(cp, np.ones((V, C), np.float32), dtype)   # the kernel adds into it
+        dwte = store(cp, np.ones((V, C), np.float32), dtype)   # accumulate: added into
         p = plan("embedding", f"embedding_backward_wte_{dtype}")
+        vec = C % p["vec"] == 0
         kernel(cp, "embedding", f"embedding_backward_wte_{dtype}")(
-            (len(uniq), cdiv(C, p["threads_x"])), (p["threads_x"],),
-            (store(cp, dout, dtype), cp.asarray(order), cp.asarray(offsets),
-             cp.asarray(uniq.astype(np.int32)), dwte, np.int32(C)))
-        dwpe = store(cp, np.zeros((T, C), np.float32), dtype)
+            (n, cdiv(C // p["vec"] if vec else C, p["threads_x"])), (p["threads_x"],),
+            (store(cp, dout, dtype), keys, dwte, np.int32(n), np.int32(C), np.int32(vec),
+             np.int32(1)))
+        dwpe = store(cp, np.full((T, C), np.nan, np.float32), dtype)   # written
         p = plan("embedding", f"embedding_backward_wpe_{dtype}")
         kernel(cp, "embedding", f"embedding_backward_wpe_{dtype}")(
-            (min(cdiv(T * C, p["threads"]), p["grid_max"]),), (p["threads"],),
-            (store(cp, dout, dtype), dwpe, np.int32(B), np.int32(T), np.int32(C)))
+            (min(cdiv(T * C, p["vec"] * p["threads"]), p["grid_max"]),), (p["threads"],),
+            (store(cp, dout, dtype), dwpe, np.int32(B), np.int32(T), np.int32(C), np.int32(0)))
         grads.append((cp.asnumpy(dwte).copy(), cp.asnumpy(dwpe).copy()))
     assert all(a.tobytes() == b.tobytes() for a, b in zip(*grads)), "two runs differ"
     want_wte = np.ones((V, C))
