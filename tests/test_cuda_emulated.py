@@ -373,6 +373,7 @@ def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
     B, T, V = 2, 9, 13
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     ids[0, :6] = 4                                   # a run longer than a fetch batch
+    ids[1, :8] = V - 1                               # the last run: it ends at the last key
     wte, wpe = inputs_as_stored([rng.uniform(-1, 1, (V, C)), rng.uniform(-1, 1, (T, C))], dtype)
     k = f"embedding_forward_{dtype}"
     got = launch("embedding", k, 2, 64, ids=ids, wte=stored(wte, dtype),
