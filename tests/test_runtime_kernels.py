@@ -315,10 +315,11 @@ def test_embedding_backward_groups_repeated_ids_and_matches_numpy(libs, emu):
 
 @needs_manifest
 @pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
-def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, emu):
-    """No host read of the ids (the range check is the kernels'): sort, merge, run sums
-    and the position sum are four launches, and the sort keys live in the caller's
-    workspace, so a planned step allocates nothing."""
+def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, emu,
+                                                                         monkeypatch):
+    """No host read of a device array (on a GPU, a sync): the range check is the kernels',
+    and sort, merge and run sums are three launches (no positions here) whose sort keys
+    live in the caller's workspace, so a planned step allocates nothing."""
     from eulergen.runtime.cuda_ops import workspace_elements
     gpu, ref = libs
     rng = np.random.default_rng(8)
@@ -328,7 +329,13 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
     ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape), np.nan,
                      np.float32))
     emu.launches.clear()
-    got = gpu.backward("embedding", dev(ids), dev(wte), None, dev(dout), workspace=ws)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the host read a device array (a sync on a GPU)")
+    with monkeypatch.context() as m:
+        for name in ("get", "item", "tolist", "__int__", "__index__", "__float__", "__bool__"):
+            m.setattr(FakeArray, name, refuse, raising=False)
+        got = gpu.backward("embedding", dev(ids), dev(wte), None, dev(dout), workspace=ws)
     assert [n for n, *_ in emu.launches] == ["embedding_backward_sort_f32",
                                               "embedding_backward_merge_f32",
                                               "embedding_backward_wte_f32"]
