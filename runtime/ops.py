@@ -322,5 +322,19 @@ class _NumpyEmbedding:
         return dwte, dwpe
 
 
+def _from_position(forward, inputs: tuple, pos0: int, params: dict):
+    """A pair op's numpy forward with the first row at position pos0: the generated module
+    numbers positions from 0, so it runs on pos0 zero rows followed by the inputs, and
+    keeps the rows from pos0 on (a CPU path: the extra rows cost what a prefill would)."""
+    shifted = []
+    for x in inputs:
+        x = np.asarray(x)
+        padded = np.zeros((x.shape[0], pos0 + x.shape[1], *x.shape[2:]), dtype=x.dtype)
+        padded[:, pos0:] = x
+        shifted.append(padded)
+    got = forward(*shifted, **params)
+    return tuple(g[:, pos0:] for g in got) if isinstance(got, tuple) else got[:, pos0:]
+
+
 def _tuple(out):
     return None if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)
