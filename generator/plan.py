@@ -8,7 +8,7 @@ the keys, per template (every kernel also has `threads`, the block size, and
 None: no cap):
 
 pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
-           block's tile is threads · unroll vectors; pointwise_unroll gives it, per kernel,
+           block's tile is threads · unroll vectors; pointwise_tile gives both, per kernel,
            from the loads it issues): grid = cdiv(n, vec · unroll · threads), uncapped
            (grid_max None: short blocks that each stream one tile keep the resident blocks
            on one contiguous window of memory and leave no tail wave). Any n and any
@@ -121,19 +121,26 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 
 
 # 16-byte loads a pointwise thread keeps in flight, so that a one-input kernel has as many
-# as a two-input one. (H200: a one-input fp32 forward ran 0.576 ms at 8, as at 4: its 0.89
-# of copy bandwidth has another cause; benchmarks/RESULTS.md.)
+# as a two-input one...
 POINTWISE_LOADS_IN_FLIGHT = 8
+# ...except that a kernel with one operand to read streams best in small tiles: on the
+# H200 a one-input fp32 forward (2^28 elements) took 0.522 ms at 256 threads x 8 vectors
+# (4 and 16 the same), 0.504 ms at 128 x 1, which is copy bandwidth (torch 0.507 ms).
+POINTWISE_ONE_LOAD_TILE = (128, 1)
 
 
-def pointwise_unroll(plan: KernelPlan, loads: int) -> int:
-    """Vectors per thread for a kernel reading `loads` operands: the plan's unroll, or more
-    where that leaves fewer than POINTWISE_LOADS_IN_FLIGHT loads in flight."""
-    return max(plan.unroll, POINTWISE_LOADS_IN_FLIGHT // max(loads, 1))
+def pointwise_tile(plan: KernelPlan, loads: int) -> tuple[int, int]:
+    """(threads, vectors per thread per operand) for a kernel reading `loads` operands:
+    the plan's unroll, or more where that leaves fewer than POINTWISE_LOADS_IN_FLIGHT loads
+    in flight; one-operand kernels take POINTWISE_ONE_LOAD_TILE."""
+    if loads == 1:
+        return POINTWISE_ONE_LOAD_TILE
+    return plan.threads, max(plan.unroll, POINTWISE_LOADS_IN_FLIGHT // max(loads, 1))
 
 
-def pointwise_launch(plan: KernelPlan, dtype: str, unroll: int) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("unroll", unroll),
+def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,
+                     unroll: int) -> tuple[tuple[str, object], ...]:
+    return (("threads", threads), ("vec", plan.vec_of(dtype)), ("unroll", unroll),
             ("grid_max", None), ("in_place_ok", True))
 
 

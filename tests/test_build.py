@@ -208,7 +208,7 @@ def test_check_ignores_build_keys_but_not_content(generated, few_ops):
     manifest["ops"]["gelu"]["build_key"] = "0" * 64       # as after an unrelated generator edit
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     assert build.run_build(check=True, echo=lambda s: None) == 0
-    manifest["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["plan"]["threads"] = 128
+    manifest["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["plan"]["threads"] = 64   # a value no plan gives
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     assert build.run_build(check=True, echo=lambda s: None) == 1
 

@@ -169,9 +169,10 @@ def test_pointwise_forward_and_backward_match_numpy(name, dtype):
     rng = np.random.default_rng(1)
     xs = inputs_as_stored([rng.uniform(-4, 4, n) for _ in op["inputs"]], dtype)
     ins = {o["name"]: stored(x, dtype) for o, x in zip(op["inputs"], xs)}
-    p = OPS[name]["kernels"][f"{name}_forward_{dtype}"]["plan"]
+    threads = {stage: OPS[name]["kernels"][f"{name}_{stage}_{dtype}"]["plan"]["threads"]
+               for stage in ("forward", "backward")}
     outs = {o["name"]: stored(np.full(n, np.nan), dtype) for o in op["outputs"]}
-    got = launch(name, f"{name}_forward_{dtype}", 2, p["threads"], **ins, **outs, n=n)
+    got = launch(name, f"{name}_forward_{dtype}", 2, threads["forward"], **ins, **outs, n=n)
     for o, w, w32 in zip(op["outputs"], as_tuple(mod.forward(*xs)), as_tuple(mod.forward(*f32(xs)))):
         close(value(got[o["name"]], dtype), w, TOL[dtype], f"{name} {o['name']}", w32)
 
@@ -179,7 +180,7 @@ def test_pointwise_forward_and_backward_match_numpy(name, dtype):
     grads = [o["name"] for o in op["inputs"] if o["differentiable"]]
     bwd = {f"d{o['name']}": stored(d, dtype) for o, d in zip(op["outputs"], dys)}
     bwd |= {f"d{g}": stored(np.full(n, np.nan), dtype) for g in grads}
-    got = launch(name, f"{name}_backward_{dtype}", 3, p["threads"], **ins, **bwd, n=n)
+    got = launch(name, f"{name}_backward_{dtype}", 3, threads["backward"], **ins, **bwd, n=n)
     want32 = as_tuple(mod.backward(*f32(xs), *f32(dys)))
     for g, w, w32 in zip(grads, as_tuple(mod.backward(*xs, *dys)), want32):
         close(value(got[f"d{g}"], dtype), w, TOL[dtype], f"{name} d{g}", w32)
