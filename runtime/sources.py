@@ -41,9 +41,6 @@ class Source(Protocol):
 def checked(docs: Iterator[Document], on_bad_text: str, warn) -> Iterator[Document]:
     """`docs`, stopping at the first that is not UTF-8 ("stop"), or warning and passing it
     on without text ("skip": it still counts as a document)."""
-    if on_bad_text not in ON_BAD_TEXT:
-        raise EulerError(f"{on_bad_text!r} is not one of {', '.join(ON_BAD_TEXT)}",
-                         key="--on-bad-text")
     for doc in docs:
         if doc.error is not None:
             if on_bad_text == "stop":
