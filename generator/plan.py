@@ -123,18 +123,19 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 # 16-byte loads a pointwise thread keeps in flight, so that a one-input kernel has as many
 # as a two-input one...
 POINTWISE_LOADS_IN_FLIGHT = 8
-# ...except that a kernel with one operand to read streams best in small tiles: on the
-# H200 a one-input fp32 forward (2^28 elements) took 0.522 ms at 256 threads x 8 vectors
-# (4 and 16 the same), 0.504 ms at 128 x 1, which is copy bandwidth (torch 0.507 ms).
-POINTWISE_ONE_LOAD_TILE = (128, 1)
+# ...except that an fp32 kernel with one operand to read streams best in small tiles: on
+# the H200 a one-input fp32 forward (2^28 elements) took 0.579 ms at 256 threads x 8
+# vectors (4 and 16 the same), 0.560 ms at 128 x 1 (torch 0.507). In bf16, 128 x 1 was
+# slower for all but relu (gelu_erf 0.300 -> 0.363 ms), so bf16 keeps the general tile.
+POINTWISE_ONE_LOAD_TILE = {"f32": (128, 1)}
 
 
-def pointwise_tile(plan: KernelPlan, loads: int) -> tuple[int, int]:
+def pointwise_tile(plan: KernelPlan, loads: int, dtype: str) -> tuple[int, int]:
     """(threads, vectors per thread per operand) for a kernel reading `loads` operands:
     the plan's unroll, or more where that leaves fewer than POINTWISE_LOADS_IN_FLIGHT loads
-    in flight; one-operand kernels take POINTWISE_ONE_LOAD_TILE."""
-    if loads == 1:
-        return POINTWISE_ONE_LOAD_TILE
+    in flight; one-operand kernels of a dtype in POINTWISE_ONE_LOAD_TILE take that tile."""
+    if loads == 1 and dtype in POINTWISE_ONE_LOAD_TILE:
+        return POINTWISE_ONE_LOAD_TILE[dtype]
     return plan.threads, max(plan.unroll, POINTWISE_LOADS_IN_FLIGHT // max(loads, 1))
 
 

@@ -118,7 +118,7 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
              "loads": bwd_reads, "stores": grads, "code": bwd})
     for k in kernels:
         k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
-        k["threads"], k["unroll"] = planner.pointwise_tile(p, len(k["loads"]))
+        k["tiles"] = {dt: planner.pointwise_tile(p, len(k["loads"]), dt) for dt in p.dtypes}
     source = _template(p.template, header=head, op=op.name, kernels=kernels,
                        params=_params(op), dtypes=_dtypes(p))
     sigs = []
@@ -127,7 +127,7 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             args = tuple((a.name, _ctype(dt, bool(a.const))) for a in k["ptrs"])
             args += tuple((q, "float") for q in _params(op)) + (("n", "long long"),)
             sigs.append(ir.KernelSig(f"{k['kernel']}_{dt}", args, dt, k["stage"],
-                                     planner.pointwise_launch(p, dt, k["threads"], k["unroll"])))
+                                     planner.pointwise_launch(p, dt, *k["tiles"][dt])))
     return ir.RenderedCuda(source, tuple(sigs))
 
 
