@@ -14,13 +14,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from eulergen import PACKAGE_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
 from eulergen.runtime import checkpoint
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
-from eulergen.runtime.data import write_shard
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.train import SpikeGuard, Trainer, learning_rate, resume_config
 
@@ -28,15 +26,6 @@ from eulergen.runtime.train import SpikeGuard, Trainer, learning_rate, resume_co
 @pytest.fixture(scope="module")
 def lib():
     return OpLibrary(NUMPY)
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory) -> Path:
-    """Byte-level text the tests own: this package's Python source."""
-    text = b"".join(p.read_bytes() for p in sorted((PACKAGE_DIR / "runtime").glob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "text_train.bin"
-    write_shard(path, np.frombuffer(text, dtype=np.uint8))
-    return path
 
 
 def _overrides(shard: Path, run_dir: Path, **training) -> list[str]:

@@ -4,26 +4,13 @@ kernel on the path is deterministic (no float atomics: weight gradients, embeddi
 attention backward reduce in a fixed order) and cuBLAS runs the same algorithms."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from eulergen import PACKAGE_DIR
 from eulergen.runtime import checkpoint
 from eulergen.runtime.config import load_config
-from eulergen.runtime.data import write_shard
 from eulergen.runtime.train import Trainer, resume_config
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def shard(tmp_path_factory) -> Path:
-    text = b"".join(p.read_bytes() for p in sorted((PACKAGE_DIR / "runtime").glob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "text_train.bin"
-    write_shard(path, np.frombuffer(text, dtype=np.uint8))
-    return path
 
 
 def _trainer(lib, shard, run_dir, preset, resume=False):
