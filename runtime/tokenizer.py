@@ -130,8 +130,7 @@ def check_fits(tokenizer: Tokenizer, model_vocab: int) -> None:
 MIN_BPE_VOCAB = 257   # the 256 byte symbols and <|endoftext|>
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, *,
-              progress: bool = False) -> HFTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> HFTokenizer:
     """Train a GPT-2-style byte-level BPE on `texts` with Hugging Face tokenizers, with
     <|endoftext|> as its end-of-text token; write it atomically to `out` (tokenizer.json)."""
     if vocab_size < MIN_BPE_VOCAB:
@@ -142,12 +141,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, *,
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = lib.decoders.ByteLevel()
     trainer = lib.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[ENDOFTEXT], show_progress=progress,
+        vocab_size=vocab_size, special_tokens=[ENDOFTEXT], show_progress=False,
         initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
     seen = _Counted(texts)
     tok.train_from_iterator(seen, trainer=trainer)
     if not seen.count:
-        raise EulerError("no text to train on: the sources hold no documents", key="FILES")
+        raise EulerError("no text to train on: the sources hold no documents", key="SOURCES")
     write_atomic(Path(out), tok.to_str(pretty=True).encode("utf-8"))
     return HFTokenizer(out)
 
