@@ -85,6 +85,10 @@ _text_key = click.option("--text-key", default="text", show_default=True,
                          help="The .jsonl field, .parquet column or dataset field holding the text.")
 
 
+def _warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
 def _sources(sources, dataset, subset, split, text_key):
     from eulergen.runtime.sources import HubDataset, LocalFiles
     if dataset and sources:
@@ -124,7 +128,7 @@ def prepare(sources, out, dataset, subset, split, text_key, tokenizer_spec, work
     settings = Settings(shard_tokens, val_tokens, on_bad_text, name)
     with progress_bar(source.total_bytes, enabled=not quiet) as progress:
         state = run_prepare(source, out, tok, settings, workers=workers, progress=progress,
-                            warn=lambda m: click.echo(f"warning: {m}", err=True))
+                            warn=_warn)
     skipped = f", {state.skipped} left out as not UTF-8" if state.skipped else ""
     click.echo(f"{out}: {len(state.shards)} shards (1 val, {len(state.shards) - 1} train), "
                f"{state.tokens:,} tokens from {state.documents:,} documents{skipped}")
@@ -151,8 +155,7 @@ def tokenizer_train(sources, vocab_size, out, text_key, on_bad_text) -> None:
     from eulergen.runtime.tokenizer import train_bpe
 
     docs = _sources(sources, None, None, "train", text_key).documents()
-    warn = lambda m: click.echo(f"warning: {m}", err=True)  # noqa: E731
-    tok = train_bpe((d.text for d in checked(docs, on_bad_text, warn) if d.text), vocab_size, out)
+    tok = train_bpe((d.text for d in checked(docs, on_bad_text, _warn) if d.text), vocab_size, out)
     click.echo(f"wrote {out}: byte-level BPE, {tok.vocab_size} ids, <|endoftext|> = {tok.eot}")
     click.echo(f"use it: eulergen prepare --tokenizer {out} …, and --set data.tokenizer={out}")
 
@@ -318,6 +321,19 @@ def _settings(temperature, top_k, top_p, seed) -> dict:
                 top_p=None if top_p == 1 else top_p, seed=seed)
 
 
+def _printer(tok):
+    """(stream, on_step): a TextStream over `tok` and the on_step that prints the first
+    row's tokens through it as they come (its end of text not shown); flush at the end."""
+    from eulergen.runtime.sample import TextStream
+    stream = TextStream(tok.decode)
+
+    def show(tokens):
+        if tokens[0] != tok.eot:
+            click.echo(stream.push(tokens[0]), nl=False)
+
+    return stream, show
+
+
 @main.command()
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--prompt", default="\n", show_default=True)
@@ -329,19 +345,12 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
     """Continue a prompt with a run folder's latest checkpoint (or one checkpoint folder),
     printing the text as it comes (one sample), or each sample in turn (several); a sample
     ends at the tokenizer's end of text or after --max-new-tokens."""
-    from eulergen.runtime.sample import TextStream
-
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples)
     ids = tok.encode(prompt)
-    stream = TextStream(tok.decode)
+    stream, show = _printer(tok)
     live = num_samples == 1
     if live:
         click.echo(prompt, nl=False)
-
-    def show(tokens):
-        if tokens[0] != tok.eot:
-            click.echo(stream.push(tokens[0]), nl=False)
-
     rows = sampler.samples(ids, max_new_tokens, stop=tok.eot, on_step=show if live else None,
                            **_settings(temperature, top_k, top_p, seed))
     if live:
@@ -360,8 +369,6 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs)
     continues it until its end of text or --max-new-tokens. Ctrl-D or /quit ends."""
     import itertools
 
-    from eulergen.runtime.sample import TextStream
-
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1)
     settings = _settings(temperature, top_k, top_p, seed)
     for turn in itertools.count():
@@ -370,12 +377,7 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs)
         if not line or line.strip() == "/quit":
             click.echo()
             return
-        stream = TextStream(tok.decode)
-
-        def show(tokens):
-            if tokens[0] != tok.eot:
-                click.echo(stream.push(tokens[0]), nl=False)
-
+        stream, show = _printer(tok)
         # the conversation so far stays in the KV cache: each turn appends to it
         sampler.samples(tok.encode(line if line.endswith("\n") else line + "\n"),
                         max_new_tokens, stop=tok.eot, on_step=show, append=turn > 0,
