@@ -316,9 +316,13 @@ def _sampling_options(f):
     return f
 
 
-def _settings(temperature, top_k, top_p, seed) -> dict:
-    return dict(temperature=temperature, top_k=top_k or None,
-                top_p=None if top_p == 1 else top_p, seed=seed)
+def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
+    """Sampler.samples' settings from the options, checked before a model is loaded."""
+    from eulergen.runtime.sample import check_settings
+    settings = dict(temperature=temperature, top_k=top_k or None,
+                    top_p=None if top_p == 1 else top_p, seed=seed)
+    check_settings(settings["temperature"], settings["top_k"], settings["top_p"], max_new_tokens)
+    return settings
 
 
 def _printer(tok):
@@ -345,6 +349,7 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
     """Continue a prompt with a run folder's latest checkpoint (or one checkpoint folder),
     printing the text as it comes (one sample), or each sample in turn (several); a sample
     ends at the tokenizer's end of text or after --max-new-tokens."""
+    settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples)
     ids = tok.encode(prompt)
     stream, show = _printer(tok)
@@ -352,7 +357,7 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
     if live:
         click.echo(prompt, nl=False)
     rows = sampler.samples(ids, max_new_tokens, stop=tok.eot, on_step=show if live else None,
-                           **_settings(temperature, top_k, top_p, seed))
+                           **settings)
     if live:
         click.echo(stream.flush())
         return
@@ -369,8 +374,8 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs)
     continues it until its end of text or --max-new-tokens. Ctrl-D or /quit ends."""
     import itertools
 
+    settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1)
-    settings = _settings(temperature, top_k, top_p, seed)
     for turn in itertools.count():
         click.echo("> ", nl=False)
         line = sys.stdin.readline()

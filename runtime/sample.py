@@ -64,7 +64,7 @@ class Sampler:
         row has. `on_step(tokens)` sees each step's tokens, one per row, as they come.
         `append`: the prompt continues the conversation the cache holds (a chat's next
         turn: after the previous call's last tokens) instead of starting afresh."""
-        _check_settings(temperature, top_k, top_p, max_new_tokens)
+        check_settings(temperature, top_k, top_p, max_new_tokens)
         ids = np.tile(np.asarray(self.fit_prompt(prompt), dtype=np.int64), (self.batch, 1))
         dec = self.decoder
         if append and self._unfed is not None:
@@ -97,7 +97,8 @@ class Sampler:
         return self.samples(prompt, max_new_tokens, **settings)[0]
 
 
-def _check_settings(temperature, top_k, top_p, max_new_tokens) -> None:
+def check_settings(temperature, top_k, top_p, max_new_tokens) -> None:
+    """EulerError for a setting `samples` cannot use (a CLI checks before loading a model)."""
     if temperature < 0:
         raise EulerError(f"temperature {temperature}: want ≥ 0 (0 is greedy)", key="temperature")
     if top_k is not None and top_k < 1:
