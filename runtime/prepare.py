@@ -255,7 +255,7 @@ class _ShardWriter:
     def __init__(self, out: Path, name: str, settings: Settings, tokenizer: Tokenizer,
                  state: PrepareState, progress: Progress):
         self.out, self.name, self.settings, self.state, self.progress = out, name, settings, state, progress
-        self.dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        self.dtype = _token_dtype(tokenizer)
         self.buffer = np.empty(self._capacity(), dtype=self.dtype)
         self.filled = 0
         self.skipped = state.skipped
@@ -305,6 +305,11 @@ class _ShardWriter:
 
 # -- tokenizing in parallel -------------------------------------------------------------------
 
+def _token_dtype(tokenizer: Tokenizer):
+    """The narrowest dtype that holds every id the tokenizer can produce."""
+    return np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+
+
 _worker_tokenizer: Tokenizer | None = None
 
 
@@ -326,8 +331,7 @@ def _encode(texts: list[str | None], tokenizer: Tokenizer | None = None) -> tupl
             flat.append(tok.eot)
             flat.extend(tok.encode(text))
             lengths[i] = len(flat) - before
-    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    return np.array(flat, dtype=dtype), lengths
+    return np.array(flat, dtype=_token_dtype(tok)), lengths
 
 
 def _batches(docs, on_bad_text: str, warn) -> Iterator[list[Document]]:
