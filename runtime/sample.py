@@ -113,27 +113,45 @@ def pick(logits: np.ndarray, vocab: int, rng, temperature: float, top_k: int | N
          top_p: float | None) -> np.ndarray:
     """One token per row of host logits [B, vocab_rows]: ids ≥ vocab (padding) never;
     greedy at temperature 0; else from softmax(logits / temperature) restricted to the
-    top_k most likely and then to the smallest set whose probability reaches top_p."""
+    top_k most likely and then to the smallest set whose probability reaches top_p.
+
+    Per step, so only the top_k survivors are scaled, exponentiated and sorted (dividing
+    by the temperature keeps the order: the cut and the max are taken on the logits). The
+    sums still run over whole rows, zeros included, as numpy's pairwise sum groups them,
+    so every probability has the bits the whole-vocab computation gives."""
+    x = logits[:, :vocab]
     if temperature == 0:
-        return np.argmax(logits[:, :vocab], axis=1)
-    x = logits[:, :vocab].astype(np.float64) / temperature
-    if top_k is not None and top_k < vocab:
-        cut = np.partition(x, -top_k, axis=1)[:, -top_k][:, None]
-        x = np.where(x < cut, -np.inf, x)
-    p = np.exp(x - x.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-p, axis=1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=1)
-        # keep a token while the mass before it is short of top_p: the first always stays
-        keep_sorted = np.cumsum(sorted_p, axis=1) - sorted_p < top_p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=1)
-        p = np.where(keep, p, 0.0)
-        p /= p.sum(axis=1, keepdims=True)
-    cdf = np.cumsum(p, axis=1)
-    u = rng.random(len(p))[:, None] * cdf[:, -1:]
-    return np.minimum((cdf <= u).sum(axis=1), vocab - 1)
+        return np.argmax(x, axis=1)
+    kth = (np.partition(x, -top_k, axis=1)[:, -top_k] if top_k is not None and top_k < vocab
+           else None)
+    peak = x.max(axis=1).astype(np.float64) / temperature
+    u = rng.random(len(x))
+    row = np.zeros(vocab)
+    tokens = np.empty(len(x), dtype=np.int64)
+    for r in range(len(x)):
+        kept = np.arange(vocab) if kth is None else np.flatnonzero(~(x[r] < kth[r]))
+        p = np.exp(x[r, kept].astype(np.float64) / temperature - peak[r])
+        p /= _row_sum(row, kept, p)
+        if top_p is not None and top_p < 1:
+            order = np.argsort(-p, kind="stable")
+            sorted_p = p[order]
+            # keep a token while the mass before it is short of top_p: the first always stays
+            keep = np.empty(len(p), dtype=bool)
+            keep[order] = np.cumsum(sorted_p) - sorted_p < top_p
+            p = np.where(keep, p, 0.0)
+            p /= _row_sum(row, kept, p)
+        cdf = np.cumsum(p)
+        j = int((cdf <= u[r] * cdf[-1]).sum())
+        tokens[r] = kept[j] if j < len(kept) else vocab - 1
+    return tokens
+
+
+def _row_sum(row: np.ndarray, kept: np.ndarray, p: np.ndarray) -> float:
+    """p.sum() as a whole row of zeros with p at `kept` sums (`row`: zeros, left so)."""
+    row[kept] = p
+    total = row.sum()
+    row[kept] = 0.0
+    return total
 
 
 class TextStream:
