@@ -222,7 +222,7 @@ def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
         cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     lib = _library(cfg, ops_dirs, build=True)
     trainer = Trainer(cfg, lib, resume=resume is not None)
-    m, t = cfg.model, cfg.training
+    t = cfg.training
     click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
                f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, memory plan "
                f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
