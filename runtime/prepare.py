@@ -198,6 +198,9 @@ def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None
 def _open_folder(out: Path, settings: dict) -> PrepareState:
     """The state to continue from: fresh for an empty folder, else the manifest's, after
     checking that it was made with these settings and that its shards are intact."""
+    if out.exists() and not out.is_dir():
+        raise EulerError("not a folder: --out names the folder the shards go to", file=str(out),
+                         key="--out")
     state_path = out / STATE_FILE
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not state_path.is_file():

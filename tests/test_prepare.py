@@ -144,6 +144,14 @@ def test_rerun_with_other_settings_is_refused(texts, tmp_path, bpe):
         prepare(LocalFiles([str(texts)]), out, bpe, SMALL, workers=1)
 
 
+def test_an_output_path_that_is_a_file_is_refused(texts, tmp_path):
+    out = tmp_path / "shards"
+    out.write_text("mine")
+    with pytest.raises(EulerError) as err:
+        prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
+    assert str(err.value) == f"{out}: --out: not a folder: --out names the folder the shards go to"
+    assert out.read_text() == "mine"
+
 def test_an_output_folder_with_foreign_files_is_refused(texts, tmp_path):
     out = tmp_path / "d"
     out.mkdir()
