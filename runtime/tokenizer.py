@@ -136,6 +136,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> HFToken
     if vocab_size < MIN_BPE_VOCAB:
         raise EulerError(f"--vocab-size {vocab_size} is below {MIN_BPE_VOCAB} (256 bytes and "
                          f"{ENDOFTEXT})", key="--vocab-size")
+    if Path(out).is_dir():
+        raise EulerError("a folder: --out names the tokenizer .json to write", file=str(out),
+                         key="--out")
     lib = _tokenizers("--vocab-size")
     tok = lib.Tokenizer(lib.models.BPE())
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)

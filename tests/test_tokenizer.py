@@ -165,3 +165,12 @@ def test_tokenizer_train_refuses_a_vocab_below_the_bytes(tmp_path):
     assert got.exit_code == 2
     assert got.output.strip() == ("error: --vocab-size: --vocab-size 100 is below 257 (256 bytes "
                                   f"and {ENDOFTEXT})")
+
+
+def test_tokenizer_train_refuses_a_folder_as_out(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT)
+    got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "300",
+                                    "--out", str(tmp_path), str(tmp_path / "a.txt")])
+    assert got.exit_code == 2
+    assert got.output.strip() == (f"error: {tmp_path}: --out: a folder: --out names the "
+                                  "tokenizer .json to write")
