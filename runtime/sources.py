@@ -124,10 +124,13 @@ def _jsonl(path: Path, size: int, text_key: str, skip: int):
                 row = json.loads(doc.text)
             except json.JSONDecodeError as err:
                 raise EulerError(f"not a JSON line: {err.msg}", file=str(path), line=number) from None
-            if not isinstance(row, dict) or not isinstance(row.get(text_key, 0), (str, type(None))):
+            if not isinstance(row, dict) or text_key not in row:
                 keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
                 raise EulerError(f"no string field {text_key!r} (has: {keys}); --text-key names "
                                  "the field", file=str(path), line=number, key=text_key)
+            if not isinstance(row[text_key], (str, type(None))):
+                raise EulerError(f"field {text_key!r} holds {type(row[text_key]).__name__}, not "
+                                 "text", file=str(path), line=number, key=text_key)
             yield Document(row[text_key], advance=len(line))
     return skip
 

@@ -213,6 +213,12 @@ def test_a_jsonl_line_without_the_text_field_names_file_and_line(tmp_path):
                               "--text-key names the field")
 
 
+def test_a_jsonl_text_field_that_is_not_a_string_names_its_type(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": 2}\n')
+    with pytest.raises(EulerError) as err:
+        prepare(LocalFiles([str(tmp_path / "a.jsonl")]), tmp_path / "d", ByteTokenizer(), SMALL)
+    assert str(err.value) == f"{tmp_path / 'a.jsonl'}:2: text: field 'text' holds int, not text"
+
 def test_parquet_without_the_column_lists_the_columns(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
