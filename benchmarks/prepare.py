@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
+from common import say  # noqa: E402
 from eulergen.errors import EulerError  # noqa: E402
 from eulergen.runtime.data import write_shard  # noqa: E402
 from eulergen.runtime.prepare import Settings, prepare  # noqa: E402
@@ -39,10 +41,6 @@ from eulergen.runtime.tokenizer import TiktokenTokenizer, train_bpe  # noqa: E40
 
 SHARD_TOKENS = 10_000_000     # several shards in a few hundred MB, as a real run writes them
 VAL_TOKENS = 1_000_000
-
-
-def say(*parts) -> None:
-    print(*parts, file=sys.stderr, flush=True)
 
 
 def _cpu() -> tuple[float, float]:
