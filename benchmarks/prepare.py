@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=2, help="runs of each; the fastest counts")
     args = ap.parse_args()
+    if args.mb < 10:   # ~4 MB of this text is the 1M-token validation shard alone
+        ap.error("--mb: at least 10, so that training shards follow the validation shard")
     load = os.getloadavg()   # other work on the machine takes cores from the workers
     with tempfile.TemporaryDirectory(prefix="eulergen-prepare-bench-") as tmp:
         folder = Path(tmp)
