@@ -128,6 +128,9 @@ def check_fits(tokenizer: Tokenizer, model_vocab: int) -> None:
 # -- training a byte-level BPE --------------------------------------------------------------
 
 MIN_BPE_VOCAB = 257   # the 256 byte symbols and <|endoftext|>
+# Far past any BPE in use (GPT-4's has ~100k ids); larger asks make the Rust trainer
+# allocate until the process is killed instead of failing.
+MAX_BPE_VOCAB = 1 << 20
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> HFTokenizer:
@@ -136,6 +139,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> HFToken
     if vocab_size < MIN_BPE_VOCAB:
         raise EulerError(f"--vocab-size {vocab_size} is below {MIN_BPE_VOCAB} (256 bytes and "
                          f"{ENDOFTEXT})", key="--vocab-size")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise EulerError(f"--vocab-size {vocab_size:,} is above {MAX_BPE_VOCAB:,}",
+                         key="--vocab-size")
     if Path(out).is_dir():
         raise EulerError("a folder: --out names the tokenizer .json to write", file=str(out),
                          key="--out")

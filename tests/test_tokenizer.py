@@ -167,6 +167,16 @@ def test_tokenizer_train_refuses_a_vocab_below_the_bytes(tmp_path):
                                   f"and {ENDOFTEXT})")
 
 
+def test_tokenizer_train_refuses_an_absurd_vocab_before_training(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT)
+    got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "100000000000",
+                                    "--out", str(tmp_path / "t.json"), str(tmp_path / "a.txt")])
+    assert got.exit_code == 2
+    assert got.output.strip() == ("error: --vocab-size: --vocab-size 100,000,000,000 is above "
+                                  "1,048,576")
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_tokenizer_train_refuses_a_folder_as_out(tmp_path):
     (tmp_path / "a.txt").write_text(TEXT)
     got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "300",
