@@ -12,7 +12,7 @@ from functools import lru_cache
 import jinja2
 import sympy as sp
 
-from eulergen import TEMPLATES_DIR, __version__
+from eulergen import TEMPLATES_DIR
 from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
 from eulergen.generator.hoist import hoist, row_constant_names
