@@ -86,8 +86,10 @@ def load_module_from_source(name: str, text: str) -> types.ModuleType:
 
 # The functions, per kind -----------------------------------------------------------------
 
-def _signature(fname: str, args: list[str], params: tuple[ir.Param, ...]) -> str:
+def _signature(fname: str, args: list[str], params: tuple[ir.Param, ...],
+               extra: tuple[str, ...] = ()) -> str:
     kw = [p.name if p.default is None else f"{p.name}={p.default!r}" for p in params]
+    kw += list(extra)
     return f"def {fname}({', '.join(args + (['*'] + kw if kw else []))}):"
 
 
@@ -181,7 +183,7 @@ def _pair_prologue(d: ir.DerivedOp, arrays: list[str]) -> list[str]:
               "    half = shape[-1] // 2",
               f"    dtype = _dtype({', '.join(arrays)})"]
     lines += [f"    {a}0, {a}1 = {a}[..., :half], {a}[..., half:]" for a in arrays]
-    axis = {"position": "np.arange(shape[1]).reshape(1, -1, 1, 1)",
+    axis = {"position": "(pos0 + np.arange(shape[1])).reshape(1, -1, 1, 1)",
             "head": "np.arange(shape[2]).reshape(1, 1, -1, 1)",
             "pair": "np.arange(half)",
             "head_dim": "shape[-1]"}
@@ -202,10 +204,11 @@ def _pair(d: ir.DerivedOp) -> list[str]:
     body: ir.PairDerived = d.body
     ins = [o.name for o in d.inputs]
     outs = [o.name for o in d.outputs]
-    out = [_signature("forward", ins, d.params), *_pair_prologue(d, ins),
+    # pos0: the position of the first row (KV-cache decoding), as the CUDA kernels take it
+    out = [_signature("forward", ins, d.params, ("pos0=0",)), *_pair_prologue(d, ins),
            *_code(body.forward), *_pair_results(outs), "", ""]
     args = ins + ["d" + n for n in outs]
-    out += [_signature("backward", args, d.params), *_pair_prologue(d, args),
+    out += [_signature("backward", args, d.params, ("pos0=0",)), *_pair_prologue(d, args),
             *_code(body.backward), *_pair_results(["d" + n for n in ins])]
     return out
 

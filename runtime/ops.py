@@ -97,15 +97,12 @@ class OpLibrary:
     def forward(self, name: str, *inputs, out=None, **params):
         op = self.op(name)
         self._arity(op, "forward", inputs, len(op.inputs))
-        pos0 = self._pos0(op, params, numpy_shifts=True)
+        pos0 = self._pos0(op, params)
         p = self._params(op, params)
         if self._cuda:
             got = self._cuda.forward(op, inputs, _tuple(out), p, pos0)
             return got[0] if len(got) == 1 else tuple(got)
-        if pos0:
-            got = _from_position(self._module(op).forward, inputs, pos0, p)
-        else:
-            got = self._module(op).forward(*inputs, **p)
+        got = self._module(op).forward(*inputs, **p, **self._numpy_pos0(op, pos0))
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
     def backward(self, name: str, *inputs_and_douts, out=None, workspace=None,
@@ -125,7 +122,7 @@ class OpLibrary:
                                              workspace, adds))
         if op.kind == "embedding" and op.numpy is None:
             return _NumpyEmbedding.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
-        got = self._module(op).backward(*inputs_and_douts, **p)
+        got = self._module(op).backward(*inputs_and_douts, **p, **self._numpy_pos0(op, pos0))
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
@@ -182,15 +179,16 @@ class OpLibrary:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _pos0(self, op: OpEntry, params: dict, *, numpy_shifts: bool = False) -> int:
+    @staticmethod
+    def _pos0(op: OpEntry, params: dict) -> int:
         """Pair ops take `pos0=`, the position of the first token (decoding with a KV
-        cache); it is a launch argument, not a spec parameter. On numpy the forward shifts
-        its inputs (_from_position); the backward has no such path."""
-        pos0 = int(params.pop("pos0", 0)) if op.kind == "pair" else 0
-        if pos0 and not self._cuda and not numpy_shifts:
-            raise EulerError(f"op {op.name!r}: pos0={pos0} needs the cuda backend (the numpy "
-                             "module starts positions at 0)", file=op.spec, key="pos0")
-        return pos0
+        cache): a launch argument on the GPU and a keyword of the generated numpy module,
+        not a spec parameter."""
+        return int(params.pop("pos0", 0)) if op.kind == "pair" else 0
+
+    @staticmethod
+    def _numpy_pos0(op: OpEntry, pos0: int) -> dict:
+        return {"pos0": pos0} if op.kind == "pair" else {}
 
     @staticmethod
     def _accumulate(op: OpEntry, accumulate, out) -> tuple[bool, ...]:
@@ -320,20 +318,6 @@ class _NumpyEmbedding:
             dwpe[T:] = 0
             np.sum(dout.reshape(-1, T, C), axis=0, out=dwpe[:T])
         return dwte, dwpe
-
-
-def _from_position(forward, inputs: tuple, pos0: int, params: dict):
-    """A pair op's numpy forward with the first row at position pos0: the generated module
-    numbers positions from 0, so it runs on pos0 zero rows followed by the inputs, and
-    keeps the rows from pos0 on (a CPU path: the extra rows cost what a prefill would)."""
-    shifted = []
-    for x in inputs:
-        x = np.asarray(x)
-        padded = np.zeros((x.shape[0], pos0 + x.shape[1], *x.shape[2:]), dtype=x.dtype)
-        padded[:, pos0:] = x
-        shifted.append(padded)
-    got = forward(*shifted, **params)
-    return tuple(g[:, pos0:] for g in got) if isinstance(got, tuple) else got[:, pos0:]
 
 
 def _tuple(out):

@@ -23,7 +23,7 @@ def _fresh(value, shape, dtype):
     return out
 
 
-def forward(x, *, base=10000.0):
+def forward(x, *, base=10000.0, pos0=0):
     x = np.asarray(x)
     shape = x.shape
     if len(shape) != 4 or shape[-1] % 2:
@@ -31,7 +31,7 @@ def forward(x, *, base=10000.0):
     half = shape[-1] // 2
     dtype = _dtype(x)
     x0, x1 = x[..., :half], x[..., half:]
-    pos = np.arange(shape[1]).reshape(1, -1, 1, 1)
+    pos = (pos0 + np.arange(shape[1])).reshape(1, -1, 1, 1)
     k = np.arange(half)
     D = shape[-1]
     t0 = pos*base**(-2.0*k/D)
@@ -45,7 +45,7 @@ def forward(x, *, base=10000.0):
     return y
 
 
-def backward(x, dy, *, base=10000.0):
+def backward(x, dy, *, base=10000.0, pos0=0):
     x = np.asarray(x)
     dy = np.asarray(dy)
     shape = x.shape
@@ -55,7 +55,7 @@ def backward(x, dy, *, base=10000.0):
     dtype = _dtype(x, dy)
     x0, x1 = x[..., :half], x[..., half:]
     dy0, dy1 = dy[..., :half], dy[..., half:]
-    pos = np.arange(shape[1]).reshape(1, -1, 1, 1)
+    pos = (pos0 + np.arange(shape[1])).reshape(1, -1, 1, 1)
     k = np.arange(half)
     D = shape[-1]
     t3 = pos*base**(-2.0*k/D)
