@@ -21,12 +21,26 @@ def say(*parts, end: str = "\n") -> None:
     print(*parts, file=sys.stderr, flush=True, end=end)
 
 
-def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of `fn()` on the GPU, each call between two CUDA events."""
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20,
+            warm_s: float = 0.05) -> float:
+    """Median milliseconds of `fn()` on the GPU, each call between two CUDA events.
+
+    Warm-up is `warmup` calls and then more until `warm_s` seconds have passed with the
+    GPU busy: an H200 left idle drops its SM clock, and a few warm-up calls of a 0.5 ms
+    kernel do not bring it back (measured: a one-input fp32 pointwise kernel timed first
+    after 2 warm-up calls ran 0.56 ms, after 50 ms of warm-up 0.507, as PyTorch's timed
+    after it)."""
+    import time
+
     import cupy
     for _ in range(warmup):
         fn()
-    cupy.cuda.get_current_stream().synchronize()
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+        stream.synchronize()
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
     for start, stop in events:
         start.record()

@@ -68,6 +68,13 @@ WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤
 # Held to 64 registers (4 blocks of 256 threads an SM: the warps the kernels had without
 # the prefetch) the forward kernels do not spill; backward ones would, so they are not held.
 WARP_MIN_BLOCKS = {("bf16", "forward"): 4}
+# The prefetch needs several rows per warp, so those kernels loop over a capped grid. The
+# others (fp32, one row at a time) take an uncapped grid of short blocks, a row per warp:
+# a capped grid runs more blocks than fit at once, and its last wave runs part-empty
+# (H200, softmax fp32 262144 x 768: forward 0.407 ms capped at 2112 blocks, 0.387
+# uncapped, the copy's speed; bf16 uncapped lost: forward+backward 0.541 -> 0.633 ms).
+# Kernels with weight gradients stay capped: the grid sizes their workspace.
+WARP_PREFETCH_DTYPES = ("bf16",)
 BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
 BLOCK_THREADS_MAX = 1024
 # A block per row with weight gradients holds their partials in registers as well: 512
@@ -157,6 +164,8 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool,
     if layout == "warp_per_row":
         cached = 32 * v * dict(plan.warp_slots)[dtype]
         rpb = WARP_ROWS_PER_BLOCK_WGRAD if wgrad else WARP_ROWS_PER_BLOCK
+        if not wgrad and dtype not in WARP_PREFETCH_DTYPES:
+            grid_max = None
         return (("layout", layout), ("threads", 32 * rpb),
                 ("rows_per_block", rpb), ("grid_max", grid_max),
                 ("max_cols", cached)) + partials("grid*rows_per_block") + extra
