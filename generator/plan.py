@@ -9,7 +9,7 @@ None: no cap):
 
 pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
            block's tile is threads · unroll vectors; pointwise_tile gives both, per kernel,
-           from the loads it issues): grid = cdiv(n, vec · unroll · threads), uncapped
+           from the loads it issues and the weight of its arithmetic): grid = cdiv(n, vec · unroll · threads), uncapped
            (grid_max None: short blocks that each stream one tile keep the resident blocks
            on one contiguous window of memory and leave no tail wave). Any n and any
            alignment work (a scalar path takes unaligned pointers and the tail);
@@ -45,6 +45,8 @@ embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on th
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import sympy as sp
 
 from eulergen.errors import EulerError
 from eulergen.generator import ir
@@ -130,18 +132,42 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 # 16-byte loads a pointwise thread keeps in flight, so that a one-input kernel has as many
 # as a two-input one...
 POINTWISE_LOADS_IN_FLIGHT = 8
-# ...except that an fp32 kernel with one operand to read streams best in small tiles: on
-# the H200 a one-input fp32 forward (2^28 elements) took 0.579 ms at 256 threads x 8
-# vectors (4 and 16 the same), 0.560 ms at 128 x 1 (torch 0.507). In bf16, 128 x 1 was
-# slower for all but relu (gelu_erf 0.300 -> 0.363 ms), so bf16 keeps the general tile.
-POINTWISE_ONE_LOAD_TILE = {"f32": (128, 1)}
+# ...except where the arithmetic is light or the kernel reads one operand. Measured on the
+# H200 (2^28 elements, 256 x 8 against the tile chosen here, PyTorch eager in the same run):
+# - arithmetic-light kernels (relu, relu2: compares, selects, products) stream best in
+#   short blocks of one vector a thread: relu bf16 forward 0.264 -> 0.253 ms (PyTorch
+#   0.253), backward 0.372 -> 0.370;
+# - one-operand fp32 kernels likewise: relu forward 0.522 -> 0.501 ms, silu 0.524 ->
+#   0.505 (PyTorch 0.507, 0.508);
+# - one-operand bf16 kernels with special functions want four vectors a thread: silu
+#   forward 0.278 -> 0.275 ms (PyTorch 0.276); one vector ran 0.290.
+POINTWISE_LIGHT_TILE = (128, 1)
+POINTWISE_ONE_LOAD_TILE = {"f32": (128, 1), "bf16": (256, 4)}
+# Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
+_CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign)
 
 
-def pointwise_tile(plan: KernelPlan, loads: int, dtype: str) -> tuple[int, int]:
+def arithmetic_light(code: ir.Code) -> bool:
+    """Whether `code` is only adds, multiplies, compares and selects: no special function,
+    and no division or root of a variable (a constant's root is a literal)."""
+    for a in code.temps + code.results:
+        for node in sp.preorder_traversal(a.expr):
+            if isinstance(node, sp.Function) and not isinstance(node, _CHEAP_FUNCTIONS):
+                return False
+            if (isinstance(node, sp.Pow) and node.free_symbols
+                    and not (node.exp.is_Integer and node.exp > 0)):
+                return False
+    return True
+
+
+def pointwise_tile(plan: KernelPlan, loads: int, dtype: str, light: bool) -> tuple[int, int]:
     """(threads, vectors per thread per operand) for a kernel reading `loads` operands:
-    the plan's unroll, or more where that leaves fewer than POINTWISE_LOADS_IN_FLIGHT loads
-    in flight; one-operand kernels of a dtype in POINTWISE_ONE_LOAD_TILE take that tile."""
-    if loads == 1 and dtype in POINTWISE_ONE_LOAD_TILE:
+    POINTWISE_LIGHT_TILE for arithmetic-light code, a dtype's POINTWISE_ONE_LOAD_TILE for
+    one operand, else the plan's unroll or more, so that POINTWISE_LOADS_IN_FLIGHT loads
+    are in flight."""
+    if light:
+        return POINTWISE_LIGHT_TILE
+    if loads == 1:
         return POINTWISE_ONE_LOAD_TILE[dtype]
     return plan.threads, max(plan.unroll, POINTWISE_LOADS_IN_FLIGHT // max(loads, 1))
 

@@ -109,16 +109,19 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     kernels = [
         {"kernel": f"{op.name}_forward", "impl": f"{op.name}_forward", "stage": "forward",
          "title": f"forward: {', '.join(outs)} from {', '.join(ins)}",
-         "loads": ins, "stores": outs, "code": fwd},
+         "loads": ins, "stores": outs, "code": fwd,
+         "light": planner.arithmetic_light(body.forward)},
     ]
     if grads:
         kernels.append(
             {"kernel": f"{op.name}_backward", "impl": f"{op.name}_backward", "stage": "backward",
              "title": f"backward: {', '.join(grads)} from {', '.join(bwd_reads)}",
-             "loads": bwd_reads, "stores": grads, "code": bwd})
+             "loads": bwd_reads, "stores": grads, "code": bwd,
+             "light": planner.arithmetic_light(body.backward)})
     for k in kernels:
         k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
-        k["tiles"] = {dt: planner.pointwise_tile(p, len(k["loads"]), dt) for dt in p.dtypes}
+        k["tiles"] = {dt: planner.pointwise_tile(p, len(k["loads"]), dt, k["light"])
+                      for dt in p.dtypes}
     source = _template(p.template, header=head, op=op.name, kernels=kernels,
                        params=_params(op), dtypes=_dtypes(p))
     sigs = []

@@ -2,9 +2,9 @@
 //
 // Pointwise kernels of `relu`. A block of B threads owns a tile of B × U consecutive
 // 16-byte vectors of every operand; the planner picks (B, U) per kernel and dtype from the
-// number of operands read and their width:
-//   relu_forward: f32 128 × 1, bf16 256 × 8
-//   relu_backward: f32 256 × 4, bf16 256 × 4
+// number of operands read, their width and the weight of the arithmetic:
+//   relu_forward: f32 128 × 1, bf16 128 × 1
+//   relu_backward: f32 128 × 1, bf16 128 × 1
 // Torch's layout: vector u of the tile is u·B + thread, so every load of a warp is one
 // coalesced 512-byte run, and the blocks resident at a time stream through one contiguous
 // window of memory. A thread issues all U raw loads of every operand before any math or store, so
@@ -57,8 +57,8 @@ __device__ __forceinline__ void relu_forward(const T* x_ptr, T* y_ptr, long long
 extern "C" __global__ void __launch_bounds__(128) relu_forward_f32(const float* x, float* y, long long n) {
   relu_forward<float, 128, 1>(x, y, n);
 }
-extern "C" __global__ void __launch_bounds__(256) relu_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
-  relu_forward<__nv_bfloat16, 256, 8>(x, y, n);
+extern "C" __global__ void __launch_bounds__(128) relu_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
+  relu_forward<__nv_bfloat16, 128, 1>(x, y, n);
 }
 
 // backward: dx from x, dy
@@ -107,9 +107,9 @@ __device__ __forceinline__ void relu_backward(const T* x_ptr, const T* dy_ptr, T
     eg_store(dx_ptr, i_, dx);
   }
 }
-extern "C" __global__ void __launch_bounds__(256) relu_backward_f32(const float* x, const float* dy, float* dx, long long n) {
-  relu_backward<float, 256, 4>(x, dy, dx, n);
+extern "C" __global__ void __launch_bounds__(128) relu_backward_f32(const float* x, const float* dy, float* dx, long long n) {
+  relu_backward<float, 128, 1>(x, dy, dx, n);
 }
-extern "C" __global__ void __launch_bounds__(256) relu_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long n) {
-  relu_backward<__nv_bfloat16, 256, 4>(x, dy, dx, n);
+extern "C" __global__ void __launch_bounds__(128) relu_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long n) {
+  relu_backward<__nv_bfloat16, 128, 1>(x, dy, dx, n);
 }

@@ -1,0 +1,56 @@
+"""The planner's pointwise tiles: arithmetic-light kernels stream in short blocks, one
+vector a thread; kernels with special functions keep several vectors in flight."""
+from __future__ import annotations
+
+import pytest
+import sympy as sp
+
+from eulergen.generator import ir
+from eulergen.generator import plan as planner
+
+x, y = sp.symbols("x y")
+
+
+def _code(expr) -> ir.Code:
+    return ir.Code(temps=(), results=(ir.Assign("r", expr),))
+
+
+@pytest.mark.parametrize("expr, light", [
+    (sp.Max(x, 0), True),
+    (y * sp.Heaviside(x), True),
+    (2 * y * sp.Heaviside(x) * sp.Max(x, 0) ** 2, True),
+    (sp.sqrt(2) * x / 2, True),            # a constant's root is a literal
+    (sp.Abs(x) * y, True),
+    (x / y, False),                        # a division
+    (sp.sqrt(x), False),
+    (sp.exp(x), False),
+    (x * sp.tanh(x), False),
+])
+def test_arithmetic_light(expr, light):
+    assert planner.arithmetic_light(_code(expr)) is light
+
+
+def test_a_heavy_temporary_makes_the_code_heavy():
+    code = ir.Code(temps=(ir.Assign("t", sp.exp(x)),), results=(ir.Assign("r", y * sp.Symbol("t")),))
+    assert not planner.arithmetic_light(code)
+
+
+def test_tiles():
+    p = planner.KernelPlan("pointwise.cu.j2", planner.DTYPES, threads=256,
+                           vec=tuple(planner.VEC.items()), unroll=4)
+    assert planner.pointwise_tile(p, 2, "bf16", light=True) == planner.POINTWISE_LIGHT_TILE
+    assert planner.pointwise_tile(p, 1, "f32", light=False) == (128, 1)
+    assert planner.pointwise_tile(p, 1, "bf16", light=False) == (256, 4)
+    assert planner.pointwise_tile(p, 2, "f32", light=False) == (256, 4)
+    assert planner.pointwise_tile(p, 3, "bf16", light=False) == (256, 4)
+
+
+def test_the_built_relu_kernels_take_the_light_tile():
+    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.backend import get_backend
+    lib = OpLibrary(get_backend("numpy"))
+    for name in ("relu_forward_f32", "relu_backward_bf16"):
+        plan = lib.op("relu").kernels[name].plan
+        assert (plan["threads"], plan["unroll"]) == planner.POINTWISE_LIGHT_TILE
+    plan = lib.op("silu").kernels["silu_forward_bf16"].plan
+    assert (plan["threads"], plan["unroll"]) == (256, 4)
