@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
+from eulergen.runtime.cuda_ops import pair_threads
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
@@ -346,7 +347,7 @@ def _pair_strides(name: str, buf: np.ndarray) -> dict:
 @pytest.mark.parametrize("name", _ops("pair"))
 def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
     """Outputs match numpy inside the view, and the rest of the output buffer is untouched.
-    Three blocks over B·T tokens: blocks loop over tokens."""
+    Blocks of the runtime's size, three of them over B·T tokens: blocks loop over tokens."""
     c = PAIR_CASES[case]
     op = OPS[name]
     mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
@@ -372,8 +373,9 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
         else:
             before = _pair_buffer(np.full(c.shape, np.nan), c.out_heads, 0, np.nan)
             args |= {out: stored(before, dtype)} | _pair_strides(out, before)
-        got = value(launch(name, k, 3, op["kernels"][k]["plan"]["threads"], **args, **params,
-                           B=B, T=T, H=H, D=D, pos0=c.pos0)[out], dtype)
+        threads = pair_threads(op["kernels"][k]["plan"], H, D)
+        got = value(launch(name, k, 3, threads, **args, **params, B=B, T=T, H=H, D=D,
+                           pos0=c.pos0)[out], dtype)
         close(got[:, :, :H, :D], want, TOL[dtype], f"{k} {case}")
         outside = np.ones(got.shape, bool)
         outside[:, :, :H, :D] = False
