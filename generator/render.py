@@ -363,7 +363,8 @@ def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda
                                     reads_pair(ins + outs) + [f"d{o}" for o in outs], grads,
                                     body.backward, body.index))
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
-                       dtypes=_dtypes(p), threads=p.threads, table_pairs=planner.PAIR_TABLE)
+                       dtypes=_dtypes(p), threads=p.threads, table_pairs=planner.PAIR_TABLE,
+                       min_blocks=planner.PAIR_MIN_BLOCKS)
     sigs = []
     for k in kernels:
         for dt in p.dtypes:

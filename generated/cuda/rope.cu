@@ -29,6 +29,15 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
     const int t_ = (int)(bt_ - b_ * T_);
     for (int k0_ = 0; k0_ < half_; k0_ += KT) {
       const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
+      const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
+      // Vector path: a thread's first vector is loaded before the table is built, each next
+      // one before the current one is computed, so that memory latency overlaps arithmetic
+      // (other elements than the ones it stores: in place stays correct).
+      uint4 x0_r, x1_r;
+      if ((int)threadIdx.x < H_ * nv_) {
+        x0_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + ((int)threadIdx.x) / nv_ * (x_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_) * V);
+        x1_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + ((int)threadIdx.x) / nv_ * (x_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_ + half_ / V) * V);
+      }
       __syncthreads();                        // the previous chunk's sweep is done with tab_
       for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
         const int k_ = k0_ + kk_;
@@ -45,18 +54,17 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       if (vec_) {
         // Offsets counted in whole vectors, then scaled by V: the compiler then knows them
         // 16-byte aligned and keeps each store one 128-bit access (it splits it otherwise).
-        const int nv_ = kn_ / V;
         for (int j_ = threadIdx.x; j_ < H_ * nv_; j_ += blockDim.x) {
           const int h_ = j_ / nv_;
-          const int qv_ = j_ - h_ * nv_;        // the vector in the chunk
-          const int kv_ = qv_ * V;              // its first pair
-          const long long x_q_ = b_ * (x_sb_ / V) + t_ * (x_st_ / V) + h_ * (x_sh_ / V) + (k0_ / V + qv_);
-          const long long y_q_ = b_ * (y_sb_ / V) + t_ * (y_st_ / V) + h_ * (y_sh_ / V) + (k0_ / V + qv_);
-          const uint4 x0_r = eg_load_raw(x_ptr, x_q_ * V);
-          const uint4 x1_r = eg_load_raw(x_ptr, (x_q_ + half_ / V) * V);
+          const int kv_ = (j_ - h_ * nv_) * V;  // the vector's first pair in the chunk
+          const long long y_q_ = b_ * (y_sb_ / V) + t_ * (y_st_ / V) + (j_) / nv_ * (y_sh_ / V) + k0_ / V + (j_) % nv_;
           float x0_v[V], x1_v[V];
           eg_unpack_vec<scalar_t>(x0_r, x0_v);
           eg_unpack_vec<scalar_t>(x1_r, x1_v);
+          if (j_ + (int)blockDim.x < H_ * nv_) {
+            x0_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (x_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_) * V);
+            x1_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (x_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_ + half_ / V) * V);
+          }
           float y0_v[V], y1_v[V];
 #pragma unroll
           for (int e_ = 0; e_ < V; ++e_) {
@@ -92,10 +100,10 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
     }
   }
 }
-extern "C" __global__ void __launch_bounds__(256) rope_forward_f32(const float* x, long long x_sb, long long x_st, long long x_sh, float* y, long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_forward_f32(const float* x, long long x_sb, long long x_st, long long x_sh, float* y, long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
   rope_forward<float>(x, x_sb, x_st, x_sh, y, y_sb, y_st, y_sh, base, B, T, H, D, pos0);
 }
-extern "C" __global__ void __launch_bounds__(256) rope_forward_bf16(const __nv_bfloat16* x, long long x_sb, long long x_st, long long x_sh, __nv_bfloat16* y, long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_forward_bf16(const __nv_bfloat16* x, long long x_sb, long long x_st, long long x_sh, __nv_bfloat16* y, long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
   rope_forward<__nv_bfloat16>(x, x_sb, x_st, x_sh, y, y_sb, y_st, y_sh, base, B, T, H, D, pos0);
 }
 
@@ -115,6 +123,15 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
     const int t_ = (int)(bt_ - b_ * T_);
     for (int k0_ = 0; k0_ < half_; k0_ += KT) {
       const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
+      const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
+      // Vector path: a thread's first vector is loaded before the table is built, each next
+      // one before the current one is computed, so that memory latency overlaps arithmetic
+      // (other elements than the ones it stores: in place stays correct).
+      uint4 dy0_r, dy1_r;
+      if ((int)threadIdx.x < H_ * nv_) {
+        dy0_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + ((int)threadIdx.x) / nv_ * (dy_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_) * V);
+        dy1_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + ((int)threadIdx.x) / nv_ * (dy_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_ + half_ / V) * V);
+      }
       __syncthreads();                        // the previous chunk's sweep is done with tab_
       for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
         const int k_ = k0_ + kk_;
@@ -131,18 +148,17 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       if (vec_) {
         // Offsets counted in whole vectors, then scaled by V: the compiler then knows them
         // 16-byte aligned and keeps each store one 128-bit access (it splits it otherwise).
-        const int nv_ = kn_ / V;
         for (int j_ = threadIdx.x; j_ < H_ * nv_; j_ += blockDim.x) {
           const int h_ = j_ / nv_;
-          const int qv_ = j_ - h_ * nv_;        // the vector in the chunk
-          const int kv_ = qv_ * V;              // its first pair
-          const long long dy_q_ = b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + h_ * (dy_sh_ / V) + (k0_ / V + qv_);
-          const long long dx_q_ = b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + h_ * (dx_sh_ / V) + (k0_ / V + qv_);
-          const uint4 dy0_r = eg_load_raw(dy_ptr, dy_q_ * V);
-          const uint4 dy1_r = eg_load_raw(dy_ptr, (dy_q_ + half_ / V) * V);
+          const int kv_ = (j_ - h_ * nv_) * V;  // the vector's first pair in the chunk
+          const long long dx_q_ = b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + (j_) / nv_ * (dx_sh_ / V) + k0_ / V + (j_) % nv_;
           float dy0_v[V], dy1_v[V];
           eg_unpack_vec<scalar_t>(dy0_r, dy0_v);
           eg_unpack_vec<scalar_t>(dy1_r, dy1_v);
+          if (j_ + (int)blockDim.x < H_ * nv_) {
+            dy0_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (dy_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_) * V);
+            dy1_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (dy_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_ + half_ / V) * V);
+          }
           float dx0_v[V], dx1_v[V];
 #pragma unroll
           for (int e_ = 0; e_ < V; ++e_) {
@@ -178,9 +194,9 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
     }
   }
 }
-extern "C" __global__ void __launch_bounds__(256) rope_backward_f32(const float* dy, long long dy_sb, long long dy_st, long long dy_sh, float* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_backward_f32(const float* dy, long long dy_sb, long long dy_st, long long dy_sh, float* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D, int pos0) {
   rope_backward<float>(dy, dy_sb, dy_st, dy_sh, dx, dx_sb, dx_st, dx_sh, base, B, T, H, D, pos0);
 }
-extern "C" __global__ void __launch_bounds__(256) rope_backward_bf16(const __nv_bfloat16* dy, long long dy_sb, long long dy_st, long long dy_sh, __nv_bfloat16* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_backward_bf16(const __nv_bfloat16* dy, long long dy_sb, long long dy_st, long long dy_sh, __nv_bfloat16* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D, int pos0) {
   rope_backward<__nv_bfloat16>(dy, dy_sb, dy_st, dy_sh, dx, dx_sb, dx_st, dx_sh, base, B, T, H, D, pos0);
 }
