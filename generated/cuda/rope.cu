@@ -32,7 +32,7 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
       // Vector path: a thread's first vector is loaded before the table is built, each next
       // one before the current one is computed, so that memory latency overlaps arithmetic
-      // (other elements than the ones it stores: in place stays correct).
+      // (only the thread that loads a vector stores it: in place stays correct).
       uint4 x0_r, x1_r;
       if ((int)threadIdx.x < H_ * nv_) {
         x0_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + ((int)threadIdx.x) / nv_ * (x_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_) * V);
@@ -126,7 +126,7 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
       // Vector path: a thread's first vector is loaded before the table is built, each next
       // one before the current one is computed, so that memory latency overlaps arithmetic
-      // (other elements than the ones it stores: in place stays correct).
+      // (only the thread that loads a vector stores it: in place stays correct).
       uint4 dy0_r, dy1_r;
       if ((int)threadIdx.x < H_ * nv_) {
         dy0_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + ((int)threadIdx.x) / nv_ * (dy_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_) * V);
