@@ -325,6 +325,8 @@ PAIR_CASES = {
     "vector path in place": PairCase((2, 5, 3, 16), pos0=1, in_place=True),
     "scalar path in place": PairCase((2, 3, 3, 12), in_place=True),
     "more vectors than threads": PairCase((1, 2, 40, 128), pos0=3),
+    # 6 (fp32) or 3 (bf16) vectors a head, 256 threads: a thread's steps cross heads mid-way
+    "more vectors than threads, D/2 = 24": PairCase((1, 2, 100, 48), pos0=3),
     "D/2 = 264, two table chunks": PairCase((1, 2, 2, 528), pos0=5, out_heads=2),
     "D/2 = 261, two table chunks, scalar path": PairCase((1, 2, 2, 522), pos0=5),
 }

@@ -30,13 +30,21 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
     for (int k0_ = 0; k0_ < half_; k0_ += KT) {
       const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
       const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
-      // Vector path: a thread's first vector is loaded before the table is built, each next
+      // The chunk's first pair of head 0, for the vector path. Offsets counted in whole
+      // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
+      // keeps each store one 128-bit access (it splits it otherwise).
+      const scalar_t* x_c_ = x_ptr + (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + k0_ / V) * V;
+      scalar_t* y_c_ = y_ptr + (b_ * (y_sb_ / V) + t_ * (y_st_ / V) + k0_ / V) * V;
+      // Vector path: a thread takes vector qv_ of head h_, then the one blockDim.x vectors
+      // further (head-major). Its first vector is loaded before the table is built, each next
       // one before the current one is computed, so that memory latency overlaps arithmetic
       // (only the thread that loads a vector stores it: in place stays correct).
+      int h_ = vec_ ? (int)threadIdx.x / nv_ : H_;
+      int qv_ = vec_ ? (int)threadIdx.x - h_ * nv_ : 0;
       uint4 x0_r, x1_r;
-      if ((int)threadIdx.x < H_ * nv_) {
-        x0_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + ((int)threadIdx.x) / nv_ * (x_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_) * V);
-        x1_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + ((int)threadIdx.x) / nv_ * (x_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_ + half_ / V) * V);
+      if (h_ < H_) {
+        x0_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_) * V);
+        x1_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_ + half_ / V) * V);
       }
       __syncthreads();                        // the previous chunk's sweep is done with tab_
       for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
@@ -52,18 +60,21 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       }
       __syncthreads();
       if (vec_) {
-        // Offsets counted in whole vectors, then scaled by V: the compiler then knows them
-        // 16-byte aligned and keeps each store one 128-bit access (it splits it otherwise).
-        for (int j_ = threadIdx.x; j_ < H_ * nv_; j_ += blockDim.x) {
-          const int h_ = j_ / nv_;
-          const int kv_ = (j_ - h_ * nv_) * V;  // the vector's first pair in the chunk
-          const long long y_q_ = b_ * (y_sb_ / V) + t_ * (y_st_ / V) + (j_) / nv_ * (y_sh_ / V) + k0_ / V + (j_) % nv_;
+        const int dh_ = blockDim.x / nv_, dq_ = blockDim.x - dh_ * nv_;  // a step of blockDim.x
+        while (h_ < H_) {
+          const int kv_ = qv_ * V;              // the vector's first pair in the chunk
+          const long long y_q_ = h_ * (y_sh_ / V) + qv_;
           float x0_v[V], x1_v[V];
           eg_unpack_vec<scalar_t>(x0_r, x0_v);
           eg_unpack_vec<scalar_t>(x1_r, x1_v);
-          if (j_ + (int)blockDim.x < H_ * nv_) {
-            x0_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (x_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_) * V);
-            x1_r = eg_load_raw(x_ptr, (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (x_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_ + half_ / V) * V);
+          int hn_ = h_ + dh_, qn_ = qv_ + dq_;  // the thread's next vector
+          if (qn_ >= nv_) {
+            qn_ -= nv_;
+            ++hn_;
+          }
+          if (hn_ < H_) {
+            x0_r = eg_load_raw(x_c_, (hn_ * (x_sh_ / V) + qn_) * V);
+            x1_r = eg_load_raw(x_c_, (hn_ * (x_sh_ / V) + qn_ + half_ / V) * V);
           }
           float y0_v[V], y1_v[V];
 #pragma unroll
@@ -77,8 +88,10 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
             y0_v[e_] = y0;
             y1_v[e_] = y1;
           }
-          eg_store_vec(y_ptr, y_q_ * V, y0_v);
-          eg_store_vec(y_ptr, (y_q_ + half_ / V) * V, y1_v);
+          eg_store_vec(y_c_, y_q_ * V, y0_v);
+          eg_store_vec(y_c_, (y_q_ + half_ / V) * V, y1_v);
+          h_ = hn_;
+          qv_ = qn_;
         }
       } else {
         for (int j_ = threadIdx.x; j_ < H_ * kn_; j_ += blockDim.x) {
@@ -124,13 +137,21 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
     for (int k0_ = 0; k0_ < half_; k0_ += KT) {
       const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
       const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
-      // Vector path: a thread's first vector is loaded before the table is built, each next
+      // The chunk's first pair of head 0, for the vector path. Offsets counted in whole
+      // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
+      // keeps each store one 128-bit access (it splits it otherwise).
+      const scalar_t* dy_c_ = dy_ptr + (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + k0_ / V) * V;
+      scalar_t* dx_c_ = dx_ptr + (b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + k0_ / V) * V;
+      // Vector path: a thread takes vector qv_ of head h_, then the one blockDim.x vectors
+      // further (head-major). Its first vector is loaded before the table is built, each next
       // one before the current one is computed, so that memory latency overlaps arithmetic
       // (only the thread that loads a vector stores it: in place stays correct).
+      int h_ = vec_ ? (int)threadIdx.x / nv_ : H_;
+      int qv_ = vec_ ? (int)threadIdx.x - h_ * nv_ : 0;
       uint4 dy0_r, dy1_r;
-      if ((int)threadIdx.x < H_ * nv_) {
-        dy0_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + ((int)threadIdx.x) / nv_ * (dy_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_) * V);
-        dy1_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + ((int)threadIdx.x) / nv_ * (dy_sh_ / V) + k0_ / V + ((int)threadIdx.x) % nv_ + half_ / V) * V);
+      if (h_ < H_) {
+        dy0_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_) * V);
+        dy1_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_ + half_ / V) * V);
       }
       __syncthreads();                        // the previous chunk's sweep is done with tab_
       for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
@@ -146,18 +167,21 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       }
       __syncthreads();
       if (vec_) {
-        // Offsets counted in whole vectors, then scaled by V: the compiler then knows them
-        // 16-byte aligned and keeps each store one 128-bit access (it splits it otherwise).
-        for (int j_ = threadIdx.x; j_ < H_ * nv_; j_ += blockDim.x) {
-          const int h_ = j_ / nv_;
-          const int kv_ = (j_ - h_ * nv_) * V;  // the vector's first pair in the chunk
-          const long long dx_q_ = b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + (j_) / nv_ * (dx_sh_ / V) + k0_ / V + (j_) % nv_;
+        const int dh_ = blockDim.x / nv_, dq_ = blockDim.x - dh_ * nv_;  // a step of blockDim.x
+        while (h_ < H_) {
+          const int kv_ = qv_ * V;              // the vector's first pair in the chunk
+          const long long dx_q_ = h_ * (dx_sh_ / V) + qv_;
           float dy0_v[V], dy1_v[V];
           eg_unpack_vec<scalar_t>(dy0_r, dy0_v);
           eg_unpack_vec<scalar_t>(dy1_r, dy1_v);
-          if (j_ + (int)blockDim.x < H_ * nv_) {
-            dy0_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (dy_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_) * V);
-            dy1_r = eg_load_raw(dy_ptr, (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + (j_ + (int)blockDim.x) / nv_ * (dy_sh_ / V) + k0_ / V + (j_ + (int)blockDim.x) % nv_ + half_ / V) * V);
+          int hn_ = h_ + dh_, qn_ = qv_ + dq_;  // the thread's next vector
+          if (qn_ >= nv_) {
+            qn_ -= nv_;
+            ++hn_;
+          }
+          if (hn_ < H_) {
+            dy0_r = eg_load_raw(dy_c_, (hn_ * (dy_sh_ / V) + qn_) * V);
+            dy1_r = eg_load_raw(dy_c_, (hn_ * (dy_sh_ / V) + qn_ + half_ / V) * V);
           }
           float dx0_v[V], dx1_v[V];
 #pragma unroll
@@ -171,8 +195,10 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
             dx0_v[e_] = dx0;
             dx1_v[e_] = dx1;
           }
-          eg_store_vec(dx_ptr, dx_q_ * V, dx0_v);
-          eg_store_vec(dx_ptr, (dx_q_ + half_ / V) * V, dx1_v);
+          eg_store_vec(dx_c_, dx_q_ * V, dx0_v);
+          eg_store_vec(dx_c_, (dx_q_ + half_ / V) * V, dx1_v);
+          h_ = hn_;
+          qv_ = qn_;
         }
       } else {
         for (int j_ = threadIdx.x; j_ < H_ * kn_; j_ += blockDim.x) {

@@ -386,6 +386,7 @@ PAIR_PATHS = {
     "unaligned offset in place": ((4, 17, 8, 64), 0, "offset", True),
     "D/2 = 6, no multiple of the vector": ((3, 20, 5, 12), 2, "fused", False),
     "D/2 = 264, two table chunks": ((2, 9, 3, 528), 4, "fused", False),
+    "D/2 = 24: a thread's vectors cross heads": ((4, 33, 100, 48), 2, "fused", False),
 }
 
 
