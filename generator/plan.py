@@ -185,8 +185,8 @@ WGRAD_REDUCE_LAUNCH = (("threads", REDUCE_X * REDUCE_Y), ("threads_x", REDUCE_X)
 # Pairs of one token whose index-only terms a pair block tables at a time (D ≤ 512 in one
 # go); a multiple of every vec, so that the vector path's chunks stay 16-byte aligned.
 PAIR_TABLE = 256
-# Full (256-thread) pair blocks held to 40 registers, six an SM (sm_90, no spills; bf16
-# took 46 unbounded, five an SM): more 16-byte loads in flight. At 32 (eight) they spill.
+# Full (256-thread) pair blocks held to 40 registers, six an SM (sm_90, no spills; unbounded
+# they took 44-48, five an SM): more 16-byte loads in flight. At 32 (eight) they spill.
 PAIR_MIN_BLOCKS = 6
 
 
