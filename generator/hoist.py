@@ -1,6 +1,7 @@
-"""Row-invariant code motion for row kernels: the parts of a per-element expression that
-depend only on per-row values (reductions, params, N, per-row inputs) are computed once per
-row instead of once per element.
+"""Invariant code motion: the parts of a per-element expression that do not vary across a
+kernel's sweep are computed once before it. Row kernels: what depends only on per-row values
+(reductions, params, N, per-row inputs) once per row. Pair kernels: what depends only on the
+index symbols and params (cos θ, sin θ of RoPE) once per (token, k), for all heads.
 
 A row kernel evaluates its element code for every column; terms such as `1/z`,
 `rsqrt(var + eps)` or `dvar/N` are the same in all of them, and a division or a square
@@ -36,8 +37,9 @@ def _cheap(e: sp.Basic) -> bool:
 def hoist(codes: list[ir.Code], varying: set[str],
           names: Iterator[str]) -> tuple[ir.Code, list[ir.Code]]:
     """(per-row code, the element codes rewritten to read it). `varying`: the names that
-    differ between the elements of a row (row operands, weights, `i`); every temporary or
-    result computed from one of them varies too. `codes` run in order in one element's
+    differ between the elements of a row (row operands, weights, `i`; for a pair kernel the
+    loaded operands and the head index); every temporary or result computed from one of
+    them varies too. `codes` run in order in one element's
     scope, so a later one may read an earlier one's names."""
     element = set(varying)
     row: list[ir.Assign] = []

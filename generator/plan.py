@@ -27,8 +27,16 @@ row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct fo
            (block). `<op>_wgrad_reduce_<dt>` then sums them in a fixed order: block
            (threads_x, threads_y), grid = cdiv(cols, threads_x).
            fwdbwd kernels: dx_may_alias_x = True (the row is read before it is written).
-pair       one block per (b, t) token: grid = B · T; strides are arguments (views of a
-           fused qkv buffer work); in_place_ok = True (y may be x, dx may be dy).
+pair       a block per (b, t) token: grid = B · T, uncapped (the kernel loops over tokens if
+           given fewer blocks); strides are arguments (views of a fused qkv buffer work);
+           in_place_ok = True (y may be x, dx may be dy). vec: pairs a thread takes in the
+           16-byte path (all pointers 16-byte aligned, b/t/h strides and D/2 multiples of
+           vec; checked in the kernel, which takes one pair a thread otherwise).
+           table_pairs: the per-(token, k) terms (cos θ, sin θ) go to a shared table of that
+           many pairs, a block sweeping its token's heads once per table_pairs pairs (any D).
+           Launch min(round_up(H · cdiv(min(D/2, table_pairs), vec), 32), threads) threads: no
+           more than a token has vectors (GPT-2 small's 12 heads of 64 are 48 in bf16), so
+           that small tokens still put many blocks on an SM; any block size is correct.
 update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
            are the storage dtype; launch once per weight-decay range.
 embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on the device.
@@ -209,8 +217,17 @@ WGRAD_REDUCE_LAUNCH = (("threads", REDUCE_X * REDUCE_Y), ("threads_x", REDUCE_X)
                        ("threads_y", REDUCE_Y), ("grid_max", None))
 
 
-def pair_launch(plan: KernelPlan) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("grid_max", _GRID_MAX), ("in_place_ok", True))
+# Pairs of one token whose index-only terms a pair block tables at a time (D ≤ 512 in one
+# go); a multiple of every vec, so that the vector path's chunks stay 16-byte aligned.
+PAIR_TABLE = 256
+# Full (256-thread) pair blocks held to 40 registers, six an SM (sm_90, no spills; unbounded
+# they took 44-48, five an SM): more 16-byte loads in flight. At 32 (eight) they spill.
+PAIR_MIN_BLOCKS = 6
+
+
+def pair_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
+    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("table_pairs", PAIR_TABLE),
+            ("grid_max", None), ("in_place_ok", True))
 
 
 def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:

@@ -319,6 +319,28 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
 
 # What each index role is at a pair (b, t, h, k) of a [B, T, H, D] tensor.
 _PAIR_INDEX = {"position": "t_ + pos0_", "pair": "k_", "head_dim": "D_", "head": "h_"}
+# Roles that differ between the heads of one (token, k): what reads them is not tabled.
+_PAIR_PER_HEAD = {"head"}
+
+
+def _pair_kernel(kernel: str, stage: str, loads: list[str], stores: list[str], code: ir.Code,
+                 index: tuple[tuple[str, str], ...]) -> dict:
+    """One pair kernel's template values. The code is split (generator/hoist.py) into the
+    per-(token, k) table (cos θ, sin θ: index symbols and params only), which a block
+    computes once for all its heads, and the per-element code, which reads the table's
+    `cached` names and the loaded operands."""
+    varying = {f"{a}{i}" for a in loads for i in (0, 1)}
+    varying |= {n for n, role in index if role in _PAIR_PER_HEAD}
+    table, (elem,) = hoist([code], varying, row_constant_names("c"))
+    table_b, elem_b = block(table), block(elem)
+    values = lambda uses: [(n, _PAIR_INDEX[r]) for n, r in index if n in uses]  # noqa: E731
+    return {"kernel": kernel, "impl": kernel, "stage": stage, "loads": loads, "stores": stores,
+            "ptrs": [Ptr(a, "const ") for a in loads] + [Ptr(a, "") for a in stores],
+            "title": f"{stage}: {', '.join(stores)} from {', '.join(loads)}",
+            "table": table_b, "table_index": values(table_b.uses),
+            "cached": [n for n in table_b.results if n in elem_b.uses],
+            "code": elem_b, "elem_index": values(elem_b.uses),
+            "elem_reads_k": any(r == "pair" for n, r in index if n in elem_b.uses)}
 
 
 def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
@@ -335,22 +357,17 @@ def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda
                              line=op.where.line, key="index")
     ins = [o.name for o in op.inputs]
     outs = [o.name for o in op.outputs]
-    fwd, bwd = block(body.forward), block(body.backward)
-    reads_pair = lambda b, names: [n for n in names if {f"{n}0", f"{n}1"} & b.uses]  # noqa: E731
+    bwd_uses = block(body.backward).uses
+    reads_pair = lambda names: [n for n in names if {f"{n}0", f"{n}1"} & bwd_uses]  # noqa: E731
     grads = [f"d{o.name}" for o in op.inputs if o.differentiable]
-    kernels = [{"kernel": f"{op.name}_forward", "impl": f"{op.name}_forward", "stage": "forward",
-                "loads": ins, "stores": outs, "code": fwd}]
+    kernels = [_pair_kernel(f"{op.name}_forward", "forward", ins, outs, body.forward, body.index)]
     if grads:
-        kernels.append({"kernel": f"{op.name}_backward", "impl": f"{op.name}_backward",
-                        "stage": "backward",
-                        "loads": reads_pair(bwd, ins + outs) + [f"d{o}" for o in outs],
-                        "stores": grads, "code": bwd})
-    for k in kernels:
-        k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
-        k["title"] = f"{k['stage']}: {', '.join(k['stores'])} from {', '.join(k['loads'])}"
+        kernels.append(_pair_kernel(f"{op.name}_backward", "backward",
+                                    reads_pair(ins + outs) + [f"d{o}" for o in outs], grads,
+                                    body.backward, body.index))
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
-                       dtypes=_dtypes(p), threads=p.threads, index=list(body.index),
-                       index_value=_PAIR_INDEX)
+                       dtypes=_dtypes(p), threads=p.threads, table_pairs=planner.PAIR_TABLE,
+                       min_blocks=planner.PAIR_MIN_BLOCKS)
     sigs = []
     for k in kernels:
         for dt in p.dtypes:
@@ -361,7 +378,7 @@ def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda
             args += tuple((q, "float") for q in _params(op))
             args += (("B", "int"), ("T", "int"), ("H", "int"), ("D", "int"), ("pos0", "int"))
             sigs.append(ir.KernelSig(f"{k['kernel']}_{dt}", args, dt, k["stage"],
-                                     planner.pair_launch(p)))
+                                     planner.pair_launch(p, dt)))
     return ir.RenderedCuda(source, tuple(sigs))
 
 

@@ -75,6 +75,13 @@ def _row_sig(op: OpEntry, stage: str) -> RowSig:
                   tuple(f"d{o.name}" for o in grads if o.role == "weight"))
 
 
+def pair_threads(plan: dict, H: int, D: int) -> int:
+    """A pair block's threads: one a 16-byte vector of a token's table chunk, in whole warps,
+    at most the plan's (generator/plan.py)."""
+    vectors = H * cdiv(min(D // 2, plan["table_pairs"]), plan["vec"])
+    return min(cdiv(vectors, 32) * 32, plan["threads"])
+
+
 WORKSPACE_ALIGN = 64   # elements: each workspace slice starts 256-byte aligned (vector loads)
 
 
@@ -326,8 +333,8 @@ class CudaOps:
                 values[f"{name}_sb"], values[f"{name}_st"], values[f"{name}_sh"] = (
                     s // item for s in a.strides[:3])
         if x.size:
-            self.launcher(op).launch(kernel, grid_for(B * T, kernel.plan), kernel.plan["threads"],
-                                     values, contiguous=False)
+            self.launcher(op).launch(kernel, grid_for(B * T, kernel.plan),
+                                     pair_threads(kernel.plan, H, D), values, contiguous=False)
         return results
 
     # -- embedding: out[b, t] = wte[ids[b, t]] (+ wpe[t]); deterministic backward ----------------

@@ -18,12 +18,14 @@ import json
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
+from eulergen.runtime.cuda_ops import pair_threads
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
@@ -46,17 +48,23 @@ def _ops(*kinds) -> list[str]:
 
 def _runner(op: str) -> str:
     """C++ main: `run KERNEL GX GY BX BY ARGS…`; a pointer argument is a file (or '-' for
-    null) read before and, when not const, written back after the launch."""
+    null) read before and, when not const, written back after the launch. Pointer arguments
+    naming the same file share one buffer (an output aliasing an input: in place)."""
     cases = []
     for name, k in OPS[op]["kernels"].items():
         loads, call, saves = [], [], []
+        elems: dict[int, str] = {}
         for n, (arg, ctype) in enumerate(k["args"]):
             if ctype.endswith("*"):
                 elem = ctype.replace("const ", "").rstrip("*").strip()
                 loads.append(f"    std::vector<{elem}> a{n} = load<{elem}>(argv[{n + 6}]);")
-                call.append(f"(std::string(argv[{n + 6}]) == \"-\" ? nullptr : a{n}.data())")
+                loads.append(f"    std::vector<{elem}>* v{n} = &a{n};")
+                loads += [f"    if (std::string(argv[{n + 6}]) == argv[{m + 6}]) v{n} = v{m};"
+                          for m, e in elems.items() if e == elem]
+                elems[n] = elem
+                call.append(f"(std::string(argv[{n + 6}]) == \"-\" ? nullptr : v{n}->data())")
                 if not ctype.startswith("const"):
-                    saves.append(f"    save(argv[{n + 6}], a{n});")
+                    saves.append(f"    save(argv[{n + 6}], *v{n});")
             else:
                 call.append(f"{_SCALAR[ctype]}(argv[{n + 6}])")
         cases.append(f'  if (kernel == "{name}") {{\n' + "\n".join(loads) + "\n"
@@ -91,22 +99,26 @@ def _binary(op: str) -> Path:
 
 
 def launch(op: str, kernel: str, grid, block, **args) -> dict[str, np.ndarray]:
-    """Run one kernel; arrays go in by argument name and the written ones come back."""
+    """Run one kernel; arrays go in by argument name and the written ones come back. A
+    pointer argument given as another's name (`y="x"`) is that argument's buffer."""
     sig = OPS[op]["kernels"][kernel]["args"]
     work = Path(tempfile.mkdtemp(dir=_FOLDER))
-    argv, outs = [], {}
+    argv, outs, paths = [], {}, {}
     for name, ctype in sig:
         value = args[name]
         if ctype.endswith("*"):
             if value is None:
                 argv.append("-")
                 continue
-            elem = _ELEM[ctype.replace("const ", "").rstrip("*").strip()][1]
-            path = work / f"{name}.bin"
-            np.ascontiguousarray(value, elem).tofile(path)
-            argv.append(str(path))
+            if isinstance(value, str):
+                paths[name] = paths[value]
+            else:
+                elem = _ELEM[ctype.replace("const ", "").rstrip("*").strip()][1]
+                paths[name] = (work / f"{name}.bin", elem, np.shape(value))
+                np.ascontiguousarray(value, elem).tofile(paths[name][0])
+            argv.append(str(paths[name][0]))
             if not ctype.startswith("const"):
-                outs[name] = (path, elem, np.shape(value))
+                outs[name] = paths[name]
         else:
             argv.append(repr(value))
     gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
@@ -292,32 +304,85 @@ def test_weight_gradient_reduce_sums_partials_and_may_accumulate(name, dtype):
 
 # ---- pair, update, embedding --------------------------------------------------------------
 
+@dataclass(frozen=True)
+class PairCase:
+    """A pair-kernel launch: each operand is the [B, T, H, D] view at the start of a buffer
+    [B, T, H · heads, D + pad] (pad 2 makes the head stride no multiple of any vector)."""
+    shape: tuple[int, int, int, int]
+    pos0: int = 0
+    in_pad: int = 0
+    out_heads: int = 1
+    in_place: bool = False
+
+
+# 16-byte vectors are 4 fp32 or 8 bf16 pairs; the kernels table 256 pairs at a time.
+PAIR_CASES = {
+    "vector path, output heads of a wider buffer": PairCase((2, 5, 3, 16), out_heads=2),
+    "vector path at pos0 > 0": PairCase((2, 5, 3, 16), pos0=9, out_heads=2),
+    "D/2 = 6, no multiple of the vector: scalar path": PairCase((2, 3, 3, 12), pos0=2),
+    "head stride D + 2, no multiple of the vector: scalar path": PairCase((2, 3, 3, 16), in_pad=2,
+                                                                         out_heads=2),
+    "vector path in place": PairCase((2, 5, 3, 16), pos0=1, in_place=True),
+    "scalar path in place": PairCase((2, 3, 3, 12), in_place=True),
+    "more vectors than threads": PairCase((1, 2, 40, 128), pos0=3),
+    # 6 (fp32) or 3 (bf16) vectors a head, 256 threads: a thread's steps cross heads mid-way
+    "more vectors than threads, D/2 = 24": PairCase((1, 2, 100, 48), pos0=3),
+    "D/2 = 264, two table chunks": PairCase((1, 2, 2, 528), pos0=5, out_heads=2),
+    "D/2 = 261, two table chunks, scalar path": PairCase((1, 2, 2, 522), pos0=5),
+}
+
+
+def _pair_buffer(view: np.ndarray, heads: int, pad: int, fill: float) -> np.ndarray:
+    B, T, H, D = view.shape
+    buf = np.full((B, T, H * heads, D + pad), fill)
+    buf[:, :, :H, :D] = view
+    return buf
+
+
+def _pair_strides(name: str, buf: np.ndarray) -> dict:
+    _, T, Hs, Ds = buf.shape
+    return {f"{name}_sb": T * Hs * Ds, f"{name}_st": Hs * Ds, f"{name}_sh": Ds}
+
+
+@pytest.mark.parametrize("case", PAIR_CASES)
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("name", _ops("pair"))
-def test_pair_kernels_on_strided_views_match_numpy(name, dtype):
+def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
+    """Outputs match numpy inside the view, and the rest of the output buffer is untouched.
+    Blocks of the runtime's size, three of them over B·T tokens: blocks loop over tokens."""
+    c = PAIR_CASES[case]
     op = OPS[name]
     mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
-    B, T, H, D, pos0 = 2, 5, 3, 16, 0
+    B, T, H, D = c.shape
     rng = np.random.default_rng(2)
-    x = inputs_as_stored([rng.uniform(-1, 1, (B, T, H, D))], dtype)[0]
     params = _params(name)
-    # The output is the first H heads of a [B, T, 2H, D] buffer: strides differ from x's.
-    wide = (T * 2 * H * D, 2 * H * D, D)
-    strides = {"x": (T * H * D, H * D, D), "y": wide, "dy": (T * H * D, H * D, D), "dx": wide}
-    args = {f"{n}_{s}": strides[n][i] for n in strides for i, s in enumerate(("sb", "st", "sh"))}
-    k = f"{name}_forward_{dtype}"
-    got = launch(name, k, 3, op["kernels"][k]["plan"]["threads"], x=stored(x, dtype),
-                 y=stored(np.full((B, T, 2 * H, D), np.nan), dtype), **params, **args,
-                 B=B, T=T, H=H, D=D, pos0=pos0)
-    close(value(got["y"], dtype)[:, :, :H], mod.forward(x, **params), TOL[dtype], k)
-    dy = inputs_as_stored([rng.uniform(-1, 1, (B, T, H, D))], dtype)[0]
-    k = f"{name}_backward_{dtype}"
-    sig = [a for a, _ in op["kernels"][k]["args"]]
-    extra = {"x": stored(x, dtype)} if "x" in sig else {}
-    got = launch(name, k, 3, op["kernels"][k]["plan"]["threads"], **extra, dy=stored(dy, dtype),
-                 dx=stored(np.full((B, T, 2 * H, D), np.nan), dtype), **params, **args,
-                 B=B, T=T, H=H, D=D, pos0=pos0)
-    close(value(got["dx"], dtype)[:, :, :H], mod.backward(x, dy, **params), TOL[dtype], k)
+    x, dy = inputs_as_stored([rng.uniform(-1, 1, c.shape) for _ in range(2)], dtype)
+    stages = (("forward", {"x": x}, "y", mod.forward(x, pos0=c.pos0, **params)),
+              ("backward", {"dy": dy}, "dx", mod.backward(x, dy, pos0=c.pos0, **params)))
+    for stage, ins, out, want in stages:
+        k = f"{name}_{stage}_{dtype}"
+        sig = [a for a, _ in op["kernels"][k]["args"]]
+        bufs = {n: _pair_buffer(v, 1, c.in_pad, 0.5) for n, v in ({"x": x} | ins).items()
+                if n in sig}
+        args = {n: stored(b, dtype) for n, b in bufs.items()}
+        for n, b in bufs.items():
+            args |= _pair_strides(n, b)
+        first = next(iter(ins))
+        if c.in_place:
+            before = bufs[first]
+            args |= {out: first} | {k_.replace(first, out, 1): v
+                                    for k_, v in _pair_strides(first, before).items()}
+        else:
+            before = _pair_buffer(np.full(c.shape, np.nan), c.out_heads, 0, np.nan)
+            args |= {out: stored(before, dtype)} | _pair_strides(out, before)
+        threads = pair_threads(op["kernels"][k]["plan"], H, D)
+        got = value(launch(name, k, 3, threads, **args, **params, B=B, T=T, H=H, D=D,
+                           pos0=c.pos0)[out], dtype)
+        close(got[:, :, :H, :D], want, TOL[dtype], f"{k} {case}")
+        outside = np.ones(got.shape, bool)
+        outside[:, :, :H, :D] = False
+        assert np.array_equal(got[outside], value(stored(before, dtype), dtype)[outside],
+                              equal_nan=True), f"{k} {case}: wrote outside the view"
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

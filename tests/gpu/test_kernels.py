@@ -374,6 +374,64 @@ def test_pair_forward_and_backward_on_views_of_a_fused_buffer(name, shape, dtype
         check(f"{name}.d{g}", got, w, cp)
 
 
+# Each case: (shape, pos0, where the operands sit, in place). 'fused': slots of a [B, T, 3, H,
+# D] buffer (16-byte aligned: the vector path); 'offset': one element into a flat buffer (no
+# operand 16-byte aligned: the scalar path; a 16-byte access there faults). B·T·H·D of
+# 3.1M at H·D/2 = 2048 pairs a token, far more than a block's threads.
+PAIR_PATHS = {
+    "vector path": ((16, 48, 32, 128), 0, "fused", False),
+    "vector path, pos0 > 0": ((16, 48, 32, 128), 9, "fused", False),
+    "vector path in place": ((16, 48, 32, 128), 5, "fused", True),
+    "unaligned offset: scalar path": ((4, 17, 8, 64), 3, "offset", False),
+    "unaligned offset in place": ((4, 17, 8, 64), 0, "offset", True),
+    "D/2 = 6, no multiple of the vector": ((3, 20, 5, 12), 2, "fused", False),
+    "D/2 = 264, two table chunks": ((2, 9, 3, 528), 4, "fused", False),
+    "D/2 = 24: a thread's vectors cross heads": ((4, 33, 100, 48), 2, "fused", False),
+}
+
+
+def _pair_operands(cp, host: list[np.ndarray], where: str, dtype: str) -> list:
+    """Device views holding `host`'s values, laid out as the case says."""
+    B, T, H, D = host[0].shape
+    if where == "fused":
+        buf = device(cp, np.stack(host + [np.zeros_like(host[0])] * (3 - len(host)), 2), dtype)
+        return [buf[:, :, i] for i in range(len(host))]
+    views = []
+    for h in host:
+        flat = cp.zeros(1 + h.size, dtype=_storage(dtype))
+        flat[1:] = device(cp, h, dtype).ravel()
+        views.append(flat[1:].reshape(h.shape))
+    return views
+
+
+@both_dtypes
+@pytest.mark.parametrize("case", PAIR_PATHS)
+@pytest.mark.parametrize("name", _ops("pair"))
+def test_pair_vector_and_scalar_paths_at_size(name, case, dtype, cp, libs):
+    gpu, ref = libs
+    op = OPS[name]
+    shape, pos0, where, in_place = PAIR_PATHS[case]
+    progress(f"pair {name} {case} {shape} {dtype}")
+    rng = np.random.default_rng(shape[-1])
+    xs = [host_values(rng, shape, -3, 3, dtype) for _ in op.inputs]
+    douts = [host_values(rng, shape, -1, 1, dtype) for _ in op.outputs]
+    want = reference(ref.forward, name, *xs, pos0=pos0)
+    want_grads = reference(ref.backward, name, *xs, *douts, pos0=pos0)
+    xs_dev = _pair_operands(cp, xs, where, dtype)
+    douts_dev = _pair_operands(cp, douts, where, dtype)
+    grads = (tuple(douts_dev[:len(op.grads)]) if in_place
+             else tuple(poisoned(cp, shape, _storage(dtype)) for _ in op.grads))
+    # The backward first: in place, the forward overwrites the inputs it reads.
+    gpu.backward(name, *xs_dev, *douts_dev, out=grads, pos0=pos0)
+    outs = (tuple(xs_dev[:len(op.outputs)]) if in_place
+            else tuple(poisoned(cp, shape, _storage(dtype)) for _ in op.outputs))
+    gpu.forward(name, *xs_dev, out=outs, pos0=pos0)
+    for o, got, w in zip(op.outputs, outs, want):
+        check(f"{name}.{o.name} {case}", got, w, cp)
+    for g, got, w in zip(op.grads, grads, want_grads):
+        check(f"{name}.d{g} {case}", got, w, cp)
+
+
 # ---- update (adamw) ------------------------------------------------------------------------
 
 @both_dtypes

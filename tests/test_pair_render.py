@@ -1,0 +1,44 @@
+"""Pair kernels (generator/render.py `_pair`, templates/pair.cu.j2): what is computed once per
+(token, k) and what per element, and the runtime's block size. Their numbers are checked by
+tests/test_cuda_emulated.py (CPU) and tests/gpu/test_kernels.py."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from eulergen.generator.derive import derive
+from eulergen.generator.render import _pair_kernel
+from eulergen.generator.spec import find_ops, load_spec
+from eulergen.runtime.cuda_ops import pair_threads
+
+TRANSCENDENTAL = re.compile(r"\b(powf|eg_sinf|eg_cosf|expf|logf)\(")
+
+
+def _rope_kernels() -> list[dict]:
+    op = derive(load_spec(find_ops()["rope"]))
+    body = op.body
+    return [_pair_kernel("rope_forward", "forward", ["x"], ["y"], body.forward, body.index),
+            _pair_kernel("rope_backward", "backward", ["dy"], ["dx"], body.backward, body.index)]
+
+
+@pytest.mark.parametrize("k", _rope_kernels(), ids=lambda k: k["stage"])
+def test_rope_angle_and_its_sine_and_cosine_are_tabled_not_computed_per_element(k):
+    table = "\n".join(k["table"].lines)
+    element = "\n".join(k["code"].lines)
+    assert "powf(" in table and "eg_sinf(" in table and "eg_cosf(" in table, table
+    assert not TRANSCENDENTAL.search(element), element
+    assert len(k["cached"]) == 2, k["cached"]          # cos θ and sin θ; θ itself is not kept
+    assert not k["elem_index"], k["elem_index"]        # no index symbol left per element
+
+
+@pytest.mark.parametrize("H,D,dtype_vec,threads", [
+    (32, 128, 4, 256),     # 512 fp32 vectors a token: the plan's 256 threads loop
+    (32, 128, 8, 256),     # 256 bf16 vectors
+    (12, 64, 8, 64),       # GPT-2 small in bf16: 48 vectors, two warps
+    (1, 2, 4, 32),         # one pair: one warp
+    (2, 528, 8, 64),       # D/2 = 264: sized by the 256-pair table chunk, 2 × 32 vectors
+])
+def test_pair_block_has_a_thread_per_vector_of_a_token_in_whole_warps(H, D, dtype_vec, threads):
+    plan = {"threads": 256, "vec": dtype_vec, "table_pairs": 256}
+    assert pair_threads(plan, H, D) == threads
