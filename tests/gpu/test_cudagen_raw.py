@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
+from eulergen.runtime.kernels import row_geometry
 from eulergen.runtime.ops import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
 
 pytestmark = pytest.mark.gpu
@@ -63,17 +64,6 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 TOL = {"f32": 1e-5, "bf16": 2e-2}
 
 
-def row_launch(p: dict, rows: int, cols: int) -> tuple[int, int, int]:
-    """(grid, threads, partials) by the plan's rules."""
-    if p["layout"] == "block_per_row":
-        threads = min(max(cdiv(cdiv(cols, p["cols_per_thread"]), 32) * 32, p["threads_min"]),
-                      p["threads"])
-        grid = min(rows, p["grid_max"])
-        return grid, threads, grid
-    grid = min(cdiv(rows, p["rows_per_block"]), p["grid_max"])
-    return grid, p["threads"], grid * p["rows_per_block"]
-
-
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("layout", ["", "_block"])
 def test_fused_cross_entropy_overwrites_50257_wide_logits_with_their_gradient(cp, layout, dtype):
@@ -85,7 +75,8 @@ def test_fused_cross_entropy_overwrites_50257_wide_logits_with_their_gradient(cp
     target = rng.integers(0, cols, rows).astype(np.int32)
     dloss = np.full(rows, 1.0 / rows, np.float32)
     name = f"{op}_fwdbwd{layout}_{dtype}"
-    grid, threads, _ = row_launch(plan(op, name), rows, cols)
+    geom = row_geometry(plan(op, name), rows, cols)
+    grid, threads = geom.grid, geom.threads
     logits = store(cp, x, dtype)
     loss = cp.full(rows, np.nan, np.float32)
     kernel(cp, op, name)((grid,), (threads,), (logits, cp.asarray(target), cp.asarray(dloss), loss,
