@@ -82,6 +82,12 @@ def pair_threads(plan: dict, H: int, D: int) -> int:
     return min(cdiv(vectors, 32) * 32, plan["threads"])
 
 
+def pair_grid(plan: dict, tokens: int, threads: int) -> int:
+    """Blocks for `tokens` tokens: the plan's grid_max counts blocks of its `threads`;
+    smaller blocks fit as many more at once."""
+    return max(1, min(tokens, plan["grid_max"] * plan["threads"] // threads))
+
+
 WORKSPACE_ALIGN = 64   # elements: each workspace slice starts 256-byte aligned (vector loads)
 
 
@@ -333,8 +339,9 @@ class CudaOps:
                 values[f"{name}_sb"], values[f"{name}_st"], values[f"{name}_sh"] = (
                     s // item for s in a.strides[:3])
         if x.size:
-            self.launcher(op).launch(kernel, grid_for(B * T, kernel.plan),
-                                     pair_threads(kernel.plan, H, D), values, contiguous=False)
+            threads = pair_threads(kernel.plan, H, D)
+            self.launcher(op).launch(kernel, pair_grid(kernel.plan, B * T, threads), threads,
+                                     values, contiguous=False)
         return results
 
     # -- embedding: out[b, t] = wte[ids[b, t]] (+ wpe[t]); deterministic backward ----------------

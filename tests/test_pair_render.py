@@ -10,7 +10,7 @@ import pytest
 from eulergen.generator.derive import derive
 from eulergen.generator.render import _pair_kernel
 from eulergen.generator.spec import find_ops, load_spec
-from eulergen.runtime.cuda_ops import pair_threads
+from eulergen.runtime.cuda_ops import pair_grid, pair_threads
 
 TRANSCENDENTAL = re.compile(r"\b(powf|eg_sinf|eg_cosf|expf|logf)\(")
 
@@ -42,3 +42,14 @@ def test_rope_angle_and_its_sine_and_cosine_are_tabled_not_computed_per_element(
 def test_pair_block_has_a_thread_per_vector_of_a_token_in_whole_warps(H, D, dtype_vec, threads):
     plan = {"threads": 256, "vec": dtype_vec, "table_pairs": 256}
     assert pair_threads(plan, H, D) == threads
+
+
+@pytest.mark.parametrize("tokens,threads,grid", [
+    (8192, 256, 792),      # B=8 T=1024: the plan's 792 full blocks loop over the tokens
+    (8192, 64, 3168),      # quarter-size blocks: four times as many fit
+    (16, 256, 16),         # a decode step of 16 sequences: a block each
+    (0, 256, 1),
+])
+def test_pair_grid_is_what_fits_at_once(tokens, threads, grid):
+    plan = {"threads": 256, "grid_max": 792}
+    assert pair_grid(plan, tokens, threads) == grid
