@@ -16,7 +16,7 @@ from eulergen import TEMPLATES_DIR
 from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
 from eulergen.generator.hoist import hoist, row_constant_names
-from eulergen.generator.printer import print_cuda
+from eulergen.generator.printer import cuda_expr, print_cuda
 
 
 def header(spec: str, sha256: str, template: str = "") -> str:
@@ -180,22 +180,45 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
     varying = set(rows_in + d_elem_out + weights) | {"i"}
     const_names = row_constant_names()
 
-    def sweep_step(kind: str, code: ir.Code, with_outputs: bool, **extra) -> dict:
+    def sweep_step(kind: str, code: ir.Code, with_outputs: bool,
+                   online: tuple[ir.Online, ...] = (), **extra) -> dict:
         """A pass or an element step; with_outputs: the element outputs are recomputed
-        first (`pre`), for code that reads them."""
-        consts, hoisted = hoist([body.elem_outputs, code] if with_outputs else [code],
-                                varying, const_names)
-        pre, b = [block(c) for c in hoisted] if with_outputs else (None, block(hoisted[0]))
+        first (`pre`), for code that reads them. `online`: sums a pass accumulates against
+        its running max, which varies along the row like an element."""
+        first = [body.elem_outputs, code] if with_outputs else [code]
+        maxes = list(dict.fromkeys(o.max for o in online))
+        consts, hoisted = hoist(first + [o.term for o in online], varying | set(maxes),
+                                const_names)
+        blocks = [block(c) for c in hoisted]
+        pre, b = (blocks[0], blocks[1]) if with_outputs else (None, blocks[0])
+        terms = blocks[len(first):]
         c = block(consts) if consts.results else None
-        return {"kind": kind, "block": b, "pre": pre, "consts": c, "uses": _uses(b, pre, c),
-                **extra}
+        joined = [{"name": o.name, "op": o.op, "max": o.max, "block": t,
+                   "factor": cuda_expr(o.factor)} for o, t in zip(online, terms)]
+        factor_uses = {s.name for o in online for s in o.factor.free_symbols}
+        factor_uses -= {ir.RESCALE_FROM, ir.RESCALE_TO}
+        online_uses = _uses(*terms)
+        return {"kind": kind, "block": b, "pre": pre, "consts": c, "online": joined,
+                "maxes": maxes, "online_uses": online_uses,
+                "uses": _uses(b, pre, c) | online_uses | factor_uses, **extra}
 
     def reads_outputs(code: ir.Code) -> bool:
         return bool(block(code).uses & set(elem_out))
 
-    def pass_step(ps: ir.Pass) -> dict:
-        return sweep_step("pass", ps.body, reads_outputs(ps.body),
+    def pass_step(ps: ir.Pass, online: tuple[ir.Online, ...] = ()) -> dict:
+        return sweep_step("pass", ps.body, reads_outputs(ps.body), online,
                           ops=[list(o) for o in ps.ops], stores=[], wgrads=[])
+
+    # An online sum leaves its level's pass for its max's (ir.Online): one sweep fewer
+    # where it was its level's only reduction.
+    online = {o.name: o for o in body.online}
+    passes = []
+    for ps in body.passes:
+        plain = tuple(o for o in ps.ops if o[0] not in online)
+        if plain:
+            own = {n for n, _ in plain}
+            passes.append(pass_step(ir.Pass(plain, ps.body.only(own)),
+                                    tuple(o for o in body.online if o.max in own)))
 
     def row_step(b: Block, stores: list[str]) -> dict:
         return {"kind": "row", "block": b, "stores": stores, "uses": b.uses}
@@ -204,7 +227,6 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
         return sweep_step("elem", code, not outputs and reads_outputs(code), stores=stores,
                           wgrads=wgrads)
 
-    passes = [pass_step(ps) for ps in body.passes]
     grads = body.elem_grads
     adjoints = block(body.adjoints, declare=False)
     adjoint_pass = [pass_step(body.adjoint_pass)] if body.adjoint_pass else []
@@ -230,7 +252,7 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
     kernels = []
     chunked = set(rows_in + d_elem_out + elem_out + d_rows)
     for stage, steps, reads, writes, wgrads in stages:
-        uses = _uses(*(s[part] for s in steps for part in ("block", "pre", "consts") if part in s))
+        uses = frozenset().union(*(s["uses"] for s in steps))
         ptrs = []
         for name in reads:
             role = ("row" if name in chunked else "weight" if name in weights
@@ -245,6 +267,7 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
         defined = set(_params(op)) | {"i", "N"}
         for s in steps:
             defined |= set(s["block"].results) | {n for n, _ in s.get("ops", [])}
+            defined |= {o["name"] for o in s.get("online", [])}
             if s.get("consts"):
                 defined |= set(s["consts"].results)
             if s.get("pre"):
@@ -279,8 +302,8 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
                                  if stage == "forward" and not weights else 0),
             "warp_min_blocks": {dt: planner.WARP_MIN_BLOCKS[(dt, stage)]
                                 for dt in planner.DTYPES if (dt, stage) in planner.WARP_MIN_BLOCKS},
-            "max_reductions": max((len(s["ops"]) for s in steps if s["kind"] == "pass"),
-                                  default=0),
+            "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
+                                   if s["kind"] == "pass"), default=0),
         })
     layouts = [
         {"suffix": "", "warp": "true", "slots": dict(p.warp_slots), "layout": "warp_per_row"},
@@ -291,7 +314,8 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
                        dtypes=_dtypes(p), layouts=layouts, wgrad=wgrad,
                        reduce={"x": planner.REDUCE_X, "y": planner.REDUCE_Y},
-                       row_operands=rows_in + d_elem_out, weights=weights)
+                       row_operands=rows_in + d_elem_out, weights=weights,
+                       rescale_from=ir.RESCALE_FROM, rescale_to=ir.RESCALE_TO)
     sigs = []
     for k in kernels:
         for dt in p.dtypes:

@@ -27,7 +27,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = true;
-  __shared__ float red_[2][32];
+  __shared__ float red_[3][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -63,15 +63,18 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum of the per-element terms
+    // pass: m = max, picked = sum, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
     float acc_picked_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -84,6 +87,18 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
             acc_m_ = fmaxf(acc_m_, m);
             acc_picked_ += picked;
           }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -91,6 +106,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -105,10 +121,23 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
           }
         }
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float was_m_ = acc_m_;
       const float i = (float)col_;
       {
         const float m = x;
@@ -116,83 +145,55 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         acc_m_ = fmaxf(acc_m_, m);
         acc_picked_ += picked;
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
     acc_picked_ = eg_warp_sum(acc_picked_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
         red_[1][lane_ / 32] = acc_picked_;
+        red_[2][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
       acc_picked_ = red_[1][0];
+      acc_z_ = red_[2][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
         acc_picked_ = acc_picked_ + red_[1][w_];
+        const float oth_m_ = red_[0][w_];
+        const float oth_z_ = red_[2][w_];
+        {
+          const bool mine_ = acc_m_ >= oth_m_;
+          const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+          acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                   : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+          acc_m_ = hi_;
+        }
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
     const float picked = acc_picked_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per row: loss
     float loss;
@@ -227,7 +228,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[2][32];
+  __shared__ float red_[3][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -265,15 +266,18 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum of the per-element terms
+    // pass: m = max, picked = sum, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
     float acc_picked_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -286,6 +290,18 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
             acc_m_ = fmaxf(acc_m_, m);
             acc_picked_ += picked;
           }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -293,6 +309,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -307,10 +324,23 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
           }
         }
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float was_m_ = acc_m_;
       const float i = (float)col_;
       {
         const float m = x;
@@ -318,82 +348,54 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         acc_m_ = fmaxf(acc_m_, m);
         acc_picked_ += picked;
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
     acc_picked_ = eg_warp_sum(acc_picked_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
         red_[1][lane_ / 32] = acc_picked_;
+        red_[2][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
       acc_picked_ = red_[1][0];
+      acc_z_ = red_[2][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
         acc_picked_ = acc_picked_ + red_[1][w_];
+        const float oth_m_ = red_[0][w_];
+        const float oth_z_ = red_[2][w_];
+        {
+          const bool mine_ = acc_m_ >= oth_m_;
+          const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+          acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                   : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+          acc_m_ = hi_;
+        }
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per row: dz, dpicked
     float dz;
@@ -474,7 +476,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[2][32];
+  __shared__ float red_[3][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -512,15 +514,18 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum of the per-element terms
+    // pass: m = max, picked = sum, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
     float acc_picked_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -533,6 +538,18 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
             acc_m_ = fmaxf(acc_m_, m);
             acc_picked_ += picked;
           }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -540,6 +557,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -554,10 +572,23 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
           }
         }
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float was_m_ = acc_m_;
       const float i = (float)col_;
       {
         const float m = x;
@@ -565,83 +596,55 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         acc_m_ = fmaxf(acc_m_, m);
         acc_picked_ += picked;
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
     acc_picked_ = eg_warp_sum(acc_picked_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
         red_[1][lane_ / 32] = acc_picked_;
+        red_[2][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
       acc_picked_ = red_[1][0];
+      acc_z_ = red_[2][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
         acc_picked_ = acc_picked_ + red_[1][w_];
+        const float oth_m_ = red_[0][w_];
+        const float oth_z_ = red_[2][w_];
+        {
+          const bool mine_ = acc_m_ >= oth_m_;
+          const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+          acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                   : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+          acc_m_ = hi_;
+        }
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
     const float picked = acc_picked_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per row: loss
     float loss;
