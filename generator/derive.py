@@ -264,7 +264,8 @@ def _row(spec: OpSpec, temps: _Temps):
 def _online(spec: OpSpec, temps: _Temps, elem_names: set[str]) -> tuple[ir.Online, ...]:
     """The sums that may be accumulated in their stabilizer's pass (ir.Online): each reads
     one reduction, a stabilizer max of a bare row input x, and its term rescales by a factor
-    free of the element symbols and vanishes as x → -inf."""
+    free of the element symbols and vanishes as x → -inf (params at their defaults: the
+    sign of a temperature decides it)."""
     red = {r.name: r for r in spec.reductions}
     out = []
     for r in spec.reductions:
@@ -276,7 +277,9 @@ def _online(spec: OpSpec, temps: _Temps, elem_names: set[str]) -> tuple[ir.Onlin
         if m not in spec.stabilizers or not isinstance(x, sp.Symbol) or x.name not in elem_names:
             continue
         factor = _rescale_factor(r.expr, symbol(m), elem_names)
-        if factor is not None and _vanishes_below(r.expr.subs(symbol(m), 0), x):
+        at = {symbol(m): 0} | {symbol(p.name): p.default for p in spec.params
+                               if p.default is not None}
+        if factor is not None and _vanishes_below(r.expr.subs(at), x):
             out.append(ir.Online(name=r.name, op=r.op, max=m,
                                  term=temps.code([(r.name, r.expr)]), factor=factor))
     return tuple(out)

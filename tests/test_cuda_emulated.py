@@ -417,3 +417,76 @@ def test_embedding_id_outside_the_table_traps():
     with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
         launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
                tiled=np.zeros(2, np.int64), n=2, V=13)
+
+
+# ---- row kernels with -inf entries (online max and sum) ------------------------------------
+
+NEG_INF_OPS = [n for n in _ops("row") if n in ("softmax", "log_softmax", "cross_entropy")]
+
+
+def masked_rows(rng, cols: int) -> np.ndarray:
+    """Rows of logits with -inf entries, as attention-style masks make them: none, a leading
+    run, scattered, and all but the last column (lanes and warps whose every element is
+    -inf merge with the one finite one). Every row keeps a finite entry."""
+    x = rng.uniform(-8, 8, (4, cols))
+    x[1, : (2 * cols) // 3] = -np.inf
+    x[2, rng.random(cols) < 0.4] = -np.inf
+    x[3, :-1] = -np.inf
+    x[:, -1] = np.where(np.isfinite(x[:, -1]), x[:, -1], 1.5)
+    return x
+
+
+def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
+    """-inf where the reference has -inf (log_softmax of a masked column), close elsewhere."""
+    want = np.broadcast_to(want, got.shape)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[~finite], want[~finite]), f"{what}: infinities differ"
+    close(got[finite], want[finite], tol, what)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["warp", "block"])
+@pytest.mark.parametrize("cols", [1, 17, 768, 2048, 50257])
+@pytest.mark.parametrize("name", NEG_INF_OPS)
+def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
+    op = OPS[name]
+    entry = load_manifest(MANIFEST).ops[name]
+    mod = load_numpy_module(entry)
+    rng = np.random.default_rng(cols + 7)
+    x = inputs_as_stored([masked_rows(rng, cols)], dtype)[0]
+    rows = x.shape[0]
+    ins = {"x": stored(x, dtype)}
+    xs = [x]
+    if any(o["role"] == "index" for o in op["inputs"]):
+        target = np.array([rng.choice(np.flatnonzero(np.isfinite(r))) for r in x], np.int32)
+        ins["target"] = target
+        xs.append(target)
+    suffix = "_block" if layout == "block" else ""
+    (out,) = op["outputs"]
+    scalar = out["role"] == "scalar"
+    tol = TOL["f32"] if scalar else TOL[dtype]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        want = mod.forward(*xs)
+        dout = (rng.uniform(-1, 1, rows).astype(np.float32).astype(np.float64) if scalar
+                else inputs_as_stored([rng.uniform(-1, 1, (rows, cols))], dtype)[0])
+        want_dx = mod.backward(*xs, dout)
+    assert np.isfinite(want_dx).all()
+    dargs = {f"d{out['name']}": dout.astype(np.float32) if scalar else stored(dout, dtype)}
+    stages = ["forward", "backward"] + (["fwdbwd"] if f"{name}_fwdbwd_{dtype}" in op["kernels"] else [])
+    for stage in stages:
+        k = f"{name}_{stage}{suffix}_{dtype}"
+        grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+        bufs = {}
+        if stage != "backward":
+            bufs[out["name"]] = (np.full(rows, np.nan, np.float32) if scalar
+                                 else stored(np.full((rows, cols), np.nan), dtype))
+        if stage != "forward":
+            bufs["dx"] = stored(np.full((rows, cols), np.nan), dtype)
+            bufs |= dargs
+        got = launch(name, k, grid, threads, **ins, **bufs, rows=rows, cols=cols)
+        if out["name"] in got:
+            g = got[out["name"]]
+            same_with_inf(g.astype(np.float64) if scalar else value(g, dtype), want, tol,
+                          f"{k} {out['name']}")
+        if "dx" in got:
+            close(value(got["dx"], dtype), want_dx, TOL[dtype], f"{k} dx")
