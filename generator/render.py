@@ -193,7 +193,7 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
         pre, b = (blocks[0], blocks[1]) if with_outputs else (None, blocks[0])
         terms = blocks[len(first):]
         c = block(consts) if consts.results else None
-        joined = [{"name": o.name, "op": o.op, "max": o.max, "block": t,
+        joined = [{"name": o.name, "red": o.op, "max": o.max, "block": t,
                    "factor": cuda_expr(o.factor)} for o, t in zip(online, terms)]
         factor_uses = {s.name for o in online for s in o.factor.free_symbols}
         factor_uses -= {ir.RESCALE_FROM, ir.RESCALE_TO}
