@@ -253,7 +253,8 @@ def _row(spec: OpSpec, temps: _Temps):
     body = ir.RowDerived(passes=tuple(passes), stabilizers=tuple(spec.stabilizers),
                          elem_outputs=elem_outputs, row_outputs=row_outputs,
                          adjoint_pass=adjoint_pass, adjoints=adjoints, elem_grads=elem_grads,
-                         online=_online(spec, temps, elem_names))
+                         online=_online(spec, temps, elem_names),
+                         picks=_picks(spec, temps))
     inputs = tuple(ir.Operand(i.name, i.role, differentiable=i.role != "index")
                    for i in spec.inputs)
     outputs = tuple(ir.Operand(o.name, "row" if o in elem_out else "scalar")
@@ -282,6 +283,25 @@ def _online(spec: OpSpec, temps: _Temps, elem_names: set[str]) -> tuple[ir.Onlin
         if factor is not None and _vanishes_below(r.expr.subs(at), x):
             out.append(ir.Online(name=r.name, op=r.op, max=m,
                                  term=temps.code([(r.name, r.expr)]), factor=factor))
+    return tuple(out)
+
+
+def _picks(spec: OpSpec, temps: _Temps) -> tuple[ir.Pick, ...]:
+    """The sums of where(i == s, e, 0), s an index input and e free of reductions."""
+    index = {i.name for i in spec.inputs if i.role == "index"}
+    reductions = {r.name for r in spec.reductions}
+    i = symbol("i")
+    out = []
+    for r in spec.reductions:
+        e = r.expr
+        if r.op != "sum" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
+            continue
+        (value, cond), (other, always) = e.args
+        if other != 0 or always != sp.true or not isinstance(cond, sp.Eq):
+            continue
+        s = ({cond.lhs, cond.rhs} - {i}).pop() if i in (cond.lhs, cond.rhs) else None
+        if isinstance(s, sp.Symbol) and s.name in index and not _names(value) & reductions:
+            out.append(ir.Pick(name=r.name, index=s.name, value=temps.code([(r.name, value)])))
     return tuple(out)
 
 

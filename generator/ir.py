@@ -108,6 +108,16 @@ class Online:
 
 
 @dataclass(frozen=True)
+class Pick:
+    """A sum of where(i == s, e, 0) over a row, s a per-row index input (a target id): e at
+    column s, or 0 when s is outside the row. CUDA row kernels read that one column instead
+    of testing every element (the numpy modules keep the plain passes)."""
+    name: str      # the reduction
+    index: str     # the index input s
+    value: Code    # one result named `name`: e, reading row operands, weights and i at s
+
+
+@dataclass(frozen=True)
 class PointwiseDerived:
     forward: Code   # results: the outputs
     backward: Code  # results: d<input> for each differentiable input; reads d<output>
@@ -128,6 +138,7 @@ class RowDerived:
     elem_grads: Code               # backward: d<row input>, and d<weight> per element of
                                    # one row (the caller sums those over rows)
     online: tuple[Online, ...] = ()  # sums of later passes that may join their max's pass
+    picks: tuple[Pick, ...] = ()     # sums that are one column's value
 
 
 @dataclass(frozen=True)

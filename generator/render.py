@@ -209,16 +209,29 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
         return sweep_step("pass", ps.body, reads_outputs(ps.body), online,
                           ops=[list(o) for o in ps.ops], stores=[], wgrads=[])
 
-    # An online sum leaves its level's pass for its max's (ir.Online): one sweep fewer
-    # where it was its level's only reduction.
-    online = {o.name: o for o in body.online}
-    passes = []
-    for ps in body.passes:
-        plain = tuple(o for o in ps.ops if o[0] not in online)
-        if plain:
-            own = {n for n, _ in plain}
-            passes.append(pass_step(ir.Pass(plain, ps.body.only(own)),
-                                    tuple(o for o in body.online if o.max in own)))
+    def pick_step(pk: ir.Pick) -> dict:
+        b = block(pk.value, declare=False)
+        return {"kind": "pick", "block": b, "index": pk.index, "uses": b.uses | {pk.index}}
+
+    # A stage computes the reductions its later steps read (and what those read): a pick
+    # (ir.Pick) from its one column, the others one sweep per level, except that an online
+    # sum (ir.Online) joins its max's sweep: one sweep fewer where it was its level's only
+    # reduction.
+    moved = {o.name for o in body.online} | {pk.name for pk in body.picks}
+
+    def reductions(later: list[dict]) -> list[dict]:
+        need = set().union(*(s["uses"] for s in later))
+        sweeps = []
+        for ps in reversed(body.passes):
+            own = {n for n, _ in ps.ops}
+            joined = tuple(o for o in body.online if o.max in own and o.name in need)
+            need |= {o.max for o in joined}
+            plain = tuple(o for o in ps.ops if o[0] in need and o[0] not in moved)
+            if plain:
+                sweeps.insert(0, pass_step(ir.Pass(plain, ps.body.only({n for n, _ in plain})),
+                                           joined))
+                need |= sweeps[0]["uses"]
+        return [pick_step(pk) for pk in body.picks if pk.name in need] + sweeps
 
     def row_step(b: Block, stores: list[str]) -> dict:
         return {"kind": "row", "block": b, "stores": stores, "uses": b.uses}
@@ -236,17 +249,17 @@ def _row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
     needs_row_out = _uses(*(s["block"] for s in grad_steps),
                           *(s.get("consts") for s in grad_steps)) & set(row_out)
 
-    stages = [("forward", passes
-               + ([row_step(row_outputs, row_out)] if row_out else [])
-               + ([elem_step(body.elem_outputs, elem_out, [], outputs=True)] if elem_out else []),
+    forward = (([row_step(row_outputs, row_out)] if row_out else [])
+               + ([elem_step(body.elem_outputs, elem_out, [], outputs=True)] if elem_out else []))
+    stages = [("forward", reductions(forward) + forward,
                rows_in + weights + index, elem_out + row_out, [])]
     if d_rows or d_weights:
-        stages.append(("backward", passes
-                       + ([row_step(row_outputs, [])] if needs_row_out else [])
-                       + grad_steps,
+        backward = ([row_step(row_outputs, [])] if needs_row_out else []) + grad_steps
+        stages.append(("backward", reductions(backward) + backward,
                        rows_in + weights + index + d_elem_out + d_row_out, d_rows, d_weights))
         if p.fwdbwd:
-            stages.append(("fwdbwd", passes + [row_step(row_outputs, row_out)] + grad_steps,
+            fused = [row_step(row_outputs, row_out)] + grad_steps
+            stages.append(("fwdbwd", reductions(fused) + fused,
                            rows_in + weights + index + d_row_out, row_out + d_rows, d_weights))
 
     kernels = []

@@ -490,3 +490,24 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
                           f"{k} {out['name']}")
         if "dx" in got:
             close(value(got["dx"], dtype), want_dx, TOL[dtype], f"{k} dx")
+
+
+@pytest.mark.parametrize("layout", ["warp", "block"])
+@pytest.mark.parametrize("name", [n for n in _ops("row")
+                                  if any(o["role"] == "index" for o in OPS[n]["inputs"])])
+def test_a_target_outside_the_row_picks_nothing(name, layout):
+    """A picked column (ir.Pick) is read once per row, and only inside the row: ids -1 and
+    cols (an ignore index, a padded id) give what the sum over no matching column gives."""
+    op = OPS[name]
+    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    rows, cols = 4, 768
+    rng = np.random.default_rng(5)
+    x = inputs_as_stored([rng.uniform(-4, 4, (rows, cols))], "f32")[0]
+    target = np.array([-1, cols, 0, cols - 1], np.int32)
+    suffix = "_block" if layout == "block" else ""
+    k = f"{name}_forward{suffix}_f32"
+    grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    (out,) = [o["name"] for o in op["outputs"]]
+    got = launch(name, k, grid, threads, x=stored(x, "f32"), target=target,
+                 **{out: np.full(rows, np.nan, np.float32)}, rows=rows, cols=cols)
+    close(got[out].astype(np.float64), mod.forward(x, target), TOL["f32"], k)

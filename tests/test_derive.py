@@ -212,3 +212,24 @@ def test_a_tempered_mean_joins_with_its_parameter_in_the_factor(tmp_path):
     a, b, t = (sp.Symbol(n, real=True) for n in (ir.RESCALE_FROM, ir.RESCALE_TO, "t"))
     assert (online.name, online.op) == ("z", "mean")
     assert sp.simplify(online.factor - sp.exp((a - b) / t)) == 0
+
+
+def test_the_target_logit_is_a_pick_of_one_column():
+    (pick,) = op("cross_entropy").body.picks
+    assert (pick.name, pick.index) == ("picked", "target")
+    assert pick.value.result("picked") == sp.Symbol("x", real=True)
+
+
+def test_a_term_that_is_not_zero_off_the_target_is_no_pick(tmp_path):
+    (tmp_path / "offcol.yaml").write_text(textwrap.dedent("""\
+        name: offcol
+        kind: row
+        inputs: {x: row, t: index}
+        reduce:
+          s: sum(where(i == t, x, 1))
+          p: sum(where(i == t, x*x, 0))
+        outputs:
+          loss: s + p
+        """))
+    (pick,) = derive(load_spec(tmp_path / "offcol.yaml")).body.picks
+    assert pick.name == "p"

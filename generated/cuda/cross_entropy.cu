@@ -10,8 +10,10 @@
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
 // the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
-// max's pass (online: accumulated against the running max, merged as (max, sum) pairs);
-// sums go through a fixed butterfly and a fixed warp order, so results are deterministic. Weight gradients are summed per row worker into a float32
+// max's pass (online: accumulated against the running max, merged as (max, sum) pairs),
+// and a sum that is one column's value (a picked target) reads that column; a stage forms
+// only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
+// so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `cross_entropy_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
 #include "eulergen_common.cuh"
@@ -28,7 +30,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = true;
-  __shared__ float red_[3][32];
+  __shared__ float red_[2][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -64,9 +66,15 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum, z = sum against the running m of the per-element terms
+    // picked: the sum of a term that is 0 off column target, read there
+    float picked = 0.0f;
+    if (target >= 0.0f && target < (float)cols_) {
+      const int col_ = (int)target;
+      const float x = eg_load(x_row_, col_);
+      picked = x;
+    }
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
-    float acc_picked_ = 0.0f;
     float acc_z_ = 0.0f;
     const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
@@ -80,13 +88,10 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
         }
       }
@@ -112,13 +117,10 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
         }
       }
@@ -139,12 +141,9 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       const float was_m_ = acc_m_;
-      const float i = (float)col_;
       {
         const float m = x;
-        const float picked = (i == target ? x : 0.0f);
         acc_m_ = fmaxf(acc_m_, m);
-        acc_picked_ += picked;
       }
       if (acc_m_ != was_m_) {
         acc_z_ *= z_rescale_(was_m_, acc_m_);
@@ -156,7 +155,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       }
     }
 
-    acc_picked_ = eg_warp_sum(acc_picked_);
 #pragma unroll
     for (int o_ = 16; o_ > 0; o_ >>= 1) {
       const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
@@ -172,17 +170,14 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_picked_;
-        red_[2][lane_ / 32] = acc_z_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_picked_ = red_[1][0];
-      acc_z_ = red_[2][0];
+      acc_z_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_picked_ = acc_picked_ + red_[1][w_];
         const float oth_m_ = red_[0][w_];
-        const float oth_z_ = red_[2][w_];
+        const float oth_z_ = red_[1][w_];
         {
           const bool mine_ = acc_m_ >= oth_m_;
           const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
@@ -194,7 +189,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    const float picked = acc_picked_;
     const float z = acc_z_;
     // per row: loss
     float loss;
@@ -229,7 +223,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[3][32];
+  __shared__ float red_[2][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -267,9 +261,8 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum, z = sum against the running m of the per-element terms
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
-    float acc_picked_ = 0.0f;
     float acc_z_ = 0.0f;
     const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
@@ -283,13 +276,10 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
         }
       }
@@ -315,13 +305,10 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
         }
       }
@@ -342,12 +329,9 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       const float was_m_ = acc_m_;
-      const float i = (float)col_;
       {
         const float m = x;
-        const float picked = (i == target ? x : 0.0f);
         acc_m_ = fmaxf(acc_m_, m);
-        acc_picked_ += picked;
       }
       if (acc_m_ != was_m_) {
         acc_z_ *= z_rescale_(was_m_, acc_m_);
@@ -359,7 +343,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       }
     }
 
-    acc_picked_ = eg_warp_sum(acc_picked_);
 #pragma unroll
     for (int o_ = 16; o_ > 0; o_ >>= 1) {
       const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
@@ -375,17 +358,14 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_picked_;
-        red_[2][lane_ / 32] = acc_z_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_picked_ = red_[1][0];
-      acc_z_ = red_[2][0];
+      acc_z_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_picked_ = acc_picked_ + red_[1][w_];
         const float oth_m_ = red_[0][w_];
-        const float oth_z_ = red_[2][w_];
+        const float oth_z_ = red_[1][w_];
         {
           const bool mine_ = acc_m_ >= oth_m_;
           const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
@@ -477,7 +457,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[3][32];
+  __shared__ float red_[2][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -515,9 +495,15 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum, z = sum against the running m of the per-element terms
+    // picked: the sum of a term that is 0 off column target, read there
+    float picked = 0.0f;
+    if (target >= 0.0f && target < (float)cols_) {
+      const int col_ = (int)target;
+      const float x = eg_load(x_row_, col_);
+      picked = x;
+    }
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
-    float acc_picked_ = 0.0f;
     float acc_z_ = 0.0f;
     const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
@@ -531,13 +517,10 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
         }
       }
@@ -563,13 +546,10 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
         }
       }
@@ -590,12 +570,9 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       const float was_m_ = acc_m_;
-      const float i = (float)col_;
       {
         const float m = x;
-        const float picked = (i == target ? x : 0.0f);
         acc_m_ = fmaxf(acc_m_, m);
-        acc_picked_ += picked;
       }
       if (acc_m_ != was_m_) {
         acc_z_ *= z_rescale_(was_m_, acc_m_);
@@ -607,7 +584,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       }
     }
 
-    acc_picked_ = eg_warp_sum(acc_picked_);
 #pragma unroll
     for (int o_ = 16; o_ > 0; o_ >>= 1) {
       const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
@@ -623,17 +599,14 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_picked_;
-        red_[2][lane_ / 32] = acc_z_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_picked_ = red_[1][0];
-      acc_z_ = red_[2][0];
+      acc_z_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_picked_ = acc_picked_ + red_[1][w_];
         const float oth_m_ = red_[0][w_];
-        const float oth_z_ = red_[2][w_];
+        const float oth_z_ = red_[1][w_];
         {
           const bool mine_ = acc_m_ >= oth_m_;
           const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
@@ -645,7 +618,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    const float picked = acc_picked_;
     const float z = acc_z_;
     // per row: loss
     float loss;
