@@ -76,7 +76,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -88,9 +87,13 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
           }
         }
       }
-      if (acc_m_ != was_m_) {
-        acc_z_ *= z_rescale_(was_m_, acc_m_);
-      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const float x = x_r_[e_];
@@ -167,16 +170,16 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_z_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        const float oth_m_ = red_[0][w_];
-        const float oth_z_ = red_[1][w_];
+        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
+      }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
         {
-          const bool mine_ = acc_m_ >= oth_m_;
-          const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
-          acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
-                   : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
-          acc_m_ = hi_;
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
         }
       }
       __syncthreads();  // red_ is reused by the next pass
@@ -311,7 +314,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -323,9 +325,13 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
           }
         }
       }
-      if (acc_m_ != was_m_) {
-        acc_z_ *= z_rescale_(was_m_, acc_m_);
-      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const float x = x_r_[e_];
@@ -402,16 +408,16 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_z_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        const float oth_m_ = red_[0][w_];
-        const float oth_z_ = red_[1][w_];
+        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
+      }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
         {
-          const bool mine_ = acc_m_ >= oth_m_;
-          const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
-          acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
-                   : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
-          acc_m_ = hi_;
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
         }
       }
       __syncthreads();  // red_ is reused by the next pass
