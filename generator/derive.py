@@ -252,12 +252,73 @@ def _row(spec: OpSpec, temps: _Temps):
 
     body = ir.RowDerived(passes=tuple(passes), stabilizers=tuple(spec.stabilizers),
                          elem_outputs=elem_outputs, row_outputs=row_outputs,
-                         adjoint_pass=adjoint_pass, adjoints=adjoints, elem_grads=elem_grads)
+                         adjoint_pass=adjoint_pass, adjoints=adjoints, elem_grads=elem_grads,
+                         online=_online(spec, temps, elem_names),
+                         picks=_picks(spec, temps))
     inputs = tuple(ir.Operand(i.name, i.role, differentiable=i.role != "index")
                    for i in spec.inputs)
     outputs = tuple(ir.Operand(o.name, "row" if o in elem_out else "scalar")
                     for o in spec.outputs)
     return body, inputs, outputs
+
+
+def _online(spec: OpSpec, temps: _Temps, elem_names: set[str]) -> tuple[ir.Online, ...]:
+    """The sums that may be accumulated in their stabilizer's pass (ir.Online): each reads
+    one reduction, a stabilizer max of a bare row input x, and its term rescales by a factor
+    free of the element symbols and vanishes as x → -inf (params at their defaults: the
+    sign of a temperature decides it)."""
+    red = {r.name: r for r in spec.reductions}
+    out = []
+    for r in spec.reductions:
+        reads = _names(r.expr) & set(red)
+        if r.op not in ("sum", "mean") or len(reads) != 1:
+            continue
+        (m,) = reads
+        x = red[m].expr
+        if m not in spec.stabilizers or not isinstance(x, sp.Symbol) or x.name not in elem_names:
+            continue
+        factor = _rescale_factor(r.expr, symbol(m), elem_names)
+        at = {symbol(m): 0} | {symbol(p.name): p.default for p in spec.params
+                               if p.default is not None}
+        if factor is not None and _vanishes_below(r.expr.subs(at), x):
+            out.append(ir.Online(name=r.name, op=r.op, max=m,
+                                 term=temps.code([(r.name, r.expr)]), factor=factor))
+    return tuple(out)
+
+
+def _picks(spec: OpSpec, temps: _Temps) -> tuple[ir.Pick, ...]:
+    """The sums of where(i == s, e, 0), s an index input and e free of reductions."""
+    index = {i.name for i in spec.inputs if i.role == "index"}
+    reductions = {r.name for r in spec.reductions}
+    i = symbol("i")
+    out = []
+    for r in spec.reductions:
+        e = r.expr
+        if r.op != "sum" or not isinstance(e, sp.Piecewise) or len(e.args) != 2:
+            continue
+        (value, cond), (other, always) = e.args
+        if other != 0 or always != sp.true or not isinstance(cond, sp.Eq):
+            continue
+        s = ({cond.lhs, cond.rhs} - {i}).pop() if i in (cond.lhs, cond.rhs) else None
+        if isinstance(s, sp.Symbol) and s.name in index and not _names(value) & reductions:
+            out.append(ir.Pick(name=r.name, index=s.name, value=temps.code([(r.name, value)])))
+    return tuple(out)
+
+
+def _rescale_factor(term: sp.Expr, m: sp.Symbol, elem_names: set[str]) -> sp.Expr | None:
+    """f(a, b) = term(m = b) / term(m = a) when it is free of the element symbols, else None."""
+    a, b = symbol(ir.RESCALE_FROM), symbol(ir.RESCALE_TO)
+    ratio = sp.simplify(sp.powsimp(term.subs(m, b) / term.subs(m, a)))
+    if _names(ratio) & elem_names or not ratio.has(a, b) or ratio.has(sp.nan, sp.zoo):
+        return None
+    return ratio
+
+
+def _vanishes_below(term: sp.Expr, x: sp.Symbol) -> bool:
+    try:
+        return sp.limit(term, x, -sp.oo) == 0
+    except (NotImplementedError, ValueError, TypeError):
+        return False
 
 
 def _refuse_clashes(spec: OpSpec, generated: list[str]) -> None:

@@ -36,6 +36,17 @@ class Code:
     def result(self, name: str) -> sp.Expr:
         return next(a.expr for a in self.results if a.name == name)
 
+    def only(self, names) -> "Code":
+        """The results in `names` and just the temporaries they read."""
+        results = tuple(a for a in self.results if a.name in names)
+        needed = {s.name for a in results for s in a.expr.free_symbols}
+        temps = []
+        for a in reversed(self.temps):
+            if a.name in needed:
+                temps.append(a)
+                needed |= {s.name for s in a.expr.free_symbols}
+        return Code(tuple(reversed(temps)), results)
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.results)
@@ -77,6 +88,35 @@ class Pass:
     body: Code
 
 
+# The two symbols an Online.factor reads: the running max before and after it grew.
+RESCALE_FROM, RESCALE_TO = "from_", "to_"
+
+
+@dataclass(frozen=True)
+class Online:
+    """A sum (or mean) whose per-element term reads a stabilizer max and rescales when the
+    max moves: term(max = b) = term(max = a)·factor(a, b), factor free of the element
+    symbols (for exp(x - m): exp(a - b)). So it may be accumulated in the max's own pass
+    against the running max (CUDA row kernels do; the numpy modules keep the plain passes).
+    Derive also checks that the term vanishes as the max's argument goes to -inf, so that
+    elements of -inf add nothing while the running max is still -inf."""
+    name: str      # the reduction
+    op: str        # 'sum' | 'mean'
+    max: str       # the stabilizer it reads
+    term: Code     # one result named `name`: the per-element term, reading `max`
+    factor: sp.Expr  # over Symbols RESCALE_FROM (a) and RESCALE_TO (b), params, N, row scalars
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A sum of where(i == s, e, 0) over a row, s a per-row index input (a target id): e at
+    column s, or 0 when s is outside the row. CUDA row kernels read that one column instead
+    of testing every element (the numpy modules keep the plain passes)."""
+    name: str      # the reduction
+    index: str     # the index input s
+    value: Code    # one result named `name`: e, reading row operands, weights and i at s
+
+
 @dataclass(frozen=True)
 class PointwiseDerived:
     forward: Code   # results: the outputs
@@ -97,6 +137,8 @@ class RowDerived:
     adjoints: Code                 # backward: per-row d<reduction> from the adjoint sums
     elem_grads: Code               # backward: d<row input>, and d<weight> per element of
                                    # one row (the caller sums those over rows)
+    online: tuple[Online, ...] = ()  # sums of later passes that may join their max's pass
+    picks: tuple[Pick, ...] = ()     # sums that are one column's value
 
 
 @dataclass(frozen=True)

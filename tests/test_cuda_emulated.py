@@ -482,3 +482,97 @@ def test_embedding_id_outside_the_table_traps():
     with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
         launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
                tiled=np.zeros(2, np.int64), n=2, V=13)
+
+
+# ---- row kernels with -inf entries (online max and sum) ------------------------------------
+
+NEG_INF_OPS = [n for n in _ops("row") if n in ("softmax", "log_softmax", "cross_entropy")]
+
+
+def masked_rows(rng, cols: int) -> np.ndarray:
+    """Rows of logits with -inf entries, as attention-style masks make them: none, a leading
+    run, scattered, and all but the last column (lanes and warps whose every element is
+    -inf merge with the one finite one). Every row keeps a finite entry."""
+    x = rng.uniform(-8, 8, (4, cols))
+    x[1, : (2 * cols) // 3] = -np.inf
+    x[2, rng.random(cols) < 0.4] = -np.inf
+    x[3, :-1] = -np.inf
+    x[:, -1] = np.where(np.isfinite(x[:, -1]), x[:, -1], 1.5)
+    return x
+
+
+def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
+    """-inf where the reference has -inf (log_softmax of a masked column), close elsewhere."""
+    want = np.broadcast_to(want, got.shape)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[~finite], want[~finite]), f"{what}: infinities differ"
+    close(got[finite], want[finite], tol, what)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["warp", "block"])
+@pytest.mark.parametrize("cols", [1, 17, 768, 2048, 50257])
+@pytest.mark.parametrize("name", NEG_INF_OPS)
+def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
+    op = OPS[name]
+    entry = load_manifest(MANIFEST).ops[name]
+    mod = load_numpy_module(entry)
+    rng = np.random.default_rng(cols + 7)
+    x = inputs_as_stored([masked_rows(rng, cols)], dtype)[0]
+    rows = x.shape[0]
+    ins = {"x": stored(x, dtype)}
+    xs = [x]
+    if any(o["role"] == "index" for o in op["inputs"]):
+        target = np.array([rng.choice(np.flatnonzero(np.isfinite(r))) for r in x], np.int32)
+        ins["target"] = target
+        xs.append(target)
+    suffix = "_block" if layout == "block" else ""
+    (out,) = op["outputs"]
+    scalar = out["role"] == "scalar"
+    tol = TOL["f32"] if scalar else TOL[dtype]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        want = mod.forward(*xs)
+        dout = (rng.uniform(-1, 1, rows).astype(np.float32).astype(np.float64) if scalar
+                else inputs_as_stored([rng.uniform(-1, 1, (rows, cols))], dtype)[0])
+        want_dx = mod.backward(*xs, dout)
+    assert np.isfinite(want_dx).all()
+    dargs = {f"d{out['name']}": dout.astype(np.float32) if scalar else stored(dout, dtype)}
+    stages = ["forward", "backward"] + (["fwdbwd"] if f"{name}_fwdbwd_{dtype}" in op["kernels"] else [])
+    for stage in stages:
+        k = f"{name}_{stage}{suffix}_{dtype}"
+        grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+        bufs = {}
+        if stage != "backward":
+            bufs[out["name"]] = (np.full(rows, np.nan, np.float32) if scalar
+                                 else stored(np.full((rows, cols), np.nan), dtype))
+        if stage != "forward":
+            bufs["dx"] = stored(np.full((rows, cols), np.nan), dtype)
+            bufs |= dargs
+        got = launch(name, k, grid, threads, **ins, **bufs, rows=rows, cols=cols)
+        if out["name"] in got:
+            g = got[out["name"]]
+            same_with_inf(g.astype(np.float64) if scalar else value(g, dtype), want, tol,
+                          f"{k} {out['name']}")
+        if "dx" in got:
+            close(value(got["dx"], dtype), want_dx, TOL[dtype], f"{k} dx")
+
+
+@pytest.mark.parametrize("layout", ["warp", "block"])
+@pytest.mark.parametrize("name", [n for n in _ops("row")
+                                  if any(o["role"] == "index" for o in OPS[n]["inputs"])])
+def test_a_target_outside_the_row_picks_nothing(name, layout):
+    """A picked column (ir.Pick) is read once per row, and only inside the row: ids -1 and
+    cols (an ignore index, a padded id) give what the sum over no matching column gives."""
+    op = OPS[name]
+    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    rows, cols = 4, 768
+    rng = np.random.default_rng(5)
+    x = inputs_as_stored([rng.uniform(-4, 4, (rows, cols))], "f32")[0]
+    target = np.array([-1, cols, 0, cols - 1], np.int32)
+    suffix = "_block" if layout == "block" else ""
+    k = f"{name}_forward{suffix}_f32"
+    grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    (out,) = [o["name"] for o in op["outputs"]]
+    got = launch(name, k, grid, threads, x=stored(x, "f32"), target=target,
+                 **{out: np.full(rows, np.nan, np.float32)}, rows=rows, cols=cols)
+    close(got[out].astype(np.float64), mod.forward(x, target), TOL["f32"], k)

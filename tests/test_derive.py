@@ -149,3 +149,87 @@ def test_declared_name_equal_to_a_generated_row_sum_is_refused(tmp_path):
         """))
     with pytest.raises(EulerError, match="'sum_dz' is the name of a generated row sum"):
         derive(load_spec(tmp_path / "clash.yaml"))
+
+
+def _row_spec(tmp_path, name: str, body: str) -> ir.DerivedOp:
+    (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nkind: row\ninputs: {{x: row}}\n"
+                                           + textwrap.dedent(body))
+    return derive(load_spec(tmp_path / f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "cross_entropy"])
+def test_the_sum_of_exponentials_joins_its_stabilizers_pass_with_factor_exp_a_minus_b(name):
+    (online,) = op(name).body.online
+    a, b = sp.Symbol(ir.RESCALE_FROM, real=True), sp.Symbol(ir.RESCALE_TO, real=True)
+    assert (online.name, online.op, online.max) == ("z", "sum", "m")
+    assert sp.simplify(online.factor - sp.exp(a - b)) == 0
+    assert online.term.names == ("z",)
+
+
+def test_norms_have_no_online_sums():
+    assert op("layernorm").body.online == () and op("rmsnorm").body.online == ()
+
+
+def test_sums_that_read_the_max_without_rescaling_by_a_factor_stay_in_their_pass(tmp_path):
+    # layernorm about a stabilizer: d and q shift with m, they do not scale with it
+    derived = _row_spec(tmp_path, "shifted_norm", """\
+        reduce:
+          m: max(x)
+          d: sum(x - m)
+          q: sum((x - m)**2)
+        stabilizers: [m]
+        outputs:
+          y: (x - m - d/N) / sqrt(q/N - (d/N)**2 + 1.0e-5)
+        """)
+    assert derived.body.online == ()
+    assert [p.ops for p in derived.body.passes] == [(("m", "max"),), (("d", "sum"), ("q", "sum"))]
+
+
+def test_a_term_that_grows_as_x_falls_to_minus_infinity_does_not_join(tmp_path):
+    # exp(m - x) rescales by exp(b - a), but a masked element (-inf) would add +inf to it
+    derived = _row_spec(tmp_path, "upside_down", """\
+        reduce:
+          m: max(x)
+          z: sum(exp(m - x))
+        stabilizers: [m]
+        outputs:
+          y: exp(x - m) * z
+        """)
+    assert derived.body.online == ()
+
+
+def test_a_tempered_mean_joins_with_its_parameter_in_the_factor(tmp_path):
+    derived = _row_spec(tmp_path, "tempered", """\
+        params: {t: 2.0}
+        reduce:
+          m: max(x)
+          z: mean(exp((x - m) / t))
+        stabilizers: [m]
+        outputs:
+          y: exp((x - m) / t) / (N * z)
+        """)
+    (online,) = derived.body.online
+    a, b, t = (sp.Symbol(n, real=True) for n in (ir.RESCALE_FROM, ir.RESCALE_TO, "t"))
+    assert (online.name, online.op) == ("z", "mean")
+    assert sp.simplify(online.factor - sp.exp((a - b) / t)) == 0
+
+
+def test_the_target_logit_is_a_pick_of_one_column():
+    (pick,) = op("cross_entropy").body.picks
+    assert (pick.name, pick.index) == ("picked", "target")
+    assert pick.value.result("picked") == sp.Symbol("x", real=True)
+
+
+def test_a_term_that_is_not_zero_off_the_target_is_no_pick(tmp_path):
+    (tmp_path / "offcol.yaml").write_text(textwrap.dedent("""\
+        name: offcol
+        kind: row
+        inputs: {x: row, t: index}
+        reduce:
+          s: sum(where(i == t, x, 1))
+          p: sum(where(i == t, x*x, 0))
+        outputs:
+          loss: s + p
+        """))
+    (pick,) = derive(load_spec(tmp_path / "offcol.yaml")).body.picks
+    assert pick.name == "p"

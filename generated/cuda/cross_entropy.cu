@@ -9,8 +9,11 @@
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
 // the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
-// of one level share a pass; sums go through a fixed butterfly and a fixed warp order, so
-// results are deterministic. Weight gradients are summed per row worker into a float32
+// of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
+// max's pass (online: accumulated against the running max, merged as (max, sum) pairs),
+// and a sum that is one column's value (a picked target) reads that column; a stage forms
+// only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
+// so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `cross_entropy_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
 #include "eulergen_common.cuh"
@@ -63,9 +66,17 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum of the per-element terms
+    // picked: the sum of a term that is 0 off column target, read there
+    float picked = 0.0f;
+    if (target >= 0.0f && target < (float)cols_) {
+      const int col_ = (int)target;
+      const float x = eg_load(x_row_, col_);
+      picked = x;
+    }
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
-    float acc_picked_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -76,14 +87,27 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -91,108 +115,83 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
-      const float i = (float)col_;
+      const float was_m_ = acc_m_;
       {
         const float m = x;
-        const float picked = (i == target ? x : 0.0f);
         acc_m_ = fmaxf(acc_m_, m);
-        acc_picked_ += picked;
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
       }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
-    acc_picked_ = eg_warp_sum(acc_picked_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_picked_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_picked_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
         acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-        acc_picked_ = acc_picked_ + red_[1][w_];
+      }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
+        {
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
+        }
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    const float picked = acc_picked_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per row: loss
     float loss;
@@ -265,9 +264,10 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum of the per-element terms
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
-    float acc_picked_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -278,14 +278,27 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -293,107 +306,83 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
-      const float i = (float)col_;
+      const float was_m_ = acc_m_;
       {
         const float m = x;
-        const float picked = (i == target ? x : 0.0f);
         acc_m_ = fmaxf(acc_m_, m);
-        acc_picked_ += picked;
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
       }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
-    acc_picked_ = eg_warp_sum(acc_picked_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_picked_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_picked_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
         acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-        acc_picked_ = acc_picked_ + red_[1][w_];
+      }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
+        {
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
+        }
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per row: dz, dpicked
     float dz;
@@ -512,9 +501,17 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, picked = sum of the per-element terms
+    // picked: the sum of a term that is 0 off column target, read there
+    float picked = 0.0f;
+    if (target >= 0.0f && target < (float)cols_) {
+      const int col_ = (int)target;
+      const float x = eg_load(x_row_, col_);
+      picked = x;
+    }
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
-    float acc_picked_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -525,14 +522,27 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -540,108 +550,83 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
-        const float i = (float)col_;
         {
           const float m = x;
-          const float picked = (i == target ? x : 0.0f);
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
-            acc_picked_ += picked;
           }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
-      const float i = (float)col_;
+      const float was_m_ = acc_m_;
       {
         const float m = x;
-        const float picked = (i == target ? x : 0.0f);
         acc_m_ = fmaxf(acc_m_, m);
-        acc_picked_ += picked;
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
       }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
-    acc_picked_ = eg_warp_sum(acc_picked_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_picked_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
-      acc_picked_ = red_[1][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
         acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-        acc_picked_ = acc_picked_ + red_[1][w_];
+      }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
+        {
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
+        }
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    const float picked = acc_picked_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per row: loss
     float loss;

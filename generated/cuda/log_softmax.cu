@@ -9,8 +9,11 @@
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
 // the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
-// of one level share a pass; sums go through a fixed butterfly and a fixed warp order, so
-// results are deterministic. Weight gradients are summed per row worker into a float32
+// of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
+// max's pass (online: accumulated against the running max, merged as (max, sum) pairs),
+// and a sum that is one column's value (a picked target) reads that column; a stage forms
+// only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
+// so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `log_softmax_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
 #include "eulergen_common.cuh"
@@ -27,7 +30,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
-  __shared__ float red_[1][32];
+  __shared__ float red_[2][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -63,8 +66,10 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max of the per-element terms
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -83,10 +88,27 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
         }
       }
     }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -98,86 +120,71 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
           }
         }
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float was_m_ = acc_m_;
       {
         const float m = x;
         acc_m_ = fmaxf(acc_m_, m);
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
         acc_m_ = fmaxf(acc_m_, red_[0][w_]);
       }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
+        {
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
+        }
+      }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // per element: y
     // once per row: the element terms' row-invariant parts
@@ -251,7 +258,7 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[1][32];
+  __shared__ float red_[2][32];
   // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
   // the latency of one row at a time; so the next row's groups are loaded (raw, 4
   // registers a group) before the current row is computed. fp32 keeps one row at a time:
@@ -297,8 +304,10 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max of the per-element terms
+    // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -317,10 +326,27 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
         }
       }
     }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
@@ -332,86 +358,71 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
           }
         }
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float was_m_ = acc_m_;
       {
         const float m = x;
         acc_m_ = fmaxf(acc_m_, m);
       }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
     }
 
-    acc_m_ = eg_warp_max(acc_m_);
+#pragma unroll
+    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
+      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
+      {
+        const bool mine_ = acc_m_ >= oth_m_;
+        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
+        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
+                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
+        acc_m_ = hi_;
+      }
+    }
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       acc_m_ = red_[0][0];
       for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
         acc_m_ = fmaxf(acc_m_, red_[0][w_]);
       }
+      // online sums: each warp's rescaled to the row's max (independent factors, not a
+      // chain of merges), added in warp order
+      acc_z_ = 0.0f;
+      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
+        {
+          const float from_ = red_[0][w_], sum_ = red_[1][w_];
+          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
+        }
+      }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    // pass: z = sum of the per-element terms
-    float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float z = acc_z_;
     // pass: sum_dz = sum of the per-element terms
     float acc_sum_dz_ = 0.0f;

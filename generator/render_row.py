@@ -1,0 +1,232 @@
+"""Rendering of row ops (templates/row.cu.j2): the stages' steps (reduction sweeps, picked
+columns, per-row and per-element code), their pointers and kernel signatures.
+
+Each stage forms the reductions its later steps read: one sweep per level, a sum that
+rescales with a stabilizer max in the max's sweep (ir.Online), a sum that is one column's
+value read at that column (ir.Pick).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eulergen.errors import EulerError
+from eulergen.generator import ir, plan as planner
+from eulergen.generator.hoist import hoist, row_constant_names
+from eulergen.generator.printer import cuda_expr
+from eulergen.generator.render import Block, _dtypes, _params, _template, block
+
+
+@dataclass(frozen=True)
+class RowPtr:
+    name: str
+    ctype: str                        # in the template body (over scalar_t)
+    ctypes: dict                      # dtype -> C type at the extern "C" boundary
+    role: str                         # 'row' (chunked), 'weight', 'scalar', 'partials'
+
+
+def _row_ptr(name: str, role: str, *, const: bool, storage: str = "T") -> RowPtr:
+    c = "const " if const else ""
+    if storage == "T":
+        return RowPtr(name, f"{c}scalar_t*", {d: f"{c}{planner.CTYPE[d]}*" for d in planner.DTYPES},
+                      role)
+    return RowPtr(name, f"{c}{storage}*", {d: f"{c}{storage}*" for d in planner.DTYPES}, role)
+
+
+def _uses(*blocks) -> frozenset[str]:
+    out: set[str] = set()
+    for b in blocks:
+        if b is not None:
+            out |= b.uses
+    return frozenset(out)
+
+
+def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda:
+    body: ir.RowDerived = op.body
+    where = dict(file=op.where.file, line=op.where.line)
+    by_role = lambda ops, role: [o for o in ops if o.role == role]  # noqa: E731
+    rows_in = [o.name for o in by_role(op.inputs, "row")]
+    weights = [o.name for o in by_role(op.inputs, "weight")]
+    index = [o.name for o in by_role(op.inputs, "index")]
+    elem_out = [o.name for o in by_role(op.outputs, "row")]
+    row_out = [o.name for o in by_role(op.outputs, "scalar")]
+    d_elem_out = [f"d{o}" for o in elem_out]
+    d_row_out = [f"d{o}" for o in row_out]
+    d_rows = [f"d{o.name}" for o in by_role(op.inputs, "row") if o.differentiable]
+    d_weights = [f"d{o.name}" for o in by_role(op.inputs, "weight") if o.differentiable]
+    for o in op.inputs + op.outputs:
+        if o.role not in ("row", "weight", "index", "scalar"):
+            raise EulerError(f"row op operand {o.name!r} has role {o.role!r}", key="inputs", **where)
+
+    row_outputs = block(body.row_outputs, declare=False)
+    # Per-element steps compute their row-invariant parts once per row, before the sweep
+    # (generator/hoist.py); `consts` is that code, its names unique in the op.
+    varying = set(rows_in + d_elem_out + weights) | {"i"}
+    const_names = row_constant_names()
+
+    def sweep_step(kind: str, code: ir.Code, with_outputs: bool,
+                   online: tuple[ir.Online, ...] = (), **extra) -> dict:
+        """A pass or an element step; with_outputs: the element outputs are recomputed
+        first (`pre`), for code that reads them. `online`: sums a pass accumulates against
+        its running max, which varies along the row like an element."""
+        first = [body.elem_outputs, code] if with_outputs else [code]
+        maxes = list(dict.fromkeys(o.max for o in online))
+        consts, hoisted = hoist(first + [o.term for o in online], varying | set(maxes),
+                                const_names)
+        blocks = [block(c) for c in hoisted]
+        pre, b = (blocks[0], blocks[1]) if with_outputs else (None, blocks[0])
+        terms = blocks[len(first):]
+        c = block(consts) if consts.results else None
+        joined = [{"name": o.name, "red": o.op, "max": o.max, "block": t,
+                   "factor": cuda_expr(o.factor)} for o, t in zip(online, terms)]
+        factor_uses = {s.name for o in online for s in o.factor.free_symbols}
+        factor_uses -= {ir.RESCALE_FROM, ir.RESCALE_TO}
+        online_uses = _uses(*terms)
+        return {"kind": kind, "block": b, "pre": pre, "consts": c, "online": joined,
+                "maxes": maxes, "online_uses": online_uses,
+                "uses": _uses(b, pre, c) | online_uses | factor_uses, **extra}
+
+    def reads_outputs(code: ir.Code) -> bool:
+        return bool(block(code).uses & set(elem_out))
+
+    def pass_step(ps: ir.Pass, online: tuple[ir.Online, ...] = ()) -> dict:
+        return sweep_step("pass", ps.body, reads_outputs(ps.body), online,
+                          ops=[list(o) for o in ps.ops], stores=[], wgrads=[])
+
+    def pick_step(pk: ir.Pick) -> dict:
+        b = block(pk.value, declare=False)
+        return {"kind": "pick", "block": b, "index": pk.index, "uses": b.uses | {pk.index}}
+
+    # A stage computes the reductions its later steps read (and what those read): a pick
+    # (ir.Pick) from its one column, the others one sweep per level, except that an online
+    # sum (ir.Online) joins its max's sweep: one sweep fewer where it was its level's only
+    # reduction.
+    moved = {o.name for o in body.online} | {pk.name for pk in body.picks}
+
+    def reductions(later: list[dict]) -> list[dict]:
+        need = set().union(*(s["uses"] for s in later))
+        sweeps = []
+        for ps in reversed(body.passes):
+            own = {n for n, _ in ps.ops}
+            joined = tuple(o for o in body.online if o.max in own and o.name in need)
+            need |= {o.max for o in joined}
+            plain = tuple(o for o in ps.ops if o[0] in need and o[0] not in moved)
+            if plain:
+                sweeps.insert(0, pass_step(ir.Pass(plain, ps.body.only({n for n, _ in plain})),
+                                           joined))
+                need |= sweeps[0]["uses"]
+        return [pick_step(pk) for pk in body.picks if pk.name in need] + sweeps
+
+    def row_step(b: Block, stores: list[str]) -> dict:
+        return {"kind": "row", "block": b, "stores": stores, "uses": b.uses}
+
+    def elem_step(code: ir.Code, stores: list[str], wgrads: list[str], outputs: bool = False) -> dict:
+        return sweep_step("elem", code, not outputs and reads_outputs(code), stores=stores,
+                          wgrads=wgrads)
+
+    grads = body.elem_grads
+    adjoints = block(body.adjoints, declare=False)
+    adjoint_pass = [pass_step(body.adjoint_pass)] if body.adjoint_pass else []
+    grad_steps = adjoint_pass + [row_step(adjoints, []),
+                                 elem_step(grads, [g for g in grads.names if g in d_rows],
+                                           [g for g in grads.names if g in d_weights])]
+    needs_row_out = _uses(*(s["block"] for s in grad_steps),
+                          *(s.get("consts") for s in grad_steps)) & set(row_out)
+
+    forward = (([row_step(row_outputs, row_out)] if row_out else [])
+               + ([elem_step(body.elem_outputs, elem_out, [], outputs=True)] if elem_out else []))
+    stages = [("forward", reductions(forward) + forward,
+               rows_in + weights + index, elem_out + row_out, [])]
+    if d_rows or d_weights:
+        backward = ([row_step(row_outputs, [])] if needs_row_out else []) + grad_steps
+        stages.append(("backward", reductions(backward) + backward,
+                       rows_in + weights + index + d_elem_out + d_row_out, d_rows, d_weights))
+        if p.fwdbwd:
+            fused = [row_step(row_outputs, row_out)] + grad_steps
+            stages.append(("fwdbwd", reductions(fused) + fused,
+                           rows_in + weights + index + d_row_out, row_out + d_rows, d_weights))
+
+    kernels = []
+    chunked = set(rows_in + d_elem_out + elem_out + d_rows)
+    for stage, steps, reads, writes, wgrads in stages:
+        uses = frozenset().union(*(s["uses"] for s in steps))
+        ptrs = []
+        for name in reads:
+            role = ("row" if name in chunked else "weight" if name in weights
+                    else "scalar")
+            storage = "int" if name in index else "float" if name in d_row_out else "T"
+            ptrs.append(_row_ptr(name, role, const=True, storage=storage))
+        for name in writes:
+            ptrs.append(_row_ptr(name, "row" if name in chunked else "scalar", const=False,
+                                 storage="float" if name in row_out else "T"))
+        for name in wgrads:
+            ptrs.append(_row_ptr(f"{name}_partials", "partials", const=False, storage="float"))
+        defined = set(_params(op)) | {"i", "N"}
+        for s in steps:
+            defined |= set(s["block"].results) | {n for n, _ in s.get("ops", [])}
+            defined |= {o["name"] for o in s.get("online", [])}
+            if s.get("consts"):
+                defined |= set(s["consts"].results)
+            if s.get("pre"):
+                defined |= set(s["pre"].results)
+        missing = sorted(uses - defined - set(reads))
+        if missing:
+            raise EulerError(f"{stage} reads {', '.join(missing)}, which no kernel argument or "
+                             "earlier step provides", key="outputs", **where)
+        row_scalars = []
+        for a in ptrs:
+            if a.role == "scalar" and a.name in uses and a.name in reads:
+                load = (f"(float){a.name}_ptr[row_]" if a.name in index
+                        else f"eg_load({a.name}_ptr, row_)")
+                row_scalars.append({"name": a.name, "load": load})
+        kernels.append({
+            "kernel": f"{op.name}_{stage}", "impl": f"{op.name}_{stage}", "stage": stage,
+            "title": f"{stage}: {', '.join(writes + wgrads)} from {', '.join(reads)}",
+            "ptrs": ptrs, "steps": steps, "wgrads": wgrads,
+            "row_ptrs": [a for a in ptrs if a.role == "row"
+                         and (a.name not in reads or a.name in uses)],
+            "row_vec_ptrs": [a.name for a in ptrs if a.role == "row"],
+            "weight_ptrs": [a.name for a in ptrs if a.role == "weight"],
+            "split_ptr": next(a.name for a in ptrs if a.role == "row"),
+            "cached": [a.name for a in ptrs if a.role == "row" and a.name in reads
+                       and a.name in uses],
+            "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
+            "warp_threads": 32 * (planner.WARP_ROWS_PER_BLOCK_WGRAD if wgrads
+                                  else planner.WARP_ROWS_PER_BLOCK),
+            "block_threads": (planner.BLOCK_THREADS_MAX_WGRAD if wgrads
+                              else planner.BLOCK_THREADS_MAX),
+            "block_min_blocks": (planner.BLOCK_MIN_BLOCKS_FORWARD
+                                 if stage == "forward" and not weights else 0),
+            "warp_min_blocks": {dt: planner.WARP_MIN_BLOCKS[(dt, stage)]
+                                for dt in planner.DTYPES if (dt, stage) in planner.WARP_MIN_BLOCKS},
+            "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
+                                   if s["kind"] == "pass"), default=0),
+        })
+    layouts = [
+        {"suffix": "", "warp": "true", "slots": dict(p.warp_slots), "layout": "warp_per_row"},
+        {"suffix": "_block", "warp": "false", "slots": dict(p.block_slots),
+         "layout": "block_per_row"},
+    ]
+    wgrad = any(k["wgrads"] for k in kernels)
+    source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
+                       dtypes=_dtypes(p), layouts=layouts, wgrad=wgrad,
+                       reduce={"x": planner.REDUCE_X, "y": planner.REDUCE_Y},
+                       row_operands=rows_in + d_elem_out, weights=weights,
+                       rescale_from=ir.RESCALE_FROM, rescale_to=ir.RESCALE_TO)
+    sigs = []
+    for k in kernels:
+        for dt in p.dtypes:
+            for lay in layouts:
+                args = tuple((a.name, a.ctypes[dt]) for a in k["ptrs"])
+                args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
+                                                                    ("cols", "int"))
+                launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
+                                            fwdbwd=k["stage"] == "fwdbwd")
+                sigs.append(ir.KernelSig(f"{k['kernel']}{lay['suffix']}_{dt}", args, dt,
+                                         k["stage"], launch))
+    if wgrad:
+        for dt in p.dtypes:
+            args = (("partials", "const float*"), ("dw", f"{planner.CTYPE[dt]}*"),
+                    ("num_partials", "int"), ("cols", "int"), ("accumulate", "int"))
+            sigs.append(ir.KernelSig(f"{op.name}_wgrad_reduce_{dt}", args, dt, "wgrad_reduce",
+                                     planner.WGRAD_REDUCE_LAUNCH))
+    return ir.RenderedCuda(source, tuple(sigs))
