@@ -10,7 +10,8 @@
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
 // the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
-// max's pass (online: accumulated against the running max, merged as (max, sum) pairs),
+// max's pass (online: accumulated against the running max; a lane's sum is rescaled to
+// the warp's max, a warp's to the row's, before they are added),
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
 // only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
 // so results are deterministic. Weight gradients are summed per row worker into a float32
@@ -158,17 +159,13 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       }
     }
 
-#pragma unroll
-    for (int o_ = 16; o_ > 0; o_ >>= 1) {
-      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
-      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
-      {
-        const bool mine_ = acc_m_ >= oth_m_;
-        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
-        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
-                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
-        acc_m_ = hi_;
-      }
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
     }
     if (!WARP) {
       if (lane_ % 32 == 0) {
@@ -349,17 +346,13 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       }
     }
 
-#pragma unroll
-    for (int o_ = 16; o_ > 0; o_ >>= 1) {
-      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
-      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
-      {
-        const bool mine_ = acc_m_ >= oth_m_;
-        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
-        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
-                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
-        acc_m_ = hi_;
-      }
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
     }
     if (!WARP) {
       if (lane_ % 32 == 0) {
@@ -593,17 +586,13 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       }
     }
 
-#pragma unroll
-    for (int o_ = 16; o_ > 0; o_ >>= 1) {
-      const float oth_m_ = __shfl_xor_sync(0xffffffffu, acc_m_, o_);
-      const float oth_z_ = __shfl_xor_sync(0xffffffffu, acc_z_, o_);
-      {
-        const bool mine_ = acc_m_ >= oth_m_;
-        const float lo_ = mine_ ? oth_m_ : acc_m_, hi_ = mine_ ? acc_m_ : oth_m_;
-        acc_z_ = lo_ == hi_ ? acc_z_ + oth_z_
-                 : (mine_ ? acc_z_ : oth_z_) + (mine_ ? oth_z_ : acc_z_) * z_rescale_(lo_, hi_);
-        acc_m_ = hi_;
-      }
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
     }
     if (!WARP) {
       if (lane_ % 32 == 0) {

@@ -10,7 +10,8 @@
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
 // the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
-// max's pass (online: accumulated against the running max, merged as (max, sum) pairs),
+// max's pass (online: accumulated against the running max; a lane's sum is rescaled to
+// the warp's max, a warp's to the row's, before they are added),
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
 // only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
 // so results are deterministic. Weight gradients are summed per row worker into a float32
