@@ -45,7 +45,7 @@ def test_pair_block_has_a_thread_per_vector_of_a_token_in_whole_warps(H, D, dtyp
 
 
 @pytest.mark.parametrize("tokens,threads,grid", [
-    (8192, 256, 792),      # B=8 T=1024: the plan's 792 full blocks loop over the tokens
+    (8192, 256, 792),      # B=8 T=1024: 792 full blocks loop over the tokens
     (8192, 64, 3168),      # quarter-size blocks: four times as many fit
     (16, 256, 16),         # a decode step of 16 sequences: a block each
     (0, 256, 1),
