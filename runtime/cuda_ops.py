@@ -17,9 +17,10 @@ from math import prod
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, cdiv, grid_for, parse_ctype,
-                                      pointwise_geometry, reduce_geometry, row_geometry,
-                                      row_kernel, storage_dtype_name)
+from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, cdiv, grid_for, pair_grid,
+                                      pair_threads, parse_ctype, pointwise_geometry,
+                                      reduce_geometry, row_geometry, row_kernel,
+                                      storage_dtype_name)
 from eulergen.runtime.manifest import Kernel, OpEntry
 
 
@@ -73,19 +74,6 @@ def _row_sig(op: OpEntry, stage: str) -> RowSig:
                   tuple(o.name for o in fwd) + tuple(f"d{o.name}" for o in grads),
                   tuple(o.role for o in fwd) + tuple(o.role for o in grads),
                   tuple(f"d{o.name}" for o in grads if o.role == "weight"))
-
-
-def pair_threads(plan: dict, H: int, D: int) -> int:
-    """A pair block's threads: one a 16-byte vector of a token's table chunk, in whole warps,
-    at most the plan's (generator/plan.py)."""
-    vectors = H * cdiv(min(D // 2, plan["table_pairs"]), plan["vec"])
-    return min(cdiv(vectors, 32) * 32, plan["threads"])
-
-
-def pair_grid(plan: dict, tokens: int, threads: int) -> int:
-    """Blocks for `tokens` tokens: the plan's grid_max counts blocks of its `threads`;
-    smaller blocks fit as many more at once."""
-    return max(1, min(tokens, plan["grid_max"] * plan["threads"] // threads))
 
 
 WORKSPACE_ALIGN = 64   # elements: each workspace slice starts 256-byte aligned (vector loads)

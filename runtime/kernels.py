@@ -178,3 +178,16 @@ def row_partials_max(plan: dict) -> int:
 def reduce_geometry(plan: dict, cols: int) -> tuple[int, tuple[int, int]]:
     tx, ty = plan.get("threads_x", 32), plan.get("threads_y", 32)
     return cdiv(cols, tx), (tx, ty)
+
+
+def pair_threads(plan: dict, H: int, D: int) -> int:
+    """A pair block's threads: one a 16-byte vector of a token's table chunk, in whole warps,
+    at most the plan's (generator/plan.py)."""
+    vectors = H * cdiv(min(D // 2, plan["table_pairs"]), plan["vec"])
+    return min(cdiv(vectors, 32) * 32, plan["threads"])
+
+
+def pair_grid(plan: dict, tokens: int, threads: int) -> int:
+    """Blocks for `tokens` tokens: the plan's grid_max counts blocks of its `threads`;
+    smaller blocks fit as many more at once."""
+    return max(1, min(tokens, plan["grid_max"] * plan["threads"] // threads))

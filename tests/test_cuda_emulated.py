@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
-from eulergen.runtime.cuda_ops import pair_threads
+from eulergen.runtime.kernels import pair_threads
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 

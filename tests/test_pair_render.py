@@ -10,7 +10,7 @@ import pytest
 from eulergen.generator.derive import derive
 from eulergen.generator.render import _pair_kernel
 from eulergen.generator.spec import find_ops, load_spec
-from eulergen.runtime.cuda_ops import pair_grid, pair_threads
+from eulergen.runtime.kernels import pair_grid, pair_threads
 
 TRANSCENDENTAL = re.compile(r"\b(powf|eg_sinf|eg_cosf|expf|logf)\(")
 
