@@ -9,11 +9,11 @@ None: no cap):
 
 pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
            block's tile is threads · unroll vectors; pointwise_tile gives both, per kernel,
-           from the loads it issues and the weight of its arithmetic): grid = cdiv(n, vec · unroll · threads), uncapped
-           (grid_max None: short blocks that each stream one tile keep the resident blocks
-           on one contiguous window of memory and leave no tail wave). Any n and any
-           alignment work (a scalar path takes unaligned pointers and the tail);
-           in_place_ok = True.
+           from the loads it issues and the weight of its arithmetic):
+           grid = cdiv(n, vec · unroll · threads), uncapped (grid_max None: short blocks
+           that each stream one tile keep the resident blocks on one contiguous window of
+           memory and leave no tail wave). Any n and any alignment work (a scalar path
+           takes unaligned pointers and the tail); in_place_ok = True.
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
            length, `max_cols` / `min_cols` say where each is the fast one.
            warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block).
@@ -27,18 +27,18 @@ row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct fo
            (block). `<op>_wgrad_reduce_<dt>` then sums them in a fixed order: block
            (threads_x, threads_y), grid = cdiv(cols, threads_x).
            fwdbwd kernels: dx_may_alias_x = True (the row is read before it is written).
-pair       a block per range of tokens, in position-major order (b fastest, so that the B
-           tokens of a position share one table): grid = min(B · T, grid_max · threads /
-           launched threads); strides are arguments (views of a fused qkv buffer work);
-           in_place_ok = True (y may be x, dx may be dy). vec: pairs a thread takes in the
-           16-byte path (all pointers 16-byte aligned, b/t/h strides and D/2 multiples of
-           vec; checked in the kernel, which takes one pair a thread otherwise).
-           table_pairs: the per-(token, k) terms (cos θ, sin θ) go to a shared table of that
-           many pairs, a block sweeping its token's heads once per table_pairs pairs (any D).
-           Launch min(round_up(H · cdiv(min(D/2, table_pairs), vec), 32), threads) threads: no
-           more than a token has vectors (GPT-2 small's 12 heads of 64 are 48 in bf16), so
-           that small tokens still put many blocks on an SM (and the grid grows as they
-           shrink); any block size and any grid are correct.
+pair       blocks loop over the tokens in (b, t) order, each taking every grid-th one:
+           grid = min(B · T, grid_max · threads / launched threads). Strides are arguments
+           (views of a fused qkv buffer work); in_place_ok = True (y may be x, dx may be
+           dy). vec: pairs a thread takes in the 16-byte path (all pointers 16-byte
+           aligned, b/t/h strides and D/2 multiples of vec; checked in the kernel, which
+           takes one pair a thread otherwise). table_pairs: the per-(token, k) terms
+           (cos θ, sin θ) go to a shared table of that many pairs, rebuilt when a block's
+           position changes, a block sweeping its token's heads once per table_pairs pairs
+           (any D). Launch min(round_up(H · cdiv(min(D/2, table_pairs), vec), 32), threads)
+           threads: no more than a token has vectors (GPT-2 small's 12 heads of 64 are 48
+           in bf16), so that small tokens still put many blocks on an SM (and the grid
+           grows as they shrink); any block size and any grid are correct.
 update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
            are the storage dtype; launch once per weight-decay range.
 embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on the device.
@@ -228,7 +228,7 @@ PAIR_MIN_BLOCKS = 6
 
 
 # Pair blocks loop over tokens; grid_max counts blocks of `threads` (smaller blocks get
-# proportionally more: runtime/cuda_ops.pair_grid). Measured on the H200, B=8 T=1024 H=32
+# proportionally more: runtime/kernels.pair_grid). Measured on the H200, B=8 T=1024 H=32
 # D=128, forward fp32 / bf16: a block a token (8192) 69.5 / 65.1 us; 3168 blocks (four
 # times what fits at once) 70.8 / 39.7; 1584: 74.2 / 57.4; 792: 75.7 / 58.6.
 _PAIR_GRID_MAX = 132 * PAIR_MIN_BLOCKS * 4
