@@ -514,6 +514,8 @@ def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> N
 @pytest.mark.parametrize("cols", [1, 17, 768, 2048, 50257])
 @pytest.mark.parametrize("name", NEG_INF_OPS)
 def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
+    """The block-per-row kernels accumulate the sum against the running max (ir.Online), the
+    warp-per-row ones keep two passes; both give numpy's values, -inf included."""
     op = OPS[name]
     entry = load_manifest(MANIFEST).ops[name]
     mod = load_numpy_module(entry)

@@ -45,11 +45,11 @@ def test_pair_block_has_a_thread_per_vector_of_a_token_in_whole_warps(H, D, dtyp
 
 
 @pytest.mark.parametrize("tokens,threads,grid", [
-    (8192, 256, 792),      # B=8 T=1024: 792 full blocks loop over the tokens
-    (8192, 64, 3168),      # quarter-size blocks: four times as many fit
+    (8192, 256, 792),      # B=8 T=1024: grid_max full blocks loop over the tokens
+    (8192, 64, 3168),      # quarter-size blocks: four times as many
     (16, 256, 16),         # a decode step of 16 sequences: a block each
     (0, 256, 1),
 ])
-def test_pair_grid_is_what_fits_at_once(tokens, threads, grid):
-    plan = {"threads": 256, "grid_max": 792}
+def test_pair_grid_is_grid_max_scaled_to_the_launched_block_size(tokens, threads, grid):
+    plan = {"threads": 256, "grid_max": 792}   # grid_max counts blocks of the plan's threads
     assert pair_grid(plan, tokens, threads) == grid

@@ -1,8 +1,9 @@
-"""Row kernels that accumulate a sum of exponentials against a running max (ir.Online:
-softmax, log_softmax, cross_entropy), on the GPU, on rows with -inf entries: a leading
-run, scattered, all but the last column (warps whose every element is -inf), and none.
-Row lengths run from 1 to a GPT-2 vocabulary (17 and 768 take the warp-per-row kernels,
-2048 and 50257 the block-per-row ones, past their registers). fp32 only: the ∞-norm
+"""Row ops with a sum of exponentials that may be accumulated against a running max
+(ir.Online: softmax, log_softmax, cross_entropy), on the GPU, on rows with -inf entries: a
+leading run, scattered, all but the last column (warps whose every element is -inf), and
+none. Row lengths run from 1 to a GPT-2 vocabulary (17 and 768 take the warp-per-row
+kernels, which keep the two-pass form; 2048 and 50257 the block-per-row ones, past their
+registers, which accumulate online). fp32 only: the ∞-norm
 relative error against numpy in float64 must be below 1e-5, -inf outputs where numpy
 has them, and a second launch must give the same bits (fixed merge order).
 """
