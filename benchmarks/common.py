@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,8 +31,6 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20,
     timed first in its case after 2 warm-up calls, ran 0.561 ms, and PyTorch's, timed
     right after it, 0.508; after 50 ms of warm-up ours ran 0.505. (The idle GPU's clocks
     ramping up is the likely cause; they were not read.)"""
-    import time
-
     import cupy
     for _ in range(warmup):
         fn()
