@@ -97,7 +97,8 @@ class Online:
     """A sum (or mean) whose per-element term reads a stabilizer max and rescales when the
     max moves: term(max = b) = term(max = a)·factor(a, b), factor free of the element
     symbols (for exp(x - m): exp(a - b)). So it may be accumulated in the max's own pass
-    against the running max (CUDA row kernels do; the numpy modules keep the plain passes).
+    against the running max (the CUDA block-per-row kernels do; warp-per-row kernels and
+    the numpy modules keep the plain passes).
     Derive also checks that the term vanishes as the max's argument goes to -inf, so that
     elements of -inf add nothing while the running max is still -inf."""
     name: str      # the reduction

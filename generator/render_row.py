@@ -2,8 +2,9 @@
 columns, per-row and per-element code), their pointers and kernel signatures.
 
 Each stage forms the reductions its later steps read: one sweep per level, a sum that
-rescales with a stabilizer max in the max's sweep (ir.Online), a sum that is one column's
-value read at that column (ir.Pick).
+rescales with a stabilizer max in the max's sweep (ir.Online; block-per-row kernels only,
+warp-per-row ones keep the two-pass form), a sum that is one column's value read at that
+column (ir.Pick).
 """
 from __future__ import annotations
 
