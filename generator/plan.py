@@ -33,8 +33,8 @@ pair       blocks loop over the tokens in (b, t) order, each taking every grid-t
            dy). vec: pairs a thread takes in the 16-byte path (all pointers 16-byte
            aligned, b/t/h strides and D/2 multiples of vec; checked in the kernel, which
            takes one pair a thread otherwise). table_pairs: the per-(token, k) terms
-           (cos θ, sin θ) go to a shared table of that many pairs, rebuilt when a block's
-           position changes, a block sweeping its token's heads once per table_pairs pairs
+           (cos θ, sin θ) go to a shared table of that many pairs, built once per token
+           for all its heads, a block sweeping its token's heads once per table_pairs pairs
            (any D). Launch min(round_up(H · cdiv(min(D/2, table_pairs), vec), 32), threads)
            threads: no more than a token has vectors (GPT-2 small's 12 heads of 64 are 48
            in bf16), so that small tokens still put many blocks on an SM (and the grid
@@ -154,7 +154,7 @@ POINTWISE_LOADS_IN_FLIGHT = 8
 POINTWISE_LIGHT_TILE = (128, 1)
 POINTWISE_ONE_LOAD_TILE = {"f32": (128, 1), "bf16": (256, 4)}
 # Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
-_CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign)
+_CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign, sp.Piecewise)
 
 
 def arithmetic_light(code: ir.Code) -> bool:

@@ -21,6 +21,8 @@ def _code(expr) -> ir.Code:
     (2 * y * sp.Heaviside(x) * sp.Max(x, 0) ** 2, True),
     (sp.sqrt(2) * x / 2, True),            # a constant's root is a literal
     (sp.Abs(x) * y, True),
+    (sp.Piecewise((x, x > 0), (2 * x, True)), True),   # where(): a select
+    (sp.Piecewise((sp.exp(x), x > 0), (x, True)), False),
     (x / y, False),                        # a division
     (sp.sqrt(x), False),
     (sp.exp(x), False),
