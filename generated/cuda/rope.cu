@@ -3,9 +3,9 @@
 // `rope` over pairs (k, k + D/2) of the last axis of [B, T, H, D] tensors. A block takes
 // one (b, t) token at a time, looping over the grid's share. The terms that depend only on
 // the position, k and the params (the generator splits them out: cos θ and sin θ for
-// RoPE) go into a shared table, 256 pairs at a time, built when the position
-// (or the chunk of pairs) changes; the block sweeps each token's H heads over the table's
-// pairs, each element reading only its operands and the table.
+// RoPE) go into a shared table, 256 pairs at a time, built once per token and
+// chunk for all its heads; the block sweeps the token's H heads over the table's pairs,
+// each element reading only its operands and the table.
 // Vector path, when every pointer is 16-byte aligned and every b/t/h stride and D/2 are
 // multiples of V: a thread takes V consecutive k of one head (16 bytes: 4 fp32, 8 bf16)
 // from both halves with 16-byte loads and stores, consecutive threads the next V. Otherwise
@@ -25,7 +25,6 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       && x_sb_ % V == 0 && x_st_ % V == 0 && x_sh_ % V == 0
       && y_sb_ % V == 0 && y_st_ % V == 0 && y_sh_ % V == 0;
   __shared__ __align__(16) float tab_[2][KT];
-  int built_t_ = -1;                          // the position tab_ holds (-1: none)
   for (long long bt_ = blockIdx.x; bt_ < (long long)B_ * T_; bt_ += gridDim.x) {
     const long long b_ = bt_ / T_;
     const int t_ = (int)(bt_ - b_ * T_);
@@ -48,22 +47,19 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
         x0_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_) * V);
         x1_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_ + half_ / V) * V);
       }
-      if (t_ != built_t_ || half_ > KT) {     // the same for every thread of the block
-        __syncthreads();                      // the previous sweep is done with tab_
-        for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
-          const int k_ = k0_ + kk_;
-          const float pos = (float)(t_ + pos0_);
-          const float k = (float)(k_);
-          const float D = (float)(D_);
-          const float c0_ = pos*powf(base, -2.0f*k/D);
-          const float c1_ = eg_cosf(c0_);
-          const float c2_ = eg_sinf(c0_);
-          tab_[0][kk_] = c1_;
-          tab_[1][kk_] = c2_;
-        }
-        __syncthreads();
-        built_t_ = t_;
+      __syncthreads();                        // the previous sweep is done with tab_
+      for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
+        const int k_ = k0_ + kk_;
+        const float pos = (float)(t_ + pos0_);
+        const float k = (float)(k_);
+        const float D = (float)(D_);
+        const float c0_ = pos*powf(base, -2.0f*k/D);
+        const float c1_ = eg_cosf(c0_);
+        const float c2_ = eg_sinf(c0_);
+        tab_[0][kk_] = c1_;
+        tab_[1][kk_] = c2_;
       }
+      __syncthreads();
       if (vec_) {
         const int dh_ = blockDim.x / nv_, dq_ = blockDim.x - dh_ * nv_;  // a step of blockDim.x
         while (h_ < H_) {
@@ -136,7 +132,6 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       && dy_sb_ % V == 0 && dy_st_ % V == 0 && dy_sh_ % V == 0
       && dx_sb_ % V == 0 && dx_st_ % V == 0 && dx_sh_ % V == 0;
   __shared__ __align__(16) float tab_[2][KT];
-  int built_t_ = -1;                          // the position tab_ holds (-1: none)
   for (long long bt_ = blockIdx.x; bt_ < (long long)B_ * T_; bt_ += gridDim.x) {
     const long long b_ = bt_ / T_;
     const int t_ = (int)(bt_ - b_ * T_);
@@ -159,22 +154,19 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
         dy0_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_) * V);
         dy1_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_ + half_ / V) * V);
       }
-      if (t_ != built_t_ || half_ > KT) {     // the same for every thread of the block
-        __syncthreads();                      // the previous sweep is done with tab_
-        for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
-          const int k_ = k0_ + kk_;
-          const float pos = (float)(t_ + pos0_);
-          const float k = (float)(k_);
-          const float D = (float)(D_);
-          const float c0_ = pos*powf(base, -2.0f*k/D);
-          const float c1_ = eg_cosf(c0_);
-          const float c2_ = eg_sinf(c0_);
-          tab_[0][kk_] = c1_;
-          tab_[1][kk_] = c2_;
-        }
-        __syncthreads();
-        built_t_ = t_;
+      __syncthreads();                        // the previous sweep is done with tab_
+      for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
+        const int k_ = k0_ + kk_;
+        const float pos = (float)(t_ + pos0_);
+        const float k = (float)(k_);
+        const float D = (float)(D_);
+        const float c0_ = pos*powf(base, -2.0f*k/D);
+        const float c1_ = eg_cosf(c0_);
+        const float c2_ = eg_sinf(c0_);
+        tab_[0][kk_] = c1_;
+        tab_[1][kk_] = c2_;
       }
+      __syncthreads();
       if (vec_) {
         const int dh_ = blockDim.x / nv_, dq_ = blockDim.x - dh_ * nv_;  // a step of blockDim.x
         while (h_ < H_) {
