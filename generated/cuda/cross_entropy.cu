@@ -95,26 +95,18 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
@@ -161,26 +153,18 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
           }
         }
       }
@@ -315,40 +299,32 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        const float was_m_ = acc_m_;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
-        if (acc_m_ != was_m_) {
-          acc_z_ *= z_rescale_(was_m_, acc_m_);
-        }
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = acc_m_;
-            const float z = expf(x - m);
-            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-          }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -486,26 +462,18 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
@@ -552,26 +520,18 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
           }
         }
       }
@@ -624,29 +584,21 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float i = (float)col_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float i = (float)col_;
+        {
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
+          dx_o_[e_] = dx;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -755,40 +707,32 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        const float was_m_ = acc_m_;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
-        if (acc_m_ != was_m_) {
-          acc_z_ *= z_rescale_(was_m_, acc_m_);
-        }
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = acc_m_;
-            const float z = expf(x - m);
-            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-          }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -867,29 +811,21 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float i = (float)col_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float i = (float)col_;
+        {
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
+          dx_o_[e_] = dx;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -987,26 +923,18 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
@@ -1053,26 +981,18 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
           }
         }
       }
@@ -1131,29 +1051,21 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float i = (float)col_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float i = (float)col_;
+        {
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
+          dx_o_[e_] = dx;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1269,40 +1181,32 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        const float was_m_ = acc_m_;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
-        if (acc_m_ != was_m_) {
-          acc_z_ *= z_rescale_(was_m_, acc_m_);
-        }
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = acc_m_;
-            const float z = expf(x - m);
-            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-          }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -1387,29 +1291,21 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float i = (float)col_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float i = (float)col_;
+        {
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
+          dx_o_[e_] = dx;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);

@@ -89,26 +89,18 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float mu = x;
-            if (in_) {
-              acc_mu_ += mu;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float mu = x;
+          if (in_) {
+            acc_mu_ += mu;
           }
         }
       }
@@ -155,26 +147,18 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float var = (x - mu)*(x - mu);
-            if (in_) {
-              acc_var_ += var;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float var = (x - mu)*(x - mu);
+          if (in_) {
+            acc_var_ += var;
           }
         }
       }
@@ -227,34 +211,26 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float y_o_[VEC];
-        float w_w_[VEC];
-        eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
-        float b_w_[VEC];
-        eg_load_group(b_ptr, sp_, g0_, lane_, wide_, b_w_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float w = w_w_[e_];
-          const float b = b_w_[e_];
-          {
-            const float y = b + r9_*w*(x - mu);
-            y_o_[e_] = y;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float b_w_[VEC];
+      eg_load_group(b_ptr, sp_, g0_, lane_, wide_, b_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float w = w_w_[e_];
+        const float b = b_w_[e_];
+        {
+          const float y = b + r9_*w*(x - mu);
+          y_o_[e_] = y;
         }
-        eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
       }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -402,26 +378,18 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float mu = x;
-            if (in_) {
-              acc_mu_ += mu;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float mu = x;
+          if (in_) {
+            acc_mu_ += mu;
           }
         }
       }
@@ -468,26 +436,18 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float var = (x - mu)*(x - mu);
-            if (in_) {
-              acc_var_ += var;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float var = (x - mu)*(x - mu);
+          if (in_) {
+            acc_var_ += var;
           }
         }
       }
@@ -552,41 +512,29 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float w_w_[VEC];
-        eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          const float w = w_w_[e_];
-          {
-            const float t1 = dy*w;
-            const float sum_dvar = r1_*t1*(x - mu);
-            const float sum_dmu = r2_*t1;
-            const float sum_var_dmu = r3_ - 2.0f*x;
-            if (in_) {
-              acc_sum_dvar_ += sum_dvar;
-              acc_sum_dmu_ += sum_dmu;
-              acc_sum_var_dmu_ += sum_var_dmu;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t1 = dy*w;
+          const float sum_dvar = r1_*t1*(x - mu);
+          const float sum_dmu = r2_*t1;
+          const float sum_var_dmu = r3_ - 2.0f*x;
+          if (in_) {
+            acc_sum_dvar_ += sum_dvar;
+            acc_sum_dmu_ += sum_dmu;
+            acc_sum_var_dmu_ += sum_var_dmu;
           }
         }
       }
@@ -672,44 +620,32 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float w_w_[VEC];
-        eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          const float w = w_w_[e_];
-          {
-            const float t3 = dy*r5_;
-            const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
-            const float dw = t3*(x - mu);
-            const float db = dy;
-            dx_o_[e_] = dx;
-            if (in_) dw_part_[col_] += dw;
-            if (in_) db_part_[col_] += db;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t3 = dy*r5_;
+          const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
+          const float dw = t3*(x - mu);
+          const float db = dy;
+          dx_o_[e_] = dx;
+          if (in_) dw_part_[col_] += dw;
+          if (in_) db_part_[col_] += db;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);

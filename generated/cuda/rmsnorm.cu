@@ -89,26 +89,18 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float ms = x*x;
-            if (in_) {
-              acc_ms_ += ms;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float ms = x*x;
+          if (in_) {
+            acc_ms_ += ms;
           }
         }
       }
@@ -158,31 +150,23 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float y_o_[VEC];
-        float w_w_[VEC];
-        eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float w = w_w_[e_];
-          {
-            const float y = r3_*w*x;
-            y_o_[e_] = y;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float y = r3_*w*x;
+          y_o_[e_] = y;
         }
-        eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
       }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -310,26 +294,18 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float ms = x*x;
-            if (in_) {
-              acc_ms_ += ms;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float ms = x*x;
+          if (in_) {
+            acc_ms_ += ms;
           }
         }
       }
@@ -384,36 +360,24 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float w_w_[VEC];
-        eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          const float w = w_w_[e_];
-          {
-            const float sum_dms = dy*r0_*w*x;
-            if (in_) {
-              acc_sum_dms_ += sum_dms;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float sum_dms = dy*r0_*w*x;
+          if (in_) {
+            acc_sum_dms_ += sum_dms;
           }
         }
       }
@@ -477,42 +441,30 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float w_w_[VEC];
-        eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          const float w = w_w_[e_];
-          {
-            const float t0 = dy*r1_;
-            const float dx = r2_*x + t0*w;
-            const float dw = t0*x;
-            dx_o_[e_] = dx;
-            if (in_) dw_part_[col_] += dw;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r1_;
+          const float dx = r2_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+          if (in_) dw_part_[col_] += dw;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);

@@ -88,26 +88,18 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
@@ -154,26 +146,18 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
           }
         }
       }
@@ -220,28 +204,20 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float y_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float y = r2_*expf(x - m);
-            y_o_[e_] = y;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float y = r2_*expf(x - m);
+          y_o_[e_] = y;
         }
-        eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
       }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -347,40 +323,32 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        const float was_m_ = acc_m_;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
-        if (acc_m_ != was_m_) {
-          acc_z_ *= z_rescale_(was_m_, acc_m_);
-        }
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = acc_m_;
-            const float z = expf(x - m);
-            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-          }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -453,28 +421,20 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float y_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float y = r2_*expf(x - m);
-            y_o_[e_] = y;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float y = r2_*expf(x - m);
+          y_o_[e_] = y;
         }
-        eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
       }
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -573,26 +533,18 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
       }
@@ -639,26 +591,18 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
           }
         }
       }
@@ -710,33 +654,21 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float sum_dz = dy*r0_*expf(x - m);
-            if (in_) {
-              acc_sum_dz_ += sum_dz;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float sum_dz = dy*r0_*expf(x - m);
+          if (in_) {
+            acc_sum_dz_ += sum_dz;
           }
         }
       }
@@ -793,36 +725,24 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float t0 = expf(x - m);
-            const float dx = dz*t0 + dy*r1_*t0;
-            dx_o_[e_] = dx;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float t0 = expf(x - m);
+          const float dx = dz*t0 + dy*r1_*t0;
+          dx_o_[e_] = dx;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -941,40 +861,32 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        const float was_m_ = acc_m_;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
           }
         }
-        if (acc_m_ != was_m_) {
-          acc_z_ *= z_rescale_(was_m_, acc_m_);
-        }
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = acc_m_;
-            const float z = expf(x - m);
-            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-          }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
     }
@@ -1052,33 +964,21 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         }
       }
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float sum_dz = dy*r0_*expf(x - m);
-            if (in_) {
-              acc_sum_dz_ += sum_dz;
-            }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float sum_dz = dy*r0_*expf(x - m);
+          if (in_) {
+            acc_sum_dz_ += sum_dz;
           }
         }
       }
@@ -1135,36 +1035,24 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
-    {
-      // The groups past the cached ones, re-read from memory: each one's loads are issued
-      // before the group before it is computed, so that two are in flight a thread.
-      uint4 x_n_ = eg_load_group_raw(x_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      uint4 dy_n_ = eg_load_group_raw(dy_row_, sp_, SLOTS * lanes_ * VEC, lane_);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-        const uint4 x_q_ = x_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          x_n_ = eg_load_group_raw(x_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        const uint4 dy_q_ = dy_n_;
-        if (g0_ + lanes_ * VEC < sp_.end - sp_.head)
-          dy_n_ = eg_load_group_raw(dy_row_, sp_, g0_ + lanes_ * VEC, lane_);
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_unpack_vec<scalar_t>(x_q_, x_r_);
-        float dy_r_[VEC];
-        eg_unpack_vec<scalar_t>(dy_q_, dy_r_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float t0 = expf(x - m);
-            const float dx = dz*t0 + dy*r1_*t0;
-            dx_o_[e_] = dx;
-          }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float t0 = expf(x - m);
+          const float dx = dz*t0 + dy*r1_*t0;
+          dx_o_[e_] = dx;
         }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
       }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
