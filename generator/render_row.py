@@ -151,8 +151,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
 
     layouts = [
         {"suffix": "", "warp": "true", "slots": dict(p.warp_slots), "layout": "warp_per_row"},
-        {"suffix": "_block", "warp": "false", "slots": dict(p.block_slots),
-         "layout": "block_per_row"},
+        {"suffix": "_block", "warp": "false", "layout": "block_per_row"},
     ]
     # (impl suffix, online sums joined, the layouts it serves): one impl unless online sums
     # exist, then the two-pass one for warp rows and the online one for block rows.
@@ -187,6 +186,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         if missing:
             raise EulerError(f"{stage} reads {', '.join(missing)}, which no kernel argument or "
                              "earlier step provides", key="outputs", **where)
+        cached = [a.name for a in ptrs if a.role == "row" and a.name in reads and a.name in uses]
         row_scalars = []
         for a in ptrs:
             if a.role == "scalar" and a.name in uses and a.name in reads:
@@ -203,15 +203,14 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "row_vec_ptrs": [a.name for a in ptrs if a.role == "row"],
             "weight_ptrs": [a.name for a in ptrs if a.role == "weight"],
             "split_ptr": next(a.name for a in ptrs if a.role == "row"),
-            "cached": [a.name for a in ptrs if a.role == "row" and a.name in reads
-                       and a.name in uses],
+            "cached": cached,
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
             "warp_threads": 32 * (planner.WARP_ROWS_PER_BLOCK_WGRAD if wgrads
                                   else planner.WARP_ROWS_PER_BLOCK),
-            "block_threads": (planner.BLOCK_THREADS_MAX_WGRAD if wgrads
-                              else planner.BLOCK_THREADS_MAX),
-            "block_min_blocks": (planner.BLOCK_MIN_BLOCKS_FORWARD
-                                 if stage == "forward" and not weights else 0),
+            "block": {dt: planner.block_shape(
+                dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
+                cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
+                forward=stage == "forward") for dt in planner.DTYPES},
             "warp_min_blocks": {dt: planner.WARP_MIN_BLOCKS[(dt, stage)]
                                 for dt in planner.DTYPES if (dt, stage) in planner.WARP_MIN_BLOCKS},
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
@@ -231,7 +230,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
                                                                     ("cols", "int"))
                 launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
-                                            fwdbwd=k["stage"] == "fwdbwd")
+                                            block=k["block"][dt], fwdbwd=k["stage"] == "fwdbwd")
                 sigs.append(ir.KernelSig(f"{k['kernel']}{lay['suffix']}_{dt}", args, dt,
                                          k["stage"], launch))
     if wgrad:

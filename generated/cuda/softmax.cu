@@ -18,6 +18,9 @@
 // so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `softmax_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
+// A block per row stores its element outputs evict-first: its rows are long, written once,
+// and would otherwise push out of L2 the row it re-reads in the next sweep (H200,
+// cross-entropy fp32 8192 x 50257, fused: 1.262 -> 1.123 ms).
 #include "eulergen_common.cuh"
 
 // forward: y from x
@@ -119,10 +122,11 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         red_[0][lane_ / 32] = acc_m_;
       }
       __syncthreads();
-      acc_m_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-      }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
@@ -177,10 +181,11 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         red_[0][lane_ / 32] = acc_z_;
       }
       __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
     const float z = acc_z_;
@@ -202,7 +207,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float y_o_[VEC];
@@ -217,7 +222,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -384,18 +389,17 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
-      acc_m_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-      }
-      // online sums: each warp's rescaled to the row's max (independent factors, not a
-      // chain of merges), added in warp order
-      acc_z_ = 0.0f;
-      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
-        {
-          const float from_ = red_[0][w_], sum_ = red_[1][w_];
-          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
-        }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      // online sums: each warp's rescaled to the row's max (one factor a lane, none where
+      // the warp holds it), then summed
+      {
+        const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
+        const float sum_ = has_ ? red_[1][lane_ % 32] : 0.0f;
+        acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
       }
       __syncthreads();  // red_ is reused by the next pass
     }
@@ -419,7 +423,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float y_o_[VEC];
@@ -434,7 +438,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
           y_o_[e_] = y;
         }
       }
-      eg_store_group(y_row_, sp_, g0_, lane_, y_o_);
+      eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -447,8 +451,8 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
 
   }
 }
-extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward_online<float, false, 2, 1>(x, y, rows, cols);
+extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
+  softmax_forward_online<float, false, 10, 1>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   softmax_forward_online<__nv_bfloat16, false, 1, 1>(x, y, rows, cols);
@@ -564,10 +568,11 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         red_[0][lane_ / 32] = acc_m_;
       }
       __syncthreads();
-      acc_m_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-      }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
@@ -622,10 +627,11 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         red_[0][lane_ / 32] = acc_z_;
       }
       __syncthreads();
-      acc_z_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_z_ = acc_z_ + red_[0][w_];
-      }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
     const float z = acc_z_;
@@ -689,10 +695,11 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         red_[0][lane_ / 32] = acc_sum_dz_;
       }
       __syncthreads();
-      acc_sum_dz_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_sum_dz_ = acc_sum_dz_ + red_[0][w_];
-      }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
     const float sum_dz = acc_sum_dz_;
@@ -723,7 +730,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
           dx_o_[e_] = dx;
         }
       }
-      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
@@ -742,7 +749,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
           dx_o_[e_] = dx;
         }
       }
-      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -922,18 +929,17 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         red_[1][lane_ / 32] = acc_z_;
       }
       __syncthreads();
-      acc_m_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_m_ = fmaxf(acc_m_, red_[0][w_]);
-      }
-      // online sums: each warp's rescaled to the row's max (independent factors, not a
-      // chain of merges), added in warp order
-      acc_z_ = 0.0f;
-      for (int w_ = 0; w_ < lanes_ / 32; ++w_) {
-        {
-          const float from_ = red_[0][w_], sum_ = red_[1][w_];
-          acc_z_ += from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_);
-        }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      // online sums: each warp's rescaled to the row's max (one factor a lane, none where
+      // the warp holds it), then summed
+      {
+        const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
+        const float sum_ = has_ ? red_[1][lane_ % 32] : 0.0f;
+        acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
       }
       __syncthreads();  // red_ is reused by the next pass
     }
@@ -999,10 +1005,11 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         red_[0][lane_ / 32] = acc_sum_dz_;
       }
       __syncthreads();
-      acc_sum_dz_ = red_[0][0];
-      for (int w_ = 1; w_ < lanes_ / 32; ++w_) {
-        acc_sum_dz_ = acc_sum_dz_ + red_[0][w_];
-      }
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
     const float sum_dz = acc_sum_dz_;
@@ -1033,7 +1040,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
           dx_o_[e_] = dx;
         }
       }
-      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
@@ -1052,7 +1059,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
           dx_o_[e_] = dx;
         }
       }
-      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_);
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1067,8 +1074,8 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
 
   }
 }
-extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward_online<float, false, 2, 1>(x, dy, dx, rows, cols);
+extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
+  softmax_backward_online<float, false, 5, 1>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
   softmax_backward_online<__nv_bfloat16, false, 1, 1>(x, dy, dx, rows, cols);
