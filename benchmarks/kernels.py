@@ -7,8 +7,9 @@
 
 Shapes are those of /work/shared/ANCHORS.md: pointwise ops 2^28 elements (two-input ops
 2^27 pairs), norms and softmax 262144 × 768, cross-entropy 8192 × 50257, AdamW 124M fp32
-parameters, embedding 8 × 1024 ids into 50304 × 768; RoPE (not in ANCHORS) 8 × 1024 × 32
-× 128. Inputs are made once in PyTorch and
+parameters, embedding 8 × 1024 ids into 50304 × 768. RoPE (not in ANCHORS) takes 16 × 1024
+× 32 × 128, and embedding a second case of 64 × 1024 ids, so that every kernel also runs at
+≥ 256 MB of traffic in both dtypes. Inputs are made once in PyTorch and
 shared with CuPy through DLPack (bf16 travels as int16 bits), so both sides read the
 same memory. PyTorch's forwards allocate their output, as eager code does; with
 --torch-out, where PyTorch has an out= form (gelu, silu, relu, softmax, log-softmax), it
@@ -37,7 +38,8 @@ NORM_ROWS, NORM_COLS = 262144, 768
 CE_ROWS, CE_COLS = 8192, 50257
 ADAMW_N = 124_439_808                        # GPT-2 124M, tied embeddings
 EMB_B, EMB_T, EMB_V, EMB_C = 8, 1024, 50304, 768
-ROPE_SHAPE = (8, 1024, 32, 128)              # B, T, H, D: 2^25 elements
+EMB_B_LARGE = 64                             # ≥ 256 MB of traffic in bf16 too
+ROPE_SHAPE = (16, 1024, 32, 128)             # B, T, H, D: 2^26 elements, 256 MB bf16 forward
 
 
 @dataclass(frozen=True)
@@ -250,9 +252,13 @@ class Bench:
                    theirs, (6 * 4 + s_g) * n / 1e9)
 
     def embedding(self, dtype: str):
+        for batch in (EMB_B, EMB_B_LARGE):
+            yield self.embedding_case(dtype, batch)
+
+    def embedding_case(self, dtype: str, B: int) -> Case:
         torch, F, lib = self.torch, self.F, self.lib
         s = 4 if dtype == "f32" else 2
-        B, T, V, C = EMB_B, EMB_T, EMB_V, EMB_C
+        T, V, C = EMB_T, EMB_V, EMB_C
         wte = self.randn((V, C), dtype, 0.02, grad=True)
         wpe = self.randn((T, C), dtype, 0.02, grad=True)
         ids_t = torch.randint(0, min(50257, V), (B, T), device="cuda", dtype=torch.int32)
@@ -271,8 +277,8 @@ class Bench:
             self.grad(F.embedding(ids64, wte) + wpe, (wte, wpe), dout_t)
         # forward: gathered rows, positions, output; backward: dout, the dense dwte, dwpe.
         bt = B * T * C
-        yield Case("embedding fwd+bwd", dtype, ours, theirs,
-                   (2 * bt + T * C + bt + V * C + T * C) * s / 1e9)
+        return Case(f"embedding fwd+bwd B={B}", dtype, ours, theirs,
+                    (2 * bt + T * C + bt + V * C + T * C) * s / 1e9)
 
 
 def main(argv=None) -> int:
