@@ -18,9 +18,11 @@
 // so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `cross_entropy_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
-// A block per row stores its element outputs evict-first: its rows are long, written once,
-// and would otherwise push out of L2 the row it re-reads in the next sweep (H200,
-// cross-entropy fp32 8192 x 50257, fused: 1.262 -> 1.123 ms).
+// A block per row stores its element outputs evict-first, and its element sweep (a row's
+// last) re-reads evict-first too: its rows are long, and what it is done with would
+// otherwise push out of L2 the rows in flight that are still to be re-read (H200,
+// cross-entropy 8192 x 50257, fused: fp32 1.262 -> 1.123 ms for the stores; bf16 0.532
+// -> 0.506 for the loads).
 #include "eulergen_common.cuh"
 
 // forward: loss from x, target
@@ -595,7 +597,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       // the column index as a float, one conversion a group (exact below 2^24 columns)
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
@@ -825,7 +827,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       // the column index as a float, one conversion a group (exact below 2^24 columns)
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
@@ -1071,7 +1073,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       // the column index as a float, one conversion a group (exact below 2^24 columns)
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
@@ -1314,7 +1316,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       // the column index as a float, one conversion a group (exact below 2^24 columns)
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll

@@ -39,8 +39,9 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-// An evict-first store is a store: the cache hint means nothing on the CPU.
+// Evict-first loads and stores are plain ones: the cache hint means nothing on the CPU.
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
+template <typename T> inline T __ldcs(const T* p) { return *p; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
