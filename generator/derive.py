@@ -227,7 +227,10 @@ def _row(spec: OpSpec, temps: _Temps):
             total += symbol(name)
         for rk in live[j + 1:]:
             term = _diff(rk.expr, wrt, spec, rk.where)
-            if term != 0:
+            closed = _closed_sum(term, spec, elem_names, n_sym)
+            if closed is not None:
+                total += adjoint[rk.name] * scale[rk.name] * closed
+            elif term != 0:
                 name = f"sum_{rk.name}_d{rj.name}"
                 sums.append((name, term))
                 total += adjoint[rk.name] * scale[rk.name] * symbol(name)
@@ -260,6 +263,32 @@ def _row(spec: OpSpec, temps: _Temps):
     outputs = tuple(ir.Operand(o.name, "row" if o in elem_out else "scalar")
                     for o in spec.outputs)
     return body, inputs, outputs
+
+
+def _closed_sum(term: sp.Expr, spec: OpSpec, elem_names: set[str],
+                n_sym: sp.Symbol) -> sp.Expr | None:
+    """The row sum of `term` in closed form, when the term is affine in the per-element
+    symbols and each one it reads has a forward reduction summing exactly it: Σ(a + b·x) =
+    N·a + b·Σx. LayerNorm's ∂var/∂mu sums to 0 that way (Σ -2(x - mu) with mu = mean(x)):
+    no pass, and an exact 0 rather than a rounded one. None when it has no closed form."""
+    elems = [symbol(n) for n in sorted(elem_names) if n != "i" and symbol(n) in term.free_symbols]
+    if not elems:
+        return None if term.has(symbol("i")) else n_sym * term
+    try:
+        poly = sp.Poly(sp.expand(term), *elems)
+    except sp.PolynomialError:
+        return None
+    if poly.total_degree() > 1 or any(c.has(symbol("i")) for c in poly.coeffs()):
+        return None
+    total = n_sym * poly.coeff_monomial(1)
+    for x in elems:
+        by = next((r for r in spec.reductions if r.op in ("sum", "mean")
+                   and sp.expand(r.expr - x) == 0), None)
+        if by is None:
+            return None
+        total += poly.coeff_monomial(x) * (n_sym * symbol(by.name) if by.op == "mean"
+                                           else symbol(by.name))
+    return sp.simplify(total)
 
 
 def _online(spec: OpSpec, temps: _Temps, elem_names: set[str]) -> tuple[ir.Online, ...]:

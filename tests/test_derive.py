@@ -12,6 +12,7 @@ import sympy as sp
 
 from eulergen.errors import EulerError
 from eulergen.generator import derive as derive_module
+from eulergen.generator.check import check_op
 from eulergen.generator import ir
 from eulergen.generator.derive import derive
 from eulergen.generator.printer import print_cuda
@@ -104,6 +105,27 @@ def test_layernorm_reductions_come_in_dependency_levels():
     assert [p.ops for p in body.passes] == [(("mu", "mean"),), (("var", "mean"),)]
     assert body.adjoints.names == ("dmu", "dvar")
     assert body.elem_grads.names == ("dx", "dw", "db")
+
+
+def test_layernorms_sum_of_dvar_by_dmu_is_closed_form_zero_not_a_pass():
+    # Σ ∂(x - mu)²/∂mu = -2(Σx - N·mu) = 0, as mu = mean(x)
+    assert op("layernorm").body.adjoint_pass.ops == (("sum_dvar", "sum"), ("sum_dmu", "sum"))
+
+
+def test_an_affine_chain_sum_reads_the_forward_reduction_of_its_element(tmp_path):
+    # q = Σ x·s: ∂q/∂s sums x over the row, which is s itself; x² has no closed form
+    derived = _row_spec(tmp_path, "affine", """\
+        reduce:
+          s: sum(x)
+          q: sum(x*s)
+          r: sum(x**2*q)
+        outputs:
+          y: x + r
+        """)
+    sums = [n for n, _ in derived.body.adjoint_pass.ops]
+    assert "sum_q_ds" not in sums and "sum_r_dq" in sums
+    rows = check_op(load_spec(tmp_path / "affine.yaml"))
+    assert rows and all(r.ok for r in rows), rows
 
 
 def test_cross_entropy_stabilizer_gets_no_gradient_and_loss_is_per_row():

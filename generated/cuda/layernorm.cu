@@ -194,7 +194,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
     const float var = acc_var_ / (float)cols_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r9_ = rsqrtf(eps + var);
+    const float r8_ = rsqrtf(eps + var);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -212,7 +212,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
         const float w = w_w_[e_];
         const float b = b_w_[e_];
         {
-          const float y = b + r9_*w*(x - mu);
+          const float y = b + r8_*w*(x - mu);
           y_o_[e_] = y;
         }
       }
@@ -233,7 +233,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
         const float w = w_w_[e_];
         const float b = b_w_[e_];
         {
-          const float y = b + r9_*w*(x - mu);
+          const float y = b + r8_*w*(x - mu);
           y_o_[e_] = y;
         }
       }
@@ -245,7 +245,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       const float w = eg_load(w_ptr, col_);
       const float b = eg_load(b_ptr, col_);
       {
-        const float y = b + r9_*w*(x - mu);
+        const float y = b + r8_*w*(x - mu);
         eg_store(y_row_, col_, y);
       }
     }
@@ -278,7 +278,7 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
   // aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr)) % 16 == 0;
-  __shared__ float red_[3][32];
+  __shared__ float red_[2][32];
   const EgSplit whole_ = eg_split(x_ptr, cols_, vec_);   // every row's split
   // This worker's partial dw row. The cached columns: per warp in shared memory (in
   // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
@@ -483,15 +483,13 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       __syncthreads();  // red_ is reused by the next pass
     }
     const float var = acc_var_ / (float)cols_;
-    // pass: sum_dvar = sum, sum_dmu = sum, sum_var_dmu = sum of the per-element terms
+    // pass: sum_dvar = sum, sum_dmu = sum of the per-element terms
     float acc_sum_dvar_ = 0.0f;
     float acc_sum_dmu_ = 0.0f;
-    float acc_sum_var_dmu_ = 0.0f;
     // once per row: the element terms' row-invariant parts
     const float r0_ = eps + var;
     const float r1_ = -0.5f*rsqrtf(r0_)/r0_;
     const float r2_ = -rsqrtf(r0_);
-    const float r3_ = 2.0f*mu;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -512,11 +510,9 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
           const float t1 = dy*w;
           const float sum_dvar = r1_*t1*(x - mu);
           const float sum_dmu = r2_*t1;
-          const float sum_var_dmu = r3_ - 2.0f*x;
           if (in_) {
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
-            acc_sum_var_dmu_ += sum_var_dmu;
           }
         }
       }
@@ -539,11 +535,9 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
           const float t1 = dy*w;
           const float sum_dvar = r1_*t1*(x - mu);
           const float sum_dmu = r2_*t1;
-          const float sum_var_dmu = r3_ - 2.0f*x;
           if (in_) {
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
-            acc_sum_var_dmu_ += sum_var_dmu;
           }
         }
       }
@@ -557,21 +551,17 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float t1 = dy*w;
         const float sum_dvar = r1_*t1*(x - mu);
         const float sum_dmu = r2_*t1;
-        const float sum_var_dmu = r3_ - 2.0f*x;
         acc_sum_dvar_ += sum_dvar;
         acc_sum_dmu_ += sum_dmu;
-        acc_sum_var_dmu_ += sum_var_dmu;
       }
     }
 
     acc_sum_dvar_ = eg_warp_sum(acc_sum_dvar_);
     acc_sum_dmu_ = eg_warp_sum(acc_sum_dmu_);
-    acc_sum_var_dmu_ = eg_warp_sum(acc_sum_var_dmu_);
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_sum_dvar_;
         red_[1][lane_ / 32] = acc_sum_dmu_;
-        red_[2][lane_ / 32] = acc_sum_var_dmu_;
       }
       __syncthreads();
       // every warp merges the block's warp results with the same butterfly, a lane a warp
@@ -580,26 +570,24 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const bool has_ = lane_ % 32 < lanes_ / 32;
       acc_sum_dvar_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
       acc_sum_dmu_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
-      acc_sum_var_dmu_ = eg_warp_sum(has_ ? red_[2][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
     const float sum_dvar = acc_sum_dvar_;
     const float sum_dmu = acc_sum_dmu_;
-    const float sum_var_dmu = acc_sum_var_dmu_;
     // per row: dmu, dvar
     float dmu;
     float dvar;
     {
-      dmu = sum_dmu + sum_dvar*sum_var_dmu/N;
+      dmu = sum_dmu;
       dvar = sum_dvar;
     }
     // per element: dx, dw, db
     // once per row: the element terms' row-invariant parts
-    const float r4_ = 1.0f/N;
-    const float r5_ = rsqrtf(eps + var);
-    const float r6_ = -2.0f*mu;
-    const float r7_ = dvar*r4_;
-    const float r8_ = dmu*r4_;
+    const float r3_ = 1.0f/N;
+    const float r4_ = rsqrtf(eps + var);
+    const float r5_ = -2.0f*mu;
+    const float r6_ = dvar*r3_;
+    const float r7_ = dmu*r3_;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -617,8 +605,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t3 = dy*r5_;
-          const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
+          const float t3 = dy*r4_;
+          const float dx = r7_ + r6_*(r5_ + 2.0f*x) + t3*w;
           const float dw = t3*(x - mu);
           const float db = dy;
           dx_o_[e_] = dx;
@@ -644,8 +632,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t3 = dy*r5_;
-          const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
+          const float t3 = dy*r4_;
+          const float dx = r7_ + r6_*(r5_ + 2.0f*x) + t3*w;
           const float dw = t3*(x - mu);
           const float db = dy;
           dx_o_[e_] = dx;
@@ -661,8 +649,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float t3 = dy*r5_;
-        const float dx = r8_ + r7_*(r6_ + 2.0f*x) + t3*w;
+        const float t3 = dy*r4_;
+        const float dx = r7_ + r6_*(r5_ + 2.0f*x) + t3*w;
         const float dw = t3*(x - mu);
         const float db = dy;
         eg_store(dx_row_, col_, dx);
