@@ -29,6 +29,8 @@ from eulergen.runtime.kernels import pair_threads
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
+from masked_logits import masked_rows
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]
 
@@ -512,18 +514,6 @@ NEG_INF_OPS = [n for n in _ops("row") if n in ("softmax", "log_softmax", "cross_
 NEG_INF_COLS = [1, 17, 768, 1250, 2048, 6000, 50257]
 
 
-def masked_rows(rng, cols: int) -> np.ndarray:
-    """Rows of logits with -inf entries, as attention-style masks make them: none, a leading
-    run, scattered, and all but the last column (lanes and warps whose every element is
-    -inf merge with the one finite one). Every row keeps a finite entry."""
-    x = rng.uniform(-8, 8, (4, cols))
-    x[1, : (2 * cols) // 3] = -np.inf
-    x[2, rng.random(cols) < 0.4] = -np.inf
-    x[3, :-1] = -np.inf
-    x[:, -1] = np.where(np.isfinite(x[:, -1]), x[:, -1], 1.5)
-    return x
-
-
 def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
     """-inf where the reference has -inf (log_softmax of a masked column), close elsewhere."""
     want = np.broadcast_to(want, got.shape)
@@ -543,7 +533,7 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
     entry = load_manifest(MANIFEST).ops[name]
     mod = load_numpy_module(entry)
     rng = np.random.default_rng(cols + 7)
-    x = inputs_as_stored([masked_rows(rng, cols)], dtype)[0]
+    x = inputs_as_stored([masked_rows(rng, 4, cols)], dtype)[0]
     rows = x.shape[0]
     ins = {"x": stored(x, dtype)}
     xs = [x]
