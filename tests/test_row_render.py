@@ -45,12 +45,12 @@ class Compiled:
 
 @functools.lru_cache(maxsize=None)
 def wrappers(op: str) -> dict[str, Compiled]:
+    """Every row kernel wrapper in the op's generated .cu, by name."""
     out = {}
     for m in _WRAPPER.finditer(OPS[op].cuda.read_text()):
-        threads, min_blocks, name, args, ctype, warp, slots, rpb = m.groups()
-        params = tuple(tuple(a.rsplit(" ", 1)) for a in args.split(", "))
-        out[name] = Compiled(int(threads), int(min_blocks or 0),
-                             tuple((n, t) for t, n in params), ctype, warp == "true",
+        threads, min_blocks, name, params, ctype, warp, slots, rpb = m.groups()
+        args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
+        out[name] = Compiled(int(threads), int(min_blocks or 0), args, ctype, warp == "true",
                              int(slots), int(rpb))
     return out
 
