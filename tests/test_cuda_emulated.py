@@ -29,6 +29,8 @@ from eulergen.runtime.kernels import pair_threads
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
+from masked_logits import masked_rows
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]
 
@@ -210,8 +212,23 @@ def _row_geometry(plan: dict, rows: int, cols: int) -> tuple[int, int, int]:
     return 1, plan["threads"], plan["rows_per_block"]
 
 
+# 1250 and 8800 columns launch every block kernel with a warp count that is no power of two
+# (5 warps at 8 columns a thread; 7 or 14 at fp32's 40 or 20): the block's merge is a
+# butterfly over a lane per warp, the lanes past the last warp holding the identity.
 ROW_CASES = [(1, "warp"), (17, "warp"), (768, "warp"), (3001, "warp"),
-             (17, "block"), (1000, "block"), (8800, "block")]
+             (17, "block"), (1000, "block"), (1250, "block"), (8800, "block")]
+
+
+def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:
+    """The block kernels of `op` that launch only blocks of 2^k warps over these row lengths
+    (kernel -> its warp counts)."""
+    out = {}
+    for k, v in OPS[op]["kernels"].items():
+        if v["plan"].get("layout") == "block_per_row":
+            warps = [_row_geometry(v["plan"], 1, cols)[1] // 32 for cols in cols_list]
+            if all(w & (w - 1) == 0 for w in warps):
+                out[k] = warps
+    return out
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -282,6 +299,11 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
         if stage == "fwdbwd":
             for o in scalar_out:
                 close(got[o].astype(np.float64), mod.forward(*xs, **params), TOL["f32"], f"{k} {o}")
+
+
+@pytest.mark.parametrize("name", _ops("row"))
+def test_row_cases_launch_every_block_kernel_with_warps_no_power_of_two(name):
+    assert not powers_of_two_only(name, [c for c, layout in ROW_CASES if layout == "block"])
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -487,18 +509,9 @@ def test_embedding_id_outside_the_table_traps():
 # ---- row kernels with -inf entries (online max and sum) ------------------------------------
 
 NEG_INF_OPS = [n for n in _ops("row") if n in ("softmax", "log_softmax", "cross_entropy")]
-
-
-def masked_rows(rng, cols: int) -> np.ndarray:
-    """Rows of logits with -inf entries, as attention-style masks make them: none, a leading
-    run, scattered, and all but the last column (lanes and warps whose every element is
-    -inf merge with the one finite one). Every row keeps a finite entry."""
-    x = rng.uniform(-8, 8, (4, cols))
-    x[1, : (2 * cols) // 3] = -np.inf
-    x[2, rng.random(cols) < 0.4] = -np.inf
-    x[3, :-1] = -np.inf
-    x[:, -1] = np.where(np.isfinite(x[:, -1]), x[:, -1], 1.5)
-    return x
+# 1250 and 6000: every block kernel at a warp count no power of two (warps whose lanes are
+# all -inf, merged by the butterfly with lanes that hold no warp)
+NEG_INF_COLS = [1, 17, 768, 1250, 2048, 6000, 50257]
 
 
 def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
@@ -511,7 +524,7 @@ def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> N
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("layout", ["warp", "block"])
-@pytest.mark.parametrize("cols", [1, 17, 768, 2048, 50257])
+@pytest.mark.parametrize("cols", NEG_INF_COLS)
 @pytest.mark.parametrize("name", NEG_INF_OPS)
 def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
     """The block-per-row kernels accumulate the sum against the running max (ir.Online), the
@@ -520,7 +533,7 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
     entry = load_manifest(MANIFEST).ops[name]
     mod = load_numpy_module(entry)
     rng = np.random.default_rng(cols + 7)
-    x = inputs_as_stored([masked_rows(rng, cols)], dtype)[0]
+    x = inputs_as_stored([masked_rows(rng, 4, cols)], dtype)[0]
     rows = x.shape[0]
     ins = {"x": stored(x, dtype)}
     xs = [x]
@@ -557,6 +570,11 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
                           f"{k} {out['name']}")
         if "dx" in got:
             close(value(got["dx"], dtype), want_dx, TOL[dtype], f"{k} dx")
+
+
+@pytest.mark.parametrize("name", NEG_INF_OPS)
+def test_minus_infinity_cases_launch_every_block_kernel_with_warps_no_power_of_two(name):
+    assert not powers_of_two_only(name, NEG_INF_COLS)
 
 
 @pytest.mark.parametrize("layout", ["warp", "block"])

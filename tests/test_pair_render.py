@@ -7,19 +7,28 @@ import re
 
 import pytest
 
+from eulergen import GENERATED_DIR
 from eulergen.generator.derive import derive
 from eulergen.generator.render import _pair_kernel
 from eulergen.generator.spec import find_ops, load_spec
 from eulergen.runtime.kernels import pair_grid, pair_threads
+from eulergen.runtime.manifest import load_manifest
 
 TRANSCENDENTAL = re.compile(r"\b(powf|eg_sinf|eg_cosf|expf|logf)\(")
 
 
 def _rope_kernels() -> list[dict]:
-    op = derive(load_spec(find_ops()["rope"]))
-    body = op.body
-    return [_pair_kernel("rope_forward", "forward", ["x"], ["y"], body.forward, body.index),
-            _pair_kernel("rope_backward", "backward", ["dy"], ["dx"], body.backward, body.index)]
+    """Each stage's template values, its loads and stores the pointer arguments of the
+    kernel's signature in the manifest (const: loaded)."""
+    body = derive(load_spec(find_ops()["rope"])).body
+    entry = load_manifest(GENERATED_DIR / "manifest.json").ops["rope"]
+    kernels = []
+    for stage, code in (("forward", body.forward), ("backward", body.backward)):
+        ptrs = [(n, t) for n, t in entry.kernel(stage, "f32").args if t.endswith("*")]
+        loads = [n for n, t in ptrs if t.startswith("const ")]
+        stores = [n for n, t in ptrs if not t.startswith("const ")]
+        kernels.append(_pair_kernel(f"rope_{stage}", stage, loads, stores, code, body.index))
+    return kernels
 
 
 @pytest.mark.parametrize("k", _rope_kernels(), ids=lambda k: k["stage"])

@@ -15,20 +15,13 @@ import pytest
 from eulergen import GENERATED_DIR
 from eulergen.runtime.manifest import load_manifest
 
+from masked_logits import masked_rows
+
 pytestmark = pytest.mark.gpu
 
 MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
 NAMES = [n for n in ("softmax", "log_softmax", "cross_entropy") if n in OPS]
-
-
-def masked_rows(rng, rows: int, cols: int) -> np.ndarray:
-    x = rng.uniform(-10, 10, (rows, cols)).astype(np.float32).astype(np.float64)
-    x[1::4, : (2 * cols) // 3] = -np.inf
-    x[2::4][rng.random((len(x[2::4]), cols)) < 0.4] = -np.inf
-    x[3::4, :-1] = -np.inf
-    x[:, -1] = 1.5
-    return x
 
 
 def close(what: str, got: np.ndarray, want: np.ndarray) -> None:

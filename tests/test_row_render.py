@@ -1,0 +1,166 @@
+"""Row kernels as rendered (generator/render_row.py, templates/row.cu.j2): the launch facts
+the runtime reads from the manifest agree with what each kernel was compiled with, the
+block shapes the planner chose for the ops that were measured, and which sweeps of a block
+per row load and store evict-first. Their numbers are checked by tests/test_cuda_emulated.py
+(CPU) and tests/gpu/."""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from eulergen import GENERATED_DIR
+from eulergen.generator.derive import derive
+from eulergen.generator.render import render_op
+from eulergen.generator.spec import load_spec
+from eulergen.runtime.compile import op_options
+from eulergen.runtime.manifest import load_manifest
+
+MANIFEST = GENERATED_DIR / "manifest.json"
+OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
+ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
+               for k in sorted(OPS[op].kernels) if "layout" in OPS[op].kernels[k].plan]
+# elements in one 16-byte access (EgVec<T>::N in templates/common.cuh.j2)
+VEC_OF_CTYPE = {"float": 4, "__nv_bfloat16": 8}
+
+# extern "C" __global__ void __launch_bounds__(T[, M]) NAME(ARGS) {
+#   IMPL<CTYPE, WARP, SLOTS, RPB>(...);
+_WRAPPER = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, (\d+))?\) '
+                      r'(\w+)\(([^)]*)\) \{\n  \w+<([\w ]+), (true|false), (\d+), (\d+)>\(')
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A row kernel's wrapper as the .cu states it: launch bounds and template arguments."""
+    threads: int
+    min_blocks: int                  # 0: no minimum in __launch_bounds__
+    args: tuple[tuple[str, str], ...]
+    ctype: str
+    warp: bool
+    slots: int
+    rows_per_block: int
+
+
+@functools.lru_cache(maxsize=None)
+def wrappers(op: str) -> dict[str, Compiled]:
+    """Every row kernel wrapper in the op's generated .cu, by name."""
+    out = {}
+    for m in _WRAPPER.finditer(OPS[op].cuda.read_text()):
+        threads, min_blocks, name, params, ctype, warp, slots, rpb = m.groups()
+        args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
+        out[name] = Compiled(int(threads), int(min_blocks or 0), args, ctype, warp == "true",
+                             int(slots), int(rpb))
+    return out
+
+
+@pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
+def test_manifest_launch_facts_match_the_kernel_as_compiled(op, kernel):
+    """The runtime launches from the manifest; the kernel was compiled from the template
+    arguments. A block larger than __launch_bounds__ fails to launch; cols_per_thread other
+    than VEC · SLOTS misplaces the registers-then-L2 split the launch size is chosen for."""
+    k = OPS[op].kernels[kernel]
+    c = wrappers(op)[kernel]
+    vec = VEC_OF_CTYPE[c.ctype]
+    assert c.args == k.args, f"{kernel}: the manifest's arguments are not the kernel's"
+    assert k.plan["threads"] == c.threads
+    if k.plan["layout"] == "block_per_row":
+        assert not c.warp and c.rows_per_block == 1
+        assert k.plan["cols_per_thread"] == vec * c.slots
+        assert k.plan["threads_min"] <= c.threads
+    else:
+        assert c.warp and k.plan["rows_per_block"] * 32 == c.threads == c.rows_per_block * 32
+        assert k.plan["max_cols"] == 32 * vec * c.slots
+
+
+@pytest.mark.parametrize("kernel,threads,min_blocks,slots", [
+    # one sweep (max, online sum and picked logit): short blocks, eight an SM
+    ("cross_entropy_forward_block_f32", 256, 8, 2),
+    ("cross_entropy_forward_block_bf16", 256, 8, 1),
+    # fp32 re-read: 10 groups of the one cached operand (x), one block an SM
+    ("cross_entropy_fwdbwd_block_f32", 1024, 1, 10),
+    ("cross_entropy_backward_block_f32", 1024, 1, 10),
+    # bf16 keeps one group and the next row's prefetch
+    ("cross_entropy_fwdbwd_block_bf16", 1024, 0, 1),
+])
+def test_cross_entropy_block_kernels_take_the_measured_shapes(kernel, threads, min_blocks, slots):
+    c = wrappers("cross_entropy")[kernel]
+    assert (c.threads, c.min_blocks, c.slots) == (threads, min_blocks, slots)
+
+
+def test_softmax_fp32_backward_splits_the_re_read_groups_between_x_and_dy():
+    c = wrappers("softmax")["softmax_backward_block_f32"]
+    assert (c.threads, c.min_blocks, c.slots) == (1024, 1, 5)
+    assert wrappers("softmax")["softmax_forward_block_f32"].slots == 10
+
+
+def test_cross_entropy_is_compiled_with_fast_math_and_softmax_is_not():
+    """ops/cross_entropy.yaml opts in: the manifest marks it and the runtime asks NVRTC."""
+    assert OPS["cross_entropy"].fast_math and op_options(OPS["cross_entropy"]) == ("--use_fast_math",)
+    assert not OPS["softmax"].fast_math and op_options(OPS["softmax"]) == ()
+
+
+# ---- evict-first sweeps of a block per row ------------------------------------------------
+
+# A row op with a weight, one reduction and an element output: each stage has a reduction
+# sweep followed by an element sweep.
+CENTER = """\
+name: center_scale
+kind: row
+doc: a row less its mean, scaled by a weight
+inputs: {x: row, w: weight}
+reduce:
+  mu: mean(x)
+outputs:
+  y: (x - mu)*w
+"""
+# A step of a kernel's row loop starts at its comment, at the loop body's indent.
+_STEP = re.compile(r"^    // (pass|per element|per row)\b", re.M)
+_LOAD = re.compile(r"eg_load_group\((\w+), [^;]*;")
+_STORE = re.compile(r"eg_store_group\([^;]*;")
+
+
+def _sweeps(source: str) -> list[tuple[str, str]]:
+    """(step kind, its source) of every pass and element sweep of every kernel template."""
+    out = []
+    for impl in source.split("template <typename scalar_t, bool WARP")[1:]:
+        cuts = list(_STEP.finditer(impl))
+        for m, nxt in zip(cuts, cuts[1:] + [None]):
+            out.append((m.group(1), impl[m.start():nxt.start() if nxt else len(impl)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def center_sweeps(tmp_path_factory) -> list[tuple[str, str]]:
+    path = tmp_path_factory.mktemp("ops") / "center_scale.yaml"
+    path.write_text(CENTER)
+    sweeps = _sweeps(render_op(derive(load_spec(path)), "header").source)
+    kinds = [k for k, _ in sweeps]
+    assert kinds.count("pass") >= 2 and kinds.count("per element") == 2, kinds
+    return sweeps
+
+
+def test_element_sweeps_re_read_the_row_and_store_evict_first_in_a_block_per_row(center_sweeps):
+    """A row's last sweep: what it reads and writes is not read again, and would push out of
+    L2 the rows in flight still to be re-read (WARP: a warp's row stays in registers)."""
+    for kind, text in center_sweeps:
+        if kind != "per element":
+            continue
+        row_loads = [m.group(0) for m in _LOAD.finditer(text) if m.group(1).endswith("_row_")]
+        stores = _STORE.findall(text)
+        assert row_loads and stores, text
+        assert all(s.endswith(", !WARP);") for s in row_loads + stores), row_loads + stores
+
+
+def test_reduction_sweeps_and_weights_load_for_keeps(center_sweeps):
+    """A reduction sweep's row is read again by the sweeps after it, and every row reads the
+    weights: neither is loaded evict-first."""
+    weight_loads = []
+    for kind, text in center_sweeps:
+        loads = [m.group(0) for m in _LOAD.finditer(text)]
+        if kind == "pass":
+            assert loads and not _STORE.findall(text), text
+            assert not any("!WARP" in s for s in loads), loads
+        weight_loads += [s for s in loads if s.startswith("eg_load_group(w_ptr,")]
+    assert weight_loads and not any("!WARP" in s for s in weight_loads), weight_loads
