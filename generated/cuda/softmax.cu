@@ -26,7 +26,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -38,13 +38,10 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -57,7 +54,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -238,14 +235,14 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward<float, true, 6, 8>(x, y, rows, cols);
+  softmax_forward<float, true, 6, 8, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward<__nv_bfloat16, true, 3, 8>(x, y, rows, cols);
+  softmax_forward<__nv_bfloat16, true, 3, 8, true>(x, y, rows, cols);
 }
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -257,13 +254,10 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -276,7 +270,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -454,14 +448,14 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward_online<float, false, 10, 1>(x, y, rows, cols);
+  softmax_forward_online<float, false, 10, 1, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward_online<__nv_bfloat16, false, 1, 1>(x, y, rows, cols);
+  softmax_forward_online<__nv_bfloat16, false, 1, 1, true>(x, y, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -474,14 +468,11 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -498,7 +489,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -767,14 +758,14 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward<float, true, 6, 8>(x, dy, dx, rows, cols);
+  softmax_backward<float, true, 6, 8, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward<__nv_bfloat16, true, 3, 8>(x, dy, dx, rows, cols);
+  softmax_backward<__nv_bfloat16, true, 3, 8, true>(x, dy, dx, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -787,14 +778,11 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -811,7 +799,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -1077,8 +1065,8 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward_online<float, false, 5, 1>(x, dy, dx, rows, cols);
+  softmax_backward_online<float, false, 5, 1, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward_online<__nv_bfloat16, false, 1, 1>(x, dy, dx, rows, cols);
+  softmax_backward_online<__nv_bfloat16, false, 1, 1, true>(x, dy, dx, rows, cols);
 }
