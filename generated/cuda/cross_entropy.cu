@@ -2,9 +2,13 @@
 //
 // Row kernels of `cross_entropy` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which;
-// a stage with online sums has two templates: two-pass for warp rows, online for block rows):
+// a stage where an online sum joins a sweep has two: two-pass for warp rows, `_online` for
+// block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
+// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) are the plan's, per dtype and layout
+// (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -15,9 +19,7 @@
 // the warp's max, a warp's to the row's, before they are added),
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
 // only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
-// so results are deterministic. Weight gradients are summed per row worker into a float32
-// workspace row and reduced across workers by `cross_entropy_wgrad_reduce_<dt>`, in a fixed
-// order (no atomics).
+// so results are deterministic.
 // A block per row stores its element outputs evict-first, and its element sweep (a row's
 // last) re-reads evict-first too: its rows are long, and what it is done with would
 // otherwise push out of L2 the rows in flight that are still to be re-read (H200,
