@@ -3,8 +3,9 @@ columns, per-row and per-element code), their pointers and kernel signatures.
 
 Each stage forms the reductions its later steps read: one sweep per level, a sum that
 rescales with a stabilizer max in the max's sweep (ir.Online; block-per-row kernels only,
-warp-per-row ones keep the two-pass form), a sum that is one column's value read at that
-column (ir.Pick).
+warp-per-row ones keep the two-pass form, so a stage where one joins has a second device
+impl, `<op>_<stage>_online`), a sum that is one column's value read at that column
+(ir.Pick). Each kernel's block, register slots and prefetch are the plan's (plan.RowShape).
 """
 from __future__ import annotations
 
