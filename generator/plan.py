@@ -15,8 +15,13 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ope
            memory and leave no tail wave). Any n and any alignment work (a scalar path
            takes unaligned pointers and the tail); in_place_ok = True.
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
-           length, `max_cols` / `min_cols` say where each is the fast one.
-           warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block).
+           length, `max_cols` / `min_cols` say where each is the fast one. Each kernel's
+           block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
+           minimum of blocks, the 16-byte groups a lane caches, and whether it prefetches
+           the next row (PREFETCH_DTYPES), a template argument of the kernel's impl.
+           warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block),
+           capped only where a warp loops over several rows: the prefetching kernels, and
+           those with weight gradients.
            block_per_row: threads is the most a block takes (block_shape: 1024; 512 with
            weight gradients; 256 for a kernel that reads its row once); launch
            clamp(round_up(cdiv(cols, cols_per_thread), 32), threads_min, threads) threads,
@@ -77,17 +82,22 @@ WARP_ROWS_PER_BLOCK = 8
 # keep two 768-wide fp32 rows each (layernorm's w and b) within the 48 KB of static smem.
 WARP_ROWS_PER_BLOCK_WGRAD = 4
 WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
-# bf16 warp-per-row kernels load the next row while computing one (templates/row.cu.j2).
+# Row kernels of these dtypes load the next row's cached groups (raw, 4 registers a group)
+# before they compute the current row: a bf16 row's cached groups are half the bytes of
+# fp32's, too few in flight to hide the latency of one row at a time. fp32 keeps one row at
+# a time: its registers already hold twice the bytes, and a prefetch would double them
+# (half the occupancy; the block re-read kernels' 10 groups a thread would spill).
+PREFETCH_DTYPES = ("bf16",)
 # Held to 64 registers (4 blocks of 256 threads an SM: the warps the kernels had without
-# the prefetch) the forward kernels do not spill; backward ones would, so they are not held.
+# the prefetch) the bf16 warp-per-row forward kernels do not spill; backward ones would, so
+# they are not held.
 WARP_MIN_BLOCKS = {("bf16", "forward"): 4}
-# The prefetch needs several rows per warp, so those kernels loop over a capped grid. The
-# others (fp32, one row at a time) take an uncapped grid of short blocks, a row per warp:
-# a capped grid runs more blocks than fit at once, and its last wave runs part-empty
-# (H200, softmax fp32 262144 x 768: forward 0.407 ms capped at 2112 blocks, 0.387
-# uncapped, the copy's speed; bf16 uncapped lost: forward+backward 0.541 -> 0.633 ms).
-# Kernels with weight gradients stay capped: the grid sizes their workspace.
-WARP_PREFETCH_DTYPES = ("bf16",)
+# A warp-per-row kernel that prefetches needs several rows per warp, so it loops over a
+# capped grid. The others (one row at a time) take an uncapped grid of short blocks, a row
+# per warp: a capped grid runs more blocks than fit at once, and its last wave runs
+# part-empty (H200, softmax fp32 262144 x 768: forward 0.407 ms capped at 2112 blocks,
+# 0.387 uncapped, the copy's speed; bf16 uncapped lost: forward+backward 0.541 -> 0.633
+# ms). Kernels with weight gradients stay capped: the grid sizes their workspace.
 BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
 BLOCK_THREADS_MAX = 1024
 # A block per row with weight gradients holds their partials in registers as well: 512
@@ -118,29 +128,42 @@ BLOCK_REREAD_GROUPS = {"f32": 10}
 
 
 @dataclass(frozen=True)
-class BlockShape:
-    """A block-per-row kernel's block: the most threads it takes, its __launch_bounds__
-    minimum of blocks an SM (0: none), and the 16-byte groups of each cached row operand a
-    thread keeps in registers."""
+class RowShape:
+    """A row kernel's block: its threads (warp_per_row: 32 a row; block_per_row: the most it
+    takes), its __launch_bounds__ minimum of blocks an SM (0: none), the 16-byte groups of
+    each cached row operand a lane keeps in registers, and whether it prefetches the next
+    row's (PREFETCH_DTYPES)."""
     threads: int
     min_blocks: int
     slots: int
+    prefetch: bool
+
+
+def warp_shape(plan: KernelPlan, dtype: str, *, stage: str, wgrad: bool) -> RowShape:
+    """The block of a warp-per-row kernel of `stage`."""
+    rows = WARP_ROWS_PER_BLOCK_WGRAD if wgrad else WARP_ROWS_PER_BLOCK
+    return RowShape(32 * rows, WARP_MIN_BLOCKS.get((dtype, stage), 0),
+                    dict(plan.warp_slots)[dtype], dtype in PREFETCH_DTYPES)
 
 
 def block_shape(dtype: str, *, sweeps: int, cached: int, weights: bool, wgrad: bool,
-                forward: bool) -> BlockShape:
+                forward: bool) -> RowShape:
     """The block of a block-per-row kernel that sweeps its row `sweeps` times, holding
     `cached` row operands in registers."""
+    prefetch = dtype in PREFETCH_DTYPES
     if wgrad:
-        return BlockShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_SLOTS[dtype])
+        return RowShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_SLOTS[dtype], prefetch)
     if not weights:
         if sweeps == 1:
-            return BlockShape(BLOCK_THREADS_ONE_SWEEP, BLOCK_MIN_BLOCKS_ONE_SWEEP, BLOCK_SLOTS[dtype])
+            return RowShape(BLOCK_THREADS_ONE_SWEEP, BLOCK_MIN_BLOCKS_ONE_SWEEP,
+                            BLOCK_SLOTS[dtype], prefetch)
         if dtype in BLOCK_REREAD_GROUPS:
-            return BlockShape(BLOCK_THREADS_MAX, 1, BLOCK_REREAD_GROUPS[dtype] // max(cached, 1))
+            return RowShape(BLOCK_THREADS_MAX, 1, BLOCK_REREAD_GROUPS[dtype] // max(cached, 1),
+                            False)
         if forward:
-            return BlockShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD, BLOCK_SLOTS[dtype])
-    return BlockShape(BLOCK_THREADS_MAX, 0, BLOCK_SLOTS[dtype])
+            return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD, BLOCK_SLOTS[dtype],
+                            prefetch)
+    return RowShape(BLOCK_THREADS_MAX, 0, BLOCK_SLOTS[dtype], prefetch)
 
 
 @dataclass(frozen=True)
@@ -229,7 +252,7 @@ def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,
             ("grid_max", None), ("in_place_ok", True))
 
 
-def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, block: BlockShape,
+def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape: RowShape,
                fwdbwd: bool = False) -> tuple[tuple[str, object], ...]:
     v = plan.vec_of(dtype)
     grid_max = _GRID_MAX if not wgrad else (
@@ -239,15 +262,14 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, block:
     def partials(rule: str) -> tuple[tuple[str, object], ...]:
         return (("wgrad_partials", rule),) if wgrad else ()
     if layout == "warp_per_row":
-        cached = 32 * v * dict(plan.warp_slots)[dtype]
-        rpb = WARP_ROWS_PER_BLOCK_WGRAD if wgrad else WARP_ROWS_PER_BLOCK
-        if not wgrad and dtype not in WARP_PREFETCH_DTYPES:
+        rpb = shape.threads // 32
+        if not wgrad and not shape.prefetch:
             grid_max = None
-        return (("layout", layout), ("threads", 32 * rpb),
+        return (("layout", layout), ("threads", shape.threads),
                 ("rows_per_block", rpb), ("grid_max", grid_max),
-                ("max_cols", cached)) + partials("grid*rows_per_block") + extra
-    per_thread = v * block.slots
-    return (("layout", layout), ("threads", block.threads),
+                ("max_cols", 32 * v * shape.slots)) + partials("grid*rows_per_block") + extra
+    per_thread = v * shape.slots
+    return (("layout", layout), ("threads", shape.threads),
             ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
             ("rows_per_block", 1), ("grid_max", grid_max),
             ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1)) + partials("grid") + extra

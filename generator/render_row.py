@@ -3,8 +3,9 @@ columns, per-row and per-element code), their pointers and kernel signatures.
 
 Each stage forms the reductions its later steps read: one sweep per level, a sum that
 rescales with a stabilizer max in the max's sweep (ir.Online; block-per-row kernels only,
-warp-per-row ones keep the two-pass form), a sum that is one column's value read at that
-column (ir.Pick).
+warp-per-row ones keep the two-pass form, so a stage where one joins has a second device
+impl, `<op>_<stage>_online`), a sum that is one column's value read at that column
+(ir.Pick). Each kernel's block, register slots and prefetch are the plan's (plan.RowShape).
 """
 from __future__ import annotations
 
@@ -149,19 +150,23 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             stages.append(("fwdbwd", fused,
                            rows_in + weights + index + d_row_out, row_out + d_rows, d_weights))
 
-    layouts = [
-        {"suffix": "", "warp": "true", "slots": dict(p.warp_slots), "layout": "warp_per_row"},
-        {"suffix": "_block", "warp": "false", "layout": "block_per_row"},
-    ]
-    # (impl suffix, online sums joined, the layouts it serves): one impl unless online sums
-    # exist, then the two-pass one for warp rows and the online one for block rows.
-    variants = ([("", False, layouts[:1]), ("_online", True, layouts[1:])] if body.online
-                else [("", False, layouts)])
+    layouts = [{"suffix": "", "warp": "true", "layout": "warp_per_row"},
+               {"suffix": "_block", "warp": "false", "layout": "block_per_row"}]
+
+    def variants(later: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
+        """(impl suffix, steps, the layouts it serves): the two-pass impl for both layouts,
+        unless an online sum joins one of the stage's sweeps; then the block layout has its
+        own `_online` impl."""
+        two_pass = reductions(later, False) + later
+        online = reductions(later, True) + later
+        if any(s.get("online") for s in online):
+            return [("", two_pass, layouts[:1]), ("_online", online, layouts[1:])]
+        return [("", two_pass, layouts)]
+
     kernels = []
     chunked = set(rows_in + d_elem_out + elem_out + d_rows)
-    for (stage, later, reads, writes, wgrads), (suffix, online, lays) in (
-            (st, v) for st in stages for v in variants):
-        steps = reductions(later, online) + later
+    for (stage, later, reads, writes, wgrads), (suffix, steps, lays) in (
+            (st, v) for st in stages for v in variants(st[1])):
         uses = frozenset().union(*(s["uses"] for s in steps))
         ptrs = []
         for name in reads:
@@ -205,14 +210,13 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "split_ptr": next(a.name for a in ptrs if a.role == "row"),
             "cached": cached,
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
-            "warp_threads": 32 * (planner.WARP_ROWS_PER_BLOCK_WGRAD if wgrads
-                                  else planner.WARP_ROWS_PER_BLOCK),
-            "block": {dt: planner.block_shape(
-                dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
-                cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
-                forward=stage == "forward") for dt in planner.DTYPES},
-            "warp_min_blocks": {dt: planner.WARP_MIN_BLOCKS[(dt, stage)]
-                                for dt in planner.DTYPES if (dt, stage) in planner.WARP_MIN_BLOCKS},
+            "shapes": {
+                "warp_per_row": {dt: planner.warp_shape(p, dt, stage=stage, wgrad=bool(wgrads))
+                                 for dt in planner.DTYPES},
+                "block_per_row": {dt: planner.block_shape(
+                    dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
+                    cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
+                    forward=stage == "forward") for dt in planner.DTYPES}},
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
                                    if s["kind"] == "pass"), default=0),
         })
@@ -230,7 +234,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
                                                                     ("cols", "int"))
                 launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
-                                            block=k["block"][dt], fwdbwd=k["stage"] == "fwdbwd")
+                                            shape=k["shapes"][lay["layout"]][dt],
+                                            fwdbwd=k["stage"] == "fwdbwd")
                 sigs.append(ir.KernelSig(f"{k['kernel']}{lay['suffix']}_{dt}", args, dt,
                                          k["stage"], launch))
     if wgrad:

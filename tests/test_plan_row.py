@@ -13,7 +13,7 @@ ROW_PLAN = planner.KernelPlan("row.cu.j2", planner.DTYPES, threads=256,
 
 
 def shape(dtype: str, *, sweeps: int = 2, cached: int = 1, weights: bool = False,
-          wgrad: bool = False, forward: bool = True) -> planner.BlockShape:
+          wgrad: bool = False, forward: bool = True) -> planner.RowShape:
     return planner.block_shape(dtype, sweeps=sweeps, cached=cached, weights=weights,
                                wgrad=wgrad, forward=forward)
 
@@ -23,7 +23,8 @@ def shape(dtype: str, *, sweeps: int = 2, cached: int = 1, weights: bool = False
 def test_weight_gradient_kernels_take_512_threads_unbounded_with_the_dtype_slots(dtype, sweeps):
     """Their partials live in registers too: 1024 threads (64 registers) would spill."""
     got = shape(dtype, sweeps=sweeps, weights=True, wgrad=True, forward=False)
-    assert got == planner.BlockShape(planner.BLOCK_THREADS_MAX_WGRAD, 0, planner.BLOCK_SLOTS[dtype])
+    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX_WGRAD, 0, planner.BLOCK_SLOTS[dtype],
+                                   dtype in planner.PREFETCH_DTYPES)
     assert got.threads == 512
 
 
@@ -32,8 +33,9 @@ def test_weight_gradient_kernels_take_512_threads_unbounded_with_the_dtype_slots
 def test_a_one_sweep_kernel_without_weights_takes_short_blocks_many_an_sm(dtype, forward):
     """cross_entropy's forward: max, online sum and the picked logit in one read of the row."""
     got = shape(dtype, sweeps=1, cached=1, forward=forward)
-    assert got == planner.BlockShape(planner.BLOCK_THREADS_ONE_SWEEP,
-                                     planner.BLOCK_MIN_BLOCKS_ONE_SWEEP, planner.BLOCK_SLOTS[dtype])
+    assert got == planner.RowShape(planner.BLOCK_THREADS_ONE_SWEEP,
+                                   planner.BLOCK_MIN_BLOCKS_ONE_SWEEP, planner.BLOCK_SLOTS[dtype],
+                                   dtype in planner.PREFETCH_DTYPES)
     assert (got.threads, got.min_blocks) == (256, 8)
 
 
@@ -42,15 +44,17 @@ def test_a_one_sweep_kernel_without_weights_takes_short_blocks_many_an_sm(dtype,
 def test_fp32_re_read_kernels_without_weights_split_ten_groups_among_the_cached_operands(
         forward, cached, slots):
     """One 1024-thread block an SM, so that 40 registers a thread can hold the row (cached 0:
-    nothing to split, all ten groups' worth of the bound stays)."""
+    nothing to split, all ten groups' worth of the bound stays). They do not prefetch the next
+    row: its groups would not fit beside these."""
     got = shape("f32", sweeps=2, cached=cached, forward=forward)
-    assert got == planner.BlockShape(planner.BLOCK_THREADS_MAX, 1, slots)
+    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False)
     assert planner.BLOCK_REREAD_GROUPS["f32"] == 10
 
 
 def test_bf16_forward_without_weights_keeps_one_group_and_two_blocks_an_sm():
     got = shape("bf16", sweeps=2, cached=1, forward=True)
-    assert got == planner.BlockShape(1024, planner.BLOCK_MIN_BLOCKS_FORWARD, planner.BLOCK_SLOTS["bf16"])
+    assert got == planner.RowShape(1024, planner.BLOCK_MIN_BLOCKS_FORWARD, planner.BLOCK_SLOTS["bf16"],
+                                   True)
     assert (got.min_blocks, got.slots) == (2, 1)
 
 
@@ -62,18 +66,21 @@ def test_bf16_forward_without_weights_keeps_one_group_and_two_blocks_an_sm():
     ("f32", dict(sweeps=3, cached=2, weights=True, forward=False)),  # backward, no weight grads
 ])
 def test_the_rest_take_1024_threads_unbounded_with_the_dtype_slots(dtype, kw):
-    assert shape(dtype, **kw) == planner.BlockShape(planner.BLOCK_THREADS_MAX, 0,
-                                                    planner.BLOCK_SLOTS[dtype])
+    assert shape(dtype, **kw) == planner.RowShape(planner.BLOCK_THREADS_MAX, 0,
+                                                  planner.BLOCK_SLOTS[dtype],
+                                                  dtype in planner.PREFETCH_DTYPES)
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
-@pytest.mark.parametrize("block", [planner.BlockShape(256, 8, 1), planner.BlockShape(1024, 1, 10),
-                                   planner.BlockShape(1024, 1, 5), planner.BlockShape(512, 0, 2)])
+@pytest.mark.parametrize("block", [planner.RowShape(256, 8, 1, True),
+                                   planner.RowShape(1024, 1, 10, False),
+                                   planner.RowShape(1024, 1, 5, False),
+                                   planner.RowShape(512, 0, 2, False)])
 @pytest.mark.parametrize("wgrad", [False, True])
 def test_row_launch_writes_the_block_it_is_given(dtype, block, wgrad):
-    """threads and cols_per_thread (registers a thread: vec · slots) follow the BlockShape;
+    """threads and cols_per_thread (registers a thread: vec · slots) follow the RowShape;
     the rest is the layout's."""
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=wgrad, block=block))
+    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=wgrad, shape=block))
     assert plan["layout"] == "block_per_row"
     assert plan["threads"] == block.threads
     assert plan["cols_per_thread"] == planner.VEC[dtype] * block.slots
@@ -85,7 +92,15 @@ def test_row_launch_writes_the_block_it_is_given(dtype, block, wgrad):
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
-def test_row_launch_of_warp_rows_ignores_the_block_shape(dtype):
-    plans = {dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=False, block=b))["threads"]
-             for b in (planner.BlockShape(256, 8, 1), planner.BlockShape(1024, 1, 10))}
-    assert plans == {32 * planner.WARP_ROWS_PER_BLOCK}
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_row_launch_caps_the_warp_grid_exactly_where_the_kernel_prefetches(dtype, prefetch):
+    """A prefetching warp takes several rows, so its grid is capped; a warp that holds one row
+    at a time takes an uncapped grid, a row a warp (weight gradients stay capped: the grid
+    sizes their workspace)."""
+    shape = planner.RowShape(32 * planner.WARP_ROWS_PER_BLOCK, 0, planner.WARP_SLOTS[dtype], prefetch)
+    plan = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=False, shape=shape))
+    assert plan["threads"] == shape.threads and plan["rows_per_block"] == planner.WARP_ROWS_PER_BLOCK
+    assert (plan["grid_max"] is not None) is prefetch
+    assert plan["max_cols"] == 32 * planner.VEC[dtype] * shape.slots
+    wgrad = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=True, shape=shape))
+    assert wgrad["grid_max"] is not None

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import re
+import textwrap
 from dataclasses import dataclass
 
 import pytest
 
 from eulergen import GENERATED_DIR
+from eulergen.generator import plan as planner
 from eulergen.generator.derive import derive
 from eulergen.generator.render import render_op
 from eulergen.generator.spec import load_spec
@@ -26,33 +28,42 @@ ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
 VEC_OF_CTYPE = {"float": 4, "__nv_bfloat16": 8}
 
 # extern "C" __global__ void __launch_bounds__(T[, M]) NAME(ARGS) {
-#   IMPL<CTYPE, WARP, SLOTS, RPB>(...);
+#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH>(...);
 _WRAPPER = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, (\d+))?\) '
-                      r'(\w+)\(([^)]*)\) \{\n  \w+<([\w ]+), (true|false), (\d+), (\d+)>\(')
+                      r'(\w+)\(([^)]*)\) \{\n  (\w+)<([\w ]+), (true|false), (\d+), (\d+), '
+                      r'(true|false)>\(')
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """A row kernel's wrapper as the .cu states it: launch bounds and template arguments."""
+    """A row kernel's wrapper as the .cu states it: launch bounds, the device impl it
+    instantiates and the template arguments."""
     threads: int
     min_blocks: int                  # 0: no minimum in __launch_bounds__
     args: tuple[tuple[str, str], ...]
+    impl: str
     ctype: str
     warp: bool
     slots: int
     rows_per_block: int
+    prefetch: bool
+
+
+def parse_wrappers(source: str) -> dict[str, Compiled]:
+    """Every row kernel wrapper in a rendered row .cu, by name."""
+    out = {}
+    for m in _WRAPPER.finditer(source):
+        threads, min_blocks, name, params, impl, ctype, warp, slots, rpb, prefetch = m.groups()
+        args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
+        out[name] = Compiled(int(threads), int(min_blocks or 0), args, impl, ctype,
+                             warp == "true", int(slots), int(rpb), prefetch == "true")
+    return out
 
 
 @functools.lru_cache(maxsize=None)
 def wrappers(op: str) -> dict[str, Compiled]:
     """Every row kernel wrapper in the op's generated .cu, by name."""
-    out = {}
-    for m in _WRAPPER.finditer(OPS[op].cuda.read_text()):
-        threads, min_blocks, name, params, ctype, warp, slots, rpb = m.groups()
-        args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
-        out[name] = Compiled(int(threads), int(min_blocks or 0), args, ctype, warp == "true",
-                             int(slots), int(rpb))
-    return out
+    return parse_wrappers(OPS[op].cuda.read_text())
 
 
 @pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
@@ -72,6 +83,8 @@ def test_manifest_launch_facts_match_the_kernel_as_compiled(op, kernel):
     else:
         assert c.warp and k.plan["rows_per_block"] * 32 == c.threads == c.rows_per_block * 32
         assert k.plan["max_cols"] == 32 * vec * c.slots
+        # a prefetching warp takes several rows: its grid is capped (weight grads always are)
+        assert (k.plan["grid_max"] is not None) == (c.prefetch or "wgrad_partials" in k.plan)
 
 
 @pytest.mark.parametrize("kernel,threads,min_blocks,slots", [
@@ -164,3 +177,47 @@ def test_reduction_sweeps_and_weights_load_for_keeps(center_sweeps):
             assert not any("!WARP" in s for s in loads), loads
         weight_loads += [s for s in loads if s.startswith("eg_load_group(w_ptr,")]
     assert weight_loads and not any("!WARP" in s for s in weight_loads), weight_loads
+
+
+# -- which impl each kernel instantiates, and its prefetch -------------------------------------
+
+@pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
+def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
+    """bf16 prefetches the next row's cached groups, fp32 does not, in both layouts; except
+    the fp32-style re-read shapes (generator/plan.block_shape), whose groups leave no room."""
+    k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
+    reread = not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
+    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not reread), kernel
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])
+def test_block_kernels_of_ops_with_online_sums_use_the_online_impl(op):
+    for kernel, c in wrappers(op).items():
+        assert c.impl.endswith("_online") == (not c.warp), (kernel, c.impl)
+
+
+def test_a_stage_that_reads_no_online_sum_has_one_impl_for_both_layouts(tmp_path):
+    # s = sum(exp(x)): the forward reads z (online in the block kernels); the backward,
+    # ds·exp(x - m)·exp(m), reads only m, so its two-pass impl serves both layouts
+    (tmp_path / "sumexp.yaml").write_text(textwrap.dedent("""\
+        name: sumexp
+        kind: row
+        inputs: {x: row}
+        reduce:
+          m: max(x)
+          z: sum(exp(x - m))
+        stabilizers: [m]
+        outputs:
+          s: z * exp(m)
+        domain: {x: [-10, 10]}
+        """))
+    rendered = render_op(derive(load_spec(tmp_path / "sumexp.yaml")), "header")
+    impls = re.findall(r"__device__ __forceinline__ void (\w+)\(", rendered.source)
+    assert impls == ["sumexp_forward", "sumexp_forward_online", "sumexp_backward",
+                     "sumexp_fwdbwd", "sumexp_fwdbwd_online"], impls
+    made = parse_wrappers(rendered.source)
+    assert sorted(made) == sorted(k.name for k in rendered.kernels if k.stage != "wgrad_reduce")
+    for dt in planner.DTYPES:
+        assert made[f"sumexp_backward_{dt}"].impl == "sumexp_backward"
+        assert made[f"sumexp_backward_block_{dt}"].impl == "sumexp_backward"
+        assert made[f"sumexp_forward_block_{dt}"].impl == "sumexp_forward_online"

@@ -2,9 +2,13 @@
 //
 // Row kernels of `cross_entropy` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which;
-// a stage with online sums has two templates: two-pass for warp rows, online for block rows):
+// a stage where an online sum joins a sweep has two: two-pass for warp rows, `_online` for
+// block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
+// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) are the plan's, per dtype and layout
+// (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -15,9 +19,7 @@
 // the warp's max, a warp's to the row's, before they are added),
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
 // only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
-// so results are deterministic. Weight gradients are summed per row worker into a float32
-// workspace row and reduced across workers by `cross_entropy_wgrad_reduce_<dt>`, in a fixed
-// order (no atomics).
+// so results are deterministic.
 // A block per row stores its element outputs evict-first, and its element sweep (a row's
 // last) re-reads evict-first too: its rows are long, and what it is done with would
 // otherwise push out of L2 the rows in flight that are still to be re-read (H200,
@@ -26,7 +28,7 @@
 #include "eulergen_common.cuh"
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -38,13 +40,10 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = true;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -57,7 +56,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
     const float target = (float)target_ptr[row_];
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -207,14 +206,14 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<float, true, 6, 8>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, true, 6, 8, false>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_forward_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<__nv_bfloat16, true, 3, 8>(x, target, loss, rows, cols);
+  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true>(x, target, loss, rows, cols);
 }
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -226,13 +225,10 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = true;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -245,7 +241,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
     const float target = (float)target_ptr[row_];
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -392,14 +388,14 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
   }
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward_online<float, false, 2, 1>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<float, false, 2, 1, false>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true>(x, target, loss, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -411,13 +407,10 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -432,7 +425,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
     const float dloss = eg_load(dloss_ptr, row_);
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -625,14 +618,14 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward<float, true, 6, 8>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<float, true, 6, 8, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward<__nv_bfloat16, true, 3, 8>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true>(x, target, dloss, dx, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -644,13 +637,10 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -665,7 +655,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
     const float dloss = eg_load(dloss_ptr, row_);
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -855,14 +845,14 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_block_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward_online<float, false, 10, 1>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<float, false, 10, 1, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true>(x, target, dloss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -874,13 +864,10 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -895,7 +882,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
     const float dloss = eg_load(dloss_ptr, row_);
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -1101,14 +1088,14 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<float, true, 6, 8>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<float, true, 6, 8, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true>(x, target, dloss, loss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1120,13 +1107,10 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -1141,7 +1125,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
     const float dloss = eg_load(dloss_ptr, row_);
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -1344,8 +1328,8 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fwdbwd_block_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd_online<float, false, 10, 1>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<float, false, 10, 1, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true>(x, target, dloss, loss, dx, rows, cols);
 }

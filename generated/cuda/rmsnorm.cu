@@ -2,9 +2,13 @@
 //
 // Row kernels of `rmsnorm` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which;
-// a stage with online sums has two templates: two-pass for warp rows, online for block rows):
+// a stage where an online sum joins a sweep has two: two-pass for warp rows, `_online` for
+// block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
+// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) are the plan's, per dtype and layout
+// (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -26,7 +30,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x, w
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const scalar_t* w_ptr, scalar_t* y_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -38,13 +42,10 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -58,7 +59,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0;
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -187,20 +188,20 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   }
 }
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, true, 6, 8>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<float, true, 6, 8, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, false, 2, 1>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<float, false, 2, 1, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<__nv_bfloat16, true, 3, 8>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<__nv_bfloat16, true, 3, 8, true>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<__nv_bfloat16, false, 1, 1>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<__nv_bfloat16, false, 1, 1, true>(x, w, y, eps, rows, cols);
 }
 
 // backward: dx, dw from x, w, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -233,14 +234,11 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     if (eg_in_body<VEC>(whole_, g0_, lane_))
       for (int e_ = 0; e_ < VEC; ++e_) dw_part_[eg_col<VEC>(whole_, g0_, lane_, e_)] = 0.0f;
   if (lane_ < eg_edge_count(whole_, cols_)) dw_part_[eg_edge_col(whole_, lane_)] = 0.0f;
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -259,7 +257,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0;
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -498,16 +496,16 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<float, true, 6, 4>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<float, true, 6, 4, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<float, false, 2, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<float, false, 2, 1, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, true, 3, 4>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<__nv_bfloat16, true, 3, 4, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, false, 1, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<__nv_bfloat16, false, 1, 1, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX

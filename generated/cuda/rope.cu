@@ -31,21 +31,27 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
     for (int k0_ = 0; k0_ < half_; k0_ += KT) {
       const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
       const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
-      // The chunk's first pair of head 0, for the vector path. Offsets counted in whole
-      // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
-      // keeps each store one 128-bit access (it splits it otherwise).
-      const scalar_t* x_c_ = x_ptr + (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + k0_ / V) * V;
-      scalar_t* y_c_ = y_ptr + (b_ * (y_sb_ / V) + t_ * (y_st_ / V) + k0_ / V) * V;
       // Vector path: a thread takes vector qv_ of head h_, then the one blockDim.x vectors
       // further (head-major). Its first vector is loaded before the table is built, each next
       // one before the current one is computed, so that memory latency overlaps arithmetic
-      // (only the thread that loads a vector stores it: in place stays correct).
-      int h_ = vec_ ? (int)threadIdx.x / nv_ : H_;
-      int qv_ = vec_ ? (int)threadIdx.x - h_ * nv_ : 0;
+      // (only the thread that loads a vector stores it: in place stays correct). The scalar
+      // path has no vector of its own (h_ = H_).
+      int h_ = H_, qv_ = 0;
+      // The chunk's first pair of head 0 (vector path only). Offsets counted in whole
+      // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
+      // keeps each store one 128-bit access (it splits it otherwise).
+      const scalar_t* x_c_;
+      scalar_t* y_c_;
       uint4 x0_r, x1_r;
-      if (h_ < H_) {
-        x0_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_) * V);
-        x1_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_ + half_ / V) * V);
+      if (vec_) {
+        x_c_ = x_ptr + (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + k0_ / V) * V;
+        y_c_ = y_ptr + (b_ * (y_sb_ / V) + t_ * (y_st_ / V) + k0_ / V) * V;
+        h_ = (int)threadIdx.x / nv_;
+        qv_ = (int)threadIdx.x - h_ * nv_;
+        if (h_ < H_) {
+          x0_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_) * V);
+          x1_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_ + half_ / V) * V);
+        }
       }
       __syncthreads();                        // the previous sweep is done with tab_
       for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {
@@ -138,21 +144,27 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
     for (int k0_ = 0; k0_ < half_; k0_ += KT) {
       const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
       const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
-      // The chunk's first pair of head 0, for the vector path. Offsets counted in whole
-      // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
-      // keeps each store one 128-bit access (it splits it otherwise).
-      const scalar_t* dy_c_ = dy_ptr + (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + k0_ / V) * V;
-      scalar_t* dx_c_ = dx_ptr + (b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + k0_ / V) * V;
       // Vector path: a thread takes vector qv_ of head h_, then the one blockDim.x vectors
       // further (head-major). Its first vector is loaded before the table is built, each next
       // one before the current one is computed, so that memory latency overlaps arithmetic
-      // (only the thread that loads a vector stores it: in place stays correct).
-      int h_ = vec_ ? (int)threadIdx.x / nv_ : H_;
-      int qv_ = vec_ ? (int)threadIdx.x - h_ * nv_ : 0;
+      // (only the thread that loads a vector stores it: in place stays correct). The scalar
+      // path has no vector of its own (h_ = H_).
+      int h_ = H_, qv_ = 0;
+      // The chunk's first pair of head 0 (vector path only). Offsets counted in whole
+      // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
+      // keeps each store one 128-bit access (it splits it otherwise).
+      const scalar_t* dy_c_;
+      scalar_t* dx_c_;
       uint4 dy0_r, dy1_r;
-      if (h_ < H_) {
-        dy0_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_) * V);
-        dy1_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_ + half_ / V) * V);
+      if (vec_) {
+        dy_c_ = dy_ptr + (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + k0_ / V) * V;
+        dx_c_ = dx_ptr + (b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + k0_ / V) * V;
+        h_ = (int)threadIdx.x / nv_;
+        qv_ = (int)threadIdx.x - h_ * nv_;
+        if (h_ < H_) {
+          dy0_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_) * V);
+          dy1_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_ + half_ / V) * V);
+        }
       }
       __syncthreads();                        // the previous sweep is done with tab_
       for (int kk_ = threadIdx.x; kk_ < kn_; kk_ += blockDim.x) {

@@ -2,9 +2,13 @@
 //
 // Row kernels of `softmax` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which;
-// a stage with online sums has two templates: two-pass for warp rows, online for block rows):
+// a stage where an online sum joins a sweep has two: two-pass for warp rows, `_online` for
+// block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
+// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) are the plan's, per dtype and layout
+// (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -15,9 +19,7 @@
 // the warp's max, a warp's to the row's, before they are added),
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
 // only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
-// so results are deterministic. Weight gradients are summed per row worker into a float32
-// workspace row and reduced across workers by `softmax_wgrad_reduce_<dt>`, in a fixed
-// order (no atomics).
+// so results are deterministic.
 // A block per row stores its element outputs evict-first, and its element sweep (a row's
 // last) re-reads evict-first too: its rows are long, and what it is done with would
 // otherwise push out of L2 the rows in flight that are still to be re-read (H200,
@@ -26,7 +28,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -38,13 +40,10 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -57,7 +56,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -238,14 +237,14 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward<float, true, 6, 8>(x, y, rows, cols);
+  softmax_forward<float, true, 6, 8, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward<__nv_bfloat16, true, 3, 8>(x, y, rows, cols);
+  softmax_forward<__nv_bfloat16, true, 3, 8, true>(x, y, rows, cols);
 }
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -257,13 +256,10 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -276,7 +272,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -454,14 +450,14 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward_online<float, false, 10, 1>(x, y, rows, cols);
+  softmax_forward_online<float, false, 10, 1, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward_online<__nv_bfloat16, false, 1, 1>(x, y, rows, cols);
+  softmax_forward_online<__nv_bfloat16, false, 1, 1, true>(x, y, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -474,14 +470,11 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -498,7 +491,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -767,14 +760,14 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward<float, true, 6, 8>(x, dy, dx, rows, cols);
+  softmax_backward<float, true, 6, 8, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward<__nv_bfloat16, true, 3, 8>(x, dy, dx, rows, cols);
+  softmax_backward<__nv_bfloat16, true, 3, 8, true>(x, dy, dx, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
 __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -787,14 +780,11 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
-  // bf16: a row's cached groups are half the bytes of fp32's, too few in flight to hide
-  // the latency of one row at a time; so the next row's groups are loaded (raw, 4
-  // registers a group) before the current row is computed. fp32 keeps one row at a time:
-  // its registers already hold twice the bytes, and prefetching would halve occupancy.
-  constexpr bool PREFETCH_ = sizeof(scalar_t) == 2;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  if (PREFETCH_ && worker_ < rows_) {
+  if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -811,7 +801,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    if (PREFETCH_) {
+    if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
 #pragma unroll
@@ -1077,8 +1067,8 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward_online<float, false, 5, 1>(x, dy, dx, rows, cols);
+  softmax_backward_online<float, false, 5, 1, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward_online<__nv_bfloat16, false, 1, 1>(x, dy, dx, rows, cols);
+  softmax_backward_online<__nv_bfloat16, false, 1, 1, true>(x, dy, dx, rows, cols);
 }
