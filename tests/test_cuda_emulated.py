@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
-from eulergen.runtime.kernels import pair_threads
+from eulergen.runtime.kernels import pair_threads, row_geometry
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
@@ -203,13 +203,13 @@ def test_pointwise_forward_and_backward_match_numpy(name, dtype):
 # ---- row --------------------------------------------------------------------------------
 
 def _row_geometry(plan: dict, rows: int, cols: int) -> tuple[int, int, int]:
-    """(grid, threads, partials), kept small so that workers loop over rows."""
+    """(grid, threads, partials): the runtime's threads (kernels.row_geometry), the grid
+    kept small so that workers loop over rows."""
+    threads = row_geometry(plan, rows, cols).threads
     if plan["layout"] == "block_per_row":
-        threads = min(max(cdiv(cdiv(cols, plan["cols_per_thread"]), 32) * 32,
-                          plan["threads_min"]), plan["threads"])
         grid = min(rows, 2)
         return grid, threads, grid
-    return 1, plan["threads"], plan["rows_per_block"]
+    return 1, threads, plan["rows_per_block"]
 
 
 # 1250 and 8800 columns launch every block kernel with a warp count that is no power of two
@@ -225,7 +225,7 @@ def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:
     out = {}
     for k, v in OPS[op]["kernels"].items():
         if v["plan"].get("layout") == "block_per_row":
-            warps = [_row_geometry(v["plan"], 1, cols)[1] // 32 for cols in cols_list]
+            warps = [row_geometry(v["plan"], 1, cols).threads // 32 for cols in cols_list]
             if all(w & (w - 1) == 0 for w in warps):
                 out[k] = warps
     return out
