@@ -24,8 +24,8 @@ MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
 ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
                for k in sorted(OPS[op].kernels) if "layout" in OPS[op].kernels[k].plan]
-# elements in one 16-byte access (EgVec<T>::N in templates/common.cuh.j2)
-VEC_OF_CTYPE = {"float": 4, "__nv_bfloat16": 8}
+# elements in one 16-byte access (EgVec<T>::N in templates/common.cuh.j2), by storage ctype
+VEC_OF_CTYPE = {planner.CTYPE[dt]: planner.VEC[dt] for dt in planner.DTYPES}
 
 # extern "C" __global__ void __launch_bounds__(T[, M]) NAME(ARGS) {
 #   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH>(...);
