@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from eulergen.generator import plan as planner
+from eulergen.generator.derive import derive
+from eulergen.generator.spec import find_ops, load_spec
 
-ROW_PLAN = planner.KernelPlan("row.cu.j2", planner.DTYPES, threads=256,
-                              vec=tuple(planner.VEC.items()),
-                              warp_slots=tuple(planner.WARP_SLOTS.items()))
+ROW_PLAN = planner.plan_op(derive(load_spec(find_ops()["softmax"])))   # a row op's plan
 
 
 def shape(dtype: str, *, sweeps: int = 2, cached: int = 1, weights: bool = False,
