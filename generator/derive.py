@@ -217,23 +217,28 @@ def _row(spec: OpSpec, temps: _Temps):
     live = [r for r in spec.reductions if r.name not in stab]
     sums: list[tuple[str, sp.Expr]] = []
     adjoint: dict[str, sp.Expr] = {}
+    # A sum's row-constant factor is taken out of it: Σ c·f = c·Σ f, one multiply a row, and
+    # a sum of f alone may read no reduction (log-softmax's Σ dy), so that render_row can
+    # form it in the row's first sweep.
+    varying = [symbol(n) for n in elem_names] + [_d(o.name) for o in elem_out]
+
+    def row_sum(name: str, term: sp.Expr) -> sp.Expr:
+        factor, per_elem = term.as_independent(*varying, as_Add=False)
+        sums.append((name, per_elem))
+        return factor * symbol(name)
     for j, rj in reversed(list(enumerate(live))):
         wrt = symbol(rj.name)
         total = sp.Add(*(_d(o.name) * _diff(o.expr, wrt, spec, o.where) for o in row_out))
         per_elem = _jvp(spec, elem_out, wrt)
         if per_elem != 0:
-            name = f"sum_d{rj.name}"
-            sums.append((name, per_elem))
-            total += symbol(name)
+            total += row_sum(f"sum_d{rj.name}", per_elem)
         for rk in live[j + 1:]:
             term = _diff(rk.expr, wrt, spec, rk.where)
             closed = _closed_sum(term, spec, elem_names, n_sym)
             if closed is not None:
                 total += adjoint[rk.name] * scale[rk.name] * closed
             elif term != 0:
-                name = f"sum_{rk.name}_d{rj.name}"
-                sums.append((name, term))
-                total += adjoint[rk.name] * scale[rk.name] * symbol(name)
+                total += adjoint[rk.name] * scale[rk.name] * row_sum(f"sum_{rk.name}_d{rj.name}", term)
         adjoint[rj.name] = total  # later adjoints inlined: each result stands alone
     _refuse_clashes(spec, [n for n, _ in sums])
     adjoint_pass = None

@@ -107,9 +107,12 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     # costs no traffic and the two-pass form ran faster (H200, softmax bf16 262144 x 768:
     # forward 0.235 ms two-pass, 0.254 online).
     def reductions(later: list[dict], online: bool) -> list[dict]:
+        """The sweeps (and picks) that form what `later` reads; `early` (below), when read,
+        joins the first of them."""
         moved = {pk.name for pk in body.picks} | ({o.name for o in body.online} if online else set())
         need = set().union(*(s["uses"] for s in later))
-        sweeps = []
+        sweeps: list[dict] = []
+        first: tuple[ir.Pass, tuple[ir.Online, ...]] = (ir.Pass((), ir.Code((), ())), ())
         for ps in reversed(body.passes):
             own = {n for n, _ in ps.ops}
             joined = tuple(o for o in body.online
@@ -117,9 +120,14 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             need |= {o.max for o in joined}
             plain = tuple(o for o in ps.ops if o[0] in need and o[0] not in moved)
             if plain:
-                sweeps.insert(0, pass_step(ir.Pass(plain, ps.body.only({n for n, _ in plain})),
-                                           joined))
+                first = (ir.Pass(plain, ps.body.only({n for n, _ in plain})), joined)
+                sweeps.insert(0, pass_step(*first))
                 need |= sweeps[0]["uses"]
+        if early is not None and {n for n, _ in early.ops} & need:
+            ps, joined = first
+            merged = ir.Pass(ps.ops + early.ops, ir.Code(ps.body.temps + early.body.temps,
+                                                         ps.body.results + early.body.results))
+            sweeps[:1] = [pass_step(merged, joined)]
         return [pick_step(pk) for pk in body.picks if pk.name in need] + sweeps
 
     def row_step(b: Block, stores: list[str]) -> dict:
@@ -131,7 +139,14 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
 
     grads = body.elem_grads
     adjoints = block(body.adjoints, declare=False)
-    adjoint_pass = [pass_step(body.adjoint_pass)] if body.adjoint_pass else []
+    # The backward's adjoint sums get a sweep of their own, unless they read no forward
+    # reduction and no output (log-softmax's Σ dy, RMSNorm's Σ dy·w·x): then they join the
+    # row's first sweep, one sweep fewer.
+    reduced = ({n for ps in body.passes for n, _ in ps.ops} | {o.name for o in body.online}
+               | {pk.name for pk in body.picks} | set(elem_out) | set(row_out))
+    early = (body.adjoint_pass if body.adjoint_pass
+             and not block(body.adjoint_pass.body).uses & reduced else None)
+    adjoint_pass = [pass_step(body.adjoint_pass)] if body.adjoint_pass and not early else []
     grad_steps = adjoint_pass + [row_step(adjoints, []),
                                  elem_step(grads, [g for g in grads.names if g in d_rows],
                                            [g for g in grads.names if g in d_weights])]

@@ -112,6 +112,15 @@ def test_layernorms_sum_of_dvar_by_dmu_is_closed_form_zero_not_a_pass():
     assert op("layernorm").body.adjoint_pass.ops == (("sum_dvar", "sum"), ("sum_dmu", "sum"))
 
 
+@pytest.mark.parametrize("name,term", [("log_softmax", "dy"), ("rmsnorm", "dy*w*x")])
+def test_a_sums_row_constant_factor_is_taken_out_of_it(name, term):
+    """Σ dy·(-1/z) is -Σdy/z: the sum reads no reduction, and costs one multiply a row."""
+    body = op(name).body
+    (result,) = body.adjoint_pass.body.results
+    assert sp.simplify(result.expr - sp.sympify(term, locals={s.name: s for s in result.expr.free_symbols})) == 0
+    assert not {s.name for s in result.expr.free_symbols} & {"z", "m", "ms"}
+
+
 def test_an_affine_chain_sum_reads_the_forward_reduction_of_its_element(tmp_path):
     # q = Σ x·s: ∂q/∂s sums x over the row, which is s itself; x² has no closed form
     derived = _row_spec(tmp_path, "affine", """\

@@ -221,3 +221,26 @@ def test_a_stage_that_reads_no_online_sum_has_one_impl_for_both_layouts(tmp_path
         assert made[f"sumexp_backward_{dt}"].impl == "sumexp_backward"
         assert made[f"sumexp_backward_block_{dt}"].impl == "sumexp_backward"
         assert made[f"sumexp_forward_block_{dt}"].impl == "sumexp_forward_online"
+
+
+@pytest.mark.parametrize("op,adjoint,passes", [
+    ("log_softmax", "sum_dz", {"log_softmax_backward": 2, "log_softmax_backward_online": 1}),
+    ("rmsnorm", "sum_dms", {"rmsnorm_backward": 1}),
+])
+def test_adjoint_sums_that_read_no_reduction_join_the_rows_first_sweep(op, adjoint, passes):
+    """log-softmax's Σdy and RMSNorm's Σdy·w·x need nothing the forward reduces: the backward
+    forms them in the sweep that forms the forward's first reduction, one sweep fewer (the
+    two-pass log-softmax: m with Σdy, then z)."""
+    source = OPS[op].cuda.read_text()
+    for impl, count in passes.items():
+        body = source[source.index(f"void {impl}("):]
+        sweeps = re.findall(r"^    // pass: ([^\n]*)", body[:body.index("\n}\n")], re.M)
+        assert len(sweeps) == count and f"{adjoint} = sum" in sweeps[0], (impl, sweeps)
+
+
+def test_adjoint_sums_that_read_a_reduction_keep_their_sweep():
+    """softmax's Σ dy·exp(x - m) reads m: its own sweep, after the forward's."""
+    source = OPS["softmax"].cuda.read_text()
+    body = source[source.index("void softmax_backward_online("):]
+    sweeps = re.findall(r"^    // (pass: [^\n]*)", body[:body.index("\n}\n")], re.M)
+    assert [s.split(" =")[0] for s in sweeps] == ["pass: m", "pass: sum_dz"], sweeps

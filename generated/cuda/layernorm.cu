@@ -195,7 +195,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
     const float var = acc_var_ / (float)cols_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r8_ = rsqrtf(eps + var);
+    const float r5_ = rsqrtf(eps + var);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -213,7 +213,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
         const float w = w_w_[e_];
         const float b = b_w_[e_];
         {
-          const float y = b + r8_*w*(x - mu);
+          const float y = b + r5_*w*(x - mu);
           y_o_[e_] = y;
         }
       }
@@ -234,7 +234,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
         const float w = w_w_[e_];
         const float b = b_w_[e_];
         {
-          const float y = b + r8_*w*(x - mu);
+          const float y = b + r5_*w*(x - mu);
           y_o_[e_] = y;
         }
       }
@@ -246,7 +246,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       const float w = eg_load(w_ptr, col_);
       const float b = eg_load(b_ptr, col_);
       {
-        const float y = b + r8_*w*(x - mu);
+        const float y = b + r5_*w*(x - mu);
         eg_store(y_row_, col_, y);
       }
     }
@@ -484,10 +484,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     // pass: sum_dvar = sum, sum_dmu = sum of the per-element terms
     float acc_sum_dvar_ = 0.0f;
     float acc_sum_dmu_ = 0.0f;
-    // once per row: the element terms' row-invariant parts
-    const float r0_ = eps + var;
-    const float r1_ = -0.5f*rsqrtf(r0_)/r0_;
-    const float r2_ = -rsqrtf(r0_);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -505,9 +501,9 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t1 = dy*w;
-          const float sum_dvar = r1_*t1*(x - mu);
-          const float sum_dmu = r2_*t1;
+          const float t0 = dy*w;
+          const float sum_dvar = t0*(x - mu);
+          const float sum_dmu = t0;
           if (in_) {
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
@@ -530,9 +526,9 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t1 = dy*w;
-          const float sum_dvar = r1_*t1*(x - mu);
-          const float sum_dmu = r2_*t1;
+          const float t0 = dy*w;
+          const float sum_dvar = t0*(x - mu);
+          const float sum_dmu = t0;
           if (in_) {
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
@@ -546,9 +542,9 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float t1 = dy*w;
-        const float sum_dvar = r1_*t1*(x - mu);
-        const float sum_dmu = r2_*t1;
+        const float t0 = dy*w;
+        const float sum_dvar = t0*(x - mu);
+        const float sum_dmu = t0;
         acc_sum_dvar_ += sum_dvar;
         acc_sum_dmu_ += sum_dmu;
       }
@@ -576,16 +572,17 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     float dmu;
     float dvar;
     {
-      dmu = sum_dmu;
-      dvar = sum_dvar;
+      const float t1 = eps + var;
+      dmu = -sum_dmu*rsqrtf(t1);
+      dvar = -0.5f*sum_dvar*rsqrtf(t1)/t1;
     }
     // per element: dx, dw, db
     // once per row: the element terms' row-invariant parts
-    const float r3_ = 1.0f/N;
-    const float r4_ = rsqrtf(eps + var);
-    const float r5_ = -2.0f*mu;
-    const float r6_ = dvar*r3_;
-    const float r7_ = dmu*r3_;
+    const float r0_ = 1.0f/N;
+    const float r1_ = rsqrtf(eps + var);
+    const float r2_ = -2.0f*mu;
+    const float r3_ = dvar*r0_;
+    const float r4_ = dmu*r0_;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -603,8 +600,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t3 = dy*r4_;
-          const float dx = r7_ + r6_*(r5_ + 2.0f*x) + t3*w;
+          const float t3 = dy*r1_;
+          const float dx = r4_ + r3_*(r2_ + 2.0f*x) + t3*w;
           const float dw = t3*(x - mu);
           const float db = dy;
           dx_o_[e_] = dx;
@@ -630,8 +627,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t3 = dy*r4_;
-          const float dx = r7_ + r6_*(r5_ + 2.0f*x) + t3*w;
+          const float t3 = dy*r1_;
+          const float dx = r4_ + r3_*(r2_ + 2.0f*x) + t3*w;
           const float dw = t3*(x - mu);
           const float db = dy;
           dx_o_[e_] = dx;
@@ -647,8 +644,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float t3 = dy*r4_;
-        const float dx = r7_ + r6_*(r5_ + 2.0f*x) + t3*w;
+        const float t3 = dy*r1_;
+        const float dx = r4_ + r3_*(r2_ + 2.0f*x) + t3*w;
         const float dw = t3*(x - mu);
         const float db = dy;
         eg_store(dx_row_, col_, dx);

@@ -192,7 +192,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
     const float z = acc_z_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r1_ = -m - logf(z);
+    const float r0_ = -m - logf(z);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -204,7 +204,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r1_ + x;
+          const float y = r0_ + x;
           y_o_[e_] = y;
         }
       }
@@ -219,7 +219,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r1_ + x;
+          const float y = r0_ + x;
           y_o_[e_] = y;
         }
       }
@@ -229,7 +229,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float y = r1_ + x;
+        const float y = r0_ + x;
         eg_store(y_row_, col_, y);
       }
     }
@@ -405,7 +405,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
     const float z = acc_z_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r1_ = -m - logf(z);
+    const float r0_ = -m - logf(z);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -417,7 +417,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r1_ + x;
+          const float y = r0_ + x;
           y_o_[e_] = y;
         }
       }
@@ -432,7 +432,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r1_ + x;
+          const float y = r0_ + x;
           y_o_[e_] = y;
         }
       }
@@ -442,7 +442,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float y = r1_ + x;
+        const float y = r0_ + x;
         eg_store(y_row_, col_, y);
       }
     }
@@ -469,7 +469,7 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[1][32];
+  __shared__ float red_[2][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
@@ -512,22 +512,28 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max of the per-element terms
+    // pass: m = max, sum_dz = sum of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_sum_dz_ = 0.0f;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
         {
           const float m = x;
+          const float sum_dz = dy;
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
           }
         }
       }
@@ -535,15 +541,20 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
         {
           const float m = x;
+          const float sum_dz = dy;
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
           }
         }
       }
@@ -551,16 +562,21 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
       {
         const float m = x;
+        const float sum_dz = dy;
         acc_m_ = fmaxf(acc_m_, m);
+        acc_sum_dz_ += sum_dz;
       }
     }
 
     acc_m_ = eg_warp_max(acc_m_);
+    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
       }
       __syncthreads();
       // every warp merges the block's warp results with the same butterfly, a lane a warp
@@ -568,9 +584,11 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       // loop over the warps in each thread
       const bool has_ = lane_ % 32 < lanes_ / 32;
       acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
+    const float sum_dz = acc_sum_dz_;
     // pass: z = sum of the per-element terms
     float acc_z_ = 0.0f;
 #pragma unroll
@@ -630,71 +648,10 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       __syncthreads();  // red_ is reused by the next pass
     }
     const float z = acc_z_;
-    // pass: sum_dz = sum of the per-element terms
-    float acc_sum_dz_ = 0.0f;
-    // once per row: the element terms' row-invariant parts
-    const float r0_ = -1.0f/z;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float dy_r_[VEC];
-      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float dy = dy_r_[e_];
-        {
-          const float sum_dz = dy*r0_;
-          if (in_) {
-            acc_sum_dz_ += sum_dz;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float dy = dy_r_[e_];
-        {
-          const float sum_dz = dy*r0_;
-          if (in_) {
-            acc_sum_dz_ += sum_dz;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float dy = eg_load(dy_row_, col_);
-      {
-        const float sum_dz = dy*r0_;
-        acc_sum_dz_ += sum_dz;
-      }
-    }
-
-    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_sum_dz_;
-      }
-      __syncthreads();
-      // every warp merges the block's warp results with the same butterfly, a lane a warp
-      // (lanes past the block's warps hold the identity): a few shuffles rather than a
-      // loop over the warps in each thread
-      const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_sum_dz_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
-      __syncthreads();  // red_ is reused by the next pass
-    }
-    const float sum_dz = acc_sum_dz_;
     // per row: dz
     float dz;
     {
-      dz = sum_dz;
+      dz = -sum_dz/z;
     }
     // per element: dx
 #pragma unroll
@@ -767,7 +724,7 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[2][32];
+  __shared__ float red_[3][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
@@ -810,8 +767,9 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: m = max, z = sum against the running m of the per-element terms
+    // pass: m = max, sum_dz = sum, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_sum_dz_ = 0.0f;
     float acc_z_ = 0.0f;
     const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
@@ -819,15 +777,20 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       const int g0_ = s_ * lanes_ * VEC;
       float x_r_[VEC];
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
         {
           const float m = x;
+          const float sum_dz = dy;
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
           }
         }
       }
@@ -851,16 +814,21 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
         {
           const float m = x;
+          const float sum_dz = dy;
           if (in_) {
             acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
           }
         }
       }
@@ -880,10 +848,13 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
       const float was_m_ = acc_m_;
       {
         const float m = x;
+        const float sum_dz = dy;
         acc_m_ = fmaxf(acc_m_, m);
+        acc_sum_dz_ += sum_dz;
       }
       if (acc_m_ != was_m_) {
         acc_z_ *= z_rescale_(was_m_, acc_m_);
@@ -895,6 +866,7 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       }
     }
 
+    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
     {
       // online sums: the warp's max first, then each lane's sums rescaled to it (one
       // factor a lane, none where the lane holds the max), then summed as any other
@@ -906,7 +878,8 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
     if (!WARP) {
       if (lane_ % 32 == 0) {
         red_[0][lane_ / 32] = acc_m_;
-        red_[1][lane_ / 32] = acc_z_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
+        red_[2][lane_ / 32] = acc_z_;
       }
       __syncthreads();
       // every warp merges the block's warp results with the same butterfly, a lane a warp
@@ -914,82 +887,23 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       // loop over the warps in each thread
       const bool has_ = lane_ % 32 < lanes_ / 32;
       acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
       // online sums: each warp's rescaled to the row's max (one factor a lane, none where
       // the warp holds it), then summed
       {
         const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
-        const float sum_ = has_ ? red_[1][lane_ % 32] : 0.0f;
+        const float sum_ = has_ ? red_[2][lane_ % 32] : 0.0f;
         acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
       }
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    const float z = acc_z_;
-    // pass: sum_dz = sum of the per-element terms
-    float acc_sum_dz_ = 0.0f;
-    // once per row: the element terms' row-invariant parts
-    const float r0_ = -1.0f/z;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float dy_r_[VEC];
-      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float dy = dy_r_[e_];
-        {
-          const float sum_dz = dy*r0_;
-          if (in_) {
-            acc_sum_dz_ += sum_dz;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float dy = dy_r_[e_];
-        {
-          const float sum_dz = dy*r0_;
-          if (in_) {
-            acc_sum_dz_ += sum_dz;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float dy = eg_load(dy_row_, col_);
-      {
-        const float sum_dz = dy*r0_;
-        acc_sum_dz_ += sum_dz;
-      }
-    }
-
-    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_sum_dz_;
-      }
-      __syncthreads();
-      // every warp merges the block's warp results with the same butterfly, a lane a warp
-      // (lanes past the block's warps hold the identity): a few shuffles rather than a
-      // loop over the warps in each thread
-      const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_sum_dz_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
-      __syncthreads();  // red_ is reused by the next pass
-    }
     const float sum_dz = acc_sum_dz_;
+    const float z = acc_z_;
     // per row: dz
     float dz;
     {
-      dz = sum_dz;
+      dz = -sum_dz/z;
     }
     // per element: dx
 #pragma unroll

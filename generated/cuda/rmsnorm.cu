@@ -136,7 +136,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
     const float ms = acc_ms_ / (float)cols_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r3_ = rsqrtf(eps + ms);
+    const float r2_ = rsqrtf(eps + ms);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -151,7 +151,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         {
-          const float y = r3_*w*x;
+          const float y = r2_*w*x;
           y_o_[e_] = y;
         }
       }
@@ -169,7 +169,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         {
-          const float y = r3_*w*x;
+          const float y = r2_*w*x;
           y_o_[e_] = y;
         }
       }
@@ -180,7 +180,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
       const float x = eg_load(x_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float y = r3_*w*x;
+        const float y = r2_*w*x;
         eg_store(y_row_, col_, y);
       }
     }
@@ -213,7 +213,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
   // aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0;
-  __shared__ float red_[1][32];
+  __shared__ float red_[2][32];
   const EgSplit whole_ = eg_split(x_ptr, cols_, vec_);   // every row's split
   // This worker's partial dw row. The cached columns: per warp in shared memory (in
   // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
@@ -278,69 +278,9 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
-    // pass: ms = mean of the per-element terms
+    // pass: ms = mean, sum_dms = sum of the per-element terms
     float acc_ms_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float ms = x*x;
-          if (in_) {
-            acc_ms_ += ms;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float ms = x*x;
-          if (in_) {
-            acc_ms_ += ms;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float ms = x*x;
-        acc_ms_ += ms;
-      }
-    }
-
-    acc_ms_ = eg_warp_sum(acc_ms_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_ms_;
-      }
-      __syncthreads();
-      // every warp merges the block's warp results with the same butterfly, a lane a warp
-      // (lanes past the block's warps hold the identity): a few shuffles rather than a
-      // loop over the warps in each thread
-      const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
-      __syncthreads();  // red_ is reused by the next pass
-    }
-    const float ms = acc_ms_ / (float)cols_;
-    // pass: sum_dms = sum of the per-element terms
     float acc_sum_dms_ = 0.0f;
-    // once per row: the element terms' row-invariant parts
-    const float r0_ = -0.5f*rsqrtf(eps + ms)/(eps + ms);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -358,8 +298,10 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float sum_dms = dy*r0_*w*x;
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
           if (in_) {
+            acc_ms_ += ms;
             acc_sum_dms_ += sum_dms;
           }
         }
@@ -380,8 +322,10 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float sum_dms = dy*r0_*w*x;
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
           if (in_) {
+            acc_ms_ += ms;
             acc_sum_dms_ += sum_dms;
           }
         }
@@ -393,34 +337,40 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float sum_dms = dy*r0_*w*x;
+        const float ms = x*x;
+        const float sum_dms = dy*w*x;
+        acc_ms_ += ms;
         acc_sum_dms_ += sum_dms;
       }
     }
 
+    acc_ms_ = eg_warp_sum(acc_ms_);
     acc_sum_dms_ = eg_warp_sum(acc_sum_dms_);
     if (!WARP) {
       if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_sum_dms_;
+        red_[0][lane_ / 32] = acc_ms_;
+        red_[1][lane_ / 32] = acc_sum_dms_;
       }
       __syncthreads();
       // every warp merges the block's warp results with the same butterfly, a lane a warp
       // (lanes past the block's warps hold the identity): a few shuffles rather than a
       // loop over the warps in each thread
       const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_sum_dms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dms_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
+    const float ms = acc_ms_ / (float)cols_;
     const float sum_dms = acc_sum_dms_;
     // per row: dms
     float dms;
     {
-      dms = sum_dms;
+      dms = -0.5f*sum_dms*rsqrtf(eps + ms)/(eps + ms);
     }
     // per element: dx, dw
     // once per row: the element terms' row-invariant parts
-    const float r1_ = rsqrtf(eps + ms);
-    const float r2_ = 2.0f*dms/N;
+    const float r0_ = rsqrtf(eps + ms);
+    const float r1_ = 2.0f*dms/N;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -438,8 +388,8 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = dy*r1_;
-          const float dx = r2_*x + t0*w;
+          const float t0 = dy*r0_;
+          const float dx = r1_*x + t0*w;
           const float dw = t0*x;
           dx_o_[e_] = dx;
           if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
@@ -463,8 +413,8 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = dy*r1_;
-          const float dx = r2_*x + t0*w;
+          const float t0 = dy*r0_;
+          const float dx = r1_*x + t0*w;
           const float dw = t0*x;
           dx_o_[e_] = dx;
           if (in_) dw_part_[col_] += dw;
@@ -478,8 +428,8 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float t0 = dy*r1_;
-        const float dx = r2_*x + t0*w;
+        const float t0 = dy*r0_;
+        const float dx = r1_*x + t0*w;
         const float dw = t0*x;
         eg_store(dx_row_, col_, dx);
         dw_part_[col_] += dw;

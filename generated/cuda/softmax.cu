@@ -192,7 +192,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
     const float z = acc_z_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r2_ = 1.0f/z;
+    const float r1_ = 1.0f/z;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -204,7 +204,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r2_*expf(x - m);
+          const float y = r1_*expf(x - m);
           y_o_[e_] = y;
         }
       }
@@ -219,7 +219,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r2_*expf(x - m);
+          const float y = r1_*expf(x - m);
           y_o_[e_] = y;
         }
       }
@@ -229,7 +229,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float y = r2_*expf(x - m);
+        const float y = r1_*expf(x - m);
         eg_store(y_row_, col_, y);
       }
     }
@@ -405,7 +405,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
     const float z = acc_z_;
     // per element: y
     // once per row: the element terms' row-invariant parts
-    const float r2_ = 1.0f/z;
+    const float r1_ = 1.0f/z;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -417,7 +417,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r2_*expf(x - m);
+          const float y = r1_*expf(x - m);
           y_o_[e_] = y;
         }
       }
@@ -432,7 +432,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float y = r2_*expf(x - m);
+          const float y = r1_*expf(x - m);
           y_o_[e_] = y;
         }
       }
@@ -442,7 +442,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float y = r2_*expf(x - m);
+        const float y = r1_*expf(x - m);
         eg_store(y_row_, col_, y);
       }
     }
@@ -632,8 +632,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
     const float z = acc_z_;
     // pass: sum_dz = sum of the per-element terms
     float acc_sum_dz_ = 0.0f;
-    // once per row: the element terms' row-invariant parts
-    const float r0_ = -1.0f/(z*z);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -648,7 +646,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
-          const float sum_dz = dy*r0_*expf(x - m);
+          const float sum_dz = dy*expf(x - m);
           if (in_) {
             acc_sum_dz_ += sum_dz;
           }
@@ -667,7 +665,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
-          const float sum_dz = dy*r0_*expf(x - m);
+          const float sum_dz = dy*expf(x - m);
           if (in_) {
             acc_sum_dz_ += sum_dz;
           }
@@ -679,7 +677,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const float x = eg_load(x_row_, col_);
       const float dy = eg_load(dy_row_, col_);
       {
-        const float sum_dz = dy*r0_*expf(x - m);
+        const float sum_dz = dy*expf(x - m);
         acc_sum_dz_ += sum_dz;
       }
     }
@@ -701,11 +699,11 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
     // per row: dz
     float dz;
     {
-      dz = sum_dz;
+      dz = -sum_dz/(z*z);
     }
     // per element: dx
     // once per row: the element terms' row-invariant parts
-    const float r1_ = 1.0f/z;
+    const float r0_ = 1.0f/z;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -721,7 +719,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         {
           const float t0 = expf(x - m);
-          const float dx = dz*t0 + dy*r1_*t0;
+          const float dx = dz*t0 + dy*r0_*t0;
           dx_o_[e_] = dx;
         }
       }
@@ -740,7 +738,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         const float dy = dy_r_[e_];
         {
           const float t0 = expf(x - m);
-          const float dx = dz*t0 + dy*r1_*t0;
+          const float dx = dz*t0 + dy*r0_*t0;
           dx_o_[e_] = dx;
         }
       }
@@ -752,7 +750,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const float dy = eg_load(dy_row_, col_);
       {
         const float t0 = expf(x - m);
-        const float dx = dz*t0 + dy*r1_*t0;
+        const float dx = dz*t0 + dy*r0_*t0;
         eg_store(dx_row_, col_, dx);
       }
     }
@@ -939,8 +937,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
     const float z = acc_z_;
     // pass: sum_dz = sum of the per-element terms
     float acc_sum_dz_ = 0.0f;
-    // once per row: the element terms' row-invariant parts
-    const float r0_ = -1.0f/(z*z);
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -955,7 +951,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
-          const float sum_dz = dy*r0_*expf(x - m);
+          const float sum_dz = dy*expf(x - m);
           if (in_) {
             acc_sum_dz_ += sum_dz;
           }
@@ -974,7 +970,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
-          const float sum_dz = dy*r0_*expf(x - m);
+          const float sum_dz = dy*expf(x - m);
           if (in_) {
             acc_sum_dz_ += sum_dz;
           }
@@ -986,7 +982,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       const float x = eg_load(x_row_, col_);
       const float dy = eg_load(dy_row_, col_);
       {
-        const float sum_dz = dy*r0_*expf(x - m);
+        const float sum_dz = dy*expf(x - m);
         acc_sum_dz_ += sum_dz;
       }
     }
@@ -1008,11 +1004,11 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
     // per row: dz
     float dz;
     {
-      dz = sum_dz;
+      dz = -sum_dz/(z*z);
     }
     // per element: dx
     // once per row: the element terms' row-invariant parts
-    const float r1_ = 1.0f/z;
+    const float r0_ = 1.0f/z;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -1028,7 +1024,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         const float dy = dy_r_[e_];
         {
           const float t0 = expf(x - m);
-          const float dx = dz*t0 + dy*r1_*t0;
+          const float dx = dz*t0 + dy*r0_*t0;
           dx_o_[e_] = dx;
         }
       }
@@ -1047,7 +1043,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         const float dy = dy_r_[e_];
         {
           const float t0 = expf(x - m);
-          const float dx = dz*t0 + dy*r1_*t0;
+          const float dx = dz*t0 + dy*r0_*t0;
           dx_o_[e_] = dx;
         }
       }
@@ -1059,7 +1055,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       const float dy = eg_load(dy_row_, col_);
       {
         const float t0 = expf(x - m);
-        const float dx = dz*t0 + dy*r1_*t0;
+        const float dx = dz*t0 + dy*r0_*t0;
         eg_store(dx_row_, col_, dx);
       }
     }

@@ -57,8 +57,8 @@ def backward(x, dy):
     m = _reduce('max', m, shape)
     z = np.exp(x - m)
     z = _reduce('sum', z, shape)
-    sum_dz = -dy/z
+    sum_dz = dy
     sum_dz = _reduce('sum', sum_dz, shape)
-    dz = sum_dz
+    dz = -sum_dz/z
     dx = dy + dz*np.exp(x - m)
     return _fresh(dx, shape, dtype)

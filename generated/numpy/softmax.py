@@ -57,9 +57,9 @@ def backward(x, dy):
     m = _reduce('max', m, shape)
     z = np.exp(x - m)
     z = _reduce('sum', z, shape)
-    sum_dz = -dy*np.exp(x - m)/(z*z)
+    sum_dz = dy*np.exp(x - m)
     sum_dz = _reduce('sum', sum_dz, shape)
-    dz = sum_dz
+    dz = -sum_dz/(z*z)
     t0 = np.exp(x - m)
     dx = dz*t0 + dy*t0/z
     return _fresh(dx, shape, dtype)
