@@ -18,8 +18,8 @@
 // max's pass (online: accumulated against the running max; a lane's sum is rescaled to
 // the warp's max, a warp's to the row's, before they are added),
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
-// only the reductions it reads. Sums go through a fixed butterfly and a fixed warp order,
-// so results are deterministic.
+// only the reductions it reads. Sums go through fixed butterflies (a warp's lanes, then a
+// block's warps, a lane a warp), so results are deterministic.
 // A block per row stores its element outputs evict-first, and its element sweep (a row's
 // last) re-reads evict-first too: its rows are long, and what it is done with would
 // otherwise push out of L2 the rows in flight that are still to be re-read (H200,
