@@ -5,7 +5,9 @@ Each stage forms the reductions its later steps read: one sweep per level, a sum
 rescales with a stabilizer max in the max's sweep (ir.Online; block-per-row kernels only,
 warp-per-row ones keep the two-pass form, so a stage where one joins has a second device
 impl, `<op>_<stage>_online`), a sum that is one column's value read at that column
-(ir.Pick). Each kernel's block, register slots and prefetch are the plan's (plan.RowShape).
+(ir.Pick), and the backward's adjoint sums in the row's first sweep when they read no
+reduction and no output (derive has taken their row-constant factors out). Each kernel's
+block, register slots and prefetch are the plan's (plan.RowShape).
 """
 from __future__ import annotations
 
