@@ -140,11 +140,11 @@ class RowShape:
     prefetch: bool
 
 
-def warp_shape(plan: KernelPlan, dtype: str, *, stage: str, wgrad: bool) -> RowShape:
+def warp_shape(dtype: str, *, stage: str, wgrad: bool) -> RowShape:
     """The block of a warp-per-row kernel of `stage`."""
     rows = WARP_ROWS_PER_BLOCK_WGRAD if wgrad else WARP_ROWS_PER_BLOCK
     return RowShape(32 * rows, WARP_MIN_BLOCKS.get((dtype, stage), 0),
-                    dict(plan.warp_slots)[dtype], dtype in PREFETCH_DTYPES)
+                    WARP_SLOTS[dtype], dtype in PREFETCH_DTYPES)
 
 
 def block_shape(dtype: str, *, sweeps: int, cached: int, weights: bool, wgrad: bool,
@@ -175,7 +175,6 @@ class KernelPlan:
     threads: int
     vec: tuple[tuple[str, int], ...]  # dtype -> elements per 16-byte access
     unroll: int = 1
-    warp_slots: tuple[tuple[str, int], ...] = ()
     fwdbwd: bool = False             # row op whose outputs are all per-row scalars
 
     def vec_of(self, dtype: str) -> int:
@@ -197,7 +196,7 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
     if op.kind == "row":
         scalar_only = all(o.role == "scalar" for o in op.outputs)
         return KernelPlan("row.cu.j2", DTYPES, threads=32 * WARP_ROWS_PER_BLOCK, vec=vec,
-                          warp_slots=tuple(WARP_SLOTS.items()), fwdbwd=scalar_only)
+                          fwdbwd=scalar_only)
     if op.kind == "pair":
         return KernelPlan("pair.cu.j2", DTYPES, threads=256, vec=vec)
     # update: state is float32, so one vector is 4 state floats (two for bf16 grads' 8).
@@ -273,7 +272,7 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
     return (("layout", layout), ("threads", shape.threads),
             ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
             ("rows_per_block", 1), ("grid_max", grid_max),
-            ("min_cols", 32 * v * dict(plan.warp_slots)[dtype] + 1)) + partials("grid") + extra
+            ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1)) + partials("grid") + extra
 
 
 # The fixed-order reduce of weight partials: 8 columns (a 32-byte sector) by 128 partial

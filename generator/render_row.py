@@ -228,7 +228,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "cached": cached,
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
             "shapes": {
-                "warp_per_row": {dt: planner.warp_shape(p, dt, stage=stage, wgrad=bool(wgrads))
+                "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads))
                                  for dt in planner.DTYPES},
                 "block_per_row": {dt: planner.block_shape(
                     dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
