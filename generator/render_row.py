@@ -215,6 +215,13 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 load = (f"(float){a.name}_ptr[row_]" if a.name in index
                         else f"eg_load({a.name}_ptr, row_)")
                 row_scalars.append({"name": a.name, "load": load})
+        shapes = {
+            "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads))
+                             for dt in planner.DTYPES},
+            "block_per_row": {dt: planner.block_shape(
+                dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
+                cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
+                forward=stage == "forward") for dt in planner.DTYPES}}
         kernels.append({
             "kernel": f"{op.name}_{stage}", "impl": f"{op.name}_{stage}{suffix}", "stage": stage,
             "layouts": lays,
@@ -227,13 +234,10 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "split_ptr": next(a.name for a in ptrs if a.role == "row"),
             "cached": cached,
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
-            "shapes": {
-                "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads))
-                                 for dt in planner.DTYPES},
-                "block_per_row": {dt: planner.block_shape(
-                    dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
-                    cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
-                    forward=stage == "forward") for dt in planner.DTYPES}},
+            "shapes": shapes,
+            # a first sweep that some shape batches is rendered both ways (row.cu.j2, sweep)
+            "batched": any(shapes[lay["layout"]][dt].batch > 1 for lay in lays
+                           for dt in planner.DTYPES),
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
                                    if s["kind"] == "pass"), default=0),
         })

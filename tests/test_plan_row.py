@@ -40,15 +40,27 @@ def test_a_one_sweep_kernel_without_weights_takes_short_blocks_many_an_sm(dtype,
 
 
 @pytest.mark.parametrize("forward", [True, False])
-@pytest.mark.parametrize("cached,slots", [(0, 10), (1, 10), (2, 5), (3, 3)])
+@pytest.mark.parametrize("cached,slots,batch", [(0, 10, 2), (1, 10, 2), (2, 5, 1), (3, 3, 1)])
 def test_fp32_re_read_kernels_without_weights_split_ten_groups_among_the_cached_operands(
-        forward, cached, slots):
+        forward, cached, slots, batch):
     """One 1024-thread block an SM, so that 40 registers a thread can hold the row (cached 0:
     nothing to split, all ten groups' worth of the bound stays). They do not prefetch the next
-    row: its groups would not fit beside these."""
+    row: its groups would not fit beside these. Reading one operand, their first sweep loads
+    two re-read groups at a time; reading two, it has two loads in flight already."""
     got = shape("f32", sweeps=2, cached=cached, forward=forward)
-    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False)
+    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False, batch)
     assert planner.BLOCK_REREAD_GROUPS["f32"] == 10
+    assert planner.BLOCK_REREAD_BATCH == 2
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    ("bf16", dict(sweeps=2, cached=1)), ("bf16", dict(sweeps=2, cached=1, forward=False)),
+    ("f32", dict(sweeps=1, cached=1)), ("f32", dict(sweeps=2, cached=1, weights=True)),
+    ("f32", dict(sweeps=2, cached=1, wgrad=True, weights=True, forward=False)),
+])
+def test_only_the_fp32_re_read_shape_batches(dtype, kw):
+    assert shape(dtype, **kw).batch == 1
+    assert planner.warp_shape(dtype, stage="forward", wgrad=False).batch == 1
 
 
 def test_bf16_forward_without_weights_keeps_one_group_and_two_blocks_an_sm():

@@ -28,10 +28,10 @@ ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
 VEC_OF_CTYPE = {planner.CTYPE[dt]: planner.VEC[dt] for dt in planner.DTYPES}
 
 # extern "C" __global__ void __launch_bounds__(T[, M]) NAME(ARGS) {
-#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH>(...);
+#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH, BATCH>(...);
 _WRAPPER = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, (\d+))?\) '
                       r'(\w+)\(([^)]*)\) \{\n  (\w+)<([\w ]+), (true|false), (\d+), (\d+), '
-                      r'(true|false)>\(')
+                      r'(true|false), (\d+)>\(')
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,19 @@ class Compiled:
     slots: int
     rows_per_block: int
     prefetch: bool
+    batch: int
 
 
 def parse_wrappers(source: str) -> dict[str, Compiled]:
     """Every row kernel wrapper in a rendered row .cu, by name."""
     out = {}
     for m in _WRAPPER.finditer(source):
-        threads, min_blocks, name, params, impl, ctype, warp, slots, rpb, prefetch = m.groups()
+        threads, min_blocks, name, params, impl, ctype, warp, slots, rpb, prefetch, batch = (
+            m.groups())
         args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
         out[name] = Compiled(int(threads), int(min_blocks or 0), args, impl, ctype,
-                             warp == "true", int(slots), int(rpb), prefetch == "true")
+                             warp == "true", int(slots), int(rpb), prefetch == "true",
+                             int(batch))
     return out
 
 
@@ -188,6 +191,30 @@ def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
     k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
     reread = not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
     assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not reread), kernel
+
+
+@pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
+def test_each_row_kernel_batches_its_first_sweep_as_the_plan_says(op, kernel):
+    """BATCH is the plan's RowShape.batch: 2 in the fp32 re-read shapes reading one row
+    operand (cross-entropy's, the softmax forwards), 1 elsewhere."""
+    k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
+    reread = not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
+    one_operand = c.slots == planner.BLOCK_REREAD_GROUPS.get(k.dtype)
+    assert c.batch == (planner.BLOCK_REREAD_BATCH if reread and one_operand else 1), kernel
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "softmax", "layernorm"])
+def test_only_the_first_sweep_of_an_impl_some_shape_batches_has_the_batched_loop(op):
+    """The first sweep reads the row from memory, later ones re-read it from L2; an impl no
+    shape of which batches keeps the one plain loop."""
+    source = OPS[op].cuda.read_text()
+    batching = {c.impl for c in wrappers(op).values() if c.batch > 1}
+    for impl in source.split("template <typename scalar_t, bool WARP")[1:]:
+        name = re.search(r"void (\w+)\(", impl).group(1)
+        sweeps = [text for _, text in _sweeps("template <typename scalar_t, bool WARP" + impl)]
+        batched = ["g0b_" in text for text in sweeps]
+        assert batched == [name in batching] + [False] * (len(sweeps) - 1), (name, batched)
+    assert batching or op == "layernorm"
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])

@@ -6,9 +6,9 @@
 // block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
-// are loaded while this one is computed) are the plan's, per dtype and layout
-// (generator/plan.py, RowShape).
+// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
+// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -28,7 +28,7 @@
 #include "eulergen_common.cuh"
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -206,14 +206,14 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<float, true, 6, 8, false>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, true, 6, 8, false, 1>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_forward_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true>(x, target, loss, rows, cols);
+  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true, 1>(x, target, loss, rows, cols);
 }
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -388,14 +388,14 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
   }
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward_online<float, false, 2, 1, false>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<float, false, 2, 1, false, 1>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true, 1>(x, target, loss, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -618,14 +618,14 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward<float, true, 6, 8, false>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<float, true, 6, 8, false, 1>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1>(x, target, dloss, dx, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -709,6 +709,46 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         }
       }
     }
+    if (BATCH > 1) {
+      for (int g0b_ = SLOTS * lanes_ * VEC; g0b_ < sp_.end - sp_.head; g0b_ += BATCH * lanes_ * VEC) {
+        uint4 x_b_[BATCH];
+#pragma unroll
+        for (int b_ = 0; b_ < BATCH; ++b_)
+          x_b_[b_] = eg_load_group_raw(x_row_, sp_, g0b_ + b_ * lanes_ * VEC, lane_);
+#pragma unroll
+        for (int b_ = 0; b_ < BATCH; ++b_) {
+          const int g0_ = g0b_ + b_ * lanes_ * VEC;
+          if (g0_ >= sp_.end - sp_.head) break;
+          float x_r_[VEC];
+          eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
+          const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+          const float was_m_ = acc_m_;
+          #pragma unroll
+          for (int e_ = 0; e_ < VEC; ++e_) {
+            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+            const float x = x_r_[e_];
+            {
+              const float m = x;
+              if (in_) {
+                acc_m_ = fmaxf(acc_m_, m);
+              }
+            }
+          }
+          if (acc_m_ != was_m_) {
+            acc_z_ *= z_rescale_(was_m_, acc_m_);
+          }
+          #pragma unroll
+          for (int e_ = 0; e_ < VEC; ++e_) {
+            const float x = x_r_[e_];
+            {
+              const float m = acc_m_;
+              const float z = expf(x - m);
+              if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+            }
+          }
+        }
+      }
+    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
@@ -737,6 +777,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
+    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -845,14 +886,14 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_block_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward_online<float, false, 10, 1, false>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<float, false, 10, 1, false, 2>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1>(x, target, dloss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1088,14 +1129,14 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<float, true, 6, 8, false>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<float, true, 6, 8, false, 1>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1>(x, target, dloss, loss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1186,6 +1227,46 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         }
       }
     }
+    if (BATCH > 1) {
+      for (int g0b_ = SLOTS * lanes_ * VEC; g0b_ < sp_.end - sp_.head; g0b_ += BATCH * lanes_ * VEC) {
+        uint4 x_b_[BATCH];
+#pragma unroll
+        for (int b_ = 0; b_ < BATCH; ++b_)
+          x_b_[b_] = eg_load_group_raw(x_row_, sp_, g0b_ + b_ * lanes_ * VEC, lane_);
+#pragma unroll
+        for (int b_ = 0; b_ < BATCH; ++b_) {
+          const int g0_ = g0b_ + b_ * lanes_ * VEC;
+          if (g0_ >= sp_.end - sp_.head) break;
+          float x_r_[VEC];
+          eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
+          const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+          const float was_m_ = acc_m_;
+          #pragma unroll
+          for (int e_ = 0; e_ < VEC; ++e_) {
+            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+            const float x = x_r_[e_];
+            {
+              const float m = x;
+              if (in_) {
+                acc_m_ = fmaxf(acc_m_, m);
+              }
+            }
+          }
+          if (acc_m_ != was_m_) {
+            acc_z_ *= z_rescale_(was_m_, acc_m_);
+          }
+          #pragma unroll
+          for (int e_ = 0; e_ < VEC; ++e_) {
+            const float x = x_r_[e_];
+            {
+              const float m = acc_m_;
+              const float z = expf(x - m);
+              if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+            }
+          }
+        }
+      }
+    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
@@ -1214,6 +1295,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
+    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1328,8 +1410,8 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fwdbwd_block_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd_online<float, false, 10, 1, false>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true, 1>(x, target, dloss, loss, dx, rows, cols);
 }

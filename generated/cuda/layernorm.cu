@@ -6,9 +6,9 @@
 // block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
-// are loaded while this one is computed) are the plan's, per dtype and layout
-// (generator/plan.py, RowShape).
+// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
+// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -30,7 +30,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x, w, b
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* b_ptr, scalar_t* y_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -254,20 +254,20 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
   }
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_forward_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  layernorm_forward<float, true, 6, 8, false>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, true, 6, 8, false, 1>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  layernorm_forward<float, false, 2, 1, false>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, false, 2, 1, false, 1>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  layernorm_forward<__nv_bfloat16, true, 3, 8, true>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  layernorm_forward<__nv_bfloat16, false, 1, 1, true>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, false, 1, 1, true, 1>(x, w, b, y, eps, rows, cols);
 }
 
 // backward: dx, dw, db from x, w, b, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* b_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* dw_partials_ptr, float* db_partials_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -671,16 +671,16 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_backward_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, true, 6, 4, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, true, 6, 4, false, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, false, 2, 1, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, false, 2, 1, false, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<__nv_bfloat16, true, 3, 4, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, true, 3, 4, true, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<__nv_bfloat16, false, 1, 1, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, false, 1, 1, true, 1>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX

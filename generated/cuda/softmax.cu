@@ -6,9 +6,9 @@
 // block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// SLOTS (16-byte groups a lane caches) and PREFETCH (whether the next row's cached groups
-// are loaded while this one is computed) are the plan's, per dtype and layout
-// (generator/plan.py, RowShape).
+// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
+// are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
+// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape).
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -28,7 +28,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -237,14 +237,14 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward<float, true, 6, 8, false>(x, y, rows, cols);
+  softmax_forward<float, true, 6, 8, false, 1>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward<__nv_bfloat16, true, 3, 8, true>(x, y, rows, cols);
+  softmax_forward<__nv_bfloat16, true, 3, 8, true, 1>(x, y, rows, cols);
 }
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -326,6 +326,46 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         }
       }
     }
+    if (BATCH > 1) {
+      for (int g0b_ = SLOTS * lanes_ * VEC; g0b_ < sp_.end - sp_.head; g0b_ += BATCH * lanes_ * VEC) {
+        uint4 x_b_[BATCH];
+#pragma unroll
+        for (int b_ = 0; b_ < BATCH; ++b_)
+          x_b_[b_] = eg_load_group_raw(x_row_, sp_, g0b_ + b_ * lanes_ * VEC, lane_);
+#pragma unroll
+        for (int b_ = 0; b_ < BATCH; ++b_) {
+          const int g0_ = g0b_ + b_ * lanes_ * VEC;
+          if (g0_ >= sp_.end - sp_.head) break;
+          float x_r_[VEC];
+          eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
+          const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+          const float was_m_ = acc_m_;
+          #pragma unroll
+          for (int e_ = 0; e_ < VEC; ++e_) {
+            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+            const float x = x_r_[e_];
+            {
+              const float m = x;
+              if (in_) {
+                acc_m_ = fmaxf(acc_m_, m);
+              }
+            }
+          }
+          if (acc_m_ != was_m_) {
+            acc_z_ *= z_rescale_(was_m_, acc_m_);
+          }
+          #pragma unroll
+          for (int e_ = 0; e_ < VEC; ++e_) {
+            const float x = x_r_[e_];
+            {
+              const float m = acc_m_;
+              const float z = expf(x - m);
+              if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+            }
+          }
+        }
+      }
+    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
@@ -354,6 +394,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
+    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -450,14 +491,14 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward_online<float, false, 10, 1, false>(x, y, rows, cols);
+  softmax_forward_online<float, false, 10, 1, false, 2>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward_online<__nv_bfloat16, false, 1, 1, true>(x, y, rows, cols);
+  softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1>(x, y, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -758,14 +799,14 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward<float, true, 6, 8, false>(x, dy, dx, rows, cols);
+  softmax_backward<float, true, 6, 8, false, 1>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward<__nv_bfloat16, true, 3, 8, true>(x, dy, dx, rows, cols);
+  softmax_backward<__nv_bfloat16, true, 3, 8, true, 1>(x, dy, dx, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
 __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1063,8 +1104,8 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward_online<float, false, 5, 1, false>(x, dy, dx, rows, cols);
+  softmax_backward_online<float, false, 5, 1, false, 1>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward_online<__nv_bfloat16, false, 1, 1, true>(x, dy, dx, rows, cols);
+  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1>(x, dy, dx, rows, cols);
 }
