@@ -221,11 +221,13 @@ POINTWISE_LOADS_IN_FLIGHT = 8
 #   short blocks of one vector a thread: relu bf16 forward 0.264 -> 0.253 ms (PyTorch
 #   0.253), backward 0.372 -> 0.370;
 # - one-operand fp32 kernels likewise: relu forward 0.522 -> 0.501 ms, silu 0.524 ->
-#   0.505 (PyTorch 0.507, 0.508);
+#   0.505 (PyTorch 0.507, 0.508); with special functions, two vectors a thread: gelu_erf
+#   forward 0.515-0.523 ms at one (PyTorch 0.507), 0.503-0.506 at two, 0.511 at three;
+#   gelu 0.507 either way, silu 0.505 -> 0.507 (PyTorch 0.507-0.508);
 # - one-operand bf16 kernels with special functions want four vectors a thread: silu
 #   forward 0.278 -> 0.275 ms (PyTorch 0.276); one vector ran 0.290.
 POINTWISE_LIGHT_TILE = (128, 1)
-POINTWISE_ONE_LOAD_TILE = {"f32": (128, 1), "bf16": (256, 4)}
+POINTWISE_ONE_LOAD_TILE = {"f32": (128, 2), "bf16": (256, 4)}
 # Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
 _CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign, sp.Piecewise)
 

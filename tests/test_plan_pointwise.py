@@ -41,7 +41,7 @@ def test_tiles():
     p = planner.KernelPlan("pointwise.cu.j2", planner.DTYPES, threads=256,
                            vec=tuple(planner.VEC.items()), unroll=4)
     assert planner.pointwise_tile(p, 2, "bf16", light=True) == planner.POINTWISE_LIGHT_TILE
-    assert planner.pointwise_tile(p, 1, "f32", light=False) == (128, 1)
+    assert planner.pointwise_tile(p, 1, "f32", light=False) == (128, 2)
     assert planner.pointwise_tile(p, 1, "bf16", light=False) == (256, 4)
     assert planner.pointwise_tile(p, 2, "f32", light=False) == (256, 4)
     assert planner.pointwise_tile(p, 3, "bf16", light=False) == (256, 4)
