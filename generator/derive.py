@@ -218,8 +218,8 @@ def _row(spec: OpSpec, temps: _Temps):
     sums: list[tuple[str, sp.Expr]] = []
     adjoint: dict[str, sp.Expr] = {}
     # A sum's row-constant factor is taken out of it: Σ c·f = c·Σ f, one multiply a row, and
-    # a sum of f alone may read no reduction (log-softmax's Σ dy), so that render_row can
-    # form it in the row's first sweep.
+    # a sum of f alone may read fewer reductions (log-softmax's Σ dy: none; softmax's
+    # Σ dy·exp(x - m): not z), so that render_row can form it in an earlier sweep.
     varying = [symbol(n) for n in elem_names] + [_d(o.name) for o in elem_out]
 
     def row_sum(name: str, term: sp.Expr) -> sp.Expr:

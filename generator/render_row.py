@@ -5,8 +5,8 @@ Each stage forms the reductions its later steps read: one sweep per level, a sum
 rescales with a stabilizer max in the max's sweep (ir.Online; block-per-row kernels only,
 warp-per-row ones keep the two-pass form, so a stage where one joins has a second device
 impl, `<op>_<stage>_online`), a sum that is one column's value read at that column
-(ir.Pick), and the backward's adjoint sums in the row's first sweep when they read no
-reduction and no output (derive has taken their row-constant factors out). Each kernel's
+(ir.Pick), and the backward's adjoint sums in the sweep after the last one forming a
+reduction they read (derive has taken their row-constant factors out). Each kernel's
 block, register slots and prefetch are the plan's (plan.RowShape).
 """
 from __future__ import annotations
@@ -109,12 +109,16 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     # costs no traffic and the two-pass form ran faster (H200, softmax bf16 262144 x 768:
     # forward 0.235 ms two-pass, 0.254 online).
     def reductions(later: list[dict], online: bool) -> list[dict]:
-        """The sweeps (and picks) that form what `later` reads; `early` (below), when read,
-        joins the first of them."""
+        """The sweeps (and picks) that form what `later` reads, the adjoint sums (when read)
+        among them: in the sweep after the last one forming a reduction they read (the
+        first sweep if they read none), or a sweep of their own after all of them."""
         moved = {pk.name for pk in body.picks} | ({o.name for o in body.online} if online else set())
         need = set().union(*(s["uses"] for s in later))
-        sweeps: list[dict] = []
-        first: tuple[ir.Pass, tuple[ir.Online, ...]] = (ir.Pass((), ir.Code((), ())), ())
+        adj = body.adjoint_pass
+        adj = adj if adj is not None and {n for n, _ in adj.ops} & need else None
+        adj_reads = pass_step(adj)["uses"] if adj is not None else set()
+        need |= adj_reads
+        passes: list[tuple[ir.Pass, tuple[ir.Online, ...]]] = []
         for ps in reversed(body.passes):
             own = {n for n, _ in ps.ops}
             joined = tuple(o for o in body.online
@@ -122,15 +126,20 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             need |= {o.max for o in joined}
             plain = tuple(o for o in ps.ops if o[0] in need and o[0] not in moved)
             if plain:
-                first = (ir.Pass(plain, ps.body.only({n for n, _ in plain})), joined)
-                sweeps.insert(0, pass_step(*first))
-                need |= sweeps[0]["uses"]
-        if early is not None and {n for n, _ in early.ops} & need:
-            ps, joined = first
-            merged = ir.Pass(ps.ops + early.ops, ir.Code(ps.body.temps + early.body.temps,
-                                                         ps.body.results + early.body.results))
-            sweeps[:1] = [pass_step(merged, joined)]
-        return [pick_step(pk) for pk in body.picks if pk.name in need] + sweeps
+                passes.insert(0, (ir.Pass(plain, ps.body.only({n for n, _ in plain})), joined))
+                need |= pass_step(*passes[0])["uses"]
+        if adj is not None:
+            formed = [{n for n, _ in ps.ops} | {o.name for o in joined} for ps, joined in passes]
+            at = max((i + 1 for i, names in enumerate(formed) if names & adj_reads), default=0)
+            if at < len(passes):
+                ps, joined = passes[at]
+                passes[at] = (ir.Pass(ps.ops + adj.ops,
+                                      ir.Code(ps.body.temps + adj.body.temps,
+                                              ps.body.results + adj.body.results)), joined)
+            else:
+                passes.append((adj, ()))
+        return ([pick_step(pk) for pk in body.picks if pk.name in need]
+                + [pass_step(*ps) for ps in passes])
 
     def row_step(b: Block, stores: list[str]) -> dict:
         return {"kind": "row", "block": b, "stores": stores, "uses": b.uses}
@@ -141,17 +150,13 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
 
     grads = body.elem_grads
     adjoints = block(body.adjoints, declare=False)
-    # The backward's adjoint sums get a sweep of their own, unless they read no forward
-    # reduction and no output (log-softmax's Σ dy, RMSNorm's Σ dy·w·x): then they join the
-    # row's first sweep, one sweep fewer.
-    reduced = ({n for ps in body.passes for n, _ in ps.ops} | {o.name for o in body.online}
-               | {pk.name for pk in body.picks} | set(elem_out) | set(row_out))
-    early = (body.adjoint_pass if body.adjoint_pass
-             and not block(body.adjoint_pass.body).uses & reduced else None)
-    adjoint_pass = [pass_step(body.adjoint_pass)] if body.adjoint_pass and not early else []
-    grad_steps = adjoint_pass + [row_step(adjoints, []),
-                                 elem_step(grads, [g for g in grads.names if g in d_rows],
-                                           [g for g in grads.names if g in d_weights])]
+    # The backward's adjoint sums (body.adjoint_pass) are placed by `reductions`: in the
+    # earliest sweep after the reductions they read (log-softmax's Σ dy and RMSNorm's
+    # Σ dy·w·x read none: the row's first sweep; LayerNorm's Σ dy·w·(x - mu) reads mu:
+    # var's sweep), one sweep fewer than a sweep of their own.
+    grad_steps = [row_step(adjoints, []),
+                  elem_step(grads, [g for g in grads.names if g in d_rows],
+                            [g for g in grads.names if g in d_weights])]
     needs_row_out = _uses(*(s["block"] for s in grad_steps),
                           *(s.get("consts") for s in grad_steps)) & set(row_out)
 

@@ -271,3 +271,18 @@ def test_adjoint_sums_that_read_a_reduction_keep_their_sweep():
     body = source[source.index("void softmax_backward_online("):]
     sweeps = re.findall(r"^    // (pass: [^\n]*)", body[:body.index("\n}\n")], re.M)
     assert [s.split(" =")[0] for s in sweeps] == ["pass: m", "pass: sum_dz"], sweeps
+
+
+@pytest.mark.parametrize("op,impl,sweeps", [
+    ("layernorm", "layernorm_backward", ["mu", "var, sum_dvar, sum_dmu"]),
+    ("softmax", "softmax_backward", ["m", "z, sum_dz"]),
+])
+def test_adjoint_sums_join_the_sweep_after_the_reductions_they_read(op, impl, sweeps):
+    """LayerNorm's Σ dy·w·(x - mu) reads mu, not var: it is formed in var's sweep; the
+    two-pass softmax's Σ dy·exp(x - m) reads m, not z: in z's sweep. One sweep, and one
+    reduction's latency, fewer than a sweep of their own."""
+    source = OPS[op].cuda.read_text()
+    body = source[source.index(f"void {impl}("):]
+    got = re.findall(r"^    // pass: ([^\n]*) of the per-element terms", body[:body.index("\n}\n")],
+                     re.M)
+    assert [", ".join(p.split(" = ")[0] for p in s.split(", ")) for s in got] == sweeps, got

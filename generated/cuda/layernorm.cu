@@ -279,7 +279,7 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
   // aligned bases; otherwise scalar.
   const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr) | reinterpret_cast<unsigned long long>(b_ptr)) % 16 == 0;
-  __shared__ float red_[2][32];
+  __shared__ float red_[3][32];
   const EgSplit whole_ = eg_split(x_ptr, cols_, vec_);   // every row's split
   // This worker's partial dw row. The cached columns: per warp in shared memory (in
   // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
@@ -422,66 +422,8 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       __syncthreads();  // red_ is reused by the next pass
     }
     const float mu = acc_mu_ / (float)cols_;
-    // pass: var = mean of the per-element terms
+    // pass: var = mean, sum_dvar = sum, sum_dmu = sum of the per-element terms
     float acc_var_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float var = (x - mu)*(x - mu);
-          if (in_) {
-            acc_var_ += var;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float var = (x - mu)*(x - mu);
-          if (in_) {
-            acc_var_ += var;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float var = (x - mu)*(x - mu);
-        acc_var_ += var;
-      }
-    }
-
-    acc_var_ = eg_warp_sum(acc_var_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_var_;
-      }
-      __syncthreads();
-      // every warp merges the block's warp results with the same butterfly, a lane a warp
-      // (lanes past the block's warps hold the identity): a few shuffles rather than a
-      // loop over the warps in each thread
-      const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_var_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
-      __syncthreads();  // red_ is reused by the next pass
-    }
-    const float var = acc_var_ / (float)cols_;
-    // pass: sum_dvar = sum, sum_dmu = sum of the per-element terms
     float acc_sum_dvar_ = 0.0f;
     float acc_sum_dmu_ = 0.0f;
 #pragma unroll
@@ -502,9 +444,11 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float w = w_w_[e_];
         {
           const float t0 = dy*w;
+          const float var = (x - mu)*(x - mu);
           const float sum_dvar = t0*(x - mu);
           const float sum_dmu = t0;
           if (in_) {
+            acc_var_ += var;
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
           }
@@ -527,9 +471,11 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
         const float w = w_w_[e_];
         {
           const float t0 = dy*w;
+          const float var = (x - mu)*(x - mu);
           const float sum_dvar = t0*(x - mu);
           const float sum_dmu = t0;
           if (in_) {
+            acc_var_ += var;
             acc_sum_dvar_ += sum_dvar;
             acc_sum_dmu_ += sum_dmu;
           }
@@ -543,29 +489,35 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const float w = eg_load(w_ptr, col_);
       {
         const float t0 = dy*w;
+        const float var = (x - mu)*(x - mu);
         const float sum_dvar = t0*(x - mu);
         const float sum_dmu = t0;
+        acc_var_ += var;
         acc_sum_dvar_ += sum_dvar;
         acc_sum_dmu_ += sum_dmu;
       }
     }
 
+    acc_var_ = eg_warp_sum(acc_var_);
     acc_sum_dvar_ = eg_warp_sum(acc_sum_dvar_);
     acc_sum_dmu_ = eg_warp_sum(acc_sum_dmu_);
     if (!WARP) {
       if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_sum_dvar_;
-        red_[1][lane_ / 32] = acc_sum_dmu_;
+        red_[0][lane_ / 32] = acc_var_;
+        red_[1][lane_ / 32] = acc_sum_dvar_;
+        red_[2][lane_ / 32] = acc_sum_dmu_;
       }
       __syncthreads();
       // every warp merges the block's warp results with the same butterfly, a lane a warp
       // (lanes past the block's warps hold the identity): a few shuffles rather than a
       // loop over the warps in each thread
       const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_sum_dvar_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
-      acc_sum_dmu_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      acc_var_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dvar_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      acc_sum_dmu_ = eg_warp_sum(has_ ? red_[2][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
+    const float var = acc_var_ / (float)cols_;
     const float sum_dvar = acc_sum_dvar_;
     const float sum_dmu = acc_sum_dmu_;
     // per row: dmu, dvar

@@ -510,7 +510,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   // row of each splits at the same columns; otherwise scalar.
   const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
-  __shared__ float red_[1][32];
+  __shared__ float red_[2][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
@@ -612,66 +612,8 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       __syncthreads();  // red_ is reused by the next pass
     }
     const float m = acc_m_;
-    // pass: z = sum of the per-element terms
+    // pass: z = sum, sum_dz = sum of the per-element terms
     float acc_z_ = 0.0f;
-#pragma unroll
-    for (int s_ = 0; s_ < SLOTS; ++s_) {
-      const int g0_ = s_ * lanes_ * VEC;
-      float x_r_[VEC];
-      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float z = expf(x - m);
-          if (in_) {
-            acc_z_ += z;
-          }
-        }
-      }
-    }
-    if (lane_ < eg_edge_count(sp_, cols_)) {
-      const int col_ = eg_edge_col(sp_, lane_);
-      const float x = eg_load(x_row_, col_);
-      {
-        const float z = expf(x - m);
-        acc_z_ += z;
-      }
-    }
-
-    acc_z_ = eg_warp_sum(acc_z_);
-    if (!WARP) {
-      if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_z_;
-      }
-      __syncthreads();
-      // every warp merges the block's warp results with the same butterfly, a lane a warp
-      // (lanes past the block's warps hold the identity): a few shuffles rather than a
-      // loop over the warps in each thread
-      const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
-      __syncthreads();  // red_ is reused by the next pass
-    }
-    const float z = acc_z_;
-    // pass: sum_dz = sum of the per-element terms
     float acc_sum_dz_ = 0.0f;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
@@ -687,8 +629,10 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
+          const float z = expf(x - m);
           const float sum_dz = dy*expf(x - m);
           if (in_) {
+            acc_z_ += z;
             acc_sum_dz_ += sum_dz;
           }
         }
@@ -706,8 +650,10 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
+          const float z = expf(x - m);
           const float sum_dz = dy*expf(x - m);
           if (in_) {
+            acc_z_ += z;
             acc_sum_dz_ += sum_dz;
           }
         }
@@ -718,24 +664,30 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const float x = eg_load(x_row_, col_);
       const float dy = eg_load(dy_row_, col_);
       {
+        const float z = expf(x - m);
         const float sum_dz = dy*expf(x - m);
+        acc_z_ += z;
         acc_sum_dz_ += sum_dz;
       }
     }
 
+    acc_z_ = eg_warp_sum(acc_z_);
     acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
     if (!WARP) {
       if (lane_ % 32 == 0) {
-        red_[0][lane_ / 32] = acc_sum_dz_;
+        red_[0][lane_ / 32] = acc_z_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
       }
       __syncthreads();
       // every warp merges the block's warp results with the same butterfly, a lane a warp
       // (lanes past the block's warps hold the identity): a few shuffles rather than a
       // loop over the warps in each thread
       const bool has_ = lane_ % 32 < lanes_ / 32;
-      acc_sum_dz_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
       __syncthreads();  // red_ is reused by the next pass
     }
+    const float z = acc_z_;
     const float sum_dz = acc_sum_dz_;
     // per row: dz
     float dz;
