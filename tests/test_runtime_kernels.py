@@ -166,11 +166,15 @@ class Emulator:
                 v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
         elif kernel.stage == "backward_merge":
             v["keys"][...] = np.sort(v["tiled"])
+        elif kernel.stage == "backward_bounds":
+            v["starts"][...] = np.searchsorted(np.asarray(v["keys"]) >> 32,
+                                               np.arange(int(v["V"]) + 1))
         elif kernel.stage == "backward_wte":
-            C, keys = int(v["C"]), np.asarray(v["keys"])
+            C, keys, starts = int(v["C"]), np.asarray(v["keys"]), np.asarray(v["starts"])
+            assert (np.diff(starts) >= 0).all() and starts[-1] == keys.size
             rows = v["dout"].reshape(-1, C)
             if not v["accumulate"]:
-                v["dwte"][np.unique(keys >> 32)] = 0
+                v["dwte"][...] = 0                 # every row is written: absent ids get zeros
             np.add.at(v["dwte"], keys >> 32, rows[keys & 0xFFFFFFFF])
         else:
             B, T, C = int(v["B"]), int(v["T"]), int(v["C"])
@@ -326,8 +330,8 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
     ids = rng.integers(0, 3, (2, 5000)).astype(np.int32)   # several sort tiles
     wte = rng.standard_normal((3, 8)).astype(np.float32)
     dout = rng.standard_normal((2, 5000, 8)).astype(np.float32)
-    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape), np.nan,
-                     np.float32))
+    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape,
+                                        rows=wte.shape[0]), np.nan, np.float32))
     emu.launches.clear()
 
     def refuse(*args, **kwargs):
@@ -338,10 +342,12 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
         got = gpu.backward("embedding", dev(ids), dev(wte), None, dev(dout), workspace=ws)
     assert [n for n, *_ in emu.launches] == ["embedding_backward_sort_f32",
                                               "embedding_backward_merge_f32",
+                                              "embedding_backward_bounds_f32",
                                               "embedding_backward_wte_f32"]
     tile = gpu.op("embedding").kernel("backward_sort", "f32").plan["tile"]
     assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
-    assert np.shares_memory(emu.launches[2][3]["keys"], ws)
+    wte_launch = emu.launches[3][3]
+    assert np.shares_memory(wte_launch["keys"], ws) and np.shares_memory(wte_launch["starts"], ws)
     close(got[0], ref.backward("embedding", ids, wte, None, dout)[0])
     assert got[1] is None
 
