@@ -311,7 +311,7 @@ def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...
 
 EMBEDDING_THREADS = 256
 EMBEDDING_WTE_UNITS = 128             # channel units (16-byte vectors) a dwte block row takes
-EMBEDDING_WTE_ROWS = 4                # vocab rows per dwte block: rows without ids are one store
+EMBEDDING_WTE_ROWS = 2                # vocab rows per dwte block (192 threads at C = 768)
 EMBEDDING_SORT_THREADS = 1024
 EMBEDDING_TILE = 2 * EMBEDDING_SORT_THREADS   # keys a block sorts: two a thread
 EMBEDDING_MERGE_WAYS = 16             # tiles whose binary searches a merge thread runs at once

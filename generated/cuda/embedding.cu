@@ -323,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(256) embedding_backward_bounds_f32(
     const long long* keys, int* starts, int n, int V) {
   embedding_run_bounds(keys, starts, n, V);
 }
-extern "C" __global__ void __launch_bounds__(512) embedding_backward_wte_f32(
+extern "C" __global__ void __launch_bounds__(256) embedding_backward_wte_f32(
     const float* dout, const long long* keys, const int* starts, float* dwte, int V,
     int C, int vec, int accumulate) {
   embedding_backward_wte<float>(dout, keys, starts, dwte, V, C, vec, accumulate);
@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(256) embedding_backward_bounds_bf16
     const long long* keys, int* starts, int n, int V) {
   embedding_run_bounds(keys, starts, n, V);
 }
-extern "C" __global__ void __launch_bounds__(512) embedding_backward_wte_bf16(
+extern "C" __global__ void __launch_bounds__(256) embedding_backward_wte_bf16(
     const __nv_bfloat16* dout, const long long* keys, const int* starts, __nv_bfloat16* dwte, int V,
     int C, int vec, int accumulate) {
   embedding_backward_wte<__nv_bfloat16>(dout, keys, starts, dwte, V, C, vec, accumulate);
