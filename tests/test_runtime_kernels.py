@@ -319,11 +319,30 @@ def test_embedding_backward_groups_repeated_ids_and_matches_numpy(libs, emu):
 
 @needs_manifest
 @pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
+def test_embedding_backward_of_no_ids_launches_nothing_and_zeroes_what_it_writes(libs, emu):
+    """n = 0: no kernel to launch (the sort's grid would be empty); written gradients are
+    zeros, accumulated ones stay as they were."""
+    gpu, _ = libs
+    ids = np.zeros((0, 4), np.int32)
+    wte, wpe = np.ones((5, 8), np.float32), np.ones((6, 8), np.float32)
+    dout = np.zeros((0, 4, 8), np.float32)
+    emu.launches.clear()
+    for add in (False, True):
+        dwte, dwpe = dev(np.full_like(wte, 3)), dev(np.full_like(wpe, 3))
+        gpu.backward("embedding", dev(ids), dev(wte), dev(wpe), dev(dout), out=(dwte, dwpe),
+                     accumulate=(add, add))
+        assert (np.asarray(dwte) == (3 if add else 0)).all()
+        assert (np.asarray(dwpe) == (3 if add else 0)).all()
+    assert not emu.launches
+
+
+@needs_manifest
+@pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
 def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, emu,
                                                                          monkeypatch):
     """No host read of a device array (on a GPU, a sync): the range check is the kernels',
-    and sort, merge and run sums are three launches (no positions here) whose sort keys
-    live in the caller's workspace, so a planned step allocates nothing."""
+    and sort, merge, run starts and row sums are four launches (no positions here) whose
+    keys and starts live in the caller's workspace, so a planned step allocates nothing."""
     from eulergen.runtime.cuda_ops import workspace_elements
     gpu, ref = libs
     rng = np.random.default_rng(8)
