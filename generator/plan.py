@@ -49,8 +49,8 @@ update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dt
            are the storage dtype; launch once per weight-decay range.
 embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on the device.
            backward (n = BT ids, a planned workspace: int64 `tiled` and `keys` of n each,
-           int32 `starts` of V + 1): backward_sort: tile, grid = cdiv(n, tile) (a block of
-           tile / 2 threads sorts one tile of keys id << 32 | position); backward_merge:
+           int32 `starts` of V + 1): backward_sort: tile, grid = cdiv(n, tile) (a block sorts
+           one tile of keys id << 32 | position, tile / threads a thread); backward_merge:
            grid = cdiv(n, threads) (each key to its rank); backward_bounds: grid =
            cdiv(V + 1, threads) (starts[v]: where id v's run begins); backward_wte: block
            (tx, threads_y) with tx = round_up(cdiv(u, cdiv(u, threads_x)), 32) for u = C / w
@@ -312,8 +312,9 @@ def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...
 EMBEDDING_THREADS = 256
 EMBEDDING_WTE_UNITS = 128             # channel units (16-byte vectors) a dwte block row takes
 EMBEDDING_WTE_ROWS = 2                # vocab rows per dwte block (192 threads at C = 768)
-EMBEDDING_SORT_THREADS = 1024
-EMBEDDING_TILE = 2 * EMBEDDING_SORT_THREADS   # keys a block sorts: two a thread
+EMBEDDING_SORT_KEYS = 8               # keys a sort thread holds in registers
+EMBEDDING_SORT_THREADS = 256
+EMBEDDING_TILE = EMBEDDING_SORT_KEYS * EMBEDDING_SORT_THREADS   # keys a block sorts: 2048
 EMBEDDING_MERGE_WAYS = 16             # tiles whose binary searches a merge thread runs at once
 
 

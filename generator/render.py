@@ -240,6 +240,7 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
     source = _template("embedding.cu.j2", header=header_line, dtypes=dtypes,
                        threads=planner.EMBEDDING_THREADS,
                        sort_threads=planner.EMBEDDING_SORT_THREADS,
+                       sort_keys=planner.EMBEDDING_SORT_KEYS,
                        tile=planner.EMBEDDING_TILE, merge_ways=planner.EMBEDDING_MERGE_WAYS,
                        wte_threads=planner.EMBEDDING_WTE_UNITS * planner.EMBEDDING_WTE_ROWS)
     sigs = []

@@ -535,8 +535,9 @@ def test_embedding_id_outside_the_table_traps():
                wte=np.zeros((13, 4), np.float32), wpe=None,
                out=np.zeros((1, 3, 4), np.float32), BT=3, T=3, C=4, V=13)
     with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
-        launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
-               tiled=np.zeros(2, np.int64), n=2, V=13)
+        launch("embedding", "embedding_backward_sort_f32", 1,
+               OPS["embedding"]["kernels"]["embedding_backward_sort_f32"]["plan"]["threads"],
+               ids=np.int32([-1, 2]), tiled=np.zeros(2, np.int64), n=2, V=13)
 
 
 # ---- row kernels with -inf entries (online max and sum) ------------------------------------
