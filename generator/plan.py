@@ -48,16 +48,13 @@ pair       blocks loop over the tokens in (b, t) order, each taking every grid-t
 update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
            are the storage dtype; launch once per weight-decay range.
 embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on the device.
-           backward (n = BT ids, a planned workspace: int64 `tiled` and `keys` of n each,
-           int32 `starts` of V + 1): backward_sort: tile, grid = cdiv(n, tile) (a block sorts
-           one tile of keys id << 32 | position, tile / threads a thread); backward_merge:
-           grid = cdiv(n, threads) (each key to its rank); backward_bounds: grid =
-           cdiv(V + 1, threads) (starts[v]: where id v's run begins); backward_wte: block
-           (tx, threads_y) with tx = round_up(cdiv(u, cdiv(u, threads_x)), 32) for u = C / w
-           channel units, w = vec when the `vec` argument is 1 (C % vec == 0 and dout, dwte
-           16-byte aligned), else 1; grid = (cdiv(V, threads_y), cdiv(u, tx)): every row of
-           dwte, one block row each; backward_wpe: vec, grid = cdiv(T · C, vec · threads).
-           Both backward_w* add into their output when `accumulate` is 1.
+           backward (n = BT ids, a planned int64 workspace `tiled` and `keys` of n each):
+           backward_sort: tile, grid = cdiv(n, tile) (a block sorts one tile of keys
+           id << 32 | position); backward_merge: grid = cdiv(n, threads) (each key to its
+           rank); backward_wte: block (threads_x = channel units per block, 1), grid = (n,
+           cdiv(C / w, threads_x)) with w = vec when the `vec` argument is 1 (C % vec == 0
+           and dout, dwte 16-byte aligned), else 1; backward_wpe: vec, grid = cdiv(T · C,
+           vec · threads). Both backward_w* add into their output when `accumulate` is 1.
            The sort kernels read no floats; each dtype has its copy, so that every stage
            is looked up by (stage, dtype).
 """
@@ -321,12 +318,9 @@ def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...
 
 
 EMBEDDING_THREADS = 256
-EMBEDDING_WTE_UNITS = 128             # channel units (16-byte vectors) a dwte block row takes
-EMBEDDING_WTE_ROWS = 2                # vocab rows per dwte block (192 threads at C = 768)
-EMBEDDING_SORT_KEYS = 8               # keys a sort thread holds in registers
-EMBEDDING_SORT_THREADS = 256
-EMBEDDING_TILE = EMBEDDING_SORT_KEYS * EMBEDDING_SORT_THREADS   # keys a block sorts: 2048
-EMBEDDING_MERGE_WAYS = 16             # tiles whose binary searches a merge thread runs at once
+EMBEDDING_WTE_UNITS = 128             # channel units (16-byte vectors) per block of the dwte kernel
+EMBEDDING_SORT_THREADS = 1024
+EMBEDDING_TILE = 2 * EMBEDDING_SORT_THREADS   # keys a block sorts: one compare-exchange a thread
 
 
 def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
@@ -335,8 +329,7 @@ def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
     if stage == "backward_sort":
         return (("threads", EMBEDDING_SORT_THREADS), ("tile", EMBEDDING_TILE),
                 ("grid_max", None))
-    if stage in ("backward_merge", "backward_bounds"):
+    if stage == "backward_merge":
         return (("threads", EMBEDDING_THREADS), ("tile", EMBEDDING_TILE), ("grid_max", None))
-    return (("threads", EMBEDDING_WTE_UNITS * EMBEDDING_WTE_ROWS),
-            ("threads_x", EMBEDDING_WTE_UNITS), ("threads_y", EMBEDDING_WTE_ROWS),
+    return (("threads", EMBEDDING_WTE_UNITS), ("threads_x", EMBEDDING_WTE_UNITS),
             ("vec", VEC[dtype]), ("grid_max", None))

@@ -240,9 +240,7 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
     source = _template("embedding.cu.j2", header=header_line, dtypes=dtypes,
                        threads=planner.EMBEDDING_THREADS,
                        sort_threads=planner.EMBEDDING_SORT_THREADS,
-                       sort_keys=planner.EMBEDDING_SORT_KEYS,
-                       tile=planner.EMBEDDING_TILE, merge_ways=planner.EMBEDDING_MERGE_WAYS,
-                       wte_threads=planner.EMBEDDING_WTE_UNITS * planner.EMBEDDING_WTE_ROWS)
+                       tile=planner.EMBEDDING_TILE, wte_threads=planner.EMBEDDING_WTE_UNITS)
     sigs = []
     for dt in planner.DTYPES:
         c = planner.CTYPE[dt]
@@ -254,11 +252,9 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
                                ("V", "int"))),
             ("backward_merge", (("tiled", "const long long*"), ("keys", "long long*"),
                                 ("n", "int"))),
-            ("backward_bounds", (("keys", "const long long*"), ("starts", "int*"),
-                                 ("n", "int"), ("V", "int"))),
             ("backward_wte", (("dout", f"const {c}*"), ("keys", "const long long*"),
-                              ("starts", "const int*"), ("dwte", f"{c}*"), ("V", "int"),
-                              ("C", "int"), ("vec", "int"), ("accumulate", "int"))),
+                              ("dwte", f"{c}*"), ("n", "int"), ("C", "int"), ("vec", "int"),
+                              ("accumulate", "int"))),
             ("backward_wpe", (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"),
                               ("T", "int"), ("C", "int"), ("accumulate", "int"))),
         )

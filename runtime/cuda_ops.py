@@ -83,12 +83,10 @@ def _aligned(n: int) -> int:
     return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
-def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
-                       rows: int | None = None) -> int:
+def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32") -> int:
     """The float32 elements a `stage` call of `op` needs from a caller's `workspace` (0:
-    none) for inputs of `shape` (a row op's row input, attention's q [B, T, H, D], the
-    embedding's ids; `rows`: the embedding table's rows, which its backward needs too).
-    Pure: a memory planner calls it without a GPU."""
+    none) for inputs of `shape` (a row op's row input, attention's q [B, T, H, D]). Pure:
+    a memory planner calls it without a GPU."""
     if op.kind == "row":
         sig = _row_sig(op, stage)
         if not sig.wgrads:
@@ -101,17 +99,8 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
         B, T, H, _ = shape
         return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
     if op.kind == "embedding" and stage == "backward":
-        if rows is None:
-            raise EulerError(f"{op.name}: the backward's workspace depends on the table's rows: "
-                             "pass rows=", file=op.spec, key="workspace")
-        return sum(_aligned(prod(s)) for s in _embedding_workspace(prod(shape), rows))
+        return 2 * _aligned(2 * prod(shape))    # int64 sort keys, tiled and merged (shape: ids')
     return 0
-
-
-def _embedding_workspace(n: int, rows: int) -> list[tuple[int]]:
-    """float32 shapes of the embedding backward's workspace: int64 sort keys, tiled and
-    merged, then int32 starts of each id's run (rows + 1)."""
-    return [(2 * n,), (2 * n,), (rows + 1,)]
 
 
 def _carve(op: OpEntry, workspace, shapes) -> list:
@@ -383,11 +372,10 @@ class CudaOps:
                             accumulate: tuple) -> tuple:
         """(dwte, dwpe), each written or, where `accumulate` says so, added to. No host
         sync: the ids are sorted on the device by keys id << 32 | position (unique, so
-        equal ids stay in token order) and each id's run found in them; then every row of
-        dwte is written once, by one block row: its run's rows of dout summed in token
-        order onto 0 (zeros for an id that does not occur: no fill) or onto the row. Each
-        element has one writer and one summation order: a rerun gives the same bits. The
-        keys live in `workspace` (planned) or in the library's own buffer."""
+        equal ids stay in token order), then the first key of each run of equal ids sums
+        that run's rows of dout into dwte. Each element has one writer and one summation
+        order: a rerun gives the same bits. The keys live in `workspace` (planned) or in
+        the library's own buffer."""
         ids, wte, wpe, dout = args
         T, C = self._embedding_check(op, "backward", ids, wte, wpe)
         dtype = storage_dtype_name(wte)
@@ -401,24 +389,21 @@ class CudaOps:
         wte_k = op.kernel("backward_wte", dtype)
         grads = _outputs(wte_k, names, shapes, given, op, "backward")
         add_wte, add_wpe = accumulate
-        n, V = ids.size, wte.shape[0]
+        n = ids.size
+        if not add_wte:
+            grads[0].fill(0)                 # rows of ids that do not occur get no writer
         if wpe is not None and not add_wpe:
             grads[1][T if n else 0:].fill(0)   # positions the wpe kernel does not write
         if not n:
-            if not add_wte:
-                grads[0].fill(0)
             return grads + ((None,) if wpe is None else ())
         launcher = self.launcher(op)
-        keys, starts = self._embedding_sort(op, dtype, ids, V, workspace)
-        plan = wte_k.plan
-        use_vec = C % plan["vec"] == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
-        units = C // plan["vec"] if use_vec else C
-        chunks = cdiv(units, plan["threads_x"])
-        threads_x = cdiv(cdiv(units, chunks), 32) * 32   # the row's units over fewest chunks
-        launcher.launch(wte_k, (cdiv(V, plan["threads_y"]), chunks),
-                        (threads_x, plan["threads_y"]),
-                        {"dout": dout, "keys": keys, "starts": starts, "dwte": grads[0], "V": V,
-                         "C": C, "vec": int(use_vec), "accumulate": int(add_wte)})
+        keys = self._embedding_sort(op, dtype, ids, wte.shape[0], workspace)
+        vec = wte_k.plan["vec"]
+        use_vec = C % vec == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
+        units = C // vec if use_vec else C
+        launcher.launch(wte_k, (n, cdiv(units, wte_k.plan["threads_x"])), wte_k.plan["threads_x"],
+                        {"dout": dout, "keys": keys, "dwte": grads[0], "n": n, "C": C,
+                         "vec": int(use_vec), "accumulate": int(add_wte)})
         if wpe is not None:
             wpe_k = op.kernel("backward_wpe", dtype)
             plan = wpe_k.plan
@@ -428,24 +413,18 @@ class CudaOps:
         return grads + ((None,) if wpe is None else ())
 
     def _embedding_sort(self, op: OpEntry, dtype: str, ids, rows: int, workspace):
-        """The keys id << 32 | position of `ids`, sorted (int64 [n]), and where each id's
-        run of them starts (int32 [rows + 1]), in `workspace` or the library's own buffer:
-        each tile sorted in shared memory, every key put at its rank, then a search of the
-        keys per id. Three launches, no host read; an id outside [0, rows) traps."""
+        """The keys id << 32 | position of `ids`, sorted (int64 [n]), in `workspace` or the
+        library's own buffer: each tile sorted in shared memory, then every key put at its
+        rank. Two launches, no host read; an id outside [0, rows) traps."""
         n = ids.size
-        if workspace is None:
-            need = workspace_elements(op, "backward", ids.shape, rows=rows)
-            workspace = self._workspace(op, "keys", 1, need).reshape(-1)
-        tiled, keys, starts = _carve(op, workspace, _embedding_workspace(n, rows))
-        tiled, keys, starts = tiled.view(np.int64), keys.view(np.int64), starts.view(np.int32)
+        if workspace is not None:
+            tiled, keys = (v.view(np.int64) for v in _carve(op, workspace, [(2 * n,)] * 2))
+        else:
+            tiled, keys = (v.view(np.int64) for v in self._workspace(op, "keys", 2, 2 * n))
         sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)
-        bounds_k = op.kernel("backward_bounds", dtype)
         launcher = self.launcher(op)
         launcher.launch(sort_k, cdiv(n, sort_k.plan["tile"]), sort_k.plan["threads"],
                         {"ids": ids, "tiled": tiled, "n": n, "V": rows})
         launcher.launch(merge_k, cdiv(n, merge_k.plan["threads"]), merge_k.plan["threads"],
                         {"tiled": tiled, "keys": keys, "n": n})
-        launcher.launch(bounds_k, cdiv(rows + 1, bounds_k.plan["threads"]),
-                        bounds_k.plan["threads"], {"keys": keys, "starts": starts, "n": n,
-                                                   "V": rows})
-        return keys, starts
+        return keys

@@ -431,87 +431,37 @@ def test_update_step_matches_numpy(name, dtype):
             close(got[o["name"]].astype(np.float64), ref[o["name"]], TOL["f32"], f"{k} {o['name']}")
 
 
-def _embedding_runs(ids: np.ndarray, dtype: str, V: int) -> tuple[np.ndarray, np.ndarray]:
-    """The backward's device sort (tiles sorted in shared memory, then merged by rank) and
-    where each id's run starts in it: sorted keys int64 [n], starts int32 [V + 1]."""
+def _embedding_keys(ids: np.ndarray, dtype: str) -> np.ndarray:
+    """The backward's device sort: tiles sorted in shared memory, then merged by rank."""
     n = ids.size
-    kernels = OPS["embedding"]["kernels"]
-    p = kernels[f"embedding_backward_sort_{dtype}"]["plan"]
-    tiled = launch("embedding", f"embedding_backward_sort_{dtype}", cdiv(n, p["tile"]),
-                   p["threads"], ids=ids, tiled=np.full(n, -1, np.int64), n=n, V=V)["tiled"]
-    p = kernels[f"embedding_backward_merge_{dtype}"]["plan"]
-    keys = launch("embedding", f"embedding_backward_merge_{dtype}", cdiv(n, p["threads"]),
-                  p["threads"], tiled=tiled, keys=np.full(n, -1, np.int64), n=n)["keys"]
-    p = kernels[f"embedding_backward_bounds_{dtype}"]["plan"]
-    starts = launch("embedding", f"embedding_backward_bounds_{dtype}", cdiv(V + 1, p["threads"]),
-                    p["threads"], keys=keys, starts=np.full(V + 1, -1, np.int32), n=n,
-                    V=V)["starts"]
-    return keys, starts
-
-
-@pytest.mark.parametrize("n,vocab", [(5000, 7), (5000, 100000), (2048, 3), (1, 1),
-                                     (16 * 2048 + 100, 50), (17 * 2048, 40000)])
-def test_embedding_sort_orders_ids_and_finds_each_ids_run(n, vocab):
-    """Keys id << 32 | position come out sorted: by id, and equal ids in token order, over
-    several tiles (5000: a partial last one), exactly one tile, one id, and more tiles than
-    a merge thread searches at once (17); starts[v] is where id v's run begins, for ids
-    that occur and ids that do not, up to starts[V] = n."""
-    ids = np.random.default_rng(n + vocab).integers(0, vocab, n).astype(np.int32)
-    V = vocab + 5                                        # rows past every id
-    keys, starts = _embedding_runs(ids, "f32", V)
-    want = np.sort((ids.astype(np.int64) << 32) | np.arange(n))
-    assert (keys == want).all()
-    assert (starts == np.searchsorted(want >> 32, np.arange(V + 1))).all()
-
-
-def _embedding_ids(rng, B: int, T: int, V: int) -> np.ndarray:
-    """ids over [0, V - 3): three rows without ids (and more by chance); a run longer than
-    two fetch batches (9 > 2 · RUN_BATCH), one of exactly two (8), and the last run ending
-    at the last key."""
-    ids = rng.integers(0, V - 3, (B, T)).astype(np.int32)
-    ids[0, :9] = 4
-    ids[1, 3:11] = 6
-    ids[1, -1] = V - 4
-    return ids
-
-
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("C", [64, 50])
-def test_embedding_backward_wte_writes_every_row_as_np_add_at(C, dtype):
-    """Each row of dwte is written once: its ids' dout rows summed in token order in
-    float32, onto 0 (rows of absent ids get zeros) or, accumulating, onto the old row
-    (absent ids' rows stay as they were): np.add.at in float32, to the bit. C = 50 takes
-    the one-element path; a block row takes several vocab rows."""
-    rng = np.random.default_rng(C)
-    B, T, V = 3, 700, 40                  # n = 2100: a tile and a bit
-    ids = _embedding_ids(rng, B, T, V)
-    keys, starts = _embedding_runs(ids, dtype, V)
-    dout = stored(rng.uniform(-1, 1, (B * T, C)), dtype)
-    k = f"embedding_backward_wte_{dtype}"
+    k = f"embedding_backward_sort_{dtype}"
     p = OPS["embedding"]["kernels"][k]["plan"]
-    vec = int(C % p["vec"] == 0)
-    units = C // p["vec"] if vec else C
-    chunks = cdiv(units, p["threads_x"])
-    block = (cdiv(cdiv(units, chunks), 32) * 32, p["threads_y"])
-    widen = (lambda a: from_bf16(a)) if dtype == "bf16" else (lambda a: a)
-    for accumulate in (0, 1):
-        base = stored(rng.uniform(-1, 1, (V, C)) if accumulate else np.full((V, C), np.nan), dtype)
-        got = launch("embedding", k, (cdiv(V, p["threads_y"]), chunks), block, dout=dout,
-                     keys=keys, starts=starts, dwte=base, V=V, C=C, vec=vec,
-                     accumulate=accumulate)["dwte"]
-        want = widen(base).astype(np.float32) if accumulate else np.zeros((V, C), np.float32)
-        np.add.at(want, ids.reshape(-1), widen(dout).astype(np.float32))
-        assert got.tobytes() == stored(want, dtype).tobytes(), f"{k} accumulate={accumulate}"
-        absent = np.setdiff1d(np.arange(V), ids)
-        assert absent.size >= 3 and (got[absent] == (base[absent] if accumulate else 0)).all()
+    tiled = launch("embedding", k, cdiv(n, p["tile"]), p["threads"], ids=ids,
+                   tiled=np.full(n, -1, np.int64), n=n, V=int(ids.max()) + 1)["tiled"]
+    k = f"embedding_backward_merge_{dtype}"
+    p = OPS["embedding"]["kernels"][k]["plan"]
+    return launch("embedding", k, cdiv(n, p["threads"]), p["threads"], tiled=tiled,
+                  keys=np.full(n, -1, np.int64), n=n)["keys"]
+
+
+@pytest.mark.parametrize("n,vocab", [(5000, 7), (5000, 100000), (2048, 3), (1, 1)])
+def test_embedding_sort_orders_ids_and_keeps_token_order_within_an_id(n, vocab):
+    """Keys id << 32 | position come out sorted: by id, and equal ids in token order, over
+    several tiles (5000 > 2 · 2048), exactly one tile, and one id."""
+    ids = np.random.default_rng(n + vocab).integers(0, vocab, n).astype(np.int32)
+    got = _embedding_keys(ids, "f32")
+    want = np.sort((ids.astype(np.int64) << 32) | np.arange(n))
+    assert (got == want).all()
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("C,with_wpe", [(64, True), (64, False), (50, True)])
-def test_embedding_gather_and_position_gradient(C, with_wpe, dtype):
+def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
     rng = np.random.default_rng(C)
     B, T, V = 2, 9, 13
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    ids[0, :6] = 4                                   # a run longer than a fetch batch
+    ids[1, :8] = V - 1                               # the last run: it ends at the last key
     wte, wpe = inputs_as_stored([rng.uniform(-1, 1, (V, C)), rng.uniform(-1, 1, (T, C))], dtype)
     k = f"embedding_forward_{dtype}"
     got = launch("embedding", k, 2, 64, ids=ids, wte=stored(wte, dtype),
@@ -520,6 +470,23 @@ def test_embedding_gather_and_position_gradient(C, with_wpe, dtype):
     close(value(got["out"], dtype), wte[ids] + (wpe[None] if with_wpe else 0), TOL[dtype], k)
 
     dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
+    flat = ids.reshape(-1)
+    keys = _embedding_keys(ids, dtype)
+    k = f"embedding_backward_wte_{dtype}"
+    p = OPS["embedding"]["kernels"][k]["plan"]
+    vec = int(C % p["vec"] == 0)
+    units = C // p["vec"] if vec else C
+    for accumulate in (0, 1):
+        base = np.ones((V, C)) if accumulate else np.full((V, C), np.nan)
+        got = launch("embedding", k, (flat.size, cdiv(units, p["threads_x"])), p["threads_x"],
+                     dout=stored(dout, dtype), keys=keys, dwte=stored(base, dtype), n=flat.size,
+                     C=C, vec=vec, accumulate=accumulate)
+        want = np.full((V, C), float(accumulate))
+        np.add.at(want, flat, dout.reshape(-1, C))
+        seen = np.unique(flat)
+        close(value(got["dwte"], dtype)[seen], want[seen], TOL[dtype], f"{k} accumulate={accumulate}")
+        assert np.isnan(value(got["dwte"], dtype)).sum() == (V - seen.size) * C * (1 - accumulate), \
+            "dwte rows of absent ids are the caller's (the runtime zero-fills them)"
     k = f"embedding_backward_wpe_{dtype}"
     for accumulate in (0, 1):
         got = launch("embedding", k, 2, 64, dout=stored(dout, dtype),
@@ -535,9 +502,8 @@ def test_embedding_id_outside_the_table_traps():
                wte=np.zeros((13, 4), np.float32), wpe=None,
                out=np.zeros((1, 3, 4), np.float32), BT=3, T=3, C=4, V=13)
     with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
-        launch("embedding", "embedding_backward_sort_f32", 1,
-               OPS["embedding"]["kernels"]["embedding_backward_sort_f32"]["plan"]["threads"],
-               ids=np.int32([-1, 2]), tiled=np.zeros(2, np.int64), n=2, V=13)
+        launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
+               tiled=np.zeros(2, np.int64), n=2, V=13)
 
 
 # ---- row kernels with -inf entries (online max and sum) ------------------------------------

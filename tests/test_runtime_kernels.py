@@ -166,15 +166,11 @@ class Emulator:
                 v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
         elif kernel.stage == "backward_merge":
             v["keys"][...] = np.sort(v["tiled"])
-        elif kernel.stage == "backward_bounds":
-            v["starts"][...] = np.searchsorted(np.asarray(v["keys"]) >> 32,
-                                               np.arange(int(v["V"]) + 1))
         elif kernel.stage == "backward_wte":
-            C, keys, starts = int(v["C"]), np.asarray(v["keys"]), np.asarray(v["starts"])
-            assert (np.diff(starts) >= 0).all() and starts[-1] == keys.size
+            C, keys = int(v["C"]), np.asarray(v["keys"])
             rows = v["dout"].reshape(-1, C)
             if not v["accumulate"]:
-                v["dwte"][...] = 0                 # every row is written: absent ids get zeros
+                v["dwte"][np.unique(keys >> 32)] = 0
             np.add.at(v["dwte"], keys >> 32, rows[keys & 0xFFFFFFFF])
         else:
             B, T, C = int(v["B"]), int(v["T"]), int(v["C"])
@@ -319,38 +315,19 @@ def test_embedding_backward_groups_repeated_ids_and_matches_numpy(libs, emu):
 
 @needs_manifest
 @pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
-def test_embedding_backward_of_no_ids_launches_nothing_and_zeroes_what_it_writes(libs, emu):
-    """n = 0: no kernel to launch (the sort's grid would be empty); written gradients are
-    zeros, accumulated ones stay as they were."""
-    gpu, _ = libs
-    ids = np.zeros((0, 4), np.int32)
-    wte, wpe = np.ones((5, 8), np.float32), np.ones((6, 8), np.float32)
-    dout = np.zeros((0, 4, 8), np.float32)
-    emu.launches.clear()
-    for add in (False, True):
-        dwte, dwpe = dev(np.full_like(wte, 3)), dev(np.full_like(wpe, 3))
-        gpu.backward("embedding", dev(ids), dev(wte), dev(wpe), dev(dout), out=(dwte, dwpe),
-                     accumulate=(add, add))
-        assert (np.asarray(dwte) == (3 if add else 0)).all()
-        assert (np.asarray(dwpe) == (3 if add else 0)).all()
-    assert not emu.launches
-
-
-@needs_manifest
-@pytest.mark.skipif("embedding" not in OPS, reason="no embedding op")
 def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, emu,
                                                                          monkeypatch):
     """No host read of a device array (on a GPU, a sync): the range check is the kernels',
-    and sort, merge, run starts and row sums are four launches (no positions here) whose
-    keys and starts live in the caller's workspace, so a planned step allocates nothing."""
+    and sort, merge and run sums are three launches (no positions here) whose sort keys
+    live in the caller's workspace, so a planned step allocates nothing."""
     from eulergen.runtime.cuda_ops import workspace_elements
     gpu, ref = libs
     rng = np.random.default_rng(8)
     ids = rng.integers(0, 3, (2, 5000)).astype(np.int32)   # several sort tiles
     wte = rng.standard_normal((3, 8)).astype(np.float32)
     dout = rng.standard_normal((2, 5000, 8)).astype(np.float32)
-    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape,
-                                        rows=wte.shape[0]), np.nan, np.float32))
+    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape), np.nan,
+                     np.float32))
     emu.launches.clear()
 
     def refuse(*args, **kwargs):
@@ -361,12 +338,10 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
         got = gpu.backward("embedding", dev(ids), dev(wte), None, dev(dout), workspace=ws)
     assert [n for n, *_ in emu.launches] == ["embedding_backward_sort_f32",
                                               "embedding_backward_merge_f32",
-                                              "embedding_backward_bounds_f32",
                                               "embedding_backward_wte_f32"]
     tile = gpu.op("embedding").kernel("backward_sort", "f32").plan["tile"]
     assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
-    wte_launch = emu.launches[3][3]
-    assert np.shares_memory(wte_launch["keys"], ws) and np.shares_memory(wte_launch["starts"], ws)
+    assert np.shares_memory(emu.launches[2][3]["keys"], ws)
     close(got[0], ref.backward("embedding", ids, wte, None, dout)[0])
     assert got[1] is None
 
