@@ -17,8 +17,10 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ope
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
            length, `max_cols` / `min_cols` say where each is the fast one. Each kernel's
            block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
-           minimum of blocks, the 16-byte groups a lane caches, and whether it prefetches
-           the next row (PREFETCH_DTYPES), a template argument of the kernel's impl.
+           minimum of blocks, the 16-byte groups a lane caches, whether it prefetches
+           the next row (PREFETCH_DTYPES) and how many re-read groups its first sweep
+           loads at a time (BLOCK_REREAD_BATCH); the last three are template arguments
+           of the kernel's impl.
            warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block),
            capped only where a warp loops over several rows: the prefetching kernels, and
            those with weight gradients.
@@ -130,7 +132,7 @@ BLOCK_REREAD_GROUPS = {"f32": 10}
 # later ones re-read it from L2), takes its re-read groups two at a time, both loads in
 # flight before either is computed: the loop otherwise loads, computes, loads (a kernel
 # that reads two operands has two loads in flight already, and batched it would spill).
-# H200, cross-entropy fused 8192 x 50257 fp32: 0.939 -> 0.879 ms (0.90 of copy); batching
+# H200, cross-entropy fused 8192 x 50257 fp32: 0.935 -> 0.879 ms (0.90 of copy); batching
 # every sweep, 0.893. Not bf16: its kernel (one cached group and the next row's prefetch)
 # ran 0.506 -> 0.604 with the first sweep batched, 0.528 with the last.
 BLOCK_REREAD_BATCH = 2
