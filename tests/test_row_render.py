@@ -265,8 +265,9 @@ def test_adjoint_sums_that_read_no_reduction_join_the_rows_first_sweep(op, adjoi
         assert len(sweeps) == count and f"{adjoint} = sum" in sweeps[0], (impl, sweeps)
 
 
-def test_adjoint_sums_that_read_a_reduction_keep_their_sweep():
-    """softmax's Σ dy·exp(x - m) reads m: its own sweep, after the forward's."""
+def test_adjoint_sums_that_read_the_last_sweeps_reduction_take_a_sweep_of_their_own():
+    """softmax's Σ dy·exp(x - m) reads m, which the online impl forms in its one forward
+    sweep (with z): no later sweep to join, so a sweep of its own after it."""
     source = OPS["softmax"].cuda.read_text()
     body = source[source.index("void softmax_backward_online("):]
     sweeps = re.findall(r"^    // (pass: [^\n]*)", body[:body.index("\n}\n")], re.M)
