@@ -151,9 +151,10 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     grads = body.elem_grads
     adjoints = block(body.adjoints, declare=False)
     # The backward's adjoint sums (body.adjoint_pass) are placed by `reductions`: in the
-    # earliest sweep after the reductions they read (log-softmax's Σ dy and RMSNorm's
-    # Σ dy·w·x read none: the row's first sweep; LayerNorm's Σ dy·w·(x - mu) reads mu:
-    # var's sweep), one sweep fewer than a sweep of their own.
+    # sweep after the last one forming a reduction they read (log-softmax's Σ dy and
+    # RMSNorm's Σ dy·w·x read none: the row's first sweep; LayerNorm's Σ dy·w·(x - mu) reads
+    # mu: var's sweep), one sweep fewer than a sweep of their own, which they take only
+    # where that last one is the stage's last (softmax's online backward: after m's).
     grad_steps = [row_step(adjoints, []),
                   elem_step(grads, [g for g in grads.names if g in d_rows],
                             [g for g in grads.names if g in d_weights])]
