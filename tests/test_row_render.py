@@ -250,6 +250,13 @@ def test_a_stage_that_reads_no_online_sum_has_one_impl_for_both_layouts(tmp_path
         assert made[f"sumexp_forward_block_{dt}"].impl == "sumexp_forward_online"
 
 
+def _passes(op: str, impl: str) -> list[str]:
+    """What each `// pass:` comment of one device impl in the op's generated .cu names."""
+    source = OPS[op].cuda.read_text()
+    body = source[source.index(f"void {impl}("):]
+    return re.findall(r"^    // pass: ([^\n]*)", body[:body.index("\n}\n")], re.M)
+
+
 @pytest.mark.parametrize("op,adjoint,passes", [
     ("log_softmax", "sum_dz", {"log_softmax_backward": 2, "log_softmax_backward_online": 1}),
     ("rmsnorm", "sum_dms", {"rmsnorm_backward": 1}),
@@ -258,20 +265,16 @@ def test_adjoint_sums_that_read_no_reduction_join_the_rows_first_sweep(op, adjoi
     """log-softmax's Σdy and RMSNorm's Σdy·w·x need nothing the forward reduces: the backward
     forms them in the sweep that forms the forward's first reduction, one sweep fewer (the
     two-pass log-softmax: m with Σdy, then z)."""
-    source = OPS[op].cuda.read_text()
     for impl, count in passes.items():
-        body = source[source.index(f"void {impl}("):]
-        sweeps = re.findall(r"^    // pass: ([^\n]*)", body[:body.index("\n}\n")], re.M)
+        sweeps = _passes(op, impl)
         assert len(sweeps) == count and f"{adjoint} = sum" in sweeps[0], (impl, sweeps)
 
 
 def test_adjoint_sums_that_read_the_last_sweeps_reduction_take_a_sweep_of_their_own():
     """softmax's Σ dy·exp(x - m) reads m, which the online impl forms in its one forward
     sweep (with z): no later sweep to join, so a sweep of its own after it."""
-    source = OPS["softmax"].cuda.read_text()
-    body = source[source.index("void softmax_backward_online("):]
-    sweeps = re.findall(r"^    // (pass: [^\n]*)", body[:body.index("\n}\n")], re.M)
-    assert [s.split(" =")[0] for s in sweeps] == ["pass: m", "pass: sum_dz"], sweeps
+    sweeps = _passes("softmax", "softmax_backward_online")
+    assert [s.split(" =")[0] for s in sweeps] == ["m", "sum_dz"], sweeps
 
 
 @pytest.mark.parametrize("op,impl,sweeps", [
@@ -282,8 +285,5 @@ def test_adjoint_sums_join_the_sweep_after_the_reductions_they_read(op, impl, sw
     """LayerNorm's Σ dy·w·(x - mu) reads mu, not var: it is formed in var's sweep; the
     two-pass softmax's Σ dy·exp(x - m) reads m, not z: in z's sweep. One sweep, and one
     reduction's latency, fewer than a sweep of their own."""
-    source = OPS[op].cuda.read_text()
-    body = source[source.index(f"void {impl}("):]
-    got = re.findall(r"^    // pass: ([^\n]*) of the per-element terms", body[:body.index("\n}\n")],
-                     re.M)
+    got = _passes(op, impl)
     assert [", ".join(p.split(" = ")[0] for p in s.split(", ")) for s in got] == sweeps, got
