@@ -158,7 +158,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     grad_steps = [row_step(adjoints, []),
                   elem_step(grads, [g for g in grads.names if g in d_rows],
                             [g for g in grads.names if g in d_weights])]
-    needs_row_out = _uses(*(s["block"] for s in grad_steps),
+    adjoint_sums = block(body.adjoint_pass.body) if body.adjoint_pass else None
+    needs_row_out = _uses(adjoint_sums, *(s["block"] for s in grad_steps),
                           *(s.get("consts") for s in grad_steps)) & set(row_out)
 
     forward = (([row_step(row_outputs, row_out)] if row_out else [])

@@ -111,10 +111,13 @@ def test_softmax_fp32_backward_splits_the_re_read_groups_between_x_and_dy():
     assert wrappers("softmax")["softmax_forward_block_f32"].slots == 10
 
 
-def test_cross_entropy_is_compiled_with_fast_math_and_softmax_is_not():
-    """ops/cross_entropy.yaml opts in: the manifest marks it and the runtime asks NVRTC."""
-    assert OPS["cross_entropy"].fast_math and op_options(OPS["cross_entropy"]) == ("--use_fast_math",)
-    assert not OPS["softmax"].fast_math and op_options(OPS["softmax"]) == ()
+@pytest.mark.parametrize("op,fast", [("cross_entropy", True), ("silu", True), ("softmax", False),
+                                     ("swiglu", False), ("gelu_erf", False)])
+def test_only_the_ops_that_opt_in_are_compiled_with_fast_math(op, fast):
+    """ops/cross_entropy.yaml and ops/silu.yaml opt in: the manifest marks them and the runtime
+    asks NVRTC; the others keep IEEE exp and division."""
+    assert OPS[op].fast_math is fast
+    assert op_options(OPS[op]) == (("--use_fast_math",) if fast else ())
 
 
 # ---- evict-first sweeps of a block per row ------------------------------------------------

@@ -749,35 +749,35 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         }
       }
     } else {
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      const float was_m_ = acc_m_;
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float m = x;
-          if (in_) {
-            acc_m_ = fmaxf(acc_m_, m);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+        float x_r_[VEC];
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+          const float x = x_r_[e_];
+          {
+            const float m = x;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
           }
         }
       }
-      if (acc_m_ != was_m_) {
-        acc_z_ *= z_rescale_(was_m_, acc_m_);
-      }
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const float x = x_r_[e_];
-        {
-          const float m = acc_m_;
-          const float z = expf(x - m);
-          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-        }
-      }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1267,35 +1267,35 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         }
       }
     } else {
-    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
-      float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
-      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-      const float was_m_ = acc_m_;
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
-        const float x = x_r_[e_];
-        {
-          const float m = x;
-          if (in_) {
-            acc_m_ = fmaxf(acc_m_, m);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+        float x_r_[VEC];
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
+          const float x = x_r_[e_];
+          {
+            const float m = x;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
           }
         }
       }
-      if (acc_m_ != was_m_) {
-        acc_z_ *= z_rescale_(was_m_, acc_m_);
-      }
-      #pragma unroll
-      for (int e_ = 0; e_ < VEC; ++e_) {
-        const float x = x_r_[e_];
-        {
-          const float m = acc_m_;
-          const float z = expf(x - m);
-          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
-        }
-      }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
