@@ -116,9 +116,11 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         need = set().union(*(s["uses"] for s in later))
         adj = body.adjoint_pass
         adj = adj if adj is not None and {n for n, _ in adj.ops} & need else None
-        adj_reads = pass_step(adj)["uses"] if adj is not None else set()
+        adj_step = pass_step(adj) if adj is not None else None
+        adj_reads = adj_step["uses"] if adj_step else set()
         need |= adj_reads
         passes: list[tuple[ir.Pass, tuple[ir.Online, ...]]] = []
+        steps: list[dict] = []               # pass_step of each of `passes`
         for ps in reversed(body.passes):
             own = {n for n, _ in ps.ops}
             joined = tuple(o for o in body.online
@@ -127,19 +129,20 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             plain = tuple(o for o in ps.ops if o[0] in need and o[0] not in moved)
             if plain:
                 passes.insert(0, (ir.Pass(plain, ps.body.only({n for n, _ in plain})), joined))
-                need |= pass_step(*passes[0])["uses"]
+                steps.insert(0, pass_step(*passes[0]))
+                need |= steps[0]["uses"]
         if adj is not None:
             formed = [{n for n, _ in ps.ops} | {o.name for o in joined} for ps, joined in passes]
             at = max((i + 1 for i, names in enumerate(formed) if names & adj_reads), default=0)
             if at < len(passes):
                 ps, joined = passes[at]
-                passes[at] = (ir.Pass(ps.ops + adj.ops,
-                                      ir.Code(ps.body.temps + adj.body.temps,
-                                              ps.body.results + adj.body.results)), joined)
+                steps[at] = pass_step(ir.Pass(ps.ops + adj.ops,
+                                              ir.Code(ps.body.temps + adj.body.temps,
+                                                      ps.body.results + adj.body.results)),
+                                      joined)
             else:
-                passes.append((adj, ()))
-        return ([pick_step(pk) for pk in body.picks if pk.name in need]
-                + [pass_step(*ps) for ps in passes])
+                steps.append(adj_step)
+        return [pick_step(pk) for pk in body.picks if pk.name in need] + steps
 
     def row_step(b: Block, stores: list[str]) -> dict:
         return {"kind": "row", "block": b, "stores": stores, "uses": b.uses}
