@@ -15,7 +15,9 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ope
            memory and leave no tail wave). Any n and any alignment work (a scalar path
            takes unaligned pointers and the tail); in_place_ok = True.
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
-           length, `max_cols` / `min_cols` say where each is the fast one. Each kernel's
+           length, `max_cols` / `min_cols` say where each is the fast one. `aligned`: each
+           (stage, layout, dtype) has two kernels: True for operands that take 16-byte
+           access throughout (runtime/kernels.row_aligned), False (`_unaligned`) for any. Each kernel's
            block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
            minimum of blocks, the 16-byte groups a lane caches, whether it prefetches
            the next row (PREFETCH_DTYPES) and how many re-read groups its first sweep
@@ -75,9 +77,11 @@ CTYPE = {"f32": "float", "bf16": "__nv_bfloat16"}
 
 # H200: 132 SMs. grid_max bounds the grid where a kernel loops over its work anyway;
 # for row backward kernels with weights it also bounds the workspace of partial sums.
-_GRID_MAX = 132 * 16
-_GRID_MAX_WGRAD = 132 * 4              # warp_per_row: 4 partial rows per block
-_GRID_MAX_WGRAD_BLOCK = 132 * 8        # block_per_row: one per block (blocks may be small)
+_SMS = 132
+_GRID_MAX = _SMS * 16
+# warp_per_row: 4 partial rows per block, 4 blocks an SM (or the shape's min_blocks)
+_GRID_MAX_WGRAD = _SMS * 4
+_GRID_MAX_WGRAD_BLOCK = _SMS * 8       # block_per_row: one per block (blocks may be small)
 
 WARP_ROWS_PER_BLOCK = 8
 # With weight gradients a warp keeps its partial rows in shared memory: 4 warps a block
@@ -94,6 +98,13 @@ PREFETCH_DTYPES = ("bf16",)
 # the prefetch) the bf16 warp-per-row forward kernels do not spill; backward ones would, so
 # they are not held.
 WARP_MIN_BLOCKS = {("bf16", "forward"): 4}
+# A bf16 warp-per-row backward with weight gradients whose row takes two reduction levels
+# (LayerNorm's mean, then its variance and adjoint sums) waits on two butterflies a row,
+# which the next row's prefetch does not hide and more warps do: it takes no prefetch and
+# 7 blocks an SM (72 registers, no spills), its grid 7 blocks an SM too (H200, layernorm
+# 262144 x 768 forward+backward 0.603 -> 0.570 ms; at 6 blocks 0.575, at 8 0.602). RMSNorm
+# (one level) keeps its prefetch: 0.513 ms, 0.523 this way.
+WARP_DEEP_WGRAD_BLOCKS = 7
 # A warp-per-row kernel that prefetches needs several rows per warp, so it loops over a
 # capped grid. The others (one row at a time) take an uncapped grid of short blocks, a row
 # per warp: a capped grid runs more blocks than fit at once, and its last wave runs
@@ -151,9 +162,12 @@ class RowShape:
     batch: int = 1
 
 
-def warp_shape(dtype: str, *, stage: str, wgrad: bool) -> RowShape:
-    """The block of a warp-per-row kernel of `stage`."""
+def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1) -> RowShape:
+    """The block of a warp-per-row kernel of `stage` whose row takes `levels` reduction
+    levels (sweeps that end in a reduction)."""
     rows = WARP_ROWS_PER_BLOCK_WGRAD if wgrad else WARP_ROWS_PER_BLOCK
+    if wgrad and levels >= 2 and dtype in PREFETCH_DTYPES:
+        return RowShape(32 * rows, WARP_DEEP_WGRAD_BLOCKS, WARP_SLOTS[dtype], False)
     return RowShape(32 * rows, WARP_MIN_BLOCKS.get((dtype, stage), 0),
                     WARP_SLOTS[dtype], dtype in PREFETCH_DTYPES)
 
@@ -269,7 +283,8 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
                fwdbwd: bool = False) -> tuple[tuple[str, object], ...]:
     v = plan.vec_of(dtype)
     grid_max = _GRID_MAX if not wgrad else (
-        _GRID_MAX_WGRAD if layout == "warp_per_row" else _GRID_MAX_WGRAD_BLOCK)
+        _GRID_MAX_WGRAD_BLOCK if layout != "warp_per_row" else
+        _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD)
     extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
 
     def partials(rule: str) -> tuple[tuple[str, object], ...]:

@@ -17,7 +17,8 @@ from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
 from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.printer import cuda_expr
-from eulergen.generator.render import Block, _dtypes, _params, _template, block
+from eulergen.generator.render import Block, _dtypes, _params, _template
+from eulergen.generator.render import block as block_of
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         if o.role not in ("row", "weight", "index", "scalar"):
             raise EulerError(f"row op operand {o.name!r} has role {o.role!r}", key="inputs", **where)
 
+    def block(code: ir.Code, declare: bool = True) -> Block:
+        return block_of(code, declare=declare, fast_math=op.fast_math)
+
     row_outputs = block(body.row_outputs, declare=False)
     # Per-element steps compute their row-invariant parts once per row, before the sweep
     # (generator/hoist.py); `consts` is that code, its names unique in the op.
@@ -81,7 +85,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         terms = blocks[len(first):]
         c = block(consts) if consts.results else None
         joined = [{"name": o.name, "red": o.op, "max": o.max, "block": t,
-                   "factor": cuda_expr(o.factor)} for o, t in zip(online, terms)]
+                   "factor": cuda_expr(o.factor, fast_math=op.fast_math)}
+                  for o, t in zip(online, terms)]
         factor_uses = {s.name for o in online for s in o.factor.free_symbols}
         factor_uses -= {ir.RESCALE_FROM, ir.RESCALE_TO}
         online_uses = _uses(*terms)
@@ -226,8 +231,9 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                         else f"eg_load({a.name}_ptr, row_)")
                 row_scalars.append({"name": a.name, "load": load})
         shapes = {
-            "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads))
-                             for dt in planner.DTYPES},
+            "warp_per_row": {dt: planner.warp_shape(
+                dt, stage=stage, wgrad=bool(wgrads),
+                levels=sum(s["kind"] == "pass" for s in steps)) for dt in planner.DTYPES},
             "block_per_row": {dt: planner.block_shape(
                 dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
                 cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
@@ -267,8 +273,10 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
                                             shape=k["shapes"][lay["layout"]][dt],
                                             fwdbwd=k["stage"] == "fwdbwd")
-                sigs.append(ir.KernelSig(f"{k['kernel']}{lay['suffix']}_{dt}", args, dt,
-                                         k["stage"], launch))
+                for aligned in (True, False):
+                    name = f"{k['kernel']}{lay['suffix']}{'' if aligned else '_unaligned'}_{dt}"
+                    sigs.append(ir.KernelSig(name, args, dt, k["stage"],
+                                             launch + (("aligned", aligned),)))
     if wgrad:
         for dt in p.dtypes:
             args = (("partials", "const float*"), ("dw", f"{planner.CTYPE[dt]}*"),

@@ -19,7 +19,7 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, cdiv, grid_for, pair_grid,
                                       pair_threads, parse_ctype, pointwise_geometry,
-                                      reduce_geometry, row_geometry, row_kernel,
+                                      reduce_geometry, row_aligned, row_geometry, row_kernel,
                                       storage_dtype_name)
 from eulergen.runtime.manifest import Kernel, OpEntry
 
@@ -266,6 +266,11 @@ class CudaOps:
         values.update(zip(sig.writes, results))
         values.update(params)
         values["rows"], values["cols"] = rows, cols
+        role = dict(zip(sig.names + sig.writes, sig.roles + sig.write_roles))
+        at = {r: [values[n].data.ptr for n, _ in kernel.args if role.get(n) == r]
+              for r in ("row", "weight")}
+        if not row_aligned(at["row"], at["weight"], cols * x.itemsize, bool(sig.wgrads)):
+            kernel = row_kernel(op, stage, dtype, cols, aligned=False)
         if not rows:
             for g in sig.wgrads:
                 values[g].fill(0)

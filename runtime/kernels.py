@@ -139,9 +139,24 @@ def pointwise_geometry(plan: dict, n: int) -> tuple[int, int]:
     return grid_for(cdiv(n, per_block), plan), plan["threads"]
 
 
-def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int) -> Kernel:
-    """The warp-per-row kernel for rows it holds in registers, else the block-per-row one."""
-    candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype]
+def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: bool) -> bool:
+    """Whether the `aligned` variant of a row kernel (generator/plan.py) serves operands at
+    these addresses: its row operands all at one offset from a 16-byte boundary (each row
+    then splits at the same columns), and where it reads weights or sums weight gradients,
+    every row on a boundary (row_bytes, a row's bytes, a multiple of 16), weights too."""
+    if len({a % 16 for a in rows}) > 1:
+        return False
+    if weights or wgrads:
+        return row_bytes % 16 == 0 and all(a % 16 == 0 for a in rows + weights)
+    return True
+
+
+def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True) -> Kernel:
+    """The warp-per-row kernel for rows it holds in registers, else the block-per-row one;
+    of each, the `aligned` variant (row_aligned) or the one for any operands. Both have one
+    geometry: a memory planner may ask for either."""
+    candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
+                  and k.plan.get("aligned", True) == aligned]
     if not candidates:
         return op.kernel(stage, dtype)   # raises, naming the kernels there are
     warp = [k for k in candidates if k.plan.get("layout") == "warp_per_row"]

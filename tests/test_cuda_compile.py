@@ -154,6 +154,23 @@ def f64_kernels(ptx: str) -> list[str]:
     return bad
 
 
+def split_stores(ptx: str) -> list[str]:
+    """Names of the entry points that store 16 bytes as four 4-byte stores at consecutive
+    offsets from one register (a split 16-byte store: a warp then writes each of its sectors
+    four times). The `_unaligned` row kernels do, by design, on their scalar path."""
+    bad = []
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)(?=\.visible\s+\.entry\s|\Z)", ptx, re.S):
+        name, body = m.groups()
+        offsets: dict[str, set[int]] = {}
+        for st in re.finditer(r"st\.global(?:\.wb)?\.(?:u32|b32|f32)\s+\[(%rd\d+)(?:\+(\d+))?\]",
+                              body):
+            offsets.setdefault(st.group(1), set()).add(int(st.group(2) or 0))
+        if any(all(o + k in offs for k in (4, 8, 12)) for offs in offsets.values()
+               for o in offs if o % 16 == 0):
+            bad.append(name)
+    return bad
+
+
 needs_sources = pytest.mark.skipif(not SOURCES, reason="generated/cuda is empty: run `eulergen build`")
 
 
@@ -177,6 +194,28 @@ def test_generated_cuda_compiles(path, arch, all_ptx):
 def test_fp32_kernels_have_no_double_precision(path, arch, all_ptx):
     bad = f64_kernels(_ptx(all_ptx, path, arch))
     assert not bad, f"{path.name} ({arch}): double precision in {bad}"
+
+
+@needs_sources
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.stem)
+def test_kernels_store_16_bytes_in_one_store(path, arch, all_ptx):
+    """NVVM split a plain uint4 assignment into four stores in the row kernels; the templates
+    store through __stwb / __stcs (templates/common.cuh.j2, eg_store_vec)."""
+    bad = [k for k in split_stores(_ptx(all_ptx, path, arch)) if "_unaligned_" not in k]
+    assert not bad, f"{path.name} ({arch}): 16-byte stores split in {bad}"
+
+
+def test_split_store_detector_finds_four_4_byte_stores(ptx_dir):
+    which = compiler()
+    source = ('extern "C" __global__ void split(unsigned* p, uint4 v) {\n'
+              '  p[4] = v.x; p[5] = v.y; p[6] = v.z; p[7] = v.w; }\n'
+              'extern "C" __global__ void whole(uint4* p, uint4 v) { __stwb(p + 1, v); }\n')
+    path = ptx_dir / "split.cu"
+    path.write_text(source)
+    ptx = (nvrtc_ptx(source, "split.cu", "sm_90") if which == "nvrtc"
+           else nvcc_ptx(source, "split.cu", "sm_90", ptx_dir))
+    assert split_stores(ptx) == ["split"]
 
 
 def test_f64_detector_finds_double_math_in_an_f32_kernel(ptx_dir):

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
-from eulergen.runtime.kernels import pair_threads, row_geometry
+from eulergen.runtime.kernels import pair_threads, row_aligned, row_geometry
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
@@ -212,6 +212,16 @@ def _row_geometry(plan: dict, rows: int, cols: int) -> tuple[int, int, int]:
     return 1, threads, plan["rows_per_block"]
 
 
+def _runtime_variant(kernel: str, dtype: str, rows: list, weights: list, wgrads: bool) -> str:
+    """The variant of a row kernel the runtime launches for these arrays (row_aligned): the
+    one compiled for 16-byte access throughout, else `_unaligned`. The cases' row lengths
+    take both."""
+    if row_aligned([a.ctypes.data for a in rows], [a.ctypes.data for a in weights],
+                   rows[0].shape[-1] * rows[0].itemsize, wgrads):
+        return kernel
+    return f"{kernel[:-len(dtype)]}unaligned_{dtype}"
+
+
 # 1250 and 8800 columns launch every block kernel with a warp count that is no power of two
 # (5 warps at 8 columns a thread; 7 or 14 at fp32's 40 or 20): the block's merge is a
 # butterfly over a lane per warp, the lanes past the last warp holding the identity.
@@ -256,10 +266,13 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
     def out_buf(o, shape):
         return np.full(shape, np.nan, np.float32) if o in scalar_out else stored(np.full(shape, np.nan), dtype)
 
-    k = f"{name}_forward{suffix}_{dtype}"
-    grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
     outs = {o["name"]: out_buf(o["name"], (rows,) if o["role"] == "scalar" else (rows, cols))
             for o in op["outputs"]}
+    row_ins = [ins[o["name"]] for o in op["inputs"] if o["role"] == "row"]
+    weight_ins = [ins[o["name"]] for o in op["inputs"] if o["role"] == "weight"]
+    k = _runtime_variant(f"{name}_forward{suffix}_{dtype}", dtype,
+                         row_ins + [outs[o] for o in outs if o not in scalar_out], weight_ins, False)
+    grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
     got = launch(name, k, grid, threads, **ins, **outs, **params, rows=rows, cols=cols)
     want = as_tuple(mod.forward(*xs, **params))
     want32 = as_tuple(mod.forward(*f32(xs), **params))
@@ -287,6 +300,10 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
                 bufs[f"d{g}_partials"] = np.full((partials, cols), np.nan, np.float32)
             else:
                 bufs[f"d{g}"] = stored(np.full((rows, cols), np.nan), dtype)
+        wgrads = any(n.endswith("_partials") for n in bufs)
+        k = _runtime_variant(k, dtype, row_ins + [d for d in dargs.values() if d.ndim == 2]
+                             + [b for n, b in bufs.items() if not n.endswith("_partials")],
+                             weight_ins, wgrads)
         if stage == "fwdbwd":
             bufs |= {o: np.full(rows, np.nan, np.float32) for o in scalar_out}
         got = launch(name, k, grid, threads, **ins, **dargs, **bufs, **params, rows=rows, cols=cols)

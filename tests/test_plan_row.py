@@ -116,3 +116,20 @@ def test_row_launch_caps_the_warp_grid_exactly_where_the_kernel_prefetches(dtype
     assert plan["max_cols"] == 32 * planner.VEC[dtype] * shape.slots
     wgrad = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=True, shape=shape))
     assert wgrad["grid_max"] is not None
+
+
+@pytest.mark.parametrize("dtype", planner.DTYPES)
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_a_warp_backward_with_weight_gradients_over_two_levels_takes_warps_not_a_prefetch(
+        dtype, levels):
+    """Where the row waits on two reduction levels or more, a prefetching dtype gives up the
+    prefetch for 7 blocks an SM, and the grid (the workspace's partial rows) holds them all;
+    other kernels keep the dtype's prefetch and 4 blocks an SM of workspace."""
+    shape = planner.warp_shape(dtype, stage="backward", wgrad=True, levels=levels)
+    deep = levels >= 2 and dtype in planner.PREFETCH_DTYPES
+    assert shape.prefetch == (dtype in planner.PREFETCH_DTYPES and not deep)
+    assert shape.min_blocks == (planner.WARP_DEEP_WGRAD_BLOCKS if deep else 0)
+    plan = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=True, shape=shape))
+    assert plan["grid_max"] == 132 * (planner.WARP_DEEP_WGRAD_BLOCKS if deep else 4)
+    no_wgrad = planner.warp_shape(dtype, stage="backward", wgrad=False, levels=levels)
+    assert no_wgrad.prefetch == (dtype in planner.PREFETCH_DTYPES) and no_wgrad.min_blocks == 0

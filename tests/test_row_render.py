@@ -28,10 +28,11 @@ ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
 VEC_OF_CTYPE = {planner.CTYPE[dt]: planner.VEC[dt] for dt in planner.DTYPES}
 
 # extern "C" __global__ void __launch_bounds__(T[, M]) NAME(ARGS) {
-#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH, BATCH>(...);
+#   [// ... and an `if (...) __trap();` check of the aligned variant]
+#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH, BATCH, ALIGNED>(...);
 _WRAPPER = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, (\d+))?\) '
-                      r'(\w+)\(([^)]*)\) \{\n  (\w+)<([\w ]+), (true|false), (\d+), (\d+), '
-                      r'(true|false), (\d+)>\(')
+                      r'(\w+)\(([^)]*)\) \{\n(?:  (?://|if ).*\n)*  (\w+)<([\w ]+), (true|false), '
+                      r'(\d+), (\d+), (true|false), (\d+), (true|false)>\(')
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,19 @@ class Compiled:
     rows_per_block: int
     prefetch: bool
     batch: int
+    aligned: bool
 
 
 def parse_wrappers(source: str) -> dict[str, Compiled]:
     """Every row kernel wrapper in a rendered row .cu, by name."""
     out = {}
     for m in _WRAPPER.finditer(source):
-        threads, min_blocks, name, params, impl, ctype, warp, slots, rpb, prefetch, batch = (
-            m.groups())
+        (threads, min_blocks, name, params, impl, ctype, warp, slots, rpb, prefetch, batch,
+         aligned) = m.groups()
         args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
         out[name] = Compiled(int(threads), int(min_blocks or 0), args, impl, ctype,
                              warp == "true", int(slots), int(rpb), prefetch == "true",
-                             int(batch))
+                             int(batch), aligned == "true")
     return out
 
 
@@ -79,6 +81,7 @@ def test_manifest_launch_facts_match_the_kernel_as_compiled(op, kernel):
     vec = VEC_OF_CTYPE[c.ctype]
     assert c.args == k.args, f"{kernel}: the manifest's arguments are not the kernel's"
     assert k.plan["threads"] == c.threads
+    assert k.plan["aligned"] == c.aligned == ("_unaligned_" not in kernel)
     if k.plan["layout"] == "block_per_row":
         assert not c.warp and c.rows_per_block == 1
         assert k.plan["cols_per_thread"] == vec * c.slots
@@ -190,10 +193,25 @@ def test_reduction_sweeps_and_weights_load_for_keeps(center_sweeps):
 @pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
 def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
     """bf16 prefetches the next row's cached groups, fp32 does not, in both layouts; except
-    the fp32-style re-read shapes (generator/plan.block_shape), whose groups leave no room."""
+    the fp32-style re-read shapes (generator/plan.block_shape), whose groups leave no room,
+    and the warp backwards with weight gradients over two reduction levels, which take more
+    warps instead (plan.warp_shape)."""
     k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
     reread = not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
-    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not reread), kernel
+    deep = c.warp and c.min_blocks == planner.WARP_DEEP_WGRAD_BLOCKS
+    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not reread and not deep), kernel
+
+
+@pytest.mark.parametrize("op,deep", [("layernorm", True), ("rmsnorm", False)])
+def test_a_bf16_warp_backward_over_two_reduction_levels_trades_its_prefetch_for_warps(op, deep):
+    """LayerNorm's backward forms its mean, then its variance and adjoint sums; RMSNorm's
+    forms all in one sweep. The grid, which sizes the partials' workspace, holds as many
+    blocks an SM as the launch bounds ask."""
+    for name in (f"{op}_backward_bf16", f"{op}_backward_unaligned_bf16"):
+        k, c = OPS[op].kernels[name], wrappers(op)[name]
+        blocks = planner.WARP_DEEP_WGRAD_BLOCKS if deep else 4
+        assert (c.prefetch, c.min_blocks) == ((False, blocks) if deep else (True, 0))
+        assert k.plan["grid_max"] == 132 * blocks
 
 
 @pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])

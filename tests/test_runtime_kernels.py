@@ -239,6 +239,47 @@ def test_row_calls_wire_outputs_workspace_and_reduce(name, cols, libs, emu):
         close(g, w)
 
 
+def test_row_aligned_wants_one_offset_for_rows_and_whole_vectors_only_with_weights():
+    assert K.row_aligned([0x100, 0x210], [], row_bytes=34, wgrads=False)  # heads alike
+    assert not K.row_aligned([0x100, 0x204], [], row_bytes=32, wgrads=False)
+    assert not K.row_aligned([0x100, 0x200], [0x300], row_bytes=34, wgrads=False)
+    assert not K.row_aligned([0x104, 0x204], [0x300], row_bytes=32, wgrads=False)
+    assert not K.row_aligned([0x100, 0x200], [0x308], row_bytes=32, wgrads=False)
+    assert K.row_aligned([0x100, 0x200], [0x300], row_bytes=32, wgrads=False)
+    assert not K.row_aligned([0x100], [], row_bytes=34, wgrads=True)
+    assert K.row_aligned([0x100], [], row_bytes=48, wgrads=True)
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", _ops("row"))
+def test_row_calls_take_the_aligned_kernels_exactly_where_every_access_is_16_bytes(
+        name, libs, emu):
+    """Whole 16-byte vectors a row: the aligned kernel. A row length that leaves a head: the
+    aligned one still where the op has no weights (its row operands share the head). An
+    input 4 bytes off a boundary: `_unaligned` where a row output (new, on a boundary) or a
+    weight is not off alike."""
+    gpu, ref = libs
+    op = OPS[name]
+    weights = any(o.role == "weight" for o in op.inputs)
+    row_out = any(o.role == "row" for o in op.outputs)
+    rng = np.random.default_rng(0)
+    for cols, shift, aligned in ((2048, 0, True), (2047, 0, not weights),
+                                 (2048, 1, not weights and not row_out)):
+        xs = []
+        for o in op.inputs:
+            if o.role == "index":
+                xs.append(dev(rng.integers(0, cols, 5).astype(np.int32)))
+            elif o.role == "weight":
+                xs.append(dev(rng.uniform(-2, 2, cols).astype(np.float32)))
+            else:
+                flat = dev(rng.uniform(-2, 2, 5 * cols + shift).astype(np.float32))
+                xs.append(flat[shift:].reshape(5, cols))
+        got = gpu.forward(name, *xs)
+        close(got, ref.forward(name, *(np.asarray(x) for x in xs)))
+        kernel = emu.launches[-1][0]
+        assert ("_unaligned_" not in kernel) == aligned, (cols, shift, kernel)
+
+
 @needs_manifest
 @pytest.mark.parametrize("name", [n for n in _ops("row")
                                   if any(k.stage == "fwdbwd" for k in OPS[n].kernels.values())])

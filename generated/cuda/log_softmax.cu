@@ -8,7 +8,16 @@
 //   WARP = false: one block per row (long rows).
 // SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
 // are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
-// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape).
+// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape). ALIGNED
+// picks the entry point: each kernel has one compiled for operands that take 16-byte access
+// throughout (the row operands at one offset from a 16-byte boundary; with weights or
+// weight gradients, every row on a boundary), which the runtime launches where they do,
+// and an `_unaligned` one for any other.
+// Compiled as one, the scalar path of every group access was if-converted into the 16-byte
+// one, issued with it, predicated off (H200, ncu: layernorm bf16 warp backward, 1190
+// instructions a row of 768, 108 of them loads for 12; 0.459 -> 0.387 ms at 262144 x 768,
+// its forward 0.229 -> 0.214); one entry point dispatching to both took the registers of the
+// larger, and the 64-register kernels spilled.
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -28,7 +37,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
 __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -38,7 +47,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
-  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
+  const bool vec_ = ALIGNED || ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
@@ -237,14 +246,26 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
   }
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  log_softmax_forward<float, true, 6, 8, false, 1>(x, y, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
+  log_softmax_forward<float, true, 6, 8, false, 1, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_unaligned_f32(const float* x, float* y, long long rows, int cols) {
+  log_softmax_forward<float, true, 6, 8, false, 1, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  log_softmax_forward<__nv_bfloat16, true, 3, 8, true, 1>(x, y, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
+  log_softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_unaligned_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, y, rows, cols);
 }
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
 __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -254,7 +275,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
-  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
+  const bool vec_ = ALIGNED || ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
@@ -491,14 +512,26 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) log_softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  log_softmax_forward_online<float, false, 10, 1, false, 2>(x, y, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
+  log_softmax_forward_online<float, false, 10, 1, false, 2, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) log_softmax_forward_block_unaligned_f32(const float* x, float* y, long long rows, int cols) {
+  log_softmax_forward_online<float, false, 10, 1, false, 2, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  log_softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1>(x, y, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
+  log_softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_block_unaligned_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, y, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
 __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -508,7 +541,7 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
-  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
+  const bool vec_ = ALIGNED || ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[2][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
@@ -746,14 +779,26 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  log_softmax_backward<float, true, 6, 8, false, 1>(x, dy, dx, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
+  log_softmax_backward<float, true, 6, 8, false, 1, true>(x, dy, dx, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_unaligned_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
+  log_softmax_backward<float, true, 6, 8, false, 1, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  log_softmax_backward<__nv_bfloat16, true, 3, 8, true, 1>(x, dy, dx, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
+  log_softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, dy, dx, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
+  log_softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, dy, dx, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
 __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -763,7 +808,7 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
-  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
+  const bool vec_ = ALIGNED || ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
                      (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
   __shared__ float red_[3][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
@@ -998,8 +1043,20 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) log_softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  log_softmax_backward_online<float, false, 5, 1, false, 1>(x, dy, dx, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
+  log_softmax_backward_online<float, false, 5, 1, false, 1, true>(x, dy, dx, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024, 1) log_softmax_backward_block_unaligned_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
+  log_softmax_backward_online<float, false, 5, 1, false, 1, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) log_softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  log_softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1>(x, dy, dx, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
+  log_softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, dy, dx, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024) log_softmax_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
+  log_softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, dy, dx, rows, cols);
 }

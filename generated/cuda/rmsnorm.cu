@@ -8,7 +8,16 @@
 //   WARP = false: one block per row (long rows).
 // SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
 // are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
-// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape).
+// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape). ALIGNED
+// picks the entry point: each kernel has one compiled for operands that take 16-byte access
+// throughout (the row operands at one offset from a 16-byte boundary; with weights or
+// weight gradients, every row on a boundary), which the runtime launches where they do,
+// and an `_unaligned` one for any other.
+// Compiled as one, the scalar path of every group access was if-converted into the 16-byte
+// one, issued with it, predicated off (H200, ncu: layernorm bf16 warp backward, 1190
+// instructions a row of 768, 108 of them loads for 12; 0.459 -> 0.387 ms at 262144 x 768,
+// its forward 0.229 -> 0.214); one entry point dispatching to both took the registers of the
+// larger, and the 64-register kernels spilled.
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -30,7 +39,7 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x, w
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
 __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const scalar_t* w_ptr, scalar_t* y_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -40,7 +49,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
   // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
   // row of each splits at the same columns; otherwise scalar.
-  const bool vec_ = ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
+  const bool vec_ = ALIGNED || ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(y_ptr))) % 16 == 0;
   __shared__ float red_[1][32];
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
@@ -57,7 +66,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
     const scalar_t* x_row_ = x_ptr + row_ * cols_;
     scalar_t* y_row_ = y_ptr + row_ * cols_;
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
-    const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0;
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
     uint4 x_c_[SLOTS];
     if (PREFETCH) {
       const long long next_ = row_ + workers_;
@@ -188,20 +197,44 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   }
 }
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, true, 6, 8, false, 1>(x, w, y, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward<float, true, 6, 8, false, 1, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_unaligned_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
+  rmsnorm_forward<float, true, 6, 8, false, 1, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, false, 2, 1, false, 1>(x, w, y, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward<float, false, 2, 1, false, 1, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_unaligned_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
+  rmsnorm_forward<float, false, 2, 1, false, 1, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<__nv_bfloat16, true, 3, 8, true, 1>(x, w, y, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<__nv_bfloat16, false, 1, 1, true, 1>(x, w, y, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward<__nv_bfloat16, false, 1, 1, true, 1, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward<__nv_bfloat16, false, 1, 1, true, 1, false>(x, w, y, eps, rows, cols);
 }
 
 // backward: dx, dw from x, w, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
 __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -212,9 +245,10 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   // A thread keeps its own columns' weight-gradient partials across rows, so every row
   // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
   // aligned bases; otherwise scalar.
-  const bool vec_ = cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0;
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
   __shared__ float red_[2][32];
   const EgSplit whole_ = eg_split(x_ptr, cols_, vec_);   // every row's split
+  const float zero_[VEC] = {};
   // This worker's partial dw row. The cached columns: per warp in shared memory (in
   // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
   // element, lane) so that a warp's 32 accesses hit 32 banks; per thread in registers for
@@ -232,7 +266,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     }
   for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_.end; g0_ += lanes_ * VEC)
     if (eg_in_body<VEC>(whole_, g0_, lane_))
-      for (int e_ = 0; e_ < VEC; ++e_) dw_part_[eg_col<VEC>(whole_, g0_, lane_, e_)] = 0.0f;
+      eg_partials_set<VEC>(dw_part_, whole_, eg_col<VEC>(whole_, g0_, lane_, 0), zero_);
   if (lane_ < eg_edge_count(whole_, cols_)) dw_part_[eg_edge_col(whole_, lane_)] = 0.0f;
   // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
   // groups are loaded, raw, before the current row is computed.
@@ -254,7 +288,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     scalar_t* dx_row_ = dx_ptr + row_ * cols_;
     const float N = (float)cols_;
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
-    const bool wide_ = sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0;
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
     if (PREFETCH) {
@@ -399,6 +433,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
+      float dw_g_[VEC];
       float w_w_[VEC];
       eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
@@ -417,9 +452,10 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
           const float dx = r1_*x + t0*w;
           const float dw = t0*x;
           dx_o_[e_] = dx;
-          if (in_) dw_part_[col_] += dw;
+          dw_g_[e_] = dw;
         }
       }
+      if (in_) eg_partials_add<VEC>(dw_part_, sp_, eg_col<VEC>(sp_, g0_, lane_, 0), dw_g_);
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
@@ -438,24 +474,50 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
 
   }
 #pragma unroll
-  for (int s_ = 0; s_ < SLOTS; ++s_)
+  for (int s_ = 0; s_ < SLOTS; ++s_) {
+    float v_[VEC];
 #pragma unroll
-    for (int e_ = 0; e_ < VEC; ++e_) {
-      if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
-        dw_part_[eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, e_)] = WARP ? dw_mine_[(s_ * VEC + e_) * 32 + lane_] : dw_acc_[WARP ? 0 : s_][e_];
-    }
+    for (int e_ = 0; e_ < VEC; ++e_)
+      v_[e_] = WARP ? dw_mine_[(s_ * VEC + e_) * 32 + lane_] : dw_acc_[WARP ? 0 : s_][e_];
+    if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
+      eg_partials_set<VEC>(dw_part_, whole_, eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, 0), v_);
+  }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<float, true, 6, 4, false, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward<float, true, 6, 4, false, 1, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_unaligned_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward<float, true, 6, 4, false, 1, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<float, false, 2, 1, false, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward<float, false, 2, 1, false, 1, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_unaligned_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward<float, false, 2, 1, false, 1, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, true, 3, 4, true, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward<__nv_bfloat16, true, 3, 4, true, 1, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward<__nv_bfloat16, true, 3, 4, true, 1, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, false, 1, 1, true, 1>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward<__nv_bfloat16, false, 1, 1, true, 1, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX

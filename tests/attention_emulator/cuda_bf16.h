@@ -41,6 +41,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c,
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 // Evict-first loads and stores are plain ones: the cache hint means nothing on the CPU.
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
+template <typename T> inline void __stwb(T* p, T v) { *p = v; }
 template <typename T> inline T __ldcs(const T* p) { return *p; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
