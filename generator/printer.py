@@ -8,7 +8,6 @@ small integer powers are products (`x*x`). The numpy printer writes the same mat
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import sympy as sp
@@ -161,23 +160,10 @@ def _flt(value: float) -> str:
 
 
 class CudaPrinter(_Printer):
-    """`fast_math`: for ops compiled with --use_fast_math, whose expf is ex2.approx of
-    x·log2(e): exp(a + b + …) prints as exp2f(a·log2(e) + b·log2(e) + …), so that exp(x - m)
-    is one FFMA and ex2 (m·log2(e) leaves the loop), not an add, a multiply and ex2 (H200,
-    cross-entropy fused 8192 x 50257: bf16 0.501 -> 0.494 ms, fp32 0.879 -> 0.865). The
-    argument's rounding moves by about an ulp of m·log2(e), within __expf's own error."""
     one = "1.0f"
 
-    def __init__(self, fast_math: bool = False):
-        self.fast_math = fast_math
-
-    def exp(self, arg: sp.Expr) -> str:
-        if not self.fast_math:
-            return f"expf({self.expr(arg)})"
-        log2e = sp.Float(1 / math.log(2))
-        return f"exp2f({self.expr(sp.Add(*(log2e * t for t in sp.Add.make_args(arg))))})"
-
-    _FUNCS = {sp.log: "logf", sp.tanh: "tanhf", sp.erf: "erff", log1p: "log1pf", sp.sin: "eg_sinf", sp.cos: "eg_cosf", sp.Abs: "fabsf",
+    _FUNCS = {sp.exp: "expf", sp.log: "logf", sp.tanh: "tanhf", sp.erf: "erff",
+              log1p: "log1pf", sp.sin: "eg_sinf", sp.cos: "eg_cosf", sp.Abs: "fabsf",
               sigmoid: "eg_sigmoid", softplus: "eg_softplus"}
 
     def number(self, e):
@@ -198,8 +184,6 @@ class CudaPrinter(_Printer):
 
     def call(self, e):
         f = e.func
-        if f is sp.exp:
-            return self.exp(e.args[0])
         if f in self._FUNCS:
             return f"{self._FUNCS[f]}({self.expr(e.args[0])})"
         if f in (sp.Max, sp.Min, logsumexp):
@@ -223,7 +207,7 @@ class CudaPrinter(_Printer):
 
     def _pow(self, base, exp):
         if base is sp.E:
-            return self.exp(exp), _ATOM
+            return f"expf({self.expr(exp)})", _ATOM
         b = self._wrap(base, _ATOM)
         if exp.is_Integer:
             n = int(exp)
@@ -333,16 +317,15 @@ class NumpyPrinter(_Printer):
         return f"{b}**{self._wrap(exp, _ATOM)}", _POW
 
 
-_CUDA = {False: CudaPrinter(), True: CudaPrinter(fast_math=True)}
+_CUDA = CudaPrinter()
 _NUMPY = NumpyPrinter()
 
 _CUDA_TYPES = {"f32": "float", "bf16": "float"}  # storage may be bf16; compute is fp32
 
 
-def cuda_expr(expr: sp.Basic, *, fast_math: bool = False) -> str:
-    """One expression as fp32 CUDA (attention's score and mask use this); `fast_math`: the
-    op's kernels compile with --use_fast_math (CudaPrinter)."""
-    return _CUDA[fast_math].expr(expr)
+def cuda_expr(expr: sp.Basic) -> str:
+    """One expression as fp32 CUDA (attention's score and mask use this)."""
+    return _CUDA.expr(expr)
 
 
 def numpy_expr(expr: sp.Basic) -> str:
@@ -350,17 +333,15 @@ def numpy_expr(expr: sp.Basic) -> str:
     return _NUMPY.expr(expr)
 
 
-def print_cuda(code: ir.Code, dtype: str = "f32", *, declare_results: bool = True,
-               fast_math: bool = False) -> list[str]:
+def print_cuda(code: ir.Code, dtype: str = "f32", *, declare_results: bool = True) -> list[str]:
     """`const float t0 = …;` for each temporary, then the results. Update ops pass
     declare_results=False: their results assign locals the template declared."""
     if dtype not in _CUDA_TYPES:
         raise EulerError(f"unknown compute dtype {dtype!r} (expected one of {sorted(_CUDA_TYPES)})")
     ctype = _CUDA_TYPES[dtype]
-    text = _CUDA[fast_math].expr
-    lines = [f"const {ctype} {a.name} = {text(a.expr)};" for a in code.temps]
+    lines = [f"const {ctype} {a.name} = {cuda_expr(a.expr)};" for a in code.temps]
     decl = f"const {ctype} " if declare_results else ""
-    lines += [f"{decl}{a.name} = {text(a.expr)};" for a in code.results]
+    lines += [f"{decl}{a.name} = {cuda_expr(a.expr)};" for a in code.results]
     return lines
 
 

@@ -49,14 +49,13 @@ class Block:
     results: tuple[str, ...]
 
 
-def block(code: ir.Code, *, declare: bool = True, fast_math: bool = False) -> Block:
+def block(code: ir.Code, *, declare: bool = True) -> Block:
     defined = {a.name for a in code.temps}
     uses: set[str] = set()
     for a in code.temps + code.results:
         uses |= {s.name for s in a.expr.free_symbols if isinstance(s, sp.Symbol)} - defined
         defined.add(a.name)
-    return Block(tuple(print_cuda(code, declare_results=declare, fast_math=fast_math)),
-                 frozenset(uses), code.names)
+    return Block(tuple(print_cuda(code, declare_results=declare)), frozenset(uses), code.names)
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,8 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     body: ir.PointwiseDerived = op.body
     ins = [o.name for o in op.inputs]
     outs = [o.name for o in op.outputs]
-    fwd = block(body.forward, fast_math=op.fast_math)
-    bwd = block(body.backward, fast_math=op.fast_math)
+    fwd = block(body.forward)
+    bwd = block(body.backward)
     grads = [f"d{o.name}" for o in op.inputs if o.differentiable]
     # The backward reads the inputs, any forward output it chose to reuse, and d<out>.
     bwd_reads = ins + [o for o in outs if o in bwd.uses] + [f"d{o}" for o in outs]
@@ -147,7 +146,7 @@ _PAIR_PER_HEAD = {"head"}
 
 
 def _pair_kernel(kernel: str, stage: str, loads: list[str], stores: list[str], code: ir.Code,
-                 index: tuple[tuple[str, str], ...], fast_math: bool = False) -> dict:
+                 index: tuple[tuple[str, str], ...]) -> dict:
     """One pair kernel's template values. The code is split (generator/hoist.py) into the
     per-(token, k) table (cos θ, sin θ: index symbols and params only), which a block
     computes once for all its heads, and the per-element code, which reads the table's
@@ -155,7 +154,7 @@ def _pair_kernel(kernel: str, stage: str, loads: list[str], stores: list[str], c
     varying = {f"{a}{i}" for a in loads for i in (0, 1)}
     varying |= {n for n, role in index if role in _PAIR_PER_HEAD}
     table, (elem,) = hoist([code], varying, row_constant_names("c"))
-    table_b, elem_b = block(table, fast_math=fast_math), block(elem, fast_math=fast_math)
+    table_b, elem_b = block(table), block(elem)
     values = lambda uses: [(n, _PAIR_INDEX[r]) for n, r in index if n in uses]  # noqa: E731
     return {"kernel": kernel, "impl": kernel, "stage": stage, "loads": loads, "stores": stores,
             "ptrs": [Ptr(a, "const ") for a in loads] + [Ptr(a, "") for a in stores],
@@ -180,15 +179,14 @@ def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda
                              line=op.where.line, key="index")
     ins = [o.name for o in op.inputs]
     outs = [o.name for o in op.outputs]
-    bwd_uses = block(body.backward, fast_math=op.fast_math).uses
+    bwd_uses = block(body.backward).uses
     reads_pair = lambda names: [n for n in names if {f"{n}0", f"{n}1"} & bwd_uses]  # noqa: E731
     grads = [f"d{o.name}" for o in op.inputs if o.differentiable]
-    kernels = [_pair_kernel(f"{op.name}_forward", "forward", ins, outs, body.forward, body.index,
-                            fast_math=op.fast_math)]
+    kernels = [_pair_kernel(f"{op.name}_forward", "forward", ins, outs, body.forward, body.index)]
     if grads:
         kernels.append(_pair_kernel(f"{op.name}_backward", "backward",
                                     reads_pair(ins + outs) + [f"d{o}" for o in outs], grads,
-                                    body.backward, body.index, fast_math=op.fast_math))
+                                    body.backward, body.index))
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
                        dtypes=_dtypes(p), threads=p.threads, table_pairs=planner.PAIR_TABLE,
                        min_blocks=planner.PAIR_MIN_BLOCKS)
@@ -216,7 +214,7 @@ def _update(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCu
                              "'state' or 'grad')", file=op.where.file, line=op.where.line,
                              key="inputs")
     state = {o.name for o in op.inputs if o.role == "state"}
-    code = block(body.step, declare=False, fast_math=op.fast_math)
+    code = block(body.step, declare=False)
     for r in code.results:
         if r not in state:
             raise EulerError(f"update result {r!r} is not a state input", file=op.where.file,

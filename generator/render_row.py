@@ -17,8 +17,7 @@ from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
 from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.printer import cuda_expr
-from eulergen.generator.render import Block, _dtypes, _params, _template
-from eulergen.generator.render import block as block_of
+from eulergen.generator.render import Block, _dtypes, _params, _template, block
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,6 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         if o.role not in ("row", "weight", "index", "scalar"):
             raise EulerError(f"row op operand {o.name!r} has role {o.role!r}", key="inputs", **where)
 
-    def block(code: ir.Code, declare: bool = True) -> Block:
-        return block_of(code, declare=declare, fast_math=op.fast_math)
-
     row_outputs = block(body.row_outputs, declare=False)
     # Per-element steps compute their row-invariant parts once per row, before the sweep
     # (generator/hoist.py); `consts` is that code, its names unique in the op.
@@ -85,8 +81,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         terms = blocks[len(first):]
         c = block(consts) if consts.results else None
         joined = [{"name": o.name, "red": o.op, "max": o.max, "block": t,
-                   "factor": cuda_expr(o.factor, fast_math=op.fast_math)}
-                  for o, t in zip(online, terms)]
+                   "factor": cuda_expr(o.factor)} for o, t in zip(online, terms)]
         factor_uses = {s.name for o in online for s in o.factor.free_symbols}
         factor_uses -= {ir.RESCALE_FROM, ir.RESCALE_TO}
         online_uses = _uses(*terms)

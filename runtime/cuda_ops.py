@@ -315,6 +315,9 @@ class CudaOps:
                              f"{tuple(x.shape)}", file=op.spec, key=names[0])
         _same_shape(op, stage, named, x.shape)
         B, T, H, D = x.shape
+        if B * T >= 2 ** 31:
+            raise EulerError(f"{op.name}.{stage}: {B} x {T} tokens; at most 2^31 - 1 per call "
+                             "(the kernels count tokens in 32 bits)", file=op.spec, key=names[0])
         kernel = op.kernel(stage, storage_dtype_name(x))
         writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
         results = _outputs(kernel, writes, [x.shape] * len(writes), out, op, stage)

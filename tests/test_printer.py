@@ -92,21 +92,6 @@ def test_cuda_printer_forms(expr, text):
     assert cuda_expr(expr) == text
 
 
-@pytest.mark.parametrize("expr,plain,fast", [
-    (sp.exp(x - y), "expf(x - y)", "exp2f(1.4426950408889634f*x - 1.4426950408889634f*y)"),
-    (sp.exp(-x), "expf(-x)", "exp2f(-1.4426950408889634f*x)"),
-    # only the argument's terms take the factor: a product inside one is not expanded
-    (sp.exp(-(x - y)**2), "expf(-(x - y)*(x - y))",
-     "exp2f(-1.4426950408889634f*(x - y)*(x - y))"),
-    (sp.E**(2 * x), "expf(2.0f*x)", "exp2f(2.8853900817779268f*x)"),
-])
-def test_fast_math_prints_exp_as_exp2_with_the_factor_on_each_term(expr, plain, fast):
-    assert cuda_expr(expr) == plain
-    assert cuda_expr(expr, fast_math=True) == fast
-    code = ir.Code((), (ir.Assign("e", expr),))
-    assert print_cuda(code, fast_math=True) == [f"const float e = {fast};"]
-
-
 def test_cuda_printer_emits_no_double():
     for expr in EXPRESSIONS:
         text = cuda_expr(expr)

@@ -160,7 +160,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_) {
             acc_z_ += z;
           }
@@ -176,7 +176,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_) {
             acc_z_ += z;
           }
@@ -187,7 +187,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float z = expf(x - m);
         acc_z_ += z;
       }
     }
@@ -286,7 +286,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
     // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
     float acc_z_ = 0.0f;
-    const auto z_rescale_ = [=](float from_, float to_) { return exp2f(1.4426950408889634f*from_ - 1.4426950408889634f*to_); };
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -316,7 +316,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
         const float x = x_r_[e_];
         {
           const float m = acc_m_;
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
@@ -345,7 +345,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
         const float x = x_r_[e_];
         {
           const float m = acc_m_;
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
@@ -363,7 +363,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
       }
       {
         const float m = acc_m_;
-        const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float z = expf(x - m);
         if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
       }
     }
@@ -542,7 +542,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_) {
             acc_z_ += z;
           }
@@ -558,7 +558,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_) {
             acc_z_ += z;
           }
@@ -569,7 +569,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float z = expf(x - m);
         acc_z_ += z;
       }
     }
@@ -610,7 +610,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -628,7 +628,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -639,7 +639,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const float x = eg_load(x_row_, col_);
       const float i = (float)col_;
       {
-        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
         eg_store(dx_row_, col_, dx);
       }
     }
@@ -715,7 +715,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
     // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
     float acc_z_ = 0.0f;
-    const auto z_rescale_ = [=](float from_, float to_) { return exp2f(1.4426950408889634f*from_ - 1.4426950408889634f*to_); };
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -745,7 +745,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         const float x = x_r_[e_];
         {
           const float m = acc_m_;
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
@@ -783,7 +783,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
             const float x = x_r_[e_];
             {
               const float m = acc_m_;
-              const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+              const float z = expf(x - m);
               if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
             }
           }
@@ -814,7 +814,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
           const float x = x_r_[e_];
           {
             const float m = acc_m_;
-            const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+            const float z = expf(x - m);
             if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
           }
         }
@@ -833,7 +833,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       }
       {
         const float m = acc_m_;
-        const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float z = expf(x - m);
         if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
       }
     }
@@ -890,7 +890,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -908,7 +908,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -919,7 +919,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       const float x = eg_load(x_row_, col_);
       const float i = (float)col_;
       {
-        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
         eg_store(dx_row_, col_, dx);
       }
     }
@@ -1071,7 +1071,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_) {
             acc_z_ += z;
           }
@@ -1087,7 +1087,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_) {
             acc_z_ += z;
           }
@@ -1098,7 +1098,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
       {
-        const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float z = expf(x - m);
         acc_z_ += z;
       }
     }
@@ -1145,7 +1145,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -1163,7 +1163,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -1174,7 +1174,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const float x = eg_load(x_row_, col_);
       const float i = (float)col_;
       {
-        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
         eg_store(dx_row_, col_, dx);
       }
     }
@@ -1257,7 +1257,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
     // pass: m = max, z = sum against the running m of the per-element terms
     float acc_m_ = -__int_as_float(0x7f800000);
     float acc_z_ = 0.0f;
-    const auto z_rescale_ = [=](float from_, float to_) { return exp2f(1.4426950408889634f*from_ - 1.4426950408889634f*to_); };
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -1287,7 +1287,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         const float x = x_r_[e_];
         {
           const float m = acc_m_;
-          const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float z = expf(x - m);
           if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
         }
       }
@@ -1325,7 +1325,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
             const float x = x_r_[e_];
             {
               const float m = acc_m_;
-              const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+              const float z = expf(x - m);
               if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
             }
           }
@@ -1356,7 +1356,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
           const float x = x_r_[e_];
           {
             const float m = acc_m_;
-            const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+            const float z = expf(x - m);
             if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
           }
         }
@@ -1375,7 +1375,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       }
       {
         const float m = acc_m_;
-        const float z = exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float z = expf(x - m);
         if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
       }
     }
@@ -1438,7 +1438,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -1456,7 +1456,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
-          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+          const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
           dx_o_[e_] = dx;
         }
       }
@@ -1467,7 +1467,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       const float x = eg_load(x_row_, col_);
       const float i = (float)col_;
       {
-        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*exp2f(1.4426950408889634f*x - 1.4426950408889634f*m);
+        const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
         eg_store(dx_row_, col_, dx);
       }
     }

@@ -25,18 +25,25 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       && x_sb_ % V == 0 && x_st_ % V == 0 && x_sh_ % V == 0
       && y_sb_ % V == 0 && y_st_ % V == 0 && y_sh_ % V == 0;
   __shared__ __align__(16) float tab_[2][KT];
-  for (long long bt_ = blockIdx.x; bt_ < (long long)B_ * T_; bt_ += gridDim.x) {
-    const long long b_ = bt_ / T_;
-    const int t_ = (int)(bt_ - b_ * T_);
-    for (int k0_ = 0; k0_ < half_; k0_ += KT) {
-      const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
-      const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
-      // Vector path: a thread takes vector qv_ of head h_, then the one blockDim.x vectors
-      // further (head-major). Its first vector is loaded before the table is built, each next
-      // one before the current one is computed, so that memory latency overlaps arithmetic
-      // (only the thread that loads a vector stores it: in place stays correct). The scalar
-      // path has no vector of its own (h_ = H_).
-      int h_ = H_, qv_ = 0;
+  // Chunks of a token's pairs outside, tokens inside: which vectors a thread takes depends on
+  // the chunk only, and is worked out once (divisions), not once a token. Tokens count in
+  // 32 bits (the runtime refuses B·T ≥ 2^31): a 64-bit division a token cost about what
+  // rotating a token's vectors does.
+  for (int k0_ = 0; k0_ < half_; k0_ += KT) {
+    const int kn_ = min(KT, half_ - k0_);     // pairs in this chunk (a multiple of V if vec_)
+    const int nv_ = vec_ ? kn_ / V : 0;       // 16-byte vectors a head has in the chunk
+    // Vector path: a thread takes vector qv0_ of head h0_, then the one blockDim.x vectors
+    // further (head-major), a step of dh_ heads and dq_ vectors. Its first vector is loaded
+    // before the table is built, each next one before the current one is computed, so that
+    // memory latency overlaps arithmetic (only the thread that loads a vector stores it: in
+    // place stays correct). The scalar path has no vector of its own (h0_ = H_).
+    const int h0_ = vec_ ? (int)threadIdx.x / nv_ : H_;
+    const int qv0_ = vec_ ? (int)threadIdx.x - h0_ * nv_ : 0;
+    const int dh_ = vec_ ? (int)blockDim.x / nv_ : 0, dq_ = (int)blockDim.x - dh_ * nv_;
+    for (unsigned bt_ = blockIdx.x; bt_ < (unsigned)B_ * (unsigned)T_; bt_ += gridDim.x) {
+      const int b_ = (int)(bt_ / (unsigned)T_);
+      const int t_ = (int)(bt_ - (unsigned)b_ * (unsigned)T_);
+      int h_ = h0_, qv_ = qv0_;
       // The chunk's first pair of head 0 (vector path only). Offsets counted in whole
       // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
       // keeps each store one 128-bit access (it splits it otherwise).
@@ -46,8 +53,6 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       if (vec_) {
         x_c_ = x_ptr + (b_ * (x_sb_ / V) + t_ * (x_st_ / V) + k0_ / V) * V;
         y_c_ = y_ptr + (b_ * (y_sb_ / V) + t_ * (y_st_ / V) + k0_ / V) * V;
-        h_ = (int)threadIdx.x / nv_;
-        qv_ = (int)threadIdx.x - h_ * nv_;
         if (h_ < H_) {
           x0_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_) * V);
           x1_r = eg_load_raw(x_c_, (h_ * (x_sh_ / V) + qv_ + half_ / V) * V);
@@ -67,7 +72,6 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
       }
       __syncthreads();
       if (vec_) {
-        const int dh_ = blockDim.x / nv_, dq_ = blockDim.x - dh_ * nv_;  // a step of blockDim.x
         while (h_ < H_) {
           const int kv_ = qv_ * V;              // the vector's first pair in the chunk
           const long long y_q_ = h_ * (y_sh_ / V) + qv_;
@@ -138,18 +142,25 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       && dy_sb_ % V == 0 && dy_st_ % V == 0 && dy_sh_ % V == 0
       && dx_sb_ % V == 0 && dx_st_ % V == 0 && dx_sh_ % V == 0;
   __shared__ __align__(16) float tab_[2][KT];
-  for (long long bt_ = blockIdx.x; bt_ < (long long)B_ * T_; bt_ += gridDim.x) {
-    const long long b_ = bt_ / T_;
-    const int t_ = (int)(bt_ - b_ * T_);
-    for (int k0_ = 0; k0_ < half_; k0_ += KT) {
-      const int kn_ = min(KT, half_ - k0_);   // pairs in this chunk (a multiple of V if vec_)
-      const int nv_ = vec_ ? kn_ / V : 0;     // 16-byte vectors a head has in the chunk
-      // Vector path: a thread takes vector qv_ of head h_, then the one blockDim.x vectors
-      // further (head-major). Its first vector is loaded before the table is built, each next
-      // one before the current one is computed, so that memory latency overlaps arithmetic
-      // (only the thread that loads a vector stores it: in place stays correct). The scalar
-      // path has no vector of its own (h_ = H_).
-      int h_ = H_, qv_ = 0;
+  // Chunks of a token's pairs outside, tokens inside: which vectors a thread takes depends on
+  // the chunk only, and is worked out once (divisions), not once a token. Tokens count in
+  // 32 bits (the runtime refuses B·T ≥ 2^31): a 64-bit division a token cost about what
+  // rotating a token's vectors does.
+  for (int k0_ = 0; k0_ < half_; k0_ += KT) {
+    const int kn_ = min(KT, half_ - k0_);     // pairs in this chunk (a multiple of V if vec_)
+    const int nv_ = vec_ ? kn_ / V : 0;       // 16-byte vectors a head has in the chunk
+    // Vector path: a thread takes vector qv0_ of head h0_, then the one blockDim.x vectors
+    // further (head-major), a step of dh_ heads and dq_ vectors. Its first vector is loaded
+    // before the table is built, each next one before the current one is computed, so that
+    // memory latency overlaps arithmetic (only the thread that loads a vector stores it: in
+    // place stays correct). The scalar path has no vector of its own (h0_ = H_).
+    const int h0_ = vec_ ? (int)threadIdx.x / nv_ : H_;
+    const int qv0_ = vec_ ? (int)threadIdx.x - h0_ * nv_ : 0;
+    const int dh_ = vec_ ? (int)blockDim.x / nv_ : 0, dq_ = (int)blockDim.x - dh_ * nv_;
+    for (unsigned bt_ = blockIdx.x; bt_ < (unsigned)B_ * (unsigned)T_; bt_ += gridDim.x) {
+      const int b_ = (int)(bt_ / (unsigned)T_);
+      const int t_ = (int)(bt_ - (unsigned)b_ * (unsigned)T_);
+      int h_ = h0_, qv_ = qv0_;
       // The chunk's first pair of head 0 (vector path only). Offsets counted in whole
       // vectors and then scaled by V are known 16-byte aligned to the compiler, which then
       // keeps each store one 128-bit access (it splits it otherwise).
@@ -159,8 +170,6 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       if (vec_) {
         dy_c_ = dy_ptr + (b_ * (dy_sb_ / V) + t_ * (dy_st_ / V) + k0_ / V) * V;
         dx_c_ = dx_ptr + (b_ * (dx_sb_ / V) + t_ * (dx_st_ / V) + k0_ / V) * V;
-        h_ = (int)threadIdx.x / nv_;
-        qv_ = (int)threadIdx.x - h_ * nv_;
         if (h_ < H_) {
           dy0_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_) * V);
           dy1_r = eg_load_raw(dy_c_, (h_ * (dy_sh_ / V) + qv_ + half_ / V) * V);
@@ -180,7 +189,6 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
       }
       __syncthreads();
       if (vec_) {
-        const int dh_ = blockDim.x / nv_, dq_ = blockDim.x - dh_ * nv_;  // a step of blockDim.x
         while (h_ < H_) {
           const int kv_ = qv_ * V;              // the vector's first pair in the chunk
           const long long dx_q_ = h_ * (dx_sh_ / V) + qv_;
