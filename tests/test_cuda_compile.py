@@ -206,26 +206,26 @@ def test_kernels_store_16_bytes_in_one_store(path, arch, all_ptx):
     assert not bad, f"{path.name} ({arch}): 16-byte stores split in {bad}"
 
 
+def _snippet_ptx(ptx_dir: Path, name: str, source: str) -> str:
+    """sm_90 PTX of a few lines of CUDA, by the compiler the generated files take."""
+    (ptx_dir / name).write_text(source)
+    if compiler() == "nvrtc":
+        return nvrtc_ptx(source, name, "sm_90")
+    return nvcc_ptx(source, name, "sm_90", ptx_dir)
+
+
 def test_split_store_detector_finds_four_4_byte_stores(ptx_dir):
-    which = compiler()
-    source = ('extern "C" __global__ void split(unsigned* p, uint4 v) {\n'
-              '  p[4] = v.x; p[5] = v.y; p[6] = v.z; p[7] = v.w; }\n'
-              'extern "C" __global__ void whole(uint4* p, uint4 v) { __stwb(p + 1, v); }\n')
-    path = ptx_dir / "split.cu"
-    path.write_text(source)
-    ptx = (nvrtc_ptx(source, "split.cu", "sm_90") if which == "nvrtc"
-           else nvcc_ptx(source, "split.cu", "sm_90", ptx_dir))
+    ptx = _snippet_ptx(ptx_dir, "split.cu", (
+        'extern "C" __global__ void split(unsigned* p, uint4 v) {\n'
+        '  p[4] = v.x; p[5] = v.y; p[6] = v.z; p[7] = v.w; }\n'
+        'extern "C" __global__ void whole(uint4* p, uint4 v) { __stwb(p + 1, v); }\n'))
     assert split_stores(ptx) == ["split"]
 
 
 def test_f64_detector_finds_double_math_in_an_f32_kernel(ptx_dir):
-    which = compiler()
-    source = ('extern "C" __global__ void k_f32(float* x) { x[0] = (float)(x[1] * 0.1); }\n'
-              'extern "C" __global__ void k_bf16(float* x) { x[0] = (float)(x[1] * 0.1); }\n')
-    path = ptx_dir / "double.cu"
-    path.write_text(source)
-    ptx = (nvrtc_ptx(source, "double.cu", "sm_90") if which == "nvrtc"
-           else nvcc_ptx(source, "double.cu", "sm_90", ptx_dir))
+    ptx = _snippet_ptx(ptx_dir, "double.cu", (
+        'extern "C" __global__ void k_f32(float* x) { x[0] = (float)(x[1] * 0.1); }\n'
+        'extern "C" __global__ void k_bf16(float* x) { x[0] = (float)(x[1] * 0.1); }\n'))
     assert f64_kernels(ptx) == ["k_f32"]
 
 

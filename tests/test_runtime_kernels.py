@@ -312,6 +312,18 @@ def test_pair_calls_pass_element_strides_of_views(name, libs, emu):
 
 
 @needs_manifest
+@pytest.mark.parametrize("name", _ops("pair"))
+def test_pair_calls_over_2_31_tokens_are_refused_before_any_launch(name, libs, emu):
+    """The pair kernels count tokens in 32 bits. A broadcast view holds 2^31 tokens in one
+    element of memory."""
+    gpu, _ = libs
+    x = np.broadcast_to(np.zeros(1, np.float32), (1 << 16, 1 << 15, 1, 2)).view(FakeArray)
+    with pytest.raises(EulerError, match="at most 2\\^31 - 1"):
+        gpu.forward(name, x)
+    assert not emu.launches
+
+
+@needs_manifest
 @pytest.mark.parametrize("name", _ops("update"))
 def test_update_step_updates_the_given_buffers(name, libs, emu):
     gpu, ref = libs
