@@ -105,11 +105,15 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32") -> in
 
 def _carve(op: OpEntry, workspace, shapes) -> list:
     """Consecutive float32 views of a caller's workspace, laid out as workspace_elements
-    counts them."""
+    counts them: WORKSPACE_ALIGN apart from a start on a 16-byte boundary."""
     if workspace.dtype != np.float32 or workspace.ndim != 1 or not workspace.flags.c_contiguous:
         raise EulerError(f"{op.name}: workspace must be a contiguous 1-d float32 array, got "
                          f"{workspace.dtype} {tuple(workspace.shape)}", file=op.spec,
                          key="workspace")
+    if workspace.data.ptr % 16:
+        raise EulerError(f"{op.name}: workspace starts {workspace.data.ptr % 16} bytes past a "
+                         "16-byte boundary; the kernels access it 16 bytes at a time (a CuPy "
+                         "allocation starts on one)", file=op.spec, key="workspace")
     need = sum(_aligned(prod(s)) for s in shapes)
     if need > workspace.size:
         raise EulerError(f"{op.name}: workspace has {workspace.size} elements, this call needs "

@@ -48,6 +48,25 @@ def test_row_backward_takes_its_partials_from_the_given_workspace(name, cols, li
 
 
 @needs_manifest
+@pytest.mark.parametrize("name", ["layernorm", "rmsnorm"])
+def test_row_backward_refuses_a_workspace_off_a_16_byte_boundary(name, libs, emu):
+    """The kernels zero, write and add weight-gradient partials 16 bytes at a time
+    (templates/common.cuh.j2, eg_partials_set): a workspace 4 bytes off a boundary would
+    fault on the GPU, so the call refuses it before any launch."""
+    gpu, _ = libs
+    op = OPS[name]
+    x = np.ones((4, 64), np.float32)
+    weights = [np.ones(64, np.float32) for o in op.inputs if o.role == "weight"]
+    need = workspace_elements(op, "backward", x.shape)
+    buf = dev(np.zeros(need + 4, np.float32))
+    skip = next(k for k in range(4) if (buf.data.ptr + 4 * k) % 16 == 4)
+    with pytest.raises(EulerError, match="workspace starts 4 bytes past a 16-byte boundary"):
+        gpu.backward(name, dev(x), *map(dev, weights), dev(x),
+                     workspace=buf[skip:skip + need])
+    assert not emu.launches
+
+
+@needs_manifest
 def test_only_ops_with_temporaries_ask_for_workspace():
     assert workspace_elements(OPS["gelu"], "backward", (4, 8, 16)) == 0
     assert workspace_elements(OPS["cross_entropy"], "backward", (4, 300)) == 0
