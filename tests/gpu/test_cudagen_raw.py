@@ -74,7 +74,9 @@ def test_fused_cross_entropy_overwrites_50257_wide_logits_with_their_gradient(cp
         x = from_bf16(to_bf16(x))
     target = rng.integers(0, cols, rows).astype(np.int32)
     dloss = np.full(rows, 1.0 / rows, np.float32)
-    name = f"{op}_fwdbwd{layout}_unaligned_{dtype}"      # 50257 columns: no whole vectors
+    # The `_unaligned` kernel. The runtime launches the aligned one here (one row operand, so
+    # one offset: any row length); test_kernels.py's fused test takes it at 50257 columns.
+    name = f"{op}_fwdbwd{layout}_unaligned_{dtype}"
     geom = row_geometry(plan(op, name), rows, cols)
     grid, threads = geom.grid, geom.threads
     logits = store(cp, x, dtype)
