@@ -158,7 +158,10 @@ def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = T
     candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
                   and k.plan.get("aligned", True) == aligned]
     if not candidates:
-        return op.kernel(stage, dtype)   # raises, naming the kernels there are
+        # None of (stage, dtype): raises, naming the kernels there are. A manifest from before
+        # the `_unaligned` variants, asked for one: the stage's first kernel (any serves any
+        # operands there).
+        return op.kernel(stage, dtype)
     warp = [k for k in candidates if k.plan.get("layout") == "warp_per_row"]
     block = [k for k in candidates if k.plan.get("layout") == "block_per_row"]
     if warp and (not block or cols <= warp[0].plan["max_cols"]):
