@@ -93,6 +93,20 @@ def test_manifest_launch_facts_match_the_kernel_as_compiled(op, kernel):
         assert (k.plan["grid_max"] is not None) == (c.prefetch or "wgrad_partials" in k.plan)
 
 
+ALIGNED_ROW_KERNELS = [(op, k) for op, k in ROW_KERNELS if OPS[op].kernels[k].plan["aligned"]]
+
+
+@pytest.mark.parametrize("op,kernel", ALIGNED_ROW_KERNELS, ids=[k for _, k in ALIGNED_ROW_KERNELS])
+def test_each_aligned_row_kernel_has_an_unaligned_twin_with_its_launch_facts(op, kernel):
+    """The runtime allocates outputs, sizes the grid and the workspace from the aligned kernel
+    and then launches the `_unaligned` one where row_aligned says no (runtime/cuda_ops.py):
+    the two take the same arguments and the same plan but for `aligned`."""
+    k = OPS[op].kernels[kernel]
+    twin = OPS[op].kernels[f"{kernel[:-len(k.dtype)]}unaligned_{k.dtype}"]
+    assert (twin.stage, twin.dtype, twin.args) == (k.stage, k.dtype, k.args)
+    assert {**twin.plan, "aligned": True} == dict(k.plan)
+
+
 @pytest.mark.parametrize("kernel,threads,min_blocks,slots", [
     # one sweep (max, online sum and picked logit): short blocks, eight an SM
     ("cross_entropy_forward_block_f32", 256, 8, 2),
