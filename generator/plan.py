@@ -17,8 +17,8 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ope
 row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
            length, `max_cols` / `min_cols` say where each is the fast one. `aligned`: each
            (stage, layout, dtype) has two kernels: True for operands that take 16-byte
-           access throughout (runtime/kernels.row_aligned), False (`_unaligned`) for any. Each kernel's
-           block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
+           access throughout (runtime/kernels.row_aligned), False (`_unaligned`) for
+           any. Each kernel's block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
            minimum of blocks, the 16-byte groups a lane caches, whether it prefetches
            the next row (PREFETCH_DTYPES) and how many re-read groups its first sweep
            loads at a time (BLOCK_REREAD_BATCH); the last three are template arguments
@@ -96,7 +96,7 @@ WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤
 PREFETCH_DTYPES = ("bf16",)
 # Held to 64 registers (4 blocks of 256 threads an SM: the warps the kernels had without
 # the prefetch) the bf16 warp-per-row forward kernels do not spill; backward ones would, so
-# they are not held.
+# they are not held (but for WARP_DEEP_WGRAD_BLOCKS, which has no prefetch).
 WARP_MIN_BLOCKS = {("bf16", "forward"): 4}
 # A bf16 warp-per-row backward with weight gradients whose row takes two reduction levels
 # (LayerNorm's mean, then its variance and adjoint sums) waits on two butterflies a row,
@@ -282,9 +282,12 @@ def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,
 def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape: RowShape,
                fwdbwd: bool = False) -> tuple[tuple[str, object], ...]:
     v = plan.vec_of(dtype)
-    grid_max = _GRID_MAX if not wgrad else (
-        _GRID_MAX_WGRAD_BLOCK if layout != "warp_per_row" else
-        _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD)
+    if not wgrad:
+        grid_max = _GRID_MAX
+    elif layout != "warp_per_row":
+        grid_max = _GRID_MAX_WGRAD_BLOCK
+    else:   # as many blocks as the launch bounds keep on an SM
+        grid_max = _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD
     extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
 
     def partials(rule: str) -> tuple[tuple[str, object], ...]:

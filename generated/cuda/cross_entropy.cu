@@ -98,7 +98,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -114,7 +113,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -157,7 +155,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -173,7 +170,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -295,7 +291,6 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -328,7 +323,6 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
       const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -480,7 +474,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -496,7 +489,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -539,7 +531,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -555,7 +546,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -606,7 +596,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -624,7 +613,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -724,7 +712,6 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -766,7 +753,6 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
           const float was_m_ = acc_m_;
           #pragma unroll
           for (int e_ = 0; e_ < VEC; ++e_) {
-            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
             const float x = x_r_[e_];
             {
               const float m = x;
@@ -797,7 +783,6 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         const float was_m_ = acc_m_;
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
           const float x = x_r_[e_];
           {
             const float m = x;
@@ -886,7 +871,6 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -904,7 +888,6 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -1009,7 +992,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -1025,7 +1007,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -1068,7 +1049,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -1084,7 +1064,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -1141,7 +1120,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -1159,7 +1137,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -1266,7 +1243,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -1308,7 +1284,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
           const float was_m_ = acc_m_;
           #pragma unroll
           for (int e_ = 0; e_ < VEC; ++e_) {
-            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
             const float x = x_r_[e_];
             {
               const float m = x;
@@ -1339,7 +1314,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         const float was_m_ = acc_m_;
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
           const float x = x_r_[e_];
           {
             const float m = x;
@@ -1434,7 +1408,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {
@@ -1452,7 +1425,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float i = i0_ + (float)e_;
         {

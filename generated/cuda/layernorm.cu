@@ -94,7 +94,6 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float mu = x;
@@ -110,7 +109,6 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float mu = x;
@@ -153,7 +151,6 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float var = (x - mu)*(x - mu);
@@ -169,7 +166,6 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float var = (x - mu)*(x - mu);
@@ -217,7 +213,6 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         const float b = b_w_[e_];
@@ -238,7 +233,6 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         const float b = b_w_[e_];
@@ -407,7 +401,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float mu = x;
@@ -423,7 +416,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float mu = x;
@@ -472,7 +464,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
@@ -499,7 +490,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
@@ -581,7 +571,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
@@ -610,7 +599,6 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];

@@ -91,7 +91,6 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -107,7 +106,6 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -150,7 +148,6 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -166,7 +163,6 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -210,7 +206,6 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r0_ + x;
@@ -225,7 +220,6 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r0_ + x;
@@ -321,7 +315,6 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -363,7 +356,6 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
           const float was_m_ = acc_m_;
           #pragma unroll
           for (int e_ = 0; e_ < VEC; ++e_) {
-            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
             const float x = x_r_[e_];
             {
               const float m = x;
@@ -394,7 +386,6 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
         const float was_m_ = acc_m_;
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
           const float x = x_r_[e_];
           {
             const float m = x;
@@ -476,7 +467,6 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r0_ + x;
@@ -491,7 +481,6 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r0_ + x;
@@ -599,7 +588,6 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -620,7 +608,6 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -673,7 +660,6 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -689,7 +675,6 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -738,7 +723,6 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -756,7 +740,6 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -868,7 +851,6 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -906,7 +888,6 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -1002,7 +983,6 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -1020,7 +1000,6 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {

@@ -94,7 +94,6 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float ms = x*x;
@@ -110,7 +109,6 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float ms = x*x;
@@ -156,7 +154,6 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         {
@@ -174,7 +171,6 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float w = w_w_[e_];
         {
@@ -327,7 +323,6 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
@@ -351,7 +346,6 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
@@ -417,7 +411,6 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
@@ -443,7 +436,6 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];

@@ -91,7 +91,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -107,7 +106,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -150,7 +148,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -166,7 +163,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float z = expf(x - m);
@@ -210,7 +206,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r1_*expf(x - m);
@@ -225,7 +220,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r1_*expf(x - m);
@@ -321,7 +315,6 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -363,7 +356,6 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
           const float was_m_ = acc_m_;
           #pragma unroll
           for (int e_ = 0; e_ < VEC; ++e_) {
-            const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
             const float x = x_r_[e_];
             {
               const float m = x;
@@ -394,7 +386,6 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         const float was_m_ = acc_m_;
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
-          const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
           const float x = x_r_[e_];
           {
             const float m = x;
@@ -476,7 +467,6 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r1_*expf(x - m);
@@ -491,7 +481,6 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float y = r1_*expf(x - m);
@@ -596,7 +585,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -612,7 +600,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -658,7 +645,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -679,7 +665,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -740,7 +725,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -759,7 +743,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -870,7 +853,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -903,7 +885,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       const float was_m_ = acc_m_;
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         {
           const float m = x;
@@ -985,7 +966,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -1004,7 +984,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -1057,7 +1036,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
@@ -1076,7 +1054,6 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
-        const int col_ = eg_col<VEC>(sp_, g0_, lane_, e_);
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
