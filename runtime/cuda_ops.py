@@ -60,6 +60,8 @@ class RowSig:
     writes: tuple[str, ...]       # forward outputs, then input grads, in GRADS order
     write_roles: tuple[str, ...]
     wgrads: tuple[str, ...]       # the weight grads among `writes` (workspace + reduce)
+    row_ptrs: tuple[str, ...]     # the row operands among names and writes, and the weights
+    weight_ptrs: tuple[str, ...]  # among names: what kernels.row_aligned checks
 
 
 @lru_cache(maxsize=None)
@@ -70,10 +72,12 @@ def _row_sig(op: OpEntry, stage: str) -> RowSig:
     roles = tuple(o.role for o in op.inputs) + tuple(o.role for o in douts)
     fwd = [o for o in op.outputs] if stage in ("forward", "fwdbwd") else []
     grads = [o for o in op.inputs if o.differentiable] if stage != "forward" else []
-    return RowSig(names, roles, roles.index("row"),
-                  tuple(o.name for o in fwd) + tuple(f"d{o.name}" for o in grads),
-                  tuple(o.role for o in fwd) + tuple(o.role for o in grads),
-                  tuple(f"d{o.name}" for o in grads if o.role == "weight"))
+    writes = tuple(o.name for o in fwd) + tuple(f"d{o.name}" for o in grads)
+    write_roles = tuple(o.role for o in fwd) + tuple(o.role for o in grads)
+    return RowSig(names, roles, roles.index("row"), writes, write_roles,
+                  tuple(f"d{o.name}" for o in grads if o.role == "weight"),
+                  tuple(n for n, r in zip(names + writes, roles + write_roles) if r == "row"),
+                  tuple(n for n, r in zip(names, roles) if r == "weight"))
 
 
 WORKSPACE_ALIGN = 64   # elements: each workspace slice starts 256-byte aligned (vector loads)
@@ -270,10 +274,9 @@ class CudaOps:
         values.update(zip(sig.writes, results))
         values.update(params)
         values["rows"], values["cols"] = rows, cols
-        role = dict(zip(sig.names + sig.writes, sig.roles + sig.write_roles))
-        at = {r: [values[n].data.ptr for n, _ in kernel.args if role.get(n) == r]
-              for r in ("row", "weight")}
-        if not row_aligned(at["row"], at["weight"], cols * x.itemsize, bool(sig.wgrads)):
+        if not row_aligned([values[n].data.ptr for n in sig.row_ptrs],
+                           [values[n].data.ptr for n in sig.weight_ptrs],
+                           cols * x.itemsize, bool(sig.wgrads)):
             kernel = row_kernel(op, stage, dtype, cols, aligned=False)
         if not rows:
             for g in sig.wgrads:
