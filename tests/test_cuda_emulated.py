@@ -224,9 +224,11 @@ def _runtime_variant(kernel: str, dtype: str, rows: list, weights: list, wgrads:
 
 # 1250 and 8800 columns launch every block kernel with a warp count that is no power of two
 # (5 warps at 8 columns a thread; 7 or 14 at fp32's 40 or 20): the block's merge is a
-# butterfly over a lane per warp, the lanes past the last warp holding the identity.
+# butterfly over a lane per warp, the lanes past the last warp holding the identity. 50257
+# columns is the one case past the cached groups of a full block in both dtypes (8192 bf16
+# columns, 40960 fp32): whole re-read groups, then a last one that ends in the body.
 ROW_CASES = [(1, "warp"), (17, "warp"), (768, "warp"), (3001, "warp"),
-             (17, "block"), (1000, "block"), (1250, "block"), (8800, "block")]
+             (17, "block"), (1000, "block"), (1250, "block"), (8800, "block"), (50257, "block")]
 
 
 def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:

@@ -22,7 +22,13 @@
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
-// the rest, and the edge, are re-read from global memory (L2) once per pass. Reductions
+// the rest, and the edge, are re-read from global memory (L2) once per pass. A block per
+// row of an op without weights, with 16-byte access, takes those re-read groups whole
+// (every lane's in the body) without a bounds test, then the one group that may not be:
+// the tests, the zeros of the lanes past the body and the predicates cost a tenth of the
+// loop (H200, 8192 x 50257: cross-entropy fused bf16 0.502 -> 0.486 ms, fp32 0.879 ->
+// 0.856; softmax and log-softmax forwards 4-7% faster, but log-softmax bf16 backward 2%
+// slower). With weights the test stays: the norms took more registers for it. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
 // max's pass (online: accumulated against the running max; a lane's sum is rescaled to
 // the warp's max, a warp's to the row's, before they are added),
