@@ -134,7 +134,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -150,7 +150,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -226,7 +226,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -242,7 +242,7 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -426,7 +426,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll
@@ -455,7 +455,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       const float was_m_ = acc_m_;
       #pragma unroll
@@ -641,7 +641,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -657,7 +657,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -733,7 +733,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -749,7 +749,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1056,7 +1056,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         if (whole_end_ < sp_.end - sp_.head) {
           const int g0_ = whole_end_;
           float x_r_[VEC];
-          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
           const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
           const float was_m_ = acc_m_;
           #pragma unroll
@@ -1085,7 +1085,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       } else {
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll
@@ -1368,7 +1368,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1384,7 +1384,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1460,7 +1460,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1476,7 +1476,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1796,7 +1796,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         if (whole_end_ < sp_.end - sp_.head) {
           const int g0_ = whole_end_;
           float x_r_[VEC];
-          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
           const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
           const float was_m_ = acc_m_;
           #pragma unroll
@@ -1825,7 +1825,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       } else {
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll

@@ -112,7 +112,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -169,7 +169,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -419,7 +419,7 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
     }
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -491,9 +491,9 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
       float w_w_[VEC];
       eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {

@@ -127,7 +127,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -143,7 +143,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -219,7 +219,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -235,7 +235,7 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -522,7 +522,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
         if (whole_end_ < sp_.end - sp_.head) {
           const int g0_ = whole_end_;
           float x_r_[VEC];
-          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
           const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
           const float was_m_ = acc_m_;
           #pragma unroll
@@ -551,7 +551,7 @@ __device__ __forceinline__ void log_softmax_forward_online(const scalar_t* x_ptr
       } else {
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll
@@ -829,9 +829,9 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -850,9 +850,9 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -938,7 +938,7 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -954,7 +954,7 @@ __device__ __forceinline__ void log_softmax_backward(const scalar_t* x_ptr, cons
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1240,9 +1240,9 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll
@@ -1274,9 +1274,9 @@ __device__ __forceinline__ void log_softmax_backward_online(const scalar_t* x_pt
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       const float was_m_ = acc_m_;
       #pragma unroll

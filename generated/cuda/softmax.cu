@@ -127,7 +127,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -143,7 +143,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -219,7 +219,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -235,7 +235,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -522,7 +522,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         if (whole_end_ < sp_.end - sp_.head) {
           const int g0_ = whole_end_;
           float x_r_[VEC];
-          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+          eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
           const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
           const float was_m_ = acc_m_;
           #pragma unroll
@@ -551,7 +551,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       } else {
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll
@@ -818,7 +818,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -834,7 +834,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -921,9 +921,9 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -942,9 +942,9 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1236,7 +1236,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         const float was_m_ = acc_m_;
         #pragma unroll
@@ -1265,7 +1265,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       const float was_m_ = acc_m_;
       #pragma unroll
@@ -1385,9 +1385,9 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       if (whole_end_ < sp_.end - sp_.head) {
         const int g0_ = whole_end_;
         float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
         float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
         const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
         #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) {
@@ -1404,9 +1404,9 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
     } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
-      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_);
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
       float dy_r_[VEC];
-      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_);
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
       const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
