@@ -147,6 +147,18 @@ BLOCK_REREAD_GROUPS = {"f32": 10}
 # every sweep, 0.893. Not bf16: its kernel (one cached group and the next row's prefetch)
 # ran 0.506 -> 0.604 with the first sweep batched, 0.528 with the last.
 BLOCK_REREAD_BATCH = 2
+# A block per row of an op without weights sweeps its re-read groups whole (every lane's in
+# the row's body) with no bounds test, then the one group that may end in the body: the
+# tests, the zeros of the lanes past the body and the predicated loads, arithmetic and
+# stores were 11 of 75 instructions a group in cross-entropy bf16's first sweep, 21 of 101
+# in its last (nvcc sm_90). H200, 8192 x 50257: cross-entropy fused bf16 0.502 -> 0.486 ms
+# (0.81 of copy), fp32 0.879 -> 0.856; softmax and log-softmax forwards 4-7% faster; the
+# log-softmax bf16 forward+backward 1.400 -> 1.434. With weights (the norms) the kernels
+# took more registers for it (RMSNorm's bf16 backward 85 for 64, its 8192 x 50257
+# forward+backward 4.770 -> 4.909 ms), so they keep the test. Only the aligned entry point
+# takes it (row.cu.j2): in the `_unaligned` ones it cost registers too (cross-entropy bf16
+# 32 -> 44-57, one block an SM rather than two).
+BLOCK_WHOLE_GROUPS = True
 
 
 @dataclass(frozen=True)
@@ -154,12 +166,14 @@ class RowShape:
     """A row kernel's block: its threads (warp_per_row: 32 a row; block_per_row: the most it
     takes), its __launch_bounds__ minimum of blocks an SM (0: none), the 16-byte groups of
     each cached row operand a lane keeps in registers, whether it prefetches the next
-    row's (PREFETCH_DTYPES), and how many re-read groups its first sweep loads at a time."""
+    row's (PREFETCH_DTYPES), how many re-read groups its first sweep loads at a time, and
+    whether it sweeps its re-read groups whole before the last (BLOCK_WHOLE_GROUPS)."""
     threads: int
     min_blocks: int
     slots: int
     prefetch: bool
     batch: int = 1
+    whole: bool = False
 
 
 def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1) -> RowShape:
@@ -179,17 +193,17 @@ def block_shape(dtype: str, *, sweeps: int, cached: int, weights: bool, wgrad: b
     prefetch = dtype in PREFETCH_DTYPES
     if wgrad:
         return RowShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_SLOTS[dtype], prefetch)
-    if not weights:
-        if sweeps == 1:
-            return RowShape(BLOCK_THREADS_ONE_SWEEP, BLOCK_MIN_BLOCKS_ONE_SWEEP,
-                            BLOCK_SLOTS[dtype], prefetch)
-        if dtype in BLOCK_REREAD_GROUPS:
-            return RowShape(BLOCK_THREADS_MAX, 1, BLOCK_REREAD_GROUPS[dtype] // max(cached, 1),
-                            False, BLOCK_REREAD_BATCH if cached <= 1 else 1)
-        if forward:
-            return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD, BLOCK_SLOTS[dtype],
-                            prefetch)
-    return RowShape(BLOCK_THREADS_MAX, 0, BLOCK_SLOTS[dtype], prefetch)
+    if weights:
+        return RowShape(BLOCK_THREADS_MAX, 0, BLOCK_SLOTS[dtype], prefetch)
+    whole = BLOCK_WHOLE_GROUPS
+    if sweeps == 1:
+        return RowShape(BLOCK_THREADS_ONE_SWEEP, BLOCK_MIN_BLOCKS_ONE_SWEEP,
+                        BLOCK_SLOTS[dtype], prefetch, whole=whole)
+    if dtype in BLOCK_REREAD_GROUPS:
+        return RowShape(BLOCK_THREADS_MAX, 1, BLOCK_REREAD_GROUPS[dtype] // max(cached, 1),
+                        False, BLOCK_REREAD_BATCH if cached <= 1 else 1, whole)
+    return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD if forward else 0,
+                    BLOCK_SLOTS[dtype], prefetch, whole=whole)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ warp-per-row ones keep the two-pass form, so a stage where one joins has a secon
 impl, `<op>_<stage>_online`), a sum that is one column's value read at that column
 (ir.Pick), and the backward's adjoint sums in the sweep after the last one forming a
 reduction they read (derive has taken their row-constant factors out). Each kernel's
-block, register slots and prefetch are the plan's (plan.RowShape).
+block, register slots, prefetch, batch and whole groups are the plan's (plan.RowShape).
 """
 from __future__ import annotations
 
@@ -249,6 +249,9 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             # a first sweep that some shape batches is rendered both ways (row.cu.j2, sweep)
             "batched": any(shapes[lay["layout"]][dt].batch > 1 for lay in lays
                            for dt in planner.DTYPES),
+            # and one that some shape sweeps whole, both ways too (WHOLE picks)
+            "whole": any(shapes[lay["layout"]][dt].whole for lay in lays
+                         for dt in planner.DTYPES),
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
                                    if s["kind"] == "pass"), default=0),
         })

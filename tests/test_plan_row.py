@@ -35,7 +35,7 @@ def test_a_one_sweep_kernel_without_weights_takes_short_blocks_many_an_sm(dtype,
     got = shape(dtype, sweeps=1, cached=1, forward=forward)
     assert got == planner.RowShape(planner.BLOCK_THREADS_ONE_SWEEP,
                                    planner.BLOCK_MIN_BLOCKS_ONE_SWEEP, planner.BLOCK_SLOTS[dtype],
-                                   dtype in planner.PREFETCH_DTYPES)
+                                   dtype in planner.PREFETCH_DTYPES, whole=True)
     assert (got.threads, got.min_blocks) == (256, 8)
 
 
@@ -48,7 +48,7 @@ def test_fp32_re_read_kernels_without_weights_split_ten_groups_among_the_cached_
     row: its groups would not fit beside these. Reading one operand, their first sweep loads
     two re-read groups at a time; reading two, it has two loads in flight already."""
     got = shape("f32", sweeps=2, cached=cached, forward=forward)
-    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False, batch)
+    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False, batch, True)
     assert planner.BLOCK_REREAD_GROUPS["f32"] == 10
     assert planner.BLOCK_REREAD_BATCH == 2
 
@@ -66,7 +66,7 @@ def test_only_the_fp32_re_read_shape_batches(dtype, kw):
 def test_bf16_forward_without_weights_keeps_one_group_and_two_blocks_an_sm():
     got = shape("bf16", sweeps=2, cached=1, forward=True)
     assert got == planner.RowShape(1024, planner.BLOCK_MIN_BLOCKS_FORWARD, planner.BLOCK_SLOTS["bf16"],
-                                   True)
+                                   True, whole=True)
     assert (got.min_blocks, got.slots) == (2, 1)
 
 
@@ -80,7 +80,20 @@ def test_bf16_forward_without_weights_keeps_one_group_and_two_blocks_an_sm():
 def test_the_rest_take_1024_threads_unbounded_with_the_dtype_slots(dtype, kw):
     assert shape(dtype, **kw) == planner.RowShape(planner.BLOCK_THREADS_MAX, 0,
                                                   planner.BLOCK_SLOTS[dtype],
-                                                  dtype in planner.PREFETCH_DTYPES)
+                                                  dtype in planner.PREFETCH_DTYPES,
+                                                  whole=not kw.get("weights"))
+
+
+@pytest.mark.parametrize("dtype", planner.DTYPES)
+@pytest.mark.parametrize("sweeps", [1, 2, 3])
+@pytest.mark.parametrize("forward", [True, False])
+def test_only_block_rows_without_weights_sweep_their_re_read_groups_whole(dtype, sweeps, forward):
+    """The norms (weights) took more registers for it; warp rows hold their row whole."""
+    assert shape(dtype, sweeps=sweeps, forward=forward).whole
+    assert not shape(dtype, sweeps=sweeps, weights=True, forward=forward).whole
+    assert not shape(dtype, sweeps=sweeps, weights=True, wgrad=True, forward=False).whole
+    for wgrad in (False, True):
+        assert not planner.warp_shape(dtype, stage="forward", wgrad=wgrad, levels=sweeps).whole
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)

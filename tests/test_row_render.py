@@ -29,10 +29,10 @@ VEC_OF_CTYPE = {planner.CTYPE[dt]: planner.VEC[dt] for dt in planner.DTYPES}
 
 # extern "C" __global__ void __launch_bounds__(T[, M]) NAME(ARGS) {
 #   [// ... and an `if (...) __trap();` check of the aligned variant]
-#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH, BATCH, ALIGNED>(...);
+#   IMPL<CTYPE, WARP, SLOTS, RPB, PREFETCH, BATCH, WHOLE, ALIGNED>(...);
 _WRAPPER = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, (\d+))?\) '
                       r'(\w+)\(([^)]*)\) \{\n(?:  (?://|if ).*\n)*  (\w+)<([\w ]+), (true|false), '
-                      r'(\d+), (\d+), (true|false), (\d+), (true|false)>\(')
+                      r'(\d+), (\d+), (true|false), (\d+), (true|false), (true|false)>\(')
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Compiled:
     rows_per_block: int
     prefetch: bool
     batch: int
+    whole: bool
     aligned: bool
 
 
@@ -57,11 +58,11 @@ def parse_wrappers(source: str) -> dict[str, Compiled]:
     out = {}
     for m in _WRAPPER.finditer(source):
         (threads, min_blocks, name, params, impl, ctype, warp, slots, rpb, prefetch, batch,
-         aligned) = m.groups()
+         whole, aligned) = m.groups()
         args = tuple((n, t) for t, n in (a.rsplit(" ", 1) for a in params.split(", ")))
         out[name] = Compiled(int(threads), int(min_blocks or 0), args, impl, ctype,
                              warp == "true", int(slots), int(rpb), prefetch == "true",
-                             int(batch), aligned == "true")
+                             int(batch), whole == "true", aligned == "true")
     return out
 
 
@@ -250,6 +251,26 @@ def test_only_the_first_sweep_of_an_impl_some_shape_batches_has_the_batched_loop
         batched = ["g0b_" in text for text in sweeps]
         assert batched == [name in batching] + [False] * (len(sweeps) - 1), (name, batched)
     assert batching or op == "layernorm"
+
+
+@pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
+def test_each_row_kernel_sweeps_whole_groups_as_the_plan_says(op, kernel):
+    """WHOLE is the plan's RowShape.whole: the block rows of ops without weights."""
+    c = wrappers(op)[kernel]
+    weights = any(i.role == "weight" for i in OPS[op].inputs)
+    assert c.whole == (not c.warp and not weights), kernel
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "softmax", "layernorm"])
+def test_only_the_impls_some_shape_sweeps_whole_have_the_whole_group_loop(op):
+    """An impl no shape of which sweeps whole keeps the one checked loop (and so the SASS
+    it had before WHOLE)."""
+    source = OPS[op].cuda.read_text()
+    whole = {c.impl for c in wrappers(op).values() if c.whole}
+    for impl in source.split("template <typename scalar_t, bool WARP")[1:]:
+        name = re.search(r"void (\w+)\(", impl).group(1)
+        assert ("eg_whole_end" in impl) == (name in whole), name
+    assert whole or op == "layernorm"
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])

@@ -6,13 +6,14 @@
 // block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
-// are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
-// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape). ALIGNED
-// picks the entry point: each kernel has one compiled for operands that take 16-byte access
-// throughout (the row operands at one offset from a 16-byte boundary; with weights or
-// weight gradients, every row on a boundary), which the runtime launches where they do,
-// and an `_unaligned` one for any other.
+// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups are
+// loaded while this one is computed), BATCH (re-read groups the first sweep loads at a
+// time) and WHOLE (re-read groups swept whole, unchecked, before the last) are the plan's,
+// per dtype and layout (generator/plan.py, RowShape). ALIGNED picks the entry point: each
+// kernel has one compiled for operands that take 16-byte access throughout (the row
+// operands at one offset from a 16-byte boundary; with weights or weight gradients, every
+// row on a boundary), which the runtime launches where they do, and an `_unaligned` one for
+// any other.
 // Compiled as one, the scalar path of every group access was if-converted into the 16-byte
 // one, issued with it, predicated off (H200, ncu: layernorm bf16 warp backward, 1190
 // instructions a row of 768, 108 of them loads for 12; 0.459 -> 0.387 ms at 262144 x 768,
@@ -22,14 +23,9 @@
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
-// the rest, and the edge, are re-read from global memory (L2) once per pass. A block per
-// row of an op without weights, with 16-byte access, takes those re-read groups whole
-// (every lane's in the body) without a bounds test, then the one group that may not be:
-// the tests, the zeros of the lanes past the body and the predicates were 11 of 75
-// instructions a group in cross-entropy bf16's first sweep, 21 of 101 in its last (H200,
-// 8192 x 50257: fused bf16 0.502 -> 0.486 ms, fp32 0.879 -> 0.856; softmax and log-softmax
-// forwards 4-7% faster, log-softmax bf16 forward+backward 2% slower). With weights the
-// test stays: the norms took more registers for it. Reductions
+// the rest, and the edge, are re-read from global memory (L2) once per pass; where WHOLE
+// (the plan's) and ALIGNED, the whole groups (every lane's in the body) without a bounds
+// test, then the one group that may end in the body. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
 // max's pass (online: accumulated against the running max; a lane's sum is rescaled to
 // the warp's max, a warp's to the row's, before they are added),
@@ -44,7 +40,8 @@
 #include "eulergen_common.cuh"
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -114,40 +111,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -162,7 +125,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -206,40 +168,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -254,7 +182,6 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -290,22 +217,23 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
-  cross_entropy_forward<float, true, 6, 8, false, 1, true>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, true, 6, 8, false, 1, false, true>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_unaligned_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<float, true, 6, 8, false, 1, false>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, true, 6, 8, false, 1, false, false>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_forward_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
-  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, target, loss, rows, cols);
+  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_forward_unaligned_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, target, loss, rows, cols);
+  cross_entropy_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, target, loss, rows, cols);
 }
 
 // forward: loss from x, target
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_ptr, const int* target_ptr, float* loss_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -393,7 +321,7 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
@@ -541,22 +469,23 @@ __device__ __forceinline__ void cross_entropy_forward_online(const scalar_t* x_p
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
-  cross_entropy_forward_online<float, false, 2, 1, false, 1, true>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<float, false, 2, 1, false, 1, true, true>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_unaligned_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward_online<float, false, 2, 1, false, 1, false>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<float, false, 2, 1, false, 1, true, false>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
-  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 8) cross_entropy_forward_block_unaligned_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, target, loss, rows, cols);
+  cross_entropy_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, target, loss, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -621,40 +550,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -669,7 +564,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -713,40 +607,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -761,7 +621,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -813,44 +672,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
-        // the column index as a float, one conversion a group (exact below 2^24 columns)
-        const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float i = i0_ + (float)e_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
-        }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP, true);
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
-        // the column index as a float, one conversion a group (exact below 2^24 columns)
-        const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float i = i0_ + (float)e_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
-        }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
@@ -868,7 +689,6 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
@@ -885,23 +705,24 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_f32(con
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_backward<float, true, 6, 8, false, 1, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<float, true, 6, 8, false, 1, false, true>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_unaligned_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward<float, true, 6, 8, false, 1, false>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<float, true, 6, 8, false, 1, false, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_unaligned_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, target, dloss, dx, rows, cols);
 }
 
 // backward: dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1023,7 +844,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
         }
       }
     } else {
-      if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+      if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
         const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
         for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
           float x_r_[VEC];
@@ -1188,7 +1009,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float dx_o_[VEC];
@@ -1260,23 +1081,24 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_blo
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_backward_online<float, false, 10, 1, false, 2, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<float, false, 10, 1, false, 2, true, true>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_block_unaligned_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  cross_entropy_backward_online<float, false, 10, 1, false, 2, false>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<float, false, 10, 1, false, 2, true, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_unaligned_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, target, dloss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1348,40 +1170,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -1396,7 +1184,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1440,40 +1227,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -1488,7 +1241,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1546,44 +1298,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
-        // the column index as a float, one conversion a group (exact below 2^24 columns)
-        const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float i = i0_ + (float)e_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
-        }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP, true);
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
-        // the column index as a float, one conversion a group (exact below 2^24 columns)
-        const float i0_ = (float)eg_col<VEC>(sp_, g0_, lane_, 0);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float i = i0_ + (float)e_;
-          {
-            const float dx = dpicked*(i == target ? 1.0f : 0.0f) + dz*expf(x - m);
-            dx_o_[e_] = dx;
-          }
-        }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
@@ -1601,7 +1315,6 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
@@ -1618,23 +1331,24 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_f32(const
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_fwdbwd<float, true, 6, 8, false, 1, true>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<float, true, 6, 8, false, 1, false, true>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_unaligned_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<float, true, 6, 8, false, 1, false>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<float, true, 6, 8, false, 1, false, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1, true>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_unaligned_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1, false>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, target, dloss, loss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_ptr, const int* target_ptr, const float* dloss_ptr, float* loss_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1763,7 +1477,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
         }
       }
     } else {
-      if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+      if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
         const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
         for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
           float x_r_[VEC];
@@ -1934,7 +1648,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float dx_o_[VEC];
@@ -2006,17 +1720,17 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fwdbwd_block
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2, true>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2, true, true>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fwdbwd_block_unaligned_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2, false>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2, true, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_unaligned_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, target, dloss, loss, dx, rows, cols);
+  cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, target, dloss, loss, dx, rows, cols);
 }

@@ -6,13 +6,14 @@
 // block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
-// are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
-// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape). ALIGNED
-// picks the entry point: each kernel has one compiled for operands that take 16-byte access
-// throughout (the row operands at one offset from a 16-byte boundary; with weights or
-// weight gradients, every row on a boundary), which the runtime launches where they do,
-// and an `_unaligned` one for any other.
+// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups are
+// loaded while this one is computed), BATCH (re-read groups the first sweep loads at a
+// time) and WHOLE (re-read groups swept whole, unchecked, before the last) are the plan's,
+// per dtype and layout (generator/plan.py, RowShape). ALIGNED picks the entry point: each
+// kernel has one compiled for operands that take 16-byte access throughout (the row
+// operands at one offset from a 16-byte boundary; with weights or weight gradients, every
+// row on a boundary), which the runtime launches where they do, and an `_unaligned` one for
+// any other.
 // Compiled as one, the scalar path of every group access was if-converted into the 16-byte
 // one, issued with it, predicated off (H200, ncu: layernorm bf16 warp backward, 1190
 // instructions a row of 768, 108 of them loads for 12; 0.459 -> 0.387 ms at 262144 x 768,
@@ -22,14 +23,9 @@
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
-// the rest, and the edge, are re-read from global memory (L2) once per pass. A block per
-// row of an op without weights, with 16-byte access, takes those re-read groups whole
-// (every lane's in the body) without a bounds test, then the one group that may not be:
-// the tests, the zeros of the lanes past the body and the predicates were 11 of 75
-// instructions a group in cross-entropy bf16's first sweep, 21 of 101 in its last (H200,
-// 8192 x 50257: fused bf16 0.502 -> 0.486 ms, fp32 0.879 -> 0.856; softmax and log-softmax
-// forwards 4-7% faster, log-softmax bf16 forward+backward 2% slower). With weights the
-// test stays: the norms took more registers for it. Reductions
+// the rest, and the edge, are re-read from global memory (L2) once per pass; where WHOLE
+// (the plan's) and ALIGNED, the whole groups (every lane's in the body) without a bounds
+// test, then the one group that may end in the body. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
 // max's pass (online: accumulated against the running max; a lane's sum is rescaled to
 // the warp's max, a warp's to the row's, before they are added),
@@ -46,7 +42,8 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x, w, b
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* b_ptr, scalar_t* y_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -267,41 +264,42 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_forward_f32(const fl
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_forward<float, true, 6, 8, false, 1, true>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, true, 6, 8, false, 1, false, true>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_forward_unaligned_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  layernorm_forward<float, true, 6, 8, false, 1, false>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, true, 6, 8, false, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_forward<float, false, 2, 1, false, 1, true>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, false, 2, 1, false, 1, false, true>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_unaligned_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  layernorm_forward<float, false, 2, 1, false, 1, false>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<float, false, 2, 1, false, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_forward<__nv_bfloat16, false, 1, 1, true, 1, true>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, false, 1, 1, true, 1, false, true>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  layernorm_forward<__nv_bfloat16, false, 1, 1, true, 1, false>(x, w, b, y, eps, rows, cols);
+  layernorm_forward<__nv_bfloat16, false, 1, 1, true, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 
 // backward: dx, dw, db from x, w, b, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* b_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* dw_partials_ptr, float* db_partials_ptr, float eps, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -663,37 +661,37 @@ extern "C" __global__ void __launch_bounds__(128) layernorm_backward_f32(const f
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_backward<float, true, 6, 4, false, 1, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, true, 6, 4, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_backward_unaligned_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, true, 6, 4, false, 1, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, true, 6, 4, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_backward<float, false, 2, 1, false, 1, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, false, 2, 1, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_unaligned_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, false, 2, 1, false, 1, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, false, 2, 1, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_backward<__nv_bfloat16, true, 3, 4, false, 1, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, true, 3, 4, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<__nv_bfloat16, true, 3, 4, false, 1, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, true, 3, 4, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_backward<__nv_bfloat16, false, 1, 1, true, 1, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX

@@ -6,13 +6,14 @@
 // block rows):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
 //   WARP = false: one block per row (long rows).
-// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups
-// are loaded while this one is computed) and BATCH (re-read groups the first sweep loads at
-// a time) are the plan's, per dtype and layout (generator/plan.py, RowShape). ALIGNED
-// picks the entry point: each kernel has one compiled for operands that take 16-byte access
-// throughout (the row operands at one offset from a 16-byte boundary; with weights or
-// weight gradients, every row on a boundary), which the runtime launches where they do,
-// and an `_unaligned` one for any other.
+// SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups are
+// loaded while this one is computed), BATCH (re-read groups the first sweep loads at a
+// time) and WHOLE (re-read groups swept whole, unchecked, before the last) are the plan's,
+// per dtype and layout (generator/plan.py, RowShape). ALIGNED picks the entry point: each
+// kernel has one compiled for operands that take 16-byte access throughout (the row
+// operands at one offset from a 16-byte boundary; with weights or weight gradients, every
+// row on a boundary), which the runtime launches where they do, and an `_unaligned` one for
+// any other.
 // Compiled as one, the scalar path of every group access was if-converted into the 16-byte
 // one, issued with it, predicated off (H200, ncu: layernorm bf16 warp backward, 1190
 // instructions a row of 768, 108 of them loads for 12; 0.459 -> 0.387 ms at 262144 x 768,
@@ -22,14 +23,9 @@
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
 // column per lane (the edge). The first SLOTS groups stay in registers for the whole row;
-// the rest, and the edge, are re-read from global memory (L2) once per pass. A block per
-// row of an op without weights, with 16-byte access, takes those re-read groups whole
-// (every lane's in the body) without a bounds test, then the one group that may not be:
-// the tests, the zeros of the lanes past the body and the predicates were 11 of 75
-// instructions a group in cross-entropy bf16's first sweep, 21 of 101 in its last (H200,
-// 8192 x 50257: fused bf16 0.502 -> 0.486 ms, fp32 0.879 -> 0.856; softmax and log-softmax
-// forwards 4-7% faster, log-softmax bf16 forward+backward 2% slower). With weights the
-// test stays: the norms took more registers for it. Reductions
+// the rest, and the edge, are re-read from global memory (L2) once per pass; where WHOLE
+// (the plan's) and ALIGNED, the whole groups (every lane's in the body) without a bounds
+// test, then the one group that may end in the body. Reductions
 // of one level share a pass, and a sum whose terms rescale with a stabilizer max joins the
 // max's pass (online: accumulated against the running max; a lane's sum is rescaled to
 // the warp's max, a warp's to the row's, before they are added),
@@ -44,7 +40,8 @@
 #include "eulergen_common.cuh"
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -107,40 +104,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -155,7 +118,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -199,40 +161,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float z = expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -247,7 +175,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -291,38 +218,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float y_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float y = r1_*expf(x - m);
-            y_o_[e_] = y;
-          }
-        }
-        eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP, true);
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float y_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float y = r1_*expf(x - m);
-            y_o_[e_] = y;
-          }
-        }
-        eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float y_o_[VEC];
       float x_r_[VEC];
@@ -336,7 +231,6 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
         }
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -353,23 +247,24 @@ extern "C" __global__ void __launch_bounds__(256) softmax_forward_f32(const floa
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
-  softmax_forward<float, true, 6, 8, false, 1, true>(x, y, rows, cols);
+  softmax_forward<float, true, 6, 8, false, 1, false, true>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_forward_unaligned_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward<float, true, 6, 8, false, 1, false>(x, y, rows, cols);
+  softmax_forward<float, true, 6, 8, false, 1, false, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
-  softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, y, rows, cols);
+  softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_unaligned_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, y, rows, cols);
+  softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, y, rows, cols);
 }
 
 // forward: y from x
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, scalar_t* y_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -489,7 +384,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
         }
       }
     } else {
-      if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+      if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
         const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
         for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
           float x_r_[VEC];
@@ -646,7 +541,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
       }
       eg_store_group(y_row_, sp_, g0_, lane_, y_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float y_o_[VEC];
@@ -708,23 +603,24 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
-  softmax_forward_online<float, false, 10, 1, false, 2, true>(x, y, rows, cols);
+  softmax_forward_online<float, false, 10, 1, false, 2, true, true>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_unaligned_f32(const float* x, float* y, long long rows, int cols) {
-  softmax_forward_online<float, false, 10, 1, false, 2, false>(x, y, rows, cols);
+  softmax_forward_online<float, false, 10, 1, false, 2, true, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
-  softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, y, rows, cols);
+  softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_unaligned_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, y, rows, cols);
+  softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, y, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -798,40 +694,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          {
-            const float m = x;
-            if (in_) {
-              acc_m_ = fmaxf(acc_m_, m);
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -846,7 +708,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -896,50 +757,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
-        float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false, true);
-        const bool in_ = true;
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float z = expf(x - m);
-            const float sum_dz = dy*expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-              acc_sum_dz_ += sum_dz;
-            }
-          }
-        }
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
-        float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
-        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float z = expf(x - m);
-            const float sum_dz = dy*expf(x - m);
-            if (in_) {
-              acc_z_ += z;
-              acc_sum_dz_ += sum_dz;
-            }
-          }
-        }
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float x_r_[VEC];
       eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
@@ -959,7 +776,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
           }
         }
       }
-    }
     }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
@@ -1019,46 +835,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
-      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
-      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
-        float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP, true);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float t0 = expf(x - m);
-            const float dx = dz*t0 + dy*r0_*t0;
-            dx_o_[e_] = dx;
-          }
-        }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP, true);
-      }
-      if (whole_end_ < sp_.end - sp_.head) {
-        const int g0_ = whole_end_;
-        float dx_o_[VEC];
-        float x_r_[VEC];
-        eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
-        float dy_r_[VEC];
-        eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
-        #pragma unroll
-        for (int e_ = 0; e_ < VEC; ++e_) {
-          const float x = x_r_[e_];
-          const float dy = dy_r_[e_];
-          {
-            const float t0 = expf(x - m);
-            const float dx = dz*t0 + dy*r0_*t0;
-            dx_o_[e_] = dx;
-          }
-        }
-        eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
-      }
-    } else {
     for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
       float dx_o_[VEC];
       float x_r_[VEC];
@@ -1077,7 +853,6 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    }
     if (lane_ < eg_edge_count(sp_, cols_)) {
       const int col_ = eg_edge_col(sp_, lane_);
       const float x = eg_load(x_row_, col_);
@@ -1095,23 +870,24 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_f32(const flo
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  softmax_backward<float, true, 6, 8, false, 1, true>(x, dy, dx, rows, cols);
+  softmax_backward<float, true, 6, 8, false, 1, false, true>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward<float, true, 6, 8, false, 1, false>(x, dy, dx, rows, cols);
+  softmax_backward<float, true, 6, 8, false, 1, false, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, true>(x, dy, dx, rows, cols);
+  softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false>(x, dy, dx, rows, cols);
+  softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, dx, rows, cols);
 }
 
 // backward: dx from x, dy
-template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool ALIGNED>
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
 __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, long long rows_, int cols_) {
   constexpr int VEC = EgVec<scalar_t>::N;
   const int lanes_ = WARP ? 32 : (int)blockDim.x;
@@ -1203,7 +979,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
@@ -1362,7 +1138,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
         }
       }
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float x_r_[VEC];
@@ -1473,7 +1249,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
       }
       eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
     }
-    if (ALIGNED && !WARP) {  // whole groups (every lane's in the body) unchecked, then the last
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
       const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
       for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
         float dx_o_[VEC];
@@ -1549,17 +1325,17 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  softmax_backward_online<float, false, 5, 1, false, 1, true>(x, dy, dx, rows, cols);
+  softmax_backward_online<float, false, 5, 1, false, 1, true, true>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_unaligned_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  softmax_backward_online<float, false, 5, 1, false, 1, false>(x, dy, dx, rows, cols);
+  softmax_backward_online<float, false, 5, 1, false, 1, true, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true>(x, dy, dx, rows, cols);
+  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, false>(x, dy, dx, rows, cols);
+  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, dy, dx, rows, cols);
 }
