@@ -240,7 +240,12 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
     source = _template("embedding.cu.j2", header=header_line, dtypes=dtypes,
                        threads=planner.EMBEDDING_THREADS,
                        sort_threads=planner.EMBEDDING_SORT_THREADS,
-                       tile=planner.EMBEDDING_TILE, wte_threads=planner.EMBEDDING_WTE_UNITS)
+                       tile=planner.EMBEDDING_TILE,
+                       tile_steps=planner.EMBEDDING_TILE.bit_length(),
+                       merge_group=planner.EMBEDDING_MERGE_GROUP,
+                       merge_min_blocks=planner.EMBEDDING_MERGE_MIN_BLOCKS,
+                       wte_threads=planner.EMBEDDING_WTE_THREADS,
+                       warp_rows=planner.EMBEDDING_WTE_WARP_ROWS)
     sigs = []
     for dt in planner.DTYPES:
         c = planner.CTYPE[dt]
@@ -248,13 +253,13 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
             ("forward", (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
                          ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"),
                          ("V", "int"))),
-            ("backward_sort", (("ids", "const int*"), ("tiled", "long long*"), ("n", "int"),
-                               ("V", "int"))),
+            ("backward_sort", (("ids", "const int*"), ("tiled", "long long*"),
+                               ("first", "int*"), ("n", "int"), ("V", "int"))),
             ("backward_merge", (("tiled", "const long long*"), ("keys", "long long*"),
-                                ("n", "int"))),
+                                ("first", "int*"), ("n", "int"))),
             ("backward_wte", (("dout", f"const {c}*"), ("keys", "const long long*"),
-                              ("dwte", f"{c}*"), ("n", "int"), ("C", "int"), ("vec", "int"),
-                              ("accumulate", "int"))),
+                              ("first", "const int*"), ("dwte", f"{c}*"), ("n", "int"),
+                              ("V", "int"), ("C", "int"), ("vec", "int"), ("accumulate", "int"))),
             ("backward_wpe", (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"),
                               ("T", "int"), ("C", "int"), ("accumulate", "int"))),
         )

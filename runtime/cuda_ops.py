@@ -87,10 +87,12 @@ def _aligned(n: int) -> int:
     return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
-def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32") -> int:
+def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
+                       table_rows: int = 0) -> int:
     """The float32 elements a `stage` call of `op` needs from a caller's `workspace` (0:
-    none) for inputs of `shape` (a row op's row input, attention's q [B, T, H, D]). Pure:
-    a memory planner calls it without a GPU."""
+    none) for inputs of `shape` (a row op's row input, attention's q [B, T, H, D], the
+    embedding's ids, with `table_rows` the rows of its token table). Pure: a memory
+    planner calls it without a GPU."""
     if op.kind == "row":
         sig = _row_sig(op, stage)
         if not sig.wgrads:
@@ -103,8 +105,14 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32") -> in
         B, T, H, _ = shape
         return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
     if op.kind == "embedding" and stage == "backward":
-        return 2 * _aligned(2 * prod(shape))    # int64 sort keys, tiled and merged (shape: ids')
+        return _embedding_workspace(prod(shape), table_rows)
     return 0
+
+
+def _embedding_workspace(n: int, rows: int) -> int:
+    """int64 sort keys for n ids, tiled and merged, and an int32 first-key rank per table
+    row: float32 elements, as _carve lays them out."""
+    return 2 * _aligned(2 * n) + _aligned(rows)
 
 
 def _carve(op: OpEntry, workspace, shapes) -> list:
@@ -387,10 +395,10 @@ class CudaOps:
                             accumulate: tuple) -> tuple:
         """(dwte, dwpe), each written or, where `accumulate` says so, added to. No host
         sync: the ids are sorted on the device by keys id << 32 | position (unique, so
-        equal ids stay in token order), then the first key of each run of equal ids sums
-        that run's rows of dout into dwte. Each element has one writer and one summation
-        order: a rerun gives the same bits. The keys live in `workspace` (planned) or in
-        the library's own buffer."""
+        equal ids stay in token order), then a warp a row of dwte sums its id's run of
+        dout rows (zeros where the id does not occur). Each element has one writer and one
+        summation order: a rerun gives the same bits. The keys live in `workspace`
+        (planned) or in the library's own buffer."""
         ids, wte, wpe, dout = args
         T, C = self._embedding_check(op, "backward", ids, wte, wpe)
         dtype = storage_dtype_name(wte)
@@ -405,20 +413,22 @@ class CudaOps:
         grads = _outputs(wte_k, names, shapes, given, op, "backward")
         add_wte, add_wpe = accumulate
         n = ids.size
-        if not add_wte:
-            grads[0].fill(0)                 # rows of ids that do not occur get no writer
         if wpe is not None and not add_wpe:
             grads[1][T if n else 0:].fill(0)   # positions the wpe kernel does not write
         if not n:
+            if not add_wte:
+                grads[0].fill(0)
             return grads + ((None,) if wpe is None else ())
         launcher = self.launcher(op)
-        keys = self._embedding_sort(op, dtype, ids, wte.shape[0], workspace)
-        vec = wte_k.plan["vec"]
-        use_vec = C % vec == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
-        units = C // vec if use_vec else C
-        launcher.launch(wte_k, (n, cdiv(units, wte_k.plan["threads_x"])), wte_k.plan["threads_x"],
-                        {"dout": dout, "keys": keys, "dwte": grads[0], "n": n, "C": C,
-                         "vec": int(use_vec), "accumulate": int(add_wte)})
+        V = wte.shape[0]
+        keys, first = self._embedding_sort(op, dtype, ids, V, workspace)
+        plan = wte_k.plan
+        use_vec = C % plan["vec"] == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
+        units = C // plan["vec"] if use_vec else C
+        launcher.launch(wte_k, (cdiv(V, plan["rows"]), cdiv(units, plan["lanes"])),
+                        plan["threads"],
+                        {"dout": dout, "keys": keys, "first": first, "dwte": grads[0], "n": n,
+                         "V": V, "C": C, "vec": int(use_vec), "accumulate": int(add_wte)})
         if wpe is not None:
             wpe_k = op.kernel("backward_wpe", dtype)
             plan = wpe_k.plan
@@ -428,18 +438,20 @@ class CudaOps:
         return grads + ((None,) if wpe is None else ())
 
     def _embedding_sort(self, op: OpEntry, dtype: str, ids, rows: int, workspace):
-        """The keys id << 32 | position of `ids`, sorted (int64 [n]), in `workspace` or the
-        library's own buffer: each tile sorted in shared memory, then every key put at its
-        rank. Two launches, no host read; an id outside [0, rows) traps."""
+        """The keys id << 32 | position of `ids`, sorted (int64 [n]), and for each of the
+        table's `rows` n - the rank of its first key (0: absent; int32 [rows]), in
+        `workspace` or the library's own buffer: each tile sorted in shared memory, then
+        every key put at its rank. Two launches, no host read; an id outside [0, rows)
+        traps."""
         n = ids.size
-        if workspace is not None:
-            tiled, keys = (v.view(np.int64) for v in _carve(op, workspace, [(2 * n,)] * 2))
-        else:
-            tiled, keys = (v.view(np.int64) for v in self._workspace(op, "keys", 2, 2 * n))
+        if workspace is None:
+            workspace = self._workspace(op, "keys", 1, _embedding_workspace(n, rows))[0]
+        tiled, keys, first = _carve(op, workspace, [(2 * n,), (2 * n,), (rows,)])
+        tiled, keys, first = tiled.view(np.int64), keys.view(np.int64), first.view(np.int32)
         sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)
         launcher = self.launcher(op)
         launcher.launch(sort_k, cdiv(n, sort_k.plan["tile"]), sort_k.plan["threads"],
-                        {"ids": ids, "tiled": tiled, "n": n, "V": rows})
+                        {"ids": ids, "tiled": tiled, "first": first, "n": n, "V": rows})
         launcher.launch(merge_k, cdiv(n, merge_k.plan["threads"]), merge_k.plan["threads"],
-                        {"tiled": tiled, "keys": keys, "n": n})
-        return keys
+                        {"tiled": tiled, "keys": keys, "first": first, "n": n})
+        return keys, first

@@ -266,7 +266,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         kernel_ws = max(workspace_elements(a.norm_op, "backward", (B, T, d)),
                         workspace_elements(a.attention_op, "backward",
                                            (B, T, a.heads, a.head_dim)),
-                        workspace_elements(a.embedding_op, "backward", (B, T)))
+                        workspace_elements(a.embedding_op, "backward", (B, T),
+                                           table_rows=a.vocab_rows))
         if kernel_ws:
             p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
     p.add("tokens", "idx", (B, T), "int32")

@@ -450,34 +450,42 @@ def test_update_step_matches_numpy(name, dtype):
             close(got[o["name"]].astype(np.float64), ref[o["name"]], TOL["f32"], f"{k} {o['name']}")
 
 
-def _embedding_keys(ids: np.ndarray, dtype: str) -> np.ndarray:
-    """The backward's device sort: tiles sorted in shared memory, then merged by rank."""
+def _embedding_keys(ids: np.ndarray, dtype: str, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The backward's device sort: tiles sorted in shared memory, then merged by rank. The
+    sorted keys, and first[V] (n - the rank of each id's first key; 0: absent)."""
     n = ids.size
     k = f"embedding_backward_sort_{dtype}"
     p = OPS["embedding"]["kernels"][k]["plan"]
-    tiled = launch("embedding", k, cdiv(n, p["tile"]), p["threads"], ids=ids,
-                   tiled=np.full(n, -1, np.int64), n=n, V=int(ids.max()) + 1)["tiled"]
+    got = launch("embedding", k, cdiv(n, p["tile"]), p["threads"], ids=ids,
+                 tiled=np.full(n, -1, np.int64), first=np.full(V, -1, np.int32), n=n, V=V)
     k = f"embedding_backward_merge_{dtype}"
     p = OPS["embedding"]["kernels"][k]["plan"]
-    return launch("embedding", k, cdiv(n, p["threads"]), p["threads"], tiled=tiled,
-                  keys=np.full(n, -1, np.int64), n=n)["keys"]
+    got = launch("embedding", k, cdiv(n, p["threads"]), p["threads"], tiled=got["tiled"],
+                 keys=np.full(n, -1, np.int64), first=got["first"], n=n)
+    return got["keys"], got["first"]
 
 
-@pytest.mark.parametrize("n,vocab", [(5000, 7), (5000, 100000), (2048, 3), (1, 1)])
+@pytest.mark.parametrize("n,vocab", [(5000, 7), (5000, 100000), (20000, 50), (2048, 3), (1, 1)])
 def test_embedding_sort_orders_ids_and_keeps_token_order_within_an_id(n, vocab):
     """Keys id << 32 | position come out sorted: by id, and equal ids in token order, over
-    several tiles (5000 > 2 · 2048), exactly one tile, and one id."""
+    several tiles (5000 > 2 · 2048; 20000 takes two lockstep groups of tiles), exactly one
+    tile, and one id. first[id] = n - the rank of the id's first key, 0 for absent ids."""
     ids = np.random.default_rng(n + vocab).integers(0, vocab, n).astype(np.int32)
-    got = _embedding_keys(ids, "f32")
+    V = vocab + 3                                    # ids V-3 .. V-1 never occur
+    keys, first = _embedding_keys(ids, "f32", V)
     want = np.sort((ids.astype(np.int64) << 32) | np.arange(n))
-    assert (got == want).all()
+    assert (keys == want).all()
+    present, rank = np.unique(want >> 32, return_index=True)
+    want_first = np.zeros(V, np.int32)
+    want_first[present] = n - rank
+    assert (first == want_first).all()
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("C,with_wpe", [(64, True), (64, False), (50, True)])
 def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
     rng = np.random.default_rng(C)
-    B, T, V = 2, 9, 13
+    B, T, V = 2, 9, 70                               # dwte: three warps of rows, one part-filled
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     ids[0, :6] = 4                                   # a run longer than a fetch batch
     ids[1, :8] = V - 1                               # the last run: it ends at the last key
@@ -490,22 +498,28 @@ def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
 
     dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
     flat = ids.reshape(-1)
-    keys = _embedding_keys(ids, dtype)
+    keys, first = _embedding_keys(ids, dtype, V)
     k = f"embedding_backward_wte_{dtype}"
     p = OPS["embedding"]["kernels"][k]["plan"]
     vec = int(C % p["vec"] == 0)
     units = C // p["vec"] if vec else C
+    absent = np.setdiff1d(np.arange(V), flat)
+    assert absent.size and V % 32, "absent rows, and a part-filled last warp"
     for accumulate in (0, 1):
-        base = np.ones((V, C)) if accumulate else np.full((V, C), np.nan)
-        got = launch("embedding", k, (flat.size, cdiv(units, p["threads_x"])), p["threads_x"],
-                     dout=stored(dout, dtype), keys=keys, dwte=stored(base, dtype), n=flat.size,
-                     C=C, vec=vec, accumulate=accumulate)
-        want = np.full((V, C), float(accumulate))
+        base = np.full((V, C), np.nan)
+        base[flat] = 1.0 if accumulate else np.nan
+        got = launch("embedding", k, (cdiv(V, p["rows"]), cdiv(units, p["lanes"])),
+                     p["threads"], dout=stored(dout, dtype), keys=keys, first=first,
+                     dwte=stored(base, dtype), n=flat.size, V=V, C=C, vec=vec,
+                     accumulate=accumulate)
+        want = np.zeros((V, C))
+        want[flat] = float(accumulate)
         np.add.at(want, flat, dout.reshape(-1, C))
-        seen = np.unique(flat)
-        close(value(got["dwte"], dtype)[seen], want[seen], TOL[dtype], f"{k} accumulate={accumulate}")
-        assert np.isnan(value(got["dwte"], dtype)).sum() == (V - seen.size) * C * (1 - accumulate), \
-            "dwte rows of absent ids are the caller's (the runtime zero-fills them)"
+        dwte = value(got["dwte"], dtype)
+        if accumulate:   # absent rows are left as they were (NaN here): nothing adds to them
+            assert np.isnan(dwte[absent]).all()
+            dwte[absent] = want[absent]
+        close(dwte, want, TOL[dtype], f"{k} accumulate={accumulate}")
     k = f"embedding_backward_wpe_{dtype}"
     for accumulate in (0, 1):
         got = launch("embedding", k, 2, 64, dout=stored(dout, dtype),
@@ -522,7 +536,7 @@ def test_embedding_id_outside_the_table_traps():
                out=np.zeros((1, 3, 4), np.float32), BT=3, T=3, C=4, V=13)
     with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
         launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
-               tiled=np.zeros(2, np.int64), n=2, V=13)
+               tiled=np.zeros(2, np.int64), first=np.zeros(13, np.int32), n=2, V=13)
 
 
 # ---- row kernels with -inf entries (online max and sum) ------------------------------------

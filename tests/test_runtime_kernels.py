@@ -164,13 +164,17 @@ class Emulator:
             keys = (np.asarray(v["ids"]).reshape(-1).astype(np.int64) << 32) | np.arange(n)
             for b in range(0, n, tile):
                 v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
+            v["first"][:int(v["V"])] = 0
         elif kernel.stage == "backward_merge":
             v["keys"][...] = np.sort(v["tiled"])
+            ids, rank = np.unique(np.asarray(v["keys"]) >> 32, return_index=True)
+            v["first"][ids] = int(v["n"]) - rank
         elif kernel.stage == "backward_wte":
             C, keys = int(v["C"]), np.asarray(v["keys"])
             rows = v["dout"].reshape(-1, C)
+            assert (np.flatnonzero(v["first"][:int(v["V"])]) == np.unique(keys >> 32)).all()
             if not v["accumulate"]:
-                v["dwte"][np.unique(keys >> 32)] = 0
+                v["dwte"][...] = 0
             np.add.at(v["dwte"], keys >> 32, rows[keys & 0xFFFFFFFF])
         else:
             B, T, C = int(v["B"]), int(v["T"]), int(v["C"])
@@ -372,15 +376,16 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
                                                                          monkeypatch):
     """No host read of a device array (on a GPU, a sync): the range check is the kernels',
     and sort, merge and run sums are three launches (no positions here) whose sort keys
-    live in the caller's workspace, so a planned step allocates nothing."""
+    and first-key ranks live in the caller's workspace, so a planned step allocates
+    nothing; nor does the table gradient take a fill: the run sums write all of it."""
     from eulergen.runtime.cuda_ops import workspace_elements
     gpu, ref = libs
     rng = np.random.default_rng(8)
     ids = rng.integers(0, 3, (2, 5000)).astype(np.int32)   # several sort tiles
     wte = rng.standard_normal((3, 8)).astype(np.float32)
     dout = rng.standard_normal((2, 5000, 8)).astype(np.float32)
-    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape), np.nan,
-                     np.float32))
+    ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape,
+                                        table_rows=wte.shape[0]), np.nan, np.float32))
     emu.launches.clear()
 
     def refuse(*args, **kwargs):
@@ -395,6 +400,7 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
     tile = gpu.op("embedding").kernel("backward_sort", "f32").plan["tile"]
     assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
     assert np.shares_memory(emu.launches[2][3]["keys"], ws)
+    assert np.shares_memory(emu.launches[2][3]["first"], ws)
     close(got[0], ref.backward("embedding", ids, wte, None, dout)[0])
     assert got[1] is None
 

@@ -140,17 +140,22 @@ inline void __threadfence() {}
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 
+// A shuffle: every lane of the warp posts v, then reads lane src's.
 template <typename T>
-inline T __shfl_xor_sync(unsigned, T v, int mask) {
+inline T emu_shfl(T v, int src) {
   static_assert(sizeof(T) == 4, "32-bit shuffles only");
   const int w = emu::warp(), l = emu::lane();
   std::memcpy(&emu::slot(w, l).g, &v, 4);
   emu::warp_barrier();
   T out;
-  std::memcpy(&out, &emu::slot(w, l ^ mask).g, 4);
+  std::memcpy(&out, &emu::slot(w, src & 31).g, 4);
   emu::warp_barrier();
   return out;
 }
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu_shfl(v, emu::lane() ^ mask); }
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
 
 // Run a kernel over a grid, one block after another.
 template <typename F>

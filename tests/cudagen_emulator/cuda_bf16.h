@@ -1,7 +1,8 @@
 // The CPU stand-in for CUDA (tests/attention_emulator: threads as fibers, warp shuffles and
 // __syncthreads as barriers), plus what the non-attention kernels need besides: block-
 // shared arrays declared inside a kernel (one copy per kernel, as blocks run one at a
-// time), rintf and the hardware sine and cosine.
+// time), rintf, the hardware sine and cosine, and atomicMax (the embedding's merge: fibers
+// switch only at barriers, so an atomic needs no lock, as atomicAdd in the base).
 #pragma once
 #include "../attention_emulator/cuda_bf16.h"
 
@@ -10,6 +11,7 @@
 
 inline float __sinf(float x) { return std::sin(x); }
 inline float __cosf(float x) { return std::cos(x); }
+inline int atomicMax(int* p, int v) { const int old = *p; *p = old > v ? old : v; return old; }
 
 // A 2-D block (the fixed-order weight-gradient reduce): thread t is (t % x, t / x). Only
 // for kernels without warp collectives, which the base emulator keys on threadIdx.x.

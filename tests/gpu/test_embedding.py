@@ -54,7 +54,7 @@ def _case(cp, gpu, rng, kind: str):
 
 def _workspace(gpu, shape) -> int:
     from eulergen.runtime.cuda_ops import workspace_elements
-    return workspace_elements(gpu.op("embedding"), "backward", shape)
+    return workspace_elements(gpu.op("embedding"), "backward", shape, table_rows=V)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "one_long_run"])
