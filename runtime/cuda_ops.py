@@ -395,10 +395,10 @@ class CudaOps:
                             accumulate: tuple) -> tuple:
         """(dwte, dwpe), each written or, where `accumulate` says so, added to. No host
         sync: the ids are sorted on the device by keys id << 32 | position (unique, so
-        equal ids stay in token order), then a warp a row of dwte sums its id's run of
-        dout rows (zeros where the id does not occur). Each element has one writer and one
-        summation order: a rerun gives the same bits. The keys live in `workspace`
-        (planned) or in the library's own buffer."""
+        equal ids stay in token order), then every row of dwte is written as its id's run
+        of dout rows summed (zeros where the id does not occur). Each element has one
+        writer and one summation order: a rerun gives the same bits. The keys live in
+        `workspace` (planned) or in the library's own buffer."""
         ids, wte, wpe, dout = args
         T, C = self._embedding_check(op, "backward", ids, wte, wpe)
         dtype = storage_dtype_name(wte)
