@@ -9,7 +9,7 @@ None: no cap):
 
 pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
            block's tile is threads · unroll vectors; pointwise_tile gives both, per kernel,
-           from the loads it issues and the weight of its arithmetic):
+           from its dtype and the weight of its arithmetic):
            grid = cdiv(n, vec · unroll · threads), uncapped (grid_max None: short blocks
            that each stream one tile keep the resident blocks on one contiguous window of
            memory and leave no tail wave). Any n and any alignment work (a scalar path
@@ -216,7 +216,6 @@ class KernelPlan:
     dtypes: tuple[str, ...]
     threads: int
     vec: tuple[tuple[str, int], ...]  # dtype -> elements per 16-byte access
-    unroll: int = 1
     fwdbwd: bool = False             # row op whose outputs are all per-row scalars
 
     def vec_of(self, dtype: str) -> int:
@@ -234,7 +233,7 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
                          line=op.where.line, key="kind")
     vec = tuple(VEC.items())
     if op.kind == "pointwise":
-        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec, unroll=4)
+        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec)
     if op.kind == "row":
         scalar_only = all(o.role == "scalar" for o in op.outputs)
         return KernelPlan("row.cu.j2", DTYPES, threads=32 * WARP_ROWS_PER_BLOCK, vec=vec,
@@ -245,22 +244,22 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
     return KernelPlan("update.cu.j2", DTYPES, threads=256, vec=(("f32", 4), ("bf16", 8)))
 
 
-# 16-byte loads a pointwise thread keeps in flight, so that a one-input kernel has as many
-# as a two-input one...
-POINTWISE_LOADS_IN_FLIGHT = 8
-# ...except where the arithmetic is light or the kernel reads one operand. Measured on the
-# H200 (2^28 elements, 256 x 8 against the tile chosen here, PyTorch eager in the same run):
+# Pointwise tiles (threads, vectors a thread). Measured on the H200 (2^28 elements, PyTorch
+# eager in the same run):
 # - arithmetic-light kernels (relu, relu2: compares, selects, products) stream best in
 #   short blocks of one vector a thread: relu bf16 forward 0.264 -> 0.253 ms (PyTorch
-#   0.253), backward 0.372 -> 0.370;
-# - one-operand fp32 kernels likewise: relu forward 0.522 -> 0.501 ms, silu 0.524 ->
-#   0.505 (PyTorch 0.507, 0.508); with special functions, two vectors a thread: gelu_erf
-#   forward 0.515-0.523 ms at one (PyTorch 0.507), 0.503-0.506 at two, 0.511 at three;
-#   gelu 0.507 either way, silu 0.505 -> 0.507 (PyTorch 0.507-0.508);
-# - one-operand bf16 kernels with special functions want four vectors a thread: silu
-#   forward 0.278 -> 0.275 ms (PyTorch 0.276); one vector ran 0.290.
+#   0.253), backward 0.372 -> 0.370 (against 256 x 8); fp32 relu forward 0.522 -> 0.501;
+# - fp32 kernels with special functions, two vectors a thread in 128: gelu_erf forward
+#   0.515-0.523 ms at one (PyTorch 0.507), 0.503-0.506 at two, 0.511 at three; with two or
+#   three operands too (forward+backward or forward, timed in turns with PyTorch's, 256 x 4
+#   -> 128 x 2): gelu 1.2494 -> 1.2439 ms (PyTorch 1.2454), gelu_erf 1.2440 -> 1.2423
+#   (1.2434), silu 1.2481 -> 1.2447 (1.2441), swiglu 1.0072 -> 0.9988, geglu 1.0074 ->
+#   0.9973, their forwards 0.3744 -> 0.3714 and 0.3743 -> 0.3718; 512 x 2 and 128 x 4
+#   were no better;
+# - bf16 kernels with special functions want four vectors a thread: silu forward 0.278 ->
+#   0.275 ms (PyTorch 0.276); one vector ran 0.290.
 POINTWISE_LIGHT_TILE = (128, 1)
-POINTWISE_ONE_LOAD_TILE = {"f32": (128, 2), "bf16": (256, 4)}
+POINTWISE_TILE = {"f32": (128, 2), "bf16": (256, 4)}
 # Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
 _CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign, sp.Piecewise)
 
@@ -278,16 +277,10 @@ def arithmetic_light(code: ir.Code) -> bool:
     return True
 
 
-def pointwise_tile(plan: KernelPlan, loads: int, dtype: str, light: bool) -> tuple[int, int]:
-    """(threads, vectors per thread per operand) for a kernel reading `loads` operands:
-    POINTWISE_LIGHT_TILE for arithmetic-light code, a dtype's POINTWISE_ONE_LOAD_TILE for
-    one operand, else the plan's unroll or more, so that POINTWISE_LOADS_IN_FLIGHT loads
-    are in flight."""
-    if light:
-        return POINTWISE_LIGHT_TILE
-    if loads == 1:
-        return POINTWISE_ONE_LOAD_TILE[dtype]
-    return plan.threads, max(plan.unroll, POINTWISE_LOADS_IN_FLIGHT // max(loads, 1))
+def pointwise_tile(dtype: str, light: bool) -> tuple[int, int]:
+    """(threads, vectors per thread per operand): POINTWISE_LIGHT_TILE for arithmetic-light
+    code, else the dtype's POINTWISE_TILE."""
+    return POINTWISE_LIGHT_TILE if light else POINTWISE_TILE[dtype]
 
 
 def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,

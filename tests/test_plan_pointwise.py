@@ -38,13 +38,22 @@ def test_a_heavy_temporary_makes_the_code_heavy():
 
 
 def test_tiles():
-    p = planner.KernelPlan("pointwise.cu.j2", planner.DTYPES, threads=256,
-                           vec=tuple(planner.VEC.items()), unroll=4)
-    assert planner.pointwise_tile(p, 2, "bf16", light=True) == planner.POINTWISE_LIGHT_TILE
-    assert planner.pointwise_tile(p, 1, "f32", light=False) == (128, 2)
-    assert planner.pointwise_tile(p, 1, "bf16", light=False) == (256, 4)
-    assert planner.pointwise_tile(p, 2, "f32", light=False) == (256, 4)
-    assert planner.pointwise_tile(p, 3, "bf16", light=False) == (256, 4)
+    """Light code takes the light tile whatever its dtype; other code its dtype's tile,
+    whatever the number of operands it reads (the tile no longer depends on them)."""
+    assert planner.pointwise_tile("bf16", light=True) == planner.POINTWISE_LIGHT_TILE
+    assert planner.pointwise_tile("f32", light=True) == planner.POINTWISE_LIGHT_TILE
+    assert planner.pointwise_tile("f32", light=False) == (128, 2)
+    assert planner.pointwise_tile("bf16", light=False) == (256, 4)
+
+
+def test_the_built_swiglu_kernels_take_their_dtype_tile_for_two_and_three_operands():
+    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.backend import get_backend
+    lib = OpLibrary(get_backend("numpy"))
+    for stage in ("forward", "backward"):        # reads a, b; then a, b, dy
+        for dt in ("f32", "bf16"):
+            plan = lib.op("swiglu").kernels[f"swiglu_{stage}_{dt}"].plan
+            assert (plan["threads"], plan["unroll"]) == planner.POINTWISE_TILE[dt]
 
 
 def test_the_built_relu_kernels_take_the_light_tile():

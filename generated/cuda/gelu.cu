@@ -2,9 +2,9 @@
 //
 // Pointwise kernels of `gelu`. A block of B threads owns a tile of B × U consecutive
 // 16-byte vectors of every operand; the planner picks (B, U) per kernel and dtype from the
-// number of operands read, their width and the weight of the arithmetic:
+// storage dtype and the weight of the arithmetic:
 //   gelu_forward: f32 128 × 2, bf16 256 × 4
-//   gelu_backward: f32 256 × 4, bf16 256 × 4
+//   gelu_backward: f32 128 × 2, bf16 256 × 4
 // Torch's layout: vector u of the tile is u·B + thread, so every load of a warp is one
 // coalesced 512-byte run, and the blocks resident at a time stream through one contiguous
 // window of memory. A thread issues all U raw loads of every operand before any math or store, so
@@ -109,8 +109,8 @@ __device__ __forceinline__ void gelu_backward(const T* x_ptr, const T* dy_ptr, T
     eg_store(dx_ptr, i_, dx);
   }
 }
-extern "C" __global__ void __launch_bounds__(256) gelu_backward_f32(const float* x, const float* dy, float* dx, long long n) {
-  gelu_backward<float, 256, 4>(x, dy, dx, n);
+extern "C" __global__ void __launch_bounds__(128) gelu_backward_f32(const float* x, const float* dy, float* dx, long long n) {
+  gelu_backward<float, 128, 2>(x, dy, dx, n);
 }
 extern "C" __global__ void __launch_bounds__(256) gelu_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long n) {
   gelu_backward<__nv_bfloat16, 256, 4>(x, dy, dx, n);

@@ -2,9 +2,9 @@
 //
 // Pointwise kernels of `swiglu`. A block of B threads owns a tile of B × U consecutive
 // 16-byte vectors of every operand; the planner picks (B, U) per kernel and dtype from the
-// number of operands read, their width and the weight of the arithmetic:
-//   swiglu_forward: f32 256 × 4, bf16 256 × 4
-//   swiglu_backward: f32 256 × 4, bf16 256 × 4
+// storage dtype and the weight of the arithmetic:
+//   swiglu_forward: f32 128 × 2, bf16 256 × 4
+//   swiglu_backward: f32 128 × 2, bf16 256 × 4
 // Torch's layout: vector u of the tile is u·B + thread, so every load of a warp is one
 // coalesced 512-byte run, and the blocks resident at a time stream through one contiguous
 // window of memory. A thread issues all U raw loads of every operand before any math or store, so
@@ -60,8 +60,8 @@ __device__ __forceinline__ void swiglu_forward(const T* a_ptr, const T* b_ptr, T
     eg_store(y_ptr, i_, y);
   }
 }
-extern "C" __global__ void __launch_bounds__(256) swiglu_forward_f32(const float* a, const float* b, float* y, long long n) {
-  swiglu_forward<float, 256, 4>(a, b, y, n);
+extern "C" __global__ void __launch_bounds__(128) swiglu_forward_f32(const float* a, const float* b, float* y, long long n) {
+  swiglu_forward<float, 128, 2>(a, b, y, n);
 }
 extern "C" __global__ void __launch_bounds__(256) swiglu_forward_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* y, long long n) {
   swiglu_forward<__nv_bfloat16, 256, 4>(a, b, y, n);
@@ -129,8 +129,8 @@ __device__ __forceinline__ void swiglu_backward(const T* a_ptr, const T* b_ptr, 
     eg_store(db_ptr, i_, db);
   }
 }
-extern "C" __global__ void __launch_bounds__(256) swiglu_backward_f32(const float* a, const float* b, const float* dy, float* da, float* db, long long n) {
-  swiglu_backward<float, 256, 4>(a, b, dy, da, db, n);
+extern "C" __global__ void __launch_bounds__(128) swiglu_backward_f32(const float* a, const float* b, const float* dy, float* da, float* db, long long n) {
+  swiglu_backward<float, 128, 2>(a, b, dy, da, db, n);
 }
 extern "C" __global__ void __launch_bounds__(256) swiglu_backward_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* da, __nv_bfloat16* db, long long n) {
   swiglu_backward<__nv_bfloat16, 256, 4>(a, b, dy, da, db, n);
