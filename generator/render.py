@@ -244,7 +244,10 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
                        merge_group=planner.EMBEDDING_MERGE_GROUP,
                        merge_min_blocks=planner.EMBEDDING_MERGE_MIN_BLOCKS,
                        wte_threads=planner.EMBEDDING_WTE_THREADS,
-                       warp_rows=planner.EMBEDDING_WTE_WARP_ROWS)
+                       warp_rows=planner.EMBEDDING_WTE_WARP_ROWS,
+                       long_run=planner.EMBEDDING_LONG_RUN,
+                       long_threads=planner.EMBEDDING_LONG_THREADS,
+                       long_rows=planner.EMBEDDING_LONG_ROWS)
     sigs = []
     for dt in planner.DTYPES:
         c = planner.CTYPE[dt]
@@ -253,12 +256,17 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
                          ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"),
                          ("V", "int"))),
             ("backward_sort", (("ids", "const int*"), ("tiled", "long long*"),
-                               ("first", "int*"), ("n", "int"), ("V", "int"))),
+                               ("first", "int*"), ("runs", "int*"), ("n", "int"), ("V", "int"))),
             ("backward_merge", (("tiled", "const long long*"), ("keys", "long long*"),
                                 ("first", "int*"), ("n", "int"))),
             ("backward_wte", (("dout", f"const {c}*"), ("keys", "const long long*"),
-                              ("first", "const int*"), ("dwte", f"{c}*"), ("n", "int"),
-                              ("V", "int"), ("C", "int"), ("vec", "int"), ("accumulate", "int"))),
+                              ("first", "const int*"), ("runs", "int*"), ("dwte", f"{c}*"),
+                              ("n", "int"), ("V", "int"), ("C", "int"), ("vec", "int"),
+                              ("accumulate", "int"))),
+            ("backward_wte_long", (("dout", f"const {c}*"), ("keys", "const long long*"),
+                                   ("first", "const int*"), ("runs", "const int*"),
+                                   ("dwte", f"{c}*"), ("n", "int"), ("C", "int"), ("vec", "int"),
+                                   ("accumulate", "int"))),
             ("backward_wpe", (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"),
                               ("T", "int"), ("C", "int"), ("accumulate", "int"))),
         )

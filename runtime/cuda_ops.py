@@ -87,6 +87,11 @@ def _aligned(n: int) -> int:
     return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
+def _elements(shapes) -> int:
+    """The float32 elements of views of `shapes` laid out as _carve lays them out."""
+    return sum(_aligned(prod(s)) for s in shapes)
+
+
 def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
                        table_rows: int = 0) -> int:
     """The float32 elements a `stage` call of `op` needs from a caller's `workspace` (0:
@@ -105,14 +110,16 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
         B, T, H, _ = shape
         return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
     if op.kind == "embedding" and stage == "backward":
-        return _embedding_workspace(prod(shape), table_rows)
+        return _elements(_embedding_layout(op, prod(shape), table_rows))
     return 0
 
 
-def _embedding_workspace(n: int, rows: int) -> int:
-    """int64 sort keys for n ids, tiled and merged, and an int32 first-key rank per table
-    row: float32 elements, as _carve lays them out."""
-    return 2 * _aligned(2 * n) + _aligned(rows)
+def _embedding_layout(op: OpEntry, n: int, rows: int) -> list[tuple[int]]:
+    """The backward's workspace for n ids into a table of `rows`, as _carve lays it out:
+    int64 sort keys, tiled and merged; an int32 first-key rank per table row; and the int32
+    list of the runs longer than the plan's long_run keys (a count, then their ids)."""
+    long_run = op.kernel("backward_wte_long", "f32").plan["long_run"]
+    return [(2 * n,), (2 * n,), (rows,), (1 + n // (long_run + 1),)]
 
 
 def _carve(op: OpEntry, workspace, shapes) -> list:
@@ -126,7 +133,7 @@ def _carve(op: OpEntry, workspace, shapes) -> list:
         raise EulerError(f"{op.name}: workspace starts {workspace.data.ptr % 16} bytes past a "
                          "16-byte boundary; the kernels access it 16 bytes at a time (a CuPy "
                          "allocation starts on one)", file=op.spec, key="workspace")
-    need = sum(_aligned(prod(s)) for s in shapes)
+    need = _elements(shapes)
     if need > workspace.size:
         raise EulerError(f"{op.name}: workspace has {workspace.size} elements, this call needs "
                          f"{need} (plan it with workspace_elements)", file=op.spec,
@@ -396,9 +403,10 @@ class CudaOps:
         """(dwte, dwpe), each written or, where `accumulate` says so, added to. No host
         sync: the ids are sorted on the device by keys id << 32 | position (unique, so
         equal ids stay in token order), then every row of dwte is written as its id's run
-        of dout rows summed (zeros where the id does not occur). Each element has one
-        writer and one summation order: a rerun gives the same bits. The keys live in
-        `workspace` (planned) or in the library's own buffer."""
+        of dout rows summed (zeros where the id does not occur): by one kernel, and the
+        runs longer than the plan's long_run keys, which it lists, by a second. Each element
+        has one writer and one summation order, np.add.at's: a rerun gives the same bits.
+        The keys live in `workspace` (planned) or in the library's own buffer."""
         ids, wte, wpe, dout = args
         T, C = self._embedding_check(op, "backward", ids, wte, wpe)
         dtype = storage_dtype_name(wte)
@@ -421,14 +429,18 @@ class CudaOps:
             return grads + ((None,) if wpe is None else ())
         launcher = self.launcher(op)
         V = wte.shape[0]
-        keys, first = self._embedding_sort(op, dtype, ids, V, workspace)
+        keys, first, runs = self._embedding_sort(op, dtype, ids, V, workspace)
         plan = wte_k.plan
         use_vec = C % plan["vec"] == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
         units = C // plan["vec"] if use_vec else C
+        sums = {"dout": dout, "keys": keys, "first": first, "runs": runs, "dwte": grads[0],
+                "n": n, "C": C, "vec": int(use_vec), "accumulate": int(add_wte)}
         launcher.launch(wte_k, (cdiv(V, plan["rows"]), cdiv(units, plan["lanes"])),
-                        plan["threads"],
-                        {"dout": dout, "keys": keys, "first": first, "dwte": grads[0], "n": n,
-                         "V": V, "C": C, "vec": int(use_vec), "accumulate": int(add_wte)})
+                        plan["threads"], dict(sums, V=V))
+        long_k = op.kernel("backward_wte_long", dtype)
+        plan = long_k.plan
+        launcher.launch(long_k, (grid_for(runs.size - 1, plan), cdiv(units, plan["lanes"])),
+                        plan["threads"], sums)
         if wpe is not None:
             wpe_k = op.kernel("backward_wpe", dtype)
             plan = wpe_k.plan
@@ -438,20 +450,23 @@ class CudaOps:
         return grads + ((None,) if wpe is None else ())
 
     def _embedding_sort(self, op: OpEntry, dtype: str, ids, rows: int, workspace):
-        """The keys id << 32 | position of `ids`, sorted (int64 [n]), and for each of the
-        table's `rows` n - the rank of its first key (0: absent; int32 [rows]), in
-        `workspace` or the library's own buffer: each tile sorted in shared memory, then
-        every key put at its rank. Two launches, no host read; an id outside [0, rows)
-        traps."""
+        """The keys id << 32 | position of `ids`, sorted (int64 [n]); for each of the
+        table's `rows` n - the rank of its first key (0: absent; int32 [rows]); and the long
+        runs' list, its count cleared (int32). In `workspace` or the library's own buffer:
+        each tile sorted in shared memory, then every key put at its rank. Two launches, no
+        host read; an id outside [0, rows) traps."""
         n = ids.size
+        layout = _embedding_layout(op, n, rows)
         if workspace is None:
-            workspace = self._workspace(op, "keys", 1, _embedding_workspace(n, rows))[0]
-        tiled, keys, first = _carve(op, workspace, [(2 * n,), (2 * n,), (rows,)])
-        tiled, keys, first = tiled.view(np.int64), keys.view(np.int64), first.view(np.int32)
+            workspace = self._workspace(op, "keys", 1, _elements(layout))[0]
+        tiled, keys, first, runs = _carve(op, workspace, layout)
+        tiled, keys = tiled.view(np.int64), keys.view(np.int64)
+        first, runs = first.view(np.int32), runs.view(np.int32)
         sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)
         launcher = self.launcher(op)
         launcher.launch(sort_k, cdiv(n, sort_k.plan["tile"]), sort_k.plan["threads"],
-                        {"ids": ids, "tiled": tiled, "first": first, "n": n, "V": rows})
+                        {"ids": ids, "tiled": tiled, "first": first, "runs": runs, "n": n,
+                         "V": rows})
         launcher.launch(merge_k, cdiv(n, merge_k.plan["threads"]), merge_k.plan["threads"],
                         {"tiled": tiled, "keys": keys, "first": first, "n": n})
-        return keys, first
+        return keys, first, runs

@@ -457,12 +457,39 @@ def _embedding_keys(ids: np.ndarray, dtype: str, V: int) -> tuple[np.ndarray, np
     k = f"embedding_backward_sort_{dtype}"
     p = OPS["embedding"]["kernels"][k]["plan"]
     got = launch("embedding", k, cdiv(n, p["tile"]), p["threads"], ids=ids,
-                 tiled=np.full(n, -1, np.int64), first=np.full(V, -1, np.int32), n=n, V=V)
+                 tiled=np.full(n, -1, np.int64), first=np.full(V, -1, np.int32),
+                 runs=np.full(1, -1, np.int32), n=n, V=V)
+    assert got["runs"][0] == 0, "the sort clears the count of long runs"
     k = f"embedding_backward_merge_{dtype}"
     p = OPS["embedding"]["kernels"][k]["plan"]
     got = launch("embedding", k, cdiv(n, p["threads"]), p["threads"], tiled=got["tiled"],
                  keys=np.full(n, -1, np.int64), first=got["first"], n=n)
     return got["keys"], got["first"]
+
+
+def _embedding_dwte(ids, dout, base, dtype: str, accumulate: int) -> tuple[np.ndarray, list]:
+    """dwte from the device sort, the run sums and the long-run sums, onto `base` (stored
+    values); and the ids the run sums listed as long runs, in the order listed."""
+    V, C = base.shape
+    n = ids.size
+    keys, first = _embedding_keys(ids, dtype, V)
+    k = f"embedding_backward_wte_{dtype}"
+    p = OPS["embedding"]["kernels"][k]["plan"]
+    lp = OPS["embedding"]["kernels"][f"embedding_backward_wte_long_{dtype}"]["plan"]
+    runs = np.full(1 + n // (lp["long_run"] + 1), -1, np.int32)
+    runs[0] = 0                                      # as the sort leaves it
+    vec = int(C % p["vec"] == 0)
+    units = C // p["vec"] if vec else C
+    args = dict(dout=stored(dout, dtype), keys=keys, first=first, n=n, C=C, vec=vec,
+                accumulate=accumulate)
+    got = launch("embedding", k, (cdiv(V, p["rows"]), cdiv(units, p["lanes"])), p["threads"],
+                 runs=runs, dwte=base, V=V, **args)
+    listed = list(got["runs"][1:1 + got["runs"][0]])
+    k = f"embedding_backward_wte_long_{dtype}"
+    got = launch("embedding", k, (min(runs.size - 1, lp["grid_max"]) or 1,
+                                  cdiv(units, lp["lanes"])), lp["threads"], runs=got["runs"],
+                 dwte=got["dwte"], **args)
+    return value(got["dwte"], dtype), listed
 
 
 @pytest.mark.parametrize("n,vocab", [(5000, 7), (5000, 100000), (20000, 50), (2048, 3), (1, 1)])
@@ -498,24 +525,16 @@ def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
 
     dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
     flat = ids.reshape(-1)
-    keys, first = _embedding_keys(ids, dtype, V)
-    k = f"embedding_backward_wte_{dtype}"
-    p = OPS["embedding"]["kernels"][k]["plan"]
-    vec = int(C % p["vec"] == 0)
-    units = C // p["vec"] if vec else C
     absent = np.setdiff1d(np.arange(V), flat)
     assert absent.size and V % 32, "absent rows, and a part-filled last warp"
     for accumulate in (0, 1):
         base = np.full((V, C), np.nan)
         base[flat] = 1.0 if accumulate else np.nan
-        got = launch("embedding", k, (cdiv(V, p["rows"]), cdiv(units, p["lanes"])),
-                     p["threads"], dout=stored(dout, dtype), keys=keys, first=first,
-                     dwte=stored(base, dtype), n=flat.size, V=V, C=C, vec=vec,
-                     accumulate=accumulate)
+        dwte, listed = _embedding_dwte(ids, dout, stored(base, dtype), dtype, accumulate)
+        assert listed == []
         want = np.zeros((V, C))
         want[flat] = float(accumulate)
         np.add.at(want, flat, dout.reshape(-1, C))
-        dwte = value(got["dwte"], dtype)
         if accumulate:   # absent rows are left as they were (NaN here): nothing adds to them
             assert np.isnan(dwte[absent]).all()
             dwte[absent] = want[absent]
@@ -527,6 +546,37 @@ def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
         close(value(got["dwpe"], dtype), dout.sum(0) + accumulate, TOL[dtype], k)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_embedding_long_runs_are_listed_and_summed_in_token_order(dtype):
+    """Runs longer than long_run keys go to the second kernel, which stages a round of
+    rows in shared memory and adds them in token order: in float32, np.add.at's bits.
+    Here a run over four rounds (the last part-filled), one a key past long_run, one at
+    long_run exactly (the first kernel's), and short ones; both write and accumulate."""
+    lp = OPS["embedding"]["kernels"][f"embedding_backward_wte_long_{dtype}"]["plan"]
+    long_run, rnd = lp["long_run"], lp["threads"] // 32 * 4
+    rng = np.random.default_rng(5)
+    B, T, V, C = 2, 3 * rnd + 40, 90, 72             # C: 18 fp32 vectors, 9 bf16: lanes idle
+    ids = rng.integers(10, V, (B, T)).astype(np.int32)
+    flat = ids.reshape(-1)
+    spots = rng.permutation(flat.size)
+    flat[spots[:3 * rnd + 7]] = 4                     # four rounds, the last part-filled
+    flat[spots[3 * rnd + 7:3 * rnd + 8 + long_run]] = 5      # long_run + 1 keys
+    flat[spots[3 * rnd + 8 + long_run:3 * rnd + 8 + 2 * long_run]] = 6   # long_run keys
+    dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
+    for accumulate in (0, 1):
+        base = rng.uniform(-1, 1, (V, C)) if accumulate else np.full((V, C), np.nan)
+        base = inputs_as_stored([base], dtype)[0] if accumulate else base
+        dwte, listed = _embedding_dwte(ids, dout, stored(base, dtype), dtype, accumulate)
+        assert sorted(listed) == [4, 5], listed
+        want = (base if accumulate else np.zeros((V, C))).astype(np.float32)
+        np.add.at(want, flat, dout.reshape(-1, C).astype(np.float32))
+        if dtype == "f32":
+            assert (dwte.astype(np.float32).view(np.uint32) == want.view(np.uint32)).all(), (
+                f"accumulate={accumulate}: {int((dwte != want).sum())} elements off np.add.at")
+        else:
+            close(dwte, want.astype(np.float64), TOL[dtype], f"bf16 accumulate={accumulate}")
+
+
 def test_embedding_id_outside_the_table_traps():
     """The range check costs no host sync: the kernel prints the id and traps."""
     ids = np.int32([[0, 3, 13]])
@@ -536,7 +586,8 @@ def test_embedding_id_outside_the_table_traps():
                out=np.zeros((1, 3, 4), np.float32), BT=3, T=3, C=4, V=13)
     with pytest.raises(AssertionError, match=r"ids\[0\] = -1 is outside the table"):
         launch("embedding", "embedding_backward_sort_f32", 1, 1024, ids=np.int32([-1, 2]),
-               tiled=np.zeros(2, np.int64), first=np.zeros(13, np.int32), n=2, V=13)
+               tiled=np.zeros(2, np.int64), first=np.zeros(13, np.int32),
+               runs=np.zeros(1, np.int32), n=2, V=13)
 
 
 # ---- row kernels with -inf entries (online max and sum) ------------------------------------

@@ -165,17 +165,34 @@ class Emulator:
             for b in range(0, n, tile):
                 v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
             v["first"][:int(v["V"])] = 0
+            v["runs"][0] = 0
         elif kernel.stage == "backward_merge":
             v["keys"][...] = np.sort(v["tiled"])
             ids, rank = np.unique(np.asarray(v["keys"]) >> 32, return_index=True)
             v["first"][ids] = int(v["n"]) - rank
-        elif kernel.stage == "backward_wte":
+        elif kernel.stage in ("backward_wte", "backward_wte_long"):
+            # the first kernel sums the runs of at most long_run keys and lists the others,
+            # which the second sums
             C, keys = int(v["C"]), np.asarray(v["keys"])
-            rows = v["dout"].reshape(-1, C)
-            assert (np.flatnonzero(v["first"][:int(v["V"])]) == np.unique(keys >> 32)).all()
-            if not v["accumulate"]:
-                v["dwte"][...] = 0
-            np.add.at(v["dwte"], keys >> 32, rows[keys & 0xFFFFFFFF])
+            rows, ids = v["dout"].reshape(-1, C), keys >> 32
+            long_run = op.kernel("backward_wte_long", "f32").plan["long_run"]
+            present, counts = np.unique(ids, return_counts=True)
+            is_long = np.isin(ids, present[counts > long_run])
+            if kernel.stage == "backward_wte":
+                assert (np.flatnonzero(v["first"][:int(v["V"])]) == present).all()
+                listed = present[counts > long_run]
+                v["runs"][0] = listed.size
+                v["runs"][1:1 + listed.size] = listed[::-1]       # any order
+                if not v["accumulate"]:
+                    v["dwte"][np.setdiff1d(np.arange(int(v["V"])), listed)] = 0
+                take = ~is_long
+            else:
+                listed = np.asarray(v["runs"][1:1 + int(v["runs"][0])])
+                assert sorted(listed) == sorted(present[counts > long_run])
+                if not v["accumulate"]:
+                    v["dwte"][listed] = 0
+                take = is_long
+            np.add.at(v["dwte"], ids[take], rows[keys[take] & 0xFFFFFFFF])
         else:
             B, T, C = int(v["B"]), int(v["T"]), int(v["C"])
             total = v["dout"].reshape(B, T, C).sum(axis=0)
@@ -375,13 +392,16 @@ def test_embedding_backward_groups_repeated_ids_and_matches_numpy(libs, emu):
 def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, emu,
                                                                          monkeypatch):
     """No host read of a device array (on a GPU, a sync): the range check is the kernels',
-    and sort, merge and run sums are three launches (no positions here) whose sort keys
-    and first-key ranks live in the caller's workspace, so a planned step allocates
-    nothing; nor does the table gradient take a fill: the run sums write all of it."""
+    and sort, merge, run sums and long-run sums are four launches (no positions here)
+    whose sort keys, first-key ranks and list of long runs live in the caller's
+    workspace, so a planned step allocates nothing; nor does the table gradient take a
+    fill: the run sums write all of it. Ids 0 and 1 here take thousands of tokens each
+    (long runs), id 2 a few (a short run)."""
     from eulergen.runtime.cuda_ops import workspace_elements
     gpu, ref = libs
     rng = np.random.default_rng(8)
-    ids = rng.integers(0, 3, (2, 5000)).astype(np.int32)   # several sort tiles
+    ids = rng.integers(0, 2, (2, 5000)).astype(np.int32)   # several sort tiles
+    ids[0, :3] = 2
     wte = rng.standard_normal((3, 8)).astype(np.float32)
     dout = rng.standard_normal((2, 5000, 8)).astype(np.float32)
     ws = dev(np.full(workspace_elements(gpu.op("embedding"), "backward", ids.shape,
@@ -396,11 +416,13 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
         got = gpu.backward("embedding", dev(ids), dev(wte), None, dev(dout), workspace=ws)
     assert [n for n, *_ in emu.launches] == ["embedding_backward_sort_f32",
                                               "embedding_backward_merge_f32",
-                                              "embedding_backward_wte_f32"]
+                                              "embedding_backward_wte_f32",
+                                              "embedding_backward_wte_long_f32"]
     tile = gpu.op("embedding").kernel("backward_sort", "f32").plan["tile"]
     assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
     assert np.shares_memory(emu.launches[2][3]["keys"], ws)
     assert np.shares_memory(emu.launches[2][3]["first"], ws)
+    assert np.shares_memory(emu.launches[3][3]["runs"], ws)
     close(got[0], ref.backward("embedding", ids, wte, None, dout)[0])
     assert got[1] is None
 

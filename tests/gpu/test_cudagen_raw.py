@@ -96,7 +96,7 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
     rng = np.random.default_rng(C)
     B, T, V = 4, 1280, 300                           # 5120 ids: three sort tiles
     ids = rng.integers(0, V - 20, (B, T)).astype(np.int32)   # the last 20 ids are absent
-    ids[0, :10] = 7                                   # a long run
+    ids[0, :300] = 7                                  # a long run: the second kernel's
     wte = rng.standard_normal((V, C)).astype(np.float32)
     wpe = rng.standard_normal((T, C)).astype(np.float32)
     if dtype == "bf16":
@@ -117,10 +117,12 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
     n = ids.size
     tiled, keys = cp.empty(n, cp.int64), cp.empty(n, cp.int64)
     first = cp.full(V, -1, cp.int32)
+    lp = plan("embedding", f"embedding_backward_wte_long_{dtype}")
+    runs = cp.full(1 + n // (lp["long_run"] + 1), -1, cp.int32)
     p = plan("embedding", f"embedding_backward_sort_{dtype}")
     kernel(cp, "embedding", f"embedding_backward_sort_{dtype}")(
         (cdiv(n, p["tile"]),), (p["threads"],),
-        (cp.asarray(ids), tiled, first, np.int32(n), np.int32(V)))
+        (cp.asarray(ids), tiled, first, runs, np.int32(n), np.int32(V)))
     p = plan("embedding", f"embedding_backward_merge_{dtype}")
     kernel(cp, "embedding", f"embedding_backward_merge_{dtype}")(
         (cdiv(n, p["threads"]),), (p["threads"],), (tiled, keys, first, np.int32(n)))
@@ -136,10 +138,20 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
         dwte = store(cp, np.ones((V, C), np.float32), dtype)   # accumulate: added into
         p = plan("embedding", f"embedding_backward_wte_{dtype}")
         vec = C % p["vec"] == 0
+        units = C // p["vec"] if vec else C
+        d_dout = store(cp, dout, dtype)
+        runs[0] = 0                                   # as the sort leaves it
         kernel(cp, "embedding", f"embedding_backward_wte_{dtype}")(
-            (cdiv(V, p["rows"]), cdiv(C // p["vec"] if vec else C, p["lanes"])),
-            (p["threads"],), (store(cp, dout, dtype), keys, first, dwte, np.int32(n), np.int32(V),
+            (cdiv(V, p["rows"]), cdiv(units, p["lanes"])),
+            (p["threads"],), (d_dout, keys, first, runs, dwte, np.int32(n), np.int32(V),
                               np.int32(C), np.int32(vec), np.int32(1)))
+        kernel(cp, "embedding", f"embedding_backward_wte_long_{dtype}")(
+            (min(runs.size - 1, lp["grid_max"]), cdiv(units, lp["lanes"])),
+            (lp["threads"],), (d_dout, keys, first, runs, dwte, np.int32(n), np.int32(C),
+                               np.int32(vec), np.int32(1)))
+        listed = cp.asnumpy(runs)
+        counts = np.bincount(ids.reshape(-1), minlength=V)
+        assert sorted(listed[1:1 + listed[0]]) == list(np.flatnonzero(counts > lp["long_run"]))
         dwpe = store(cp, np.full((T, C), np.nan, np.float32), dtype)   # written
         p = plan("embedding", f"embedding_backward_wpe_{dtype}")
         kernel(cp, "embedding", f"embedding_backward_wpe_{dtype}")(
