@@ -9,7 +9,8 @@ Shapes are those of /work/shared/ANCHORS.md: pointwise ops 2^28 elements (two-in
 2^27 pairs), norms and softmax 262144 × 768, cross-entropy 8192 × 50257, AdamW 124M fp32
 parameters, embedding 8 × 1024 ids into 50304 × 768. RoPE (not in ANCHORS) takes 16 × 1024
 × 32 × 128, and embedding a second case of 64 × 1024 ids, so that every kernel also runs at
-≥ 256 MB of traffic in both dtypes. Inputs are made once in PyTorch and
+≥ 256 MB of traffic in both dtypes, and a third with those ids drawn as a text's are (id k
+of a shuffled vocabulary at a frequency ∝ 1/k). Inputs are made once in PyTorch and
 shared with CuPy through DLPack (bf16 travels as int16 bits), so both sides read the
 same memory. PyTorch's forwards allocate their output, as eager code does; with
 --torch-out, where PyTorch has an out= form (gelu, silu, relu, softmax, log-softmax), it
@@ -256,14 +257,21 @@ class Bench:
     def embedding(self, dtype: str):
         for batch in (EMB_B, EMB_B_LARGE):
             yield self.embedding_case(dtype, batch)
+        yield self.embedding_case(dtype, EMB_B_LARGE, zipf=True)
 
-    def embedding_case(self, dtype: str, B: int) -> Case:
+    def embedding_case(self, dtype: str, B: int, zipf: bool = False) -> Case:
         torch, F, lib = self.torch, self.F, self.lib
         s = 4 if dtype == "f32" else 2
         T, V, C = EMB_T, EMB_V, EMB_C
         wte = self.randn((V, C), dtype, 0.02, grad=True)
         wpe = self.randn((T, C), dtype, 0.02, grad=True)
-        ids_t = torch.randint(0, min(50257, V), (B, T), device="cuda", dtype=torch.int32)
+        vocab = min(50257, V)
+        if zipf:    # a few ids take most tokens (the top one 8.8%): runs thousands long
+            p = 1.0 / torch.arange(1, vocab + 1, device="cuda", dtype=torch.float64)
+            draws = torch.multinomial(p, B * T, replacement=True)
+            ids_t = torch.randperm(vocab, device="cuda")[draws].view(B, T).to(torch.int32)
+        else:
+            ids_t = torch.randint(0, vocab, (B, T), device="cuda", dtype=torch.int32)
         ids64 = ids_t.long()
         ids, w, p = self.ours(ids_t), self.ours(wte.detach()), self.ours(wpe.detach())
         out = self.ours(self.empty((B, T, C), dtype))
@@ -279,7 +287,7 @@ class Bench:
             self.grad(F.embedding(ids64, wte) + wpe, (wte, wpe), dout_t)
         # forward: gathered rows, positions, output; backward: dout, the dense dwte, dwpe.
         bt = B * T * C
-        return Case(f"embedding fwd+bwd B={B}", dtype, ours, theirs,
+        return Case(f"embedding fwd+bwd B={B}{' zipf' if zipf else ''}", dtype, ours, theirs,
                     (2 * bt + T * C + bt + V * C + T * C) * s / 1e9)
 
 
