@@ -9,7 +9,7 @@ None: no cap):
 
 pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
            block's tile is threads · unroll vectors; pointwise_tile gives both, per kernel,
-           from its dtype and the weight of its arithmetic):
+           from its dtype, the operands it reads and the weight of its arithmetic):
            grid = cdiv(n, vec · unroll · threads), uncapped (grid_max None: short blocks
            that each stream one tile keep the resident blocks on one contiguous window of
            memory and leave no tail wave). Any n and any alignment work (a scalar path
@@ -260,9 +260,14 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 #   0.9973, their forwards 0.3744 -> 0.3714 and 0.3743 -> 0.3718; 512 x 2 and 128 x 4
 #   were no better;
 # - bf16 kernels with special functions want four vectors a thread: silu forward 0.278 ->
-#   0.275 ms (PyTorch 0.276); one vector ran 0.290.
+#   0.275 ms (PyTorch 0.276); one vector ran 0.290; those reading one operand, eight in
+#   128 threads (timed in turns with PyTorch's, against 256 x 4): gelu_erf forward 0.3121
+#   -> 0.2995 ms (PyTorch 0.3435), gelu 0.2647 -> 0.2634, silu 0.2643 -> 0.2633; with two
+#   operands 256 x 4 stays: swiglu forward 0.1897 (0.1915 at 128 x 8), geglu 0.1899
+#   (0.1911), silu forward+backward 0.6376 (0.6384).
 POINTWISE_LIGHT_TILE = (128, 1)
 POINTWISE_TILE = {"f32": (128, 2), "bf16": (256, 4)}
+POINTWISE_ONE_LOAD_TILE = {"f32": (128, 2), "bf16": (128, 8)}
 # Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
 _CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign, sp.Piecewise)
 
@@ -280,10 +285,13 @@ def arithmetic_light(code: ir.Code) -> bool:
     return True
 
 
-def pointwise_tile(dtype: str, light: bool) -> tuple[int, int]:
-    """(threads, vectors per thread per operand): POINTWISE_LIGHT_TILE for arithmetic-light
-    code, else the dtype's POINTWISE_TILE."""
-    return POINTWISE_LIGHT_TILE if light else POINTWISE_TILE[dtype]
+def pointwise_tile(dtype: str, loads: int, light: bool) -> tuple[int, int]:
+    """(threads, vectors per thread per operand) for a kernel reading `loads` operands:
+    POINTWISE_LIGHT_TILE for arithmetic-light code, else the dtype's POINTWISE_ONE_LOAD_TILE
+    for one operand and POINTWISE_TILE for more."""
+    if light:
+        return POINTWISE_LIGHT_TILE
+    return (POINTWISE_ONE_LOAD_TILE if loads == 1 else POINTWISE_TILE)[dtype]
 
 
 def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,

@@ -38,15 +38,19 @@ def test_a_heavy_temporary_makes_the_code_heavy():
 
 
 def test_tiles():
-    """Light code takes the light tile whatever its dtype; other code its dtype's tile,
-    whatever the number of operands it reads (the tile no longer depends on them)."""
-    assert planner.pointwise_tile("bf16", light=True) == planner.POINTWISE_LIGHT_TILE
-    assert planner.pointwise_tile("f32", light=True) == planner.POINTWISE_LIGHT_TILE
-    assert planner.pointwise_tile("f32", light=False) == (128, 2)
-    assert planner.pointwise_tile("bf16", light=False) == (256, 4)
+    """Light code takes the light tile whatever it reads; other fp32 code 128 x 2; other bf16
+    code 128 x 8 reading one operand, 256 x 4 reading more."""
+    assert planner.pointwise_tile("bf16", 2, light=True) == planner.POINTWISE_LIGHT_TILE
+    assert planner.pointwise_tile("f32", 1, light=True) == planner.POINTWISE_LIGHT_TILE
+    assert planner.pointwise_tile("f32", 1, light=False) == (128, 2)
+    assert planner.pointwise_tile("f32", 3, light=False) == (128, 2)
+    assert planner.pointwise_tile("bf16", 1, light=False) == (128, 8)
+    assert planner.pointwise_tile("bf16", 2, light=False) == (256, 4)
+    assert planner.pointwise_tile("bf16", 3, light=False) == (256, 4)
 
 
 def test_the_built_swiglu_kernels_take_their_dtype_tile_for_two_and_three_operands():
+    """swiglu reads a, b forward and a, b, dy backward: POINTWISE_TILE either way."""
     from eulergen.runtime.ops import OpLibrary
     from eulergen.runtime.backend import get_backend
     lib = OpLibrary(get_backend("numpy"))
@@ -64,4 +68,4 @@ def test_the_built_relu_kernels_take_the_light_tile():
         plan = lib.op("relu").kernels[name].plan
         assert (plan["threads"], plan["unroll"]) == planner.POINTWISE_LIGHT_TILE
     plan = lib.op("silu").kernels["silu_forward_bf16"].plan
-    assert (plan["threads"], plan["unroll"]) == (256, 4)
+    assert (plan["threads"], plan["unroll"]) == (128, 8)

@@ -2,7 +2,7 @@
 //
 // Pointwise kernels of `geglu`. A block of B threads owns a tile of B × U consecutive
 // 16-byte vectors of every operand; the planner picks (B, U) per kernel and dtype from the
-// storage dtype and the weight of the arithmetic:
+// storage dtype, the operands read and the weight of the arithmetic:
 //   geglu_forward: f32 128 × 2, bf16 256 × 4
 //   geglu_backward: f32 128 × 2, bf16 256 × 4
 // Torch's layout: vector u of the tile is u·B + thread, so every load of a warp is one

@@ -2,8 +2,8 @@
 //
 // Pointwise kernels of `gelu`. A block of B threads owns a tile of B × U consecutive
 // 16-byte vectors of every operand; the planner picks (B, U) per kernel and dtype from the
-// storage dtype and the weight of the arithmetic:
-//   gelu_forward: f32 128 × 2, bf16 256 × 4
+// storage dtype, the operands read and the weight of the arithmetic:
+//   gelu_forward: f32 128 × 2, bf16 128 × 8
 //   gelu_backward: f32 128 × 2, bf16 256 × 4
 // Torch's layout: vector u of the tile is u·B + thread, so every load of a warp is one
 // coalesced 512-byte run, and the blocks resident at a time stream through one contiguous
@@ -57,8 +57,8 @@ __device__ __forceinline__ void gelu_forward(const T* x_ptr, T* y_ptr, long long
 extern "C" __global__ void __launch_bounds__(128) gelu_forward_f32(const float* x, float* y, long long n) {
   gelu_forward<float, 128, 2>(x, y, n);
 }
-extern "C" __global__ void __launch_bounds__(256) gelu_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
-  gelu_forward<__nv_bfloat16, 256, 4>(x, y, n);
+extern "C" __global__ void __launch_bounds__(128) gelu_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
+  gelu_forward<__nv_bfloat16, 128, 8>(x, y, n);
 }
 
 // backward: dx from x, dy
