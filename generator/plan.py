@@ -268,6 +268,12 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
 POINTWISE_LIGHT_TILE = (128, 1)
 POINTWISE_TILE = {"f32": (128, 2), "bf16": (256, 4)}
 POINTWISE_ONE_LOAD_TILE = {"f32": (128, 2), "bf16": (128, 8)}
+# An fp32 one-operand kernel with special functions is held to a full SM of its blocks (16
+# of 128 threads: 32 registers), as PyTorch's gelu kernel is (31). gelu_erf forward took 39
+# registers, 12 blocks an SM; timed in turns with PyTorch's after geglu and gelu's cases
+# (as in benchmarks/kernels.py), where both kernels run slower than alone, it ran 1.08x-1.11x
+# PyTorch, held 1.01x-1.05x; alone 0.5039-0.5045 ms against 0.5047-0.5049 (PyTorch 0.504).
+POINTWISE_ONE_LOAD_MIN_BLOCKS = {"f32": 2048 // POINTWISE_ONE_LOAD_TILE["f32"][0]}
 # Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
 _CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign, sp.Piecewise)
 
@@ -292,6 +298,11 @@ def pointwise_tile(dtype: str, loads: int, light: bool) -> tuple[int, int]:
     if light:
         return POINTWISE_LIGHT_TILE
     return (POINTWISE_ONE_LOAD_TILE if loads == 1 else POINTWISE_TILE)[dtype]
+
+
+def pointwise_min_blocks(dtype: str, loads: int, light: bool) -> int:
+    """The __launch_bounds__ minimum of blocks an SM (0: none)."""
+    return 0 if light or loads != 1 else POINTWISE_ONE_LOAD_MIN_BLOCKS.get(dtype, 0)
 
 
 def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,

@@ -125,6 +125,8 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
         k["tiles"] = {dt: planner.pointwise_tile(dt, len(k["loads"]), k["light"])
                       for dt in p.dtypes}
+        k["min_blocks"] = {dt: planner.pointwise_min_blocks(dt, len(k["loads"]), k["light"])
+                           for dt in p.dtypes}
     source = _template(p.template, header=head, op=op.name, kernels=kernels,
                        params=_params(op), dtypes=_dtypes(p))
     sigs = []

@@ -56,7 +56,7 @@ __device__ __forceinline__ void gelu_erf_forward(const T* x_ptr, T* y_ptr, long 
     eg_store(y_ptr, i_, y);
   }
 }
-extern "C" __global__ void __launch_bounds__(128) gelu_erf_forward_f32(const float* x, float* y, long long n) {
+extern "C" __global__ void __launch_bounds__(128, 16) gelu_erf_forward_f32(const float* x, float* y, long long n) {
   gelu_erf_forward<float, 128, 2>(x, y, n);
 }
 extern "C" __global__ void __launch_bounds__(128) gelu_erf_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
