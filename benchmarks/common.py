@@ -22,31 +22,6 @@ def say(*parts, end: str = "\n") -> None:
     print(*parts, file=sys.stderr, flush=True, end=end)
 
 
-def _warm(fn: Callable[[], object], warmup: int, warm_s: float) -> None:
-    import cupy
-    for _ in range(warmup):
-        fn()
-    stream = cupy.cuda.get_current_stream()
-    stream.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-        stream.synchronize()
-
-
-def _event_ms(fn: Callable[[], object], iters: int) -> list[float]:
-    """Milliseconds of `iters` calls of `fn`, each between its own two CUDA events, all
-    queued before one synchronize."""
-    import cupy
-    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    events[-1][1].synchronize()
-    return [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
-
-
 def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20,
             warm_s: float = 0.05) -> float:
     """Median milliseconds of `fn()` on the GPU, each call between two CUDA events.
@@ -56,27 +31,22 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20,
     timed first in its case after 2 warm-up calls, ran 0.561 ms, and PyTorch's, timed
     right after it, 0.508; after 50 ms of warm-up ours ran 0.505. (The idle GPU's clocks
     ramping up is the likely cause; they were not read.)"""
-    _warm(fn, warmup, warm_s)
-    return statistics.median(_event_ms(fn, iters))
-
-
-def time_pair_ms(ours: Callable[[], object], theirs: Callable[[], object], *, warmup: int = 3,
-                 iters: int = 20, rounds: int = 4,
-                 warm_s: float = 0.05) -> tuple[float, float]:
-    """Median milliseconds of `ours()` and of `theirs()`, timed in turns: after both warm
-    up, `rounds` rounds of iters / rounds calls of each. Timed one after the other, whatever
-    drifts within a run (the clocks, the memory's state) fell on one side: on the H200,
-    gelu_erf fp32 forward timed ours first ran 0.99x to 1.07x PyTorch from run to run; in
-    turns, in three processes, 0.990x to 0.992x."""
-    _warm(ours, warmup, warm_s)
-    _warm(theirs, warmup, warm_s)
-    per = max(1, iters // rounds)
-    mine: list[float] = []
-    peer: list[float] = []
-    for _ in range(rounds):
-        mine += _event_ms(ours, per)
-        peer += _event_ms(theirs, per)
-    return statistics.median(mine), statistics.median(peer)
+    import cupy
+    for _ in range(warmup):
+        fn()
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+        stream.synchronize()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    events[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events)
 
 
 def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:

@@ -18,9 +18,7 @@ writes into the very buffer ours writes instead: the placement of a gigabyte out
 moves a streaming kernel's time by up to ~10%, either way. GB/s counts the fewest bytes an op must move (each input read once, each
 output written once; a forward+backward re-reads its inputs); "of copy" divides that by a
 device-to-device copy measured in this run; "ratio" is our time over PyTorch's (below 1
-is faster). Ours and PyTorch's are timed in turns, a few calls of each a round
-(common.time_pair_ms), so that drift within the run falls on both. Progress goes to
-stderr, the table to stdout.
+is faster). Progress goes to stderr, the table to stdout.
 """
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
-from common import Row, copy_gbps, say, table, time_ms, time_pair_ms  # noqa: E402
+from common import Row, copy_gbps, say, table, time_ms  # noqa: E402
 
 POINTWISE_N = 1 << 28                        # two-input ops take half as many pairs
 NORM_ROWS, NORM_COLS = 262144, 768
@@ -90,12 +88,12 @@ class Bench:
         return self.torch.autograd.grad(out, inputs, dout)
 
     def run(self, case: Case, copy: float) -> Row:
-        say(f"  {case.label} {case.dtype}: ", end="")
-        if case.theirs is None:
-            ms, tms = time_ms(case.ours, warmup=self.warmup, iters=self.iters), None
-        else:
-            ms, tms = time_pair_ms(case.ours, case.theirs, warmup=self.warmup, iters=self.iters)
-        say(f"ours {ms:.3f} ms, torch " + (f"{tms:.3f} ms" if tms is not None else "-"))
+        say(f"  {case.label} {case.dtype}: ours", end="")
+        ms = time_ms(case.ours, warmup=self.warmup, iters=self.iters)
+        say(f" {ms:.3f} ms; torch", end="")
+        tms = (time_ms(case.theirs, warmup=self.warmup, iters=self.iters)
+               if case.theirs is not None else None)
+        say(f" {tms:.3f} ms" if tms is not None else " -")
         return Row(case.label, case.dtype, ms, case.gbytes, copy, tms)
 
     def release(self):
