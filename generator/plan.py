@@ -379,10 +379,10 @@ EMBEDDING_WTE_WARP_ROWS = 16          # a warp 16 rows (one after another; at mo
 # of EMBEDDING_LONG_THREADS a run, each warp staging EMBEDDING_LONG_ROWS of its rows a round;
 # at most EMBEDDING_LONG_GRID blocks a chunk, looping over the runs. In the dwte kernel a run
 # is one warp's chain of loads, RUN_BATCH rows a memory latency: H200, 64 x 1024 ids drawn
-# 1/rank over 50257 (the top id 8.8% of them), forward+backward fp32 1.071 ms, bf16 1.038
+# 1/rank over 50257 (the top id 8.8% of them), forward+backward fp32 1.066 ms, bf16 1.037
 # (PyTorch 0.846, 0.754); with this kernel 0.378 and 0.296 (ncu: 105 and 115 us of it),
-# uniform ids unchanged (0.322, 0.208). Long runs from 16 or 64 keys, blocks of 256 x 8 or
-# 1024 x 2 rows: within 4% of these.
+# uniform ids unchanged (0.322, 0.208). Long runs from 16 or 64 keys: within 2% of these;
+# blocks of 256 x 8 or 1024 x 2 rows: fp32 0.391, 0.430 ms, bf16 0.296, 0.333.
 EMBEDDING_LONG_RUN = 32
 EMBEDDING_LONG_THREADS = 512
 EMBEDDING_LONG_ROWS = 4
