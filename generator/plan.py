@@ -37,6 +37,12 @@ row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct fo
            (block). `<op>_wgrad_reduce_<dt>` then sums them in a fixed order: block
            (threads_x, threads_y), grid = cdiv(cols, threads_x).
            fwdbwd kernels: dx_may_alias_x = True (the row is read before it is written).
+           The split backward of an op with weights (rows of split_cols columns or more,
+           wgrad_split_cols): `backward_rows` (block_per_row, as above, no partials) writes
+           the input grads and row_stats float32 values a row to a workspace [rows,
+           row_stats]; `wgrad_cols` (threads, vec, aligned as for the row kernels) reads
+           them with the rows, grid (cdiv(cols, vec · threads), G), G = clamp(cdiv(blocks,
+           grid x), 1, rows), and writes partials = G rows, which wgrad_reduce sums.
 pair       blocks loop over the tokens in (b, t) order, each taking every grid-th one:
            grid = min(B · T, grid_max · threads / launched threads). Strides are arguments
            (views of a fused qkv buffer work); in_place_ok = True (y may be x, dx may be
@@ -193,10 +199,13 @@ def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1) -> RowSh
 
 
 def block_shape(dtype: str, *, sweeps: int, cached: int, weights: bool, wgrad: bool,
-                forward: bool) -> RowShape:
+                forward: bool, split: bool = False) -> RowShape:
     """The block of a block-per-row kernel that sweeps its row `sweeps` times, holding
-    `cached` row operands in registers."""
+    `cached` row operands in registers; `split`: the split backward's rows kernel."""
     prefetch = dtype in PREFETCH_DTYPES
+    if split:
+        threads, slots, min_blocks = SPLIT_ROWS_SHAPE[dtype]
+        return RowShape(threads, min_blocks, slots, prefetch)
     if wgrad:
         return RowShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_SLOTS[dtype], prefetch)
     if weights:
@@ -312,7 +321,7 @@ def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,
 
 
 def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape: RowShape,
-               fwdbwd: bool = False) -> tuple[tuple[str, object], ...]:
+               fwdbwd: bool = False, split_cols: int = 0) -> tuple[tuple[str, object], ...]:
     v = plan.vec_of(dtype)
     if not wgrad:
         grid_max = _GRID_MAX
@@ -332,10 +341,56 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
                 ("rows_per_block", rpb), ("grid_max", grid_max),
                 ("max_cols", 32 * v * shape.slots)) + partials("grid*rows_per_block") + extra
     per_thread = v * shape.slots
+    if split_cols:
+        extra += (("split_cols", split_cols),)
     return (("layout", layout), ("threads", shape.threads),
             ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
             ("rows_per_block", 1), ("grid_max", grid_max),
             ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1)) + partials("grid") + extra
+
+
+# Weight gradients of long rows. A block per row that sums them keeps its partials in
+# registers for the columns it caches and adds the rest into its workspace row in L2, a
+# read and a write a column a row; with 64-100 registers at 512 threads it holds one or two
+# blocks an SM, so each row's reductions wait on the memory latency with little else to
+# hide it, and past 25 MB of partial rows in flight the workspace spills L2 to memory. The
+# backward is split instead from wgrad_split_cols columns: `backward_rows` (a block per row
+# without weight gradients, SPLIT_ROWS_SHAPE) writes the input grads and the per-row values
+# the weight-gradient terms read (`row_stats` of them a row, float32), and `wgrad_cols`
+# reads the rows again by columns: a thread owns vec adjacent columns and sums their terms
+# over the rows y, y + G, ... (G = grid.y), WGRAD_COLS_ROWS rows' loads in flight, into
+# partial row y, which `wgrad_reduce` sums. Launch: WGRAD_COLS_THREADS threads, grid
+# (cdiv(cols, vec · threads), G), G = clamp(cdiv(blocks, grid.x), 1, rows).
+# H200, forward+backward, 2^26 elements (8192 rows from 8192 columns), ms, fused -> split,
+# PyTorch in the same run:
+#   LayerNorm bf16: 4096 0.334 -> 0.320 (0.333), 8192 0.494 -> 0.347 (0.376), 16384 1.015
+#     -> 0.705 (0.744), 50257 7.145 -> 3.195 (3.681); fp32: 4096 0.400 -> 0.528, 8192
+#     0.472 -> 0.520, 16384 1.299 -> 1.078 (1.316), 50257 7.947 -> 4.629 (6.598);
+#   RMSNorm bf16: 4096 0.212 -> 0.289, 8192 0.257 -> 0.300, 16384 0.549 -> 0.583, 50257
+#     4.830 -> 2.424 (3.596); fp32: 16384 0.934 -> 0.942, 50257 4.629 -> 3.903 (6.749).
+# So a row of two reduction levels (LayerNorm: 93 registers, one block an SM) splits sooner
+# than one of one (RMSNorm: 64, two); keyed (dtype, levels ≥ 2).
+WGRAD_SPLIT_COLS = {("f32", False): 16385, ("bf16", False): 16385,
+                    ("f32", True): 8193, ("bf16", True): 4097}
+# The rows kernel: (threads, 16-byte groups a thread caches, blocks an SM). Two blocks of
+# 512 rather than one of 1024 (at the same columns cached): LayerNorm bf16 8192 columns
+# 0.408 -> 0.347 ms, fp32 16384 1.165 -> 1.078; at 50257 columns 3.185 -> 3.195 and 4.220
+# -> 4.629, where two rows in flight an SM re-read more from memory.
+SPLIT_ROWS_SHAPE = {"f32": (512, 4, 2), "bf16": (512, 2, 2)}
+WGRAD_COLS_THREADS = 128
+WGRAD_COLS_ROWS = 4
+WGRAD_COLS_BLOCKS = _SMS * 8
+
+
+def wgrad_split_cols(dtype: str, levels: int) -> int:
+    """The row length from which a backward with weight gradients over rows whose sweeps
+    end in `levels` reductions takes the split kernels."""
+    return WGRAD_SPLIT_COLS[(dtype, levels >= 2)]
+
+
+def wgrad_cols_launch(plan: KernelPlan, dtype: str, stats: int) -> tuple[tuple[str, object], ...]:
+    return (("threads", WGRAD_COLS_THREADS), ("vec", plan.vec_of(dtype)), ("row_stats", stats),
+            ("blocks", WGRAD_COLS_BLOCKS), ("grid_max", None))
 
 
 # The fixed-order reduce of weight partials: 8 columns (a 32-byte sector) by 128 partial

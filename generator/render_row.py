@@ -176,6 +176,14 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             fused = [row_step(row_outputs, row_out)] + grad_steps
             stages.append(("fwdbwd", fused,
                            rows_in + weights + index + d_row_out, row_out + d_rows, d_weights))
+        if d_weights:
+            # The split backward of long rows (plan.WGRAD_SPLIT_COLS): a block per row writes
+            # the input grads and the per-row values the weight-gradient terms read; a column
+            # kernel sums those terms over rows (wgrad_cols below).
+            split_rows = (([row_step(row_outputs, [])] if needs_row_out else [])
+                          + [grad_steps[0], elem_step(grads, grad_steps[1]["stores"], [])])
+            stages.append(("backward_rows", split_rows,
+                           rows_in + weights + index + d_elem_out + d_row_out, d_rows, []))
 
     layouts = [{"suffix": "", "warp": "true", "layout": "warp_per_row"},
                {"suffix": "_block", "warp": "false", "layout": "block_per_row"}]
@@ -190,10 +198,24 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             return [("", two_pass, layouts[:1]), ("_online", online, layouts[1:])]
         return [("", two_pass, layouts)]
 
+    # The split backward's column kernel: the weight-gradient terms alone, row-invariant
+    # parts hoisted; the per-row values they read (`stats`) come from backward_rows.
+    wgrad_step = elem_step(grads.only(set(d_weights)), [], d_weights) if d_weights else None
+    per_elem = set(rows_in + d_elem_out + weights) | {"i", "N"} | set(_params(op))
+    stats: list[str] = []
+    if wgrad_step:
+        local = set(wgrad_step["consts"].results if wgrad_step["consts"] else ())
+        local |= set(wgrad_step["pre"].results if wgrad_step["pre"] else ())
+        stats = sorted(wgrad_step["uses"] - local - per_elem)
+
     kernels = []
     chunked = set(rows_in + d_elem_out + elem_out + d_rows)
     for (stage, later, reads, writes, wgrads), (suffix, steps, lays) in (
             (st, v) for st in stages for v in variants(st[1])):
+        if stage == "backward_rows":
+            lays = [lay for lay in lays if lay["layout"] == "block_per_row"]
+            if not lays:
+                continue
         uses = frozenset().union(*(s["uses"] for s in steps))
         ptrs = []
         for name in reads:
@@ -206,6 +228,9 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                                  storage="float" if name in row_out else "T"))
         for name in wgrads:
             ptrs.append(_row_ptr(f"{name}_partials", "partials", const=False, storage="float"))
+        row_stats = stats if stage == "backward_rows" else []
+        if row_stats:
+            ptrs.append(_row_ptr("rowstats", "stats", const=False, storage="float"))
         defined = set(_params(op)) | {"i", "N"}
         for s in steps:
             defined |= set(s["block"].results) | {n for n, _ in s.get("ops", [])}
@@ -214,7 +239,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 defined |= set(s["consts"].results)
             if s.get("pre"):
                 defined |= set(s["pre"].results)
-        missing = sorted(uses - defined - set(reads))
+        missing = sorted((uses | set(row_stats)) - defined - set(reads))
         if missing:
             raise EulerError(f"{stage} reads {', '.join(missing)}, which no kernel argument or "
                              "earlier step provides", key="outputs", **where)
@@ -232,7 +257,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "block_per_row": {dt: planner.block_shape(
                 dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
                 cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
-                forward=stage == "forward") for dt in planner.DTYPES}}
+                forward=stage == "forward", split=stage == "backward_rows")
+                for dt in planner.DTYPES}}
         kernels.append({
             "kernel": f"{op.name}_{stage}", "impl": f"{op.name}_{stage}{suffix}", "stage": stage,
             "layouts": lays,
@@ -254,10 +280,24 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                          for dt in planner.DTYPES),
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
                                    if s["kind"] == "pass"), default=0),
+            "row_stats": row_stats,
+            "levels": sum(s["kind"] == "pass" for s in steps),
         })
     wgrad = any(k["wgrads"] for k in kernels)
+    split = None
+    if wgrad_step:
+        operands = [a for a in rows_in + d_elem_out if a in wgrad_step["uses"]]
+        used_weights = [w for w in weights if w in wgrad_step["uses"]]
+        split = {"step": wgrad_step, "stats": stats, "operands": operands,
+                 "weights": used_weights, "wgrads": d_weights,
+                 "ptrs": ([_row_ptr(a, "row", const=True) for a in operands + used_weights]
+                          + [_row_ptr("rowstats", "stats", const=True, storage="float")]
+                          + [_row_ptr(f"{g}_partials", "partials", const=False, storage="float")
+                             for g in d_weights]),
+                 "uses_n": "N" in wgrad_step["uses"], "threads": planner.WGRAD_COLS_THREADS,
+                 "rows": planner.WGRAD_COLS_ROWS}
     source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
-                       dtypes=_dtypes(p), wgrad=wgrad,
+                       dtypes=_dtypes(p), wgrad=wgrad, split=split,
                        reduce={"x": planner.REDUCE_X, "y": planner.REDUCE_Y},
                        row_operands=rows_in + d_elem_out, weights=weights,
                        rescale_from=ir.RESCALE_FROM, rescale_to=ir.RESCALE_TO)
@@ -270,11 +310,23 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                                                                     ("cols", "int"))
                 launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
                                             shape=k["shapes"][lay["layout"]][dt],
-                                            fwdbwd=k["stage"] == "fwdbwd")
+                                            fwdbwd=k["stage"] == "fwdbwd",
+                                            split_cols=planner.wgrad_split_cols(
+                                                dt, k["levels"]) if k["stage"] == "backward_rows" else 0)
                 for aligned in (True, False):
                     name = f"{k['kernel']}{lay['suffix']}{'' if aligned else '_unaligned'}_{dt}"
                     sigs.append(ir.KernelSig(name, args, dt, k["stage"],
                                              launch + (("aligned", aligned),)))
+    if split:
+        for dt in p.dtypes:
+            args = tuple((a.name, a.ctypes[dt]) for a in split["ptrs"])
+            args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
+                                                                ("cols", "int"))
+            for aligned in (True, False):
+                name = f"{op.name}_wgrad_cols{'' if aligned else '_unaligned'}_{dt}"
+                sigs.append(ir.KernelSig(name, args, dt, "wgrad_cols",
+                                         planner.wgrad_cols_launch(p, dt, len(stats))
+                                         + (("aligned", aligned),)))
     if wgrad:
         for dt in p.dtypes:
             args = (("partials", "const float*"), ("dw", f"{planner.CTYPE[dt]}*"),

@@ -20,7 +20,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, cdiv, grid_for, pair_grid,
                                       pair_threads, parse_ctype, pointwise_geometry,
                                       reduce_geometry, row_aligned, row_geometry, row_kernel,
-                                      storage_dtype_name)
+                                      storage_dtype_name, wgrad_cols_geometry, wgrad_split)
 from eulergen.runtime.manifest import Kernel, OpEntry
 
 
@@ -99,19 +99,28 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
     embedding's ids, with `table_rows` the rows of its token table). Pure: a memory
     planner calls it without a GPU."""
     if op.kind == "row":
-        sig = _row_sig(op, stage)
-        if not sig.wgrads:
-            return 0
-        cols = shape[-1]
-        kernel = row_kernel(op, stage, dtype, cols)
-        partials = row_geometry(kernel.plan, prod(shape[:-1]), cols).partials
-        return len(sig.wgrads) * _aligned(partials * cols)
+        return _elements(_row_layout(op, stage, dtype, prod(shape[:-1]), shape[-1]))
     if op.kind == "attention" and stage == "backward":
         B, T, H, _ = shape
         return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
     if op.kind == "embedding" and stage == "backward":
         return _elements(_embedding_layout(op, prod(shape), table_rows))
     return 0
+
+
+def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int, cols: int) -> list[tuple]:
+    """The workspace of a row op's `stage` call over `rows` rows of `cols`, as _carve lays it
+    out: a [partials, cols] float32 row of partial sums per weight gradient, after the split
+    backward's [rows, row_stats] per-row values where it takes that (wgrad_split)."""
+    sig = _row_sig(op, stage)
+    if not sig.wgrads:
+        return []
+    if wgrad_split(op, dtype, cols):
+        cols_plan = op.kernel("wgrad_cols", dtype).plan
+        (_, groups), _ = wgrad_cols_geometry(cols_plan, rows, cols)
+        return [(rows, cols_plan["row_stats"])] + [(groups, cols)] * len(sig.wgrads)
+    kernel = row_kernel(op, stage, dtype, cols)
+    return [(row_geometry(kernel.plan, rows, cols).partials, cols)] * len(sig.wgrads)
 
 
 def _embedding_layout(op: OpEntry, n: int, rows: int) -> list[tuple[int]]:
@@ -281,47 +290,62 @@ class CudaOps:
                                  f"{by_role[r]} for rows of shape {shape}", file=op.spec, key=n)
         rows = x.size // cols
         dtype = storage_dtype_name(x)
-        kernel = row_kernel(op, stage, dtype, cols)
-        geom = row_geometry(kernel.plan, rows, cols)
+        split = bool(sig.wgrads) and wgrad_split(op, dtype, cols)
+        kstage = "backward_rows" if split else stage
+        kernel = row_kernel(op, kstage, dtype, cols)
         results = _outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
                            stage)
         values = dict(zip(sig.names, args))
         values.update(zip(sig.writes, results))
         values.update(params)
         values["rows"], values["cols"] = rows, cols
-        if not row_aligned([values[n].data.ptr for n in sig.row_ptrs],
-                           [values[n].data.ptr for n in sig.weight_ptrs],
-                           cols * x.itemsize, bool(sig.wgrads)):
-            kernel = row_kernel(op, stage, dtype, cols, aligned=False)
+        aligned = row_aligned([values[n].data.ptr for n in sig.row_ptrs],
+                              [values[n].data.ptr for n in sig.weight_ptrs],
+                              cols * x.itemsize, bool(sig.wgrads))
+        if not aligned:
+            kernel = row_kernel(op, kstage, dtype, cols, aligned=False)
         if not rows:
             for g in sig.wgrads:
                 values[g].fill(0)
             return results
+        layout = _row_layout(op, stage, dtype, rows, cols)
         if workspace is not None:
-            views = _carve(op, workspace, [(geom.partials, cols)] * len(sig.wgrads))
+            views = _carve(op, workspace, layout)
         else:
-            views = [self._workspace(op, g, geom.partials, cols) for g in sig.wgrads]
+            views = [self._workspace(op, n, shape) for n, shape in
+                     zip((["rowstats"] if split else []) + list(sig.wgrads), layout)]
+        if split:
+            values["rowstats"] = views.pop(0)
         for g, view in zip(sig.wgrads, views):
             values[f"{g}_partials"] = view
         launcher = self.launcher(op)
+        geom = row_geometry(kernel.plan, rows, cols)
         launcher.launch(kernel, geom.grid, geom.threads, values)
+        partials = geom.partials
+        if split:
+            cols_kernel = next(k for k in op.kernels.values() if k.stage == "wgrad_cols"
+                               and k.dtype == dtype and k.plan["aligned"] == aligned)
+            grid, threads = wgrad_cols_geometry(cols_kernel.plan, rows, cols)
+            launcher.launch(cols_kernel, grid, threads, values)
+            partials = grid[1]
         for g in sig.wgrads:
             red = op.kernel("wgrad_reduce", dtype)
             grid, block = reduce_geometry(red.plan, cols)
             launcher.launch(red, grid, block, {
                 "partials": values[f"{g}_partials"], "dw": values[g],
-                "num_partials": geom.partials, "cols": cols, "accumulate": 0})
+                "num_partials": partials, "cols": cols, "accumulate": 0})
         return results
 
-    def _workspace(self, op: OpEntry, grad: str, partials: int, cols: int):
-        """The float32 [partials, cols] buffer of one weight's per-worker partial sums, when
-        the caller gave no workspace; kept between calls: launches on one stream run in
-        order, so each call's reduce has read the buffer before the next call's kernel
-        writes it."""
+    def _workspace(self, op: OpEntry, name: str, shape: tuple):
+        """A float32 buffer of the kernels' temporaries (a row weight's per-worker partial
+        sums, the split backward's per-row values, the embedding's sort keys) when the
+        caller gave no workspace; kept between calls: launches on one stream run in order,
+        so each call's last kernel has read the buffer before the next call's first writes
+        it."""
         import cupy
-        key = (op.name, grad, partials, cols)
+        key = (op.name, name, shape)
         if key not in self._workspaces:
-            self._workspaces[key] = cupy.empty((partials, cols), dtype=np.float32)
+            self._workspaces[key] = cupy.empty(shape, dtype=np.float32)
         return self._workspaces[key]
 
     # -- pair: [B, T, H, D] tensors, element k paired with k + D/2; strided views allowed ------
@@ -458,7 +482,7 @@ class CudaOps:
         n = ids.size
         layout = _embedding_layout(op, n, rows)
         if workspace is None:
-            workspace = self._workspace(op, "keys", 1, _elements(layout))[0]
+            workspace = self._workspace(op, "keys", (_elements(layout),))
         tiled, keys, first, runs = _carve(op, workspace, layout)
         tiled, keys = tiled.view(np.int64), keys.view(np.int64)
         first, runs = first.view(np.int32), runs.view(np.int32)

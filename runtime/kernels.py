@@ -187,6 +187,20 @@ def row_geometry(plan: dict, rows: int, cols: int) -> RowGeometry:
     return RowGeometry(grid, plan["threads"], grid * rpb)
 
 
+def wgrad_split(op: OpEntry, dtype: str, cols: int) -> bool:
+    """Whether a backward with weight gradients over rows of `cols` takes the split kernels
+    (`backward_rows`, then `wgrad_cols`: generator/plan.py WGRAD_SPLIT_COLS)."""
+    return any(k.stage == "backward_rows" and k.dtype == dtype and cols >= k.plan["split_cols"]
+               for k in op.kernels.values())
+
+
+def wgrad_cols_geometry(plan: dict, rows: int, cols: int) -> tuple[tuple[int, int], int]:
+    """((grid x, grid y), threads) of a `wgrad_cols` launch; grid y is the partial rows it
+    writes."""
+    x = cdiv(cols, plan["vec"] * plan["threads"])
+    return (x, max(1, min(rows, cdiv(plan["blocks"], x)))), plan["threads"]
+
+
 def row_partials_max(plan: dict) -> int:
     """The most workspace rows a launch of this kernel writes (for memory planning)."""
     cap = plan.get("grid_max") or 1

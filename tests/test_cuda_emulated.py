@@ -229,6 +229,9 @@ def _runtime_variant(kernel: str, dtype: str, rows: list, weights: list, wgrads:
 # columns, 40960 fp32): whole re-read groups, then a last one that ends in the body.
 ROW_CASES = [(1, "warp"), (17, "warp"), (768, "warp"), (3001, "warp"),
              (17, "block"), (1000, "block"), (1250, "block"), (8800, "block"), (50257, "block")]
+# The split backward's kernels (test_split_backward_rows_then_columns_match_numpy): 17 and
+# 1250 columns are no multiple of the vector; 2500 launch 5 warps of 16 columns a thread.
+SPLIT_CASES = [17, 1000, 1250, 2500]
 
 
 def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:
@@ -322,7 +325,10 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
 
 @pytest.mark.parametrize("name", _ops("row"))
 def test_row_cases_launch_every_block_kernel_with_warps_no_power_of_two(name):
-    assert not powers_of_two_only(name, [c for c, layout in ROW_CASES if layout == "block"])
+    """The split backward's rows kernels by SPLIT_CASES, the others by ROW_CASES."""
+    split = {k for k, v in OPS[name]["kernels"].items() if v["pass"] == "backward_rows"}
+    row = powers_of_two_only(name, [c for c, layout in ROW_CASES if layout == "block"])
+    assert not set(row) - split and not set(powers_of_two_only(name, SPLIT_CASES)) & split
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -341,6 +347,59 @@ def test_weight_gradient_reduce_sums_partials_and_may_accumulate(name, dtype):
                      accumulate=accumulate)
         want = ws.astype(np.float64).sum(0) + (base if accumulate else 0)
         close(value(got["dw"], dtype), want, TOL[dtype], f"{k} accumulate={accumulate}")
+
+
+def _split_ops() -> list[str]:
+    return [n for n in _ops("row") if any(k["pass"] == "wgrad_cols" for k in OPS[n]["kernels"].values())]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("cols", SPLIT_CASES)
+@pytest.mark.parametrize("name", _split_ops())
+def test_split_backward_rows_then_columns_match_numpy(name, cols, dtype):
+    """The split backward of long rows (plan.WGRAD_SPLIT_COLS): backward_rows writes the
+    input grads and the per-row values, wgrad_cols sums the weight terms by columns. 29 rows
+    over 3 partial rows take three batches of 4 rows each, the last part-filled; 17 and 1250 columns, no multiple of
+    the vector, the `_unaligned` kernels and a part-filled last vector; 1250 bf16 columns, a
+    second block of columns."""
+    op = OPS[name]
+    entry = load_manifest(MANIFEST).ops[name]
+    mod = load_numpy_module(entry)
+    rows, groups = 29, 3
+    rng = np.random.default_rng(cols + 7)
+    xs = inputs_as_stored([rng.uniform(-2, 2, (cols,) if o["role"] == "weight" else (rows, cols))
+                           for o in op["inputs"]], dtype)
+    ins = {o["name"]: stored(x, dtype) for o, x in zip(op["inputs"], xs)}
+    douts = inputs_as_stored([rng.uniform(-1, 1, (rows, cols)) for _ in op["outputs"]], dtype)
+    dargs = {f"d{o['name']}": stored(d, dtype) for o, d in zip(op["outputs"], douts)}
+    params = _params(name)
+    want = dict(zip(entry.grads, as_tuple(mod.backward(*xs, *douts, **params))))
+    want32 = dict(zip(entry.grads, as_tuple(mod.backward(*f32(xs), *f32(douts), **params))))
+    weights = {o["name"] for o in op["inputs"] if o["role"] == "weight"}
+    row_grads = [g for g in entry.grads if g not in weights]
+    weight_ins = [ins[o["name"]] for o in op["inputs"] if o["role"] == "weight"]
+    dx = {f"d{g}": stored(np.full((rows, cols), np.nan), dtype) for g in row_grads}
+    k = _runtime_variant(f"{name}_backward_rows_block_{dtype}", dtype,
+                         [ins[o["name"]] for o in op["inputs"] if o["role"] == "row"]
+                         + list(dargs.values()) + list(dx.values()), weight_ins, True)
+    aligned = not k.endswith(f"unaligned_{dtype}")
+    cols_k = f"{name}_wgrad_cols{'' if aligned else '_unaligned'}_{dtype}"
+    nstats = op["kernels"][cols_k]["plan"]["row_stats"]
+    grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    got = launch(name, k, grid, threads, **ins, **dargs, **dx,
+                 rowstats=np.full((rows, nstats), np.nan, np.float32), **params, rows=rows, cols=cols)
+    for g in row_grads:
+        close(value(got[f"d{g}"], dtype), want[g], TOL[dtype], f"{k} d{g}", want32[g])
+    stats = got["rowstats"]
+    assert np.isfinite(stats).all(), f"{k}: a row's values were not all stored"
+
+    p = op["kernels"][cols_k]["plan"]
+    parts = {f"d{g}_partials": np.full((groups, cols), np.nan, np.float32) for g in weights}
+    got = launch(name, cols_k, (cdiv(cols, p["vec"] * p["threads"]), groups), p["threads"],
+                 **ins, **dargs, rowstats=stats, **parts, **params, rows=rows, cols=cols)
+    for g in weights:
+        close(got[f"d{g}_partials"].astype(np.float64).sum(0), want[g], TOL["f32"],
+              f"{cols_k} d{g}", want32[g])
 
 
 # ---- pair, update, embedding --------------------------------------------------------------

@@ -174,7 +174,8 @@ def center_sweeps(tmp_path_factory) -> list[tuple[str, str]]:
     path.write_text(CENTER)
     sweeps = _sweeps(render_op(derive(load_spec(path)), "header").source)
     kinds = [k for k, _ in sweeps]
-    assert kinds.count("pass") >= 2 and kinds.count("per element") == 2, kinds
+    # forward, backward, and the split backward's rows kernel (plan.WGRAD_SPLIT_COLS)
+    assert kinds.count("pass") >= 3 and kinds.count("per element") == 3, kinds
     return sweeps
 
 
@@ -210,9 +211,11 @@ def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
     """bf16 prefetches the next row's cached groups, fp32 does not, in both layouts; except
     the fp32-style re-read shapes (generator/plan.block_shape), whose groups leave no room,
     and the warp backwards with weight gradients over two reduction levels, which take more
-    warps instead (plan.warp_shape)."""
+    warps instead (plan.warp_shape). The split backward's rows kernel caches more groups in
+    smaller blocks (plan.SPLIT_ROWS_SHAPE) and prefetches as the dtype says."""
     k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
-    reread = not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
+    reread = (not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
+              and k.stage != "backward_rows")
     deep = c.warp and c.min_blocks == planner.WARP_DEEP_WGRAD_BLOCKS
     assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not reread and not deep), kernel
 

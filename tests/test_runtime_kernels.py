@@ -19,6 +19,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime import kernels as K
 from eulergen.runtime.backend import Backend, get_backend
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
+from eulergen.runtime.cuda_ops import workspace_elements
 from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
 
 MANIFEST = GENERATED_DIR / "manifest.json"
@@ -116,17 +117,29 @@ class Emulator:
         rows, cols = int(v["rows"]), int(v["cols"])
         shape = {"row": (rows, cols), "weight": (cols,), "index": (rows,), "scalar": (rows,)}
         take = lambda name, role: np.asarray(v[name]).reshape(shape[role])  # noqa: E731
-        ins = [take(o.name, o.role) for o in op.inputs]
+        if kernel.stage == "wgrad_cols":
+            # the kernel gets the weights its terms read: any value serves for the others
+            ins = [take(o.name, o.role) if o.name in v else np.ones(shape[o.role], np.float32)
+                   for o in op.inputs]
+            assert np.isfinite(np.asarray(v["rowstats"])).all(), "backward_rows wrote them"
+        else:
+            ins = [take(o.name, o.role) for o in op.inputs]
         p = self._params(op, v)
+        if kernel.stage == "backward_rows":
+            v["rowstats"][...] = 0
         if kernel.stage in ("forward", "fwdbwd"):
             got = mod.forward(*ins, **p)
             for o, g in zip(op.outputs, got if isinstance(got, tuple) else (got,)):
                 v[o.name].reshape(shape[o.role])[...] = g
-        if kernel.stage in ("backward", "fwdbwd"):
+        if kernel.stage in ("backward", "fwdbwd", "backward_rows", "wgrad_cols"):
             douts = [take(f"d{o.name}", o.role) for o in op.outputs]
             grads = mod.backward(*ins, *douts, **p)
             for o, g in zip((o for o in op.inputs if o.differentiable),
                             grads if isinstance(grads, tuple) else (grads,)):
+                # the split backward: backward_rows writes the input grads, wgrad_cols the
+                # weights' partials
+                if kernel.stage == ("wgrad_cols" if o.role != "weight" else "backward_rows"):
+                    continue
                 if o.role == "weight":
                     part = v[f"d{o.name}_partials"]
                     part[...] = 0
@@ -258,6 +271,41 @@ def test_row_calls_wire_outputs_workspace_and_reduce(name, cols, libs, emu):
              for o in op.outputs]
     for g, w in zip(gpu.backward(name, *map(dev, xs + douts)), ref.backward(name, *xs, *douts)):
         close(g, w)
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", ["layernorm", "rmsnorm"])
+def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, emu):
+    """From the plan's split_cols columns (generator/plan.py WGRAD_SPLIT_COLS) a backward
+    with weight gradients is backward_rows, wgrad_cols and the reduce, its per-row values
+    and partials carved from the caller's workspace as workspace_elements counts them."""
+    gpu, ref = libs
+    op = OPS[name]
+    split = next(k.plan["split_cols"] for k in op.kernels.values()
+                 if k.stage == "backward_rows" and k.dtype == "f32")
+    rng = np.random.default_rng(5)
+    for cols in (split - 1, split):
+        emu.launches.clear()
+        x = rng.uniform(-2, 2, (3, cols)).astype(np.float32)
+        weights = [rng.uniform(0.5, 1.5, cols).astype(np.float32)
+                   for o in op.inputs if o.role == "weight"]
+        dy = rng.uniform(-1, 1, x.shape).astype(np.float32)
+        need = workspace_elements(op, "backward", x.shape)
+        workspace = dev(np.full(need, np.nan, np.float32))
+        got = gpu.backward(name, dev(x), *map(dev, weights), dev(dy), workspace=workspace)
+        for g, w in zip(got, ref.backward(name, x, *weights, dy)):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
+        stages = [op.kernels[k].stage for k, _, _, _ in emu.launches]
+        first = ["backward_rows", "wgrad_cols"] if cols >= split else ["backward"]
+        assert stages == first + ["wgrad_reduce"] * len(weights)
+        for _, _, _, values in emu.launches[:len(first)]:
+            for n, a in values.items():
+                if n == "rowstats" or n.endswith("_partials"):
+                    assert np.shares_memory(a, workspace), n
+        if cols >= split:
+            groups = emu.launches[1][1][1]
+            stats = op.kernel("wgrad_cols", "f32").plan["row_stats"]
+            assert need == sum(-(-n // 64) * 64 for n in [3 * stats] + [groups * cols] * len(weights))
 
 
 def test_row_aligned_wants_one_offset_for_rows_and_whole_vectors_only_with_weights():

@@ -517,6 +517,322 @@ extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_unalign
   rmsnorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
+// backward_rows: dx from x, w, dy
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_backward_rows(const scalar_t* x_ptr, const scalar_t* w_ptr, const scalar_t* dy_ptr, scalar_t* dx_ptr, float* rowstats_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // 16-byte access needs the row operands at one offset from a 16-byte boundary, so that a
+  // row of each splits at the same columns; otherwise scalar.
+  const bool vec_ = ALIGNED || ((reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dy_ptr)) |
+                     (reinterpret_cast<unsigned long long>(x_ptr) ^ reinterpret_cast<unsigned long long>(dx_ptr))) % 16 == 0;
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  uint4 x_next_[SLOTS];
+  uint4 dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const scalar_t* x_row_ = x_ptr + row_ * cols_;
+    const scalar_t* dy_row_ = dy_ptr + row_ * cols_;
+    scalar_t* dx_row_ = dx_ptr + row_ * cols_;
+    const float N = (float)cols_;
+    const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    uint4 x_c_[SLOTS];
+    uint4 dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean, sum_dms = sum of the per-element terms
+    float acc_ms_ = 0.0f;
+    float acc_sum_dms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float ms = x*x;
+        const float sum_dms = dy*w*x;
+        acc_ms_ += ms;
+        acc_sum_dms_ += sum_dms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    acc_sum_dms_ = eg_warp_sum(acc_sum_dms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+        red_[1][lane_ / 32] = acc_sum_dms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dms_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    const float sum_dms = acc_sum_dms_;
+    // per row: dms
+    float dms;
+    {
+      dms = -0.5f*sum_dms*rsqrtf(eps + ms)/(eps + ms);
+    }
+    // what the weight-gradient terms read of this row, for rmsnorm_wgrad_cols
+    if (lane_ == 0) {
+      rowstats_ptr[row_ * 1 + 0] = ms;
+    }
+    // per element: dx
+    // once per row: the element terms' row-invariant parts
+    const float r3_ = rsqrtf(eps + ms);
+    const float r4_ = 2.0f*dms/N;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_vec<scalar_t>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r3_;
+          const float dx = r4_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r3_;
+          const float dx = r4_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t0 = dy*r3_;
+        const float dx = r4_*x + t0*w;
+        const float dw = t0*x;
+        eg_store(dx_row_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block_f32(const float* x, const float* w, const float* dy, float* dx, float* rowstats, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_rows<float, false, 4, 1, false, 1, false, true>(x, w, dy, dx, rowstats, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block_unaligned_f32(const float* x, const float* w, const float* dy, float* dx, float* rowstats, float eps, long long rows, int cols) {
+  rmsnorm_backward_rows<float, false, 4, 1, false, 1, false, false>(x, w, dy, dx, rowstats, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* rowstats, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_rows<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, dx, rowstats, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* rowstats, float eps, long long rows, int cols) {
+  rmsnorm_backward_rows<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, dx, rowstats, eps, rows, cols);
+}
+
+// Weight gradients of long rows, the split backward's second kernel (rmsnorm_backward_rows
+// wrote the input grads and each row's ms): a thread owns VEC
+// adjacent columns and adds their terms over the rows blockIdx.y, blockIdx.y + gridDim.y,
+// ... in that order, ROWS rows' loads in flight at a time, into partial row blockIdx.y,
+// which rmsnorm_wgrad_reduce sums. ALIGNED, as for the row kernels: 16-byte access.
+template <typename scalar_t, int ROWS, bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const scalar_t* dy_ptr, const float* rowstats_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (c0_ >= cols_) return;
+  const bool vec_ = ALIGNED;
+  const int n_ = min(VEC, cols_ - c0_);
+  float dw_acc_[VEC];
+#pragma unroll
+  for (int e_ = 0; e_ < VEC; ++e_) dw_acc_[e_] = 0.0f;
+  for (long long r0_ = blockIdx.y; r0_ < rows_; r0_ += (long long)ROWS * gridDim.y) {
+    uint4 x_b_[ROWS];
+    uint4 dy_b_[ROWS];
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (vec_ && row_ < rows_) {
+        x_b_[b_] = eg_load_raw(x_ptr, row_ * cols_ + c0_);
+        dy_b_[b_] = eg_load_raw(dy_ptr, row_ * cols_ + c0_);
+      }
+    }
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (row_ >= rows_) break;
+      const float ms = rowstats_ptr[row_ * 1 + 0];
+      const float r5_ = rsqrtf(eps + ms);
+      float x_r_[VEC];
+      if (vec_) {
+        eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) x_r_[e_] = e_ < n_ ? eg_load(x_ptr, row_ * cols_ + c0_ + e_) : 0.0f;
+      }
+      float dy_r_[VEC];
+      if (vec_) {
+        eg_unpack_vec<scalar_t>(dy_b_[b_], dy_r_);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) dy_r_[e_] = e_ < n_ ? eg_load(dy_ptr, row_ * cols_ + c0_ + e_) : 0.0f;
+      }
+#pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float t0 = dy*r5_;
+          const float dw = t0*x;
+          if (e_ < n_) dw_acc_[e_] += dw;
+        }
+      }
+    }
+  }
+  float* dw_out_ = dw_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
+  if (vec_) {
+    eg_store_n<VEC>(dw_out_, 0, dw_acc_);
+  } else {
+    for (int e_ = 0; e_ < n_; ++e_) dw_out_[e_] = dw_acc_[e_];
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_f32(const float* x, const float* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned).
+  if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
+  rmsnorm_wgrad_cols<float, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_unaligned_f32(const float* x, const float* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_wgrad_cols<float, 4, false>(x, dy, rowstats, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned).
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
+  rmsnorm_wgrad_cols<__nv_bfloat16, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_wgrad_cols<__nv_bfloat16, 4, false>(x, dy, rowstats, dw_partials, eps, rows, cols);
+}
+
 // Sum of the per-worker partial weight gradients, in a fixed order: a block takes RX
 // columns (one 32-byte sector of each partial row); thread (x, y) adds partials y, y + RY,
 // … of column x, then a fixed pairwise tree adds the RY sums.
