@@ -4,6 +4,7 @@
     python benchmarks/kernels.py --quick    # fewer timed calls (well under 2 minutes)
     python benchmarks/kernels.py --ops gelu,rmsnorm
     python benchmarks/kernels.py --torch-out   # torch forwards write into our output buffer
+    python benchmarks/kernels.py --ops layernorm,rmsnorm --rows 8192 --cols 8192
 
 Shapes are those of /work/shared/ANCHORS.md: pointwise ops 2^28 elements (two-input ops
 2^27 pairs), norms and softmax 262144 × 768, cross-entropy 8192 × 50257, AdamW 124M fp32
@@ -18,7 +19,9 @@ writes into the very buffer ours writes instead: the placement of a gigabyte out
 moves a streaming kernel's time by up to ~10%, either way. GB/s counts the fewest bytes an op must move (each input read once, each
 output written once; a forward+backward re-reads its inputs); "of copy" divides that by a
 device-to-device copy measured in this run; "ratio" is our time over PyTorch's (below 1
-is faster). Progress goes to stderr, the table to stdout.
+is faster). --rows and --cols reshape the norm and softmax cases (a GPT's hidden width,
+or a vocabulary row); their labels then carry the shape. Progress goes to stderr, the
+table to stdout.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ class Case:
 
 
 class Bench:
-    def __init__(self, quick: bool, torch_out: bool = False):
+    def __init__(self, quick: bool, torch_out: bool = False,
+                 norm_shape: tuple[int, int] = (NORM_ROWS, NORM_COLS)):
         import cupy
         import torch
         from eulergen.runtime.backend import get_backend
@@ -62,6 +66,7 @@ class Bench:
         self.F = torch.nn.functional
         self.lib = OpLibrary(get_backend("cuda"))
         self.torch_out = torch_out
+        self.norm_shape = norm_shape
         self.iters = 5 if quick else 20
         self.warmup = 2 if quick else 5
         torch.manual_seed(0)
@@ -146,7 +151,8 @@ class Bench:
         if name == "cross_entropy":
             yield from self.cross_entropy(dtype)
             return
-        R, C = NORM_ROWS, NORM_COLS
+        R, C = self.norm_shape
+        shape = "" if self.norm_shape == (NORM_ROWS, NORM_COLS) else f" {R}x{C}"
         x = self.randn((R, C), dtype, grad=True)
         ws = {o.name: self.randn((C,), dtype, grad=True) for o in op.inputs if o.role == "weight"}
         eps = op.params.get("eps")
@@ -165,7 +171,7 @@ class Bench:
                 "log_softmax": lambda x: torch._log_softmax(x, -1, False, out=y_t)}.get(name)
         fwd = ((lambda: into(x.detach())) if into and self.torch_out
                else (lambda: peer(*(t.detach() for t in tin))) if peer else None)
-        yield Case(f"{name} fwd", dtype, lambda: lib.forward(name, *ins, out=y), fwd,
+        yield Case(f"{name} fwd{shape}", dtype, lambda: lib.forward(name, *ins, out=y), fwd,
                    2 * R * C * s / 1e9)
 
         def ours():
@@ -174,7 +180,7 @@ class Bench:
 
         def theirs():
             self.grad(peer(*tin), tin, dy_t)
-        yield Case(f"{name} fwd+bwd", dtype, ours, theirs if peer else None,
+        yield Case(f"{name} fwd+bwd{shape}", dtype, ours, theirs if peer else None,
                    5 * R * C * s / 1e9)
 
     def cross_entropy(self, dtype: str):
@@ -295,7 +301,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     ap.add_argument("--torch-out", action="store_true",
                     help="PyTorch forwards with an out= form write into our output buffer")
+    ap.add_argument("--rows", type=int, default=NORM_ROWS, help="rows of the norm and softmax cases")
+    ap.add_argument("--cols", type=int, default=NORM_COLS, help="their row length")
     args = ap.parse_args(argv)
+    if args.rows < 1 or args.cols < 1:
+        ap.error("--rows and --cols must be at least 1")
     try:
         import cupy
         import torch
@@ -305,7 +315,7 @@ def main(argv=None) -> int:
         print(f"benchmarks/kernels.py needs a CUDA GPU with CuPy and PyTorch: {err}",
               file=sys.stderr)
         return 2
-    bench = Bench(args.quick, args.torch_out)
+    bench = Bench(args.quick, args.torch_out, (args.rows, args.cols))
     wanted = [o for o in args.ops.split(",") if o]
     ops = {n: o for n, o in bench.lib.ops.items() if o.kind in
            ("pointwise", "row", "pair", "update", "embedding") and (not wanted or n in wanted)}

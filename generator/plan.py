@@ -173,19 +173,43 @@ BLOCK_REREAD_BATCH = 2
 BLOCK_WHOLE_GROUPS = True
 
 
+# Two blocks of 512 an SM where one of 1024 would hold the row: a thread caches twice the
+# groups, so an SM has two rows in flight and each row's reductions merge half the warps.
+# Rows of 2048-16384 columns wait on their reductions and on the memory latency of one
+# row at a time in a block of 1024. Taken by (H200, ms, 1024-thread block -> this one):
+# - the split backward's rows kernel (WGRAD_SPLIT_COLS): LayerNorm bf16 8192 columns
+#   fwd+bwd 0.408 -> 0.347, fp32 16384 1.165 -> 1.078 (at 50257: 3.185 -> 3.195, fp32
+#   4.220 -> 4.629, where two rows in flight an SM re-read more from memory);
+# - bf16 forwards with weights (the norms; fp32 ran 0.142 -> 0.161 at 1024 columns, 0.289
+#   -> 0.321 at 16384): LayerNorm 1024 0.100 -> 0.076, 2048 0.101 -> 0.077, 4096 0.107 ->
+#   0.077, 8192 0.123 -> 0.082 (PyTorch 0.119), 16384 0.244 -> 0.183, 50257 1.005 -> 0.897;
+#   RMSNorm 8192 0.094 -> 0.075;
+# - bf16 backwards without weights (softmax, log-softmax, cross-entropy's unfused one; the
+#   forwards ran faster at 8192 columns, 0.119 -> 0.100, and slower at 50257, 0.546 ->
+#   0.607; cross-entropy's fused fwdbwd 0.490 -> 0.556): fwd+bwd softmax 8192 0.303 ->
+#   0.250, 50257 1.654 -> 1.595; log-softmax 0.281 -> 0.227, 1.446 -> 1.315 (PyTorch 1.318);
+#   held to 64 registers, softmax's spills 8 bytes (nvcc sm_90).
+# At 64 threads a block at least (at 128, 1024 bf16 columns left half of each thread's
+# groups empty: LayerNorm forward 0.100 -> 0.112 ms, and 0.076 at 64).
+BLOCK_PAIR_THREADS, BLOCK_PAIR_MIN_BLOCKS, BLOCK_PAIR_THREADS_MIN = 512, 2, 64
+BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
+
+
 @dataclass(frozen=True)
 class RowShape:
     """A row kernel's block: its threads (warp_per_row: 32 a row; block_per_row: the most it
     takes), its __launch_bounds__ minimum of blocks an SM (0: none), the 16-byte groups of
     each cached row operand a lane keeps in registers, whether it prefetches the next
     row's (PREFETCH_DTYPES), how many re-read groups its first sweep loads at a time, and
-    whether it sweeps its re-read groups whole before the last (BLOCK_WHOLE_GROUPS)."""
+    whether it sweeps its re-read groups whole before the last (BLOCK_WHOLE_GROUPS), and the
+    fewest threads a block per row launches."""
     threads: int
     min_blocks: int
     slots: int
     prefetch: bool
     batch: int = 1
     whole: bool = False
+    threads_min: int = BLOCK_THREADS_MIN
 
 
 def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1) -> RowShape:
@@ -198,17 +222,20 @@ def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1) -> RowSh
                     WARP_SLOTS[dtype], dtype in PREFETCH_DTYPES)
 
 
-def block_shape(dtype: str, *, sweeps: int, cached: int, weights: bool, wgrad: bool,
-                forward: bool, split: bool = False) -> RowShape:
-    """The block of a block-per-row kernel that sweeps its row `sweeps` times, holding
-    `cached` row operands in registers; `split`: the split backward's rows kernel."""
+def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bool,
+                wgrad: bool) -> RowShape:
+    """The block of a block-per-row kernel of `stage` that sweeps its row `sweeps` times,
+    holding `cached` row operands in registers."""
     prefetch = dtype in PREFETCH_DTYPES
-    if split:
-        threads, slots, min_blocks = SPLIT_ROWS_SHAPE[dtype]
-        return RowShape(threads, min_blocks, slots, prefetch)
+    pair = RowShape(BLOCK_PAIR_THREADS, BLOCK_PAIR_MIN_BLOCKS, BLOCK_PAIR_SLOTS[dtype],
+                    prefetch, threads_min=BLOCK_PAIR_THREADS_MIN)
+    if stage == "backward_rows":
+        return pair
     if wgrad:
         return RowShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_SLOTS[dtype], prefetch)
     if weights:
+        if stage == "forward" and dtype == "bf16":
+            return pair
         return RowShape(BLOCK_THREADS_MAX, 0, BLOCK_SLOTS[dtype], prefetch)
     whole = BLOCK_WHOLE_GROUPS
     if sweeps == 1:
@@ -217,7 +244,10 @@ def block_shape(dtype: str, *, sweeps: int, cached: int, weights: bool, wgrad: b
     if dtype in BLOCK_REREAD_GROUPS:
         return RowShape(BLOCK_THREADS_MAX, 1, BLOCK_REREAD_GROUPS[dtype] // max(cached, 1),
                         False, BLOCK_REREAD_BATCH if cached <= 1 else 1, whole)
-    return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD if forward else 0,
+    if stage == "backward":
+        return RowShape(pair.threads, pair.min_blocks, pair.slots, prefetch, whole=whole,
+                        threads_min=pair.threads_min)
+    return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD if stage == "forward" else 0,
                     BLOCK_SLOTS[dtype], prefetch, whole=whole)
 
 
@@ -344,7 +374,7 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
     if split_cols:
         extra += (("split_cols", split_cols),)
     return (("layout", layout), ("threads", shape.threads),
-            ("threads_min", BLOCK_THREADS_MIN), ("cols_per_thread", per_thread),
+            ("threads_min", shape.threads_min), ("cols_per_thread", per_thread),
             ("rows_per_block", 1), ("grid_max", grid_max),
             ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1)) + partials("grid") + extra
 
@@ -355,8 +385,8 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
 # blocks an SM, so each row's reductions wait on the memory latency with little else to
 # hide it, and past 25 MB of partial rows in flight the workspace spills L2 to memory. The
 # backward is split instead from wgrad_split_cols columns: `backward_rows` (a block per row
-# without weight gradients, SPLIT_ROWS_SHAPE) writes the input grads and the per-row values
-# the weight-gradient terms read (`row_stats` of them a row, float32), and `wgrad_cols`
+# without weight gradients, two of 512 an SM: BLOCK_PAIR_THREADS) writes the input grads and
+# the per-row values the weight-gradient terms read (`row_stats` of them a row, float32), and `wgrad_cols`
 # reads the rows again by columns: a thread owns vec adjacent columns and sums their terms
 # over the rows y, y + G, ... (G = grid.y), WGRAD_COLS_ROWS rows' loads in flight, into
 # partial row y, which `wgrad_reduce` sums. Launch: WGRAD_COLS_THREADS threads, grid
@@ -372,11 +402,6 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
 # than one of one (RMSNorm: 64, two); keyed (dtype, levels ≥ 2).
 WGRAD_SPLIT_COLS = {("f32", False): 16385, ("bf16", False): 16385,
                     ("f32", True): 8193, ("bf16", True): 4097}
-# The rows kernel: (threads, 16-byte groups a thread caches, blocks an SM). Two blocks of
-# 512 rather than one of 1024 (at the same columns cached): LayerNorm bf16 8192 columns
-# 0.408 -> 0.347 ms, fp32 16384 1.165 -> 1.078; at 50257 columns 3.185 -> 3.195 and 4.220
-# -> 4.629, where two rows in flight an SM re-read more from memory.
-SPLIT_ROWS_SHAPE = {"f32": (512, 4, 2), "bf16": (512, 2, 2)}
 WGRAD_COLS_THREADS = 128
 WGRAD_COLS_ROWS = 4
 WGRAD_COLS_BLOCKS = _SMS * 8

@@ -255,9 +255,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 dt, stage=stage, wgrad=bool(wgrads),
                 levels=sum(s["kind"] == "pass" for s in steps)) for dt in planner.DTYPES},
             "block_per_row": {dt: planner.block_shape(
-                dt, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
-                cached=len(cached), weights=bool(weights), wgrad=bool(wgrads),
-                forward=stage == "forward", split=stage == "backward_rows")
+                dt, stage=stage, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
+                cached=len(cached), weights=bool(weights), wgrad=bool(wgrads))
                 for dt in planner.DTYPES}}
         kernels.append({
             "kernel": f"{op.name}_{stage}", "impl": f"{op.name}_{stage}{suffix}", "stage": stage,

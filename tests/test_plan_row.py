@@ -12,86 +12,110 @@ from eulergen.generator.spec import find_ops, load_spec
 ROW_PLAN = planner.plan_op(derive(load_spec(find_ops()["softmax"])))   # a row op's plan
 
 
-def shape(dtype: str, *, sweeps: int = 2, cached: int = 1, weights: bool = False,
-          wgrad: bool = False, forward: bool = True) -> planner.RowShape:
-    return planner.block_shape(dtype, sweeps=sweeps, cached=cached, weights=weights,
-                               wgrad=wgrad, forward=forward)
+def shape(dtype: str, *, stage: str = "forward", sweeps: int = 2, cached: int = 1,
+          weights: bool = False, wgrad: bool = False) -> planner.RowShape:
+    return planner.block_shape(dtype, stage=stage, sweeps=sweeps, cached=cached,
+                               weights=weights, wgrad=wgrad)
+
+
+def pair(dtype: str, **kw) -> planner.RowShape:
+    return planner.RowShape(planner.BLOCK_PAIR_THREADS, planner.BLOCK_PAIR_MIN_BLOCKS,
+                            planner.BLOCK_PAIR_SLOTS[dtype], dtype in planner.PREFETCH_DTYPES,
+                            threads_min=planner.BLOCK_PAIR_THREADS_MIN, **kw)
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
 @pytest.mark.parametrize("sweeps", [1, 3])
 def test_weight_gradient_kernels_take_512_threads_unbounded_with_the_dtype_slots(dtype, sweeps):
     """Their partials live in registers too: 1024 threads (64 registers) would spill."""
-    got = shape(dtype, sweeps=sweeps, weights=True, wgrad=True, forward=False)
+    got = shape(dtype, stage="backward", sweeps=sweeps, weights=True, wgrad=True)
     assert got == planner.RowShape(planner.BLOCK_THREADS_MAX_WGRAD, 0, planner.BLOCK_SLOTS[dtype],
                                    dtype in planner.PREFETCH_DTYPES)
     assert got.threads == 512
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
-@pytest.mark.parametrize("forward", [True, False])
-def test_a_one_sweep_kernel_without_weights_takes_short_blocks_many_an_sm(dtype, forward):
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_a_one_sweep_kernel_without_weights_takes_short_blocks_many_an_sm(dtype, stage):
     """cross_entropy's forward: max, online sum and the picked logit in one read of the row."""
-    got = shape(dtype, sweeps=1, cached=1, forward=forward)
+    got = shape(dtype, stage=stage, sweeps=1, cached=1)
     assert got == planner.RowShape(planner.BLOCK_THREADS_ONE_SWEEP,
                                    planner.BLOCK_MIN_BLOCKS_ONE_SWEEP, planner.BLOCK_SLOTS[dtype],
                                    dtype in planner.PREFETCH_DTYPES, whole=True)
     assert (got.threads, got.min_blocks) == (256, 8)
 
 
-@pytest.mark.parametrize("forward", [True, False])
+@pytest.mark.parametrize("stage", ["forward", "backward", "fwdbwd"])
 @pytest.mark.parametrize("cached,slots,batch", [(0, 10, 2), (1, 10, 2), (2, 5, 1), (3, 3, 1)])
 def test_fp32_re_read_kernels_without_weights_split_ten_groups_among_the_cached_operands(
-        forward, cached, slots, batch):
+        stage, cached, slots, batch):
     """One 1024-thread block an SM, so that 40 registers a thread can hold the row (cached 0:
     nothing to split, all ten groups' worth of the bound stays). They do not prefetch the next
     row: its groups would not fit beside these. Reading one operand, their first sweep loads
     two re-read groups at a time; reading two, it has two loads in flight already."""
-    got = shape("f32", sweeps=2, cached=cached, forward=forward)
+    got = shape("f32", stage=stage, sweeps=2, cached=cached)
     assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False, batch, True)
     assert planner.BLOCK_REREAD_GROUPS["f32"] == 10
     assert planner.BLOCK_REREAD_BATCH == 2
 
 
 @pytest.mark.parametrize("dtype,kw", [
-    ("bf16", dict(sweeps=2, cached=1)), ("bf16", dict(sweeps=2, cached=1, forward=False)),
+    ("bf16", dict(sweeps=2, cached=1)), ("bf16", dict(stage="backward", sweeps=2, cached=1)),
     ("f32", dict(sweeps=1, cached=1)), ("f32", dict(sweeps=2, cached=1, weights=True)),
-    ("f32", dict(sweeps=2, cached=1, wgrad=True, weights=True, forward=False)),
+    ("f32", dict(stage="backward", sweeps=2, cached=1, wgrad=True, weights=True)),
+    ("f32", dict(stage="backward_rows", sweeps=2, cached=2, weights=True)),
 ])
 def test_only_the_fp32_re_read_shape_batches(dtype, kw):
     assert shape(dtype, **kw).batch == 1
     assert planner.warp_shape(dtype, stage="forward", wgrad=False).batch == 1
 
 
-def test_bf16_forward_without_weights_keeps_one_group_and_two_blocks_an_sm():
-    got = shape("bf16", sweeps=2, cached=1, forward=True)
-    assert got == planner.RowShape(1024, planner.BLOCK_MIN_BLOCKS_FORWARD, planner.BLOCK_SLOTS["bf16"],
-                                   True, whole=True)
-    assert (got.min_blocks, got.slots) == (2, 1)
+@pytest.mark.parametrize("stage", ["forward", "fwdbwd"])
+def test_bf16_forwards_without_weights_keep_one_group_and_1024_threads(stage):
+    """Forward: two blocks an SM (cross-entropy's fused fwdbwd ran slower in pairs of 512)."""
+    got = shape("bf16", stage=stage, sweeps=2, cached=1)
+    blocks = planner.BLOCK_MIN_BLOCKS_FORWARD if stage == "forward" else 0
+    assert got == planner.RowShape(1024, blocks, planner.BLOCK_SLOTS["bf16"], True, whole=True)
+    assert got.slots == 1 and got.threads_min == planner.BLOCK_THREADS_MIN
+
+
+@pytest.mark.parametrize("dtype,kw,want", [
+    # the split backward's rows kernel, either dtype
+    ("f32", dict(stage="backward_rows", sweeps=3, cached=2, weights=True), {}),
+    ("bf16", dict(stage="backward_rows", sweeps=2, cached=2, weights=True), {}),
+    # a norm's bf16 forward
+    ("bf16", dict(stage="forward", sweeps=2, cached=1, weights=True), {}),
+    # softmax's bf16 backward: swept whole, as the others without weights
+    ("bf16", dict(stage="backward", sweeps=2, cached=2), {"whole": True}),
+])
+def test_two_blocks_of_512_an_sm_where_they_ran_faster(dtype, kw, want):
+    got = shape(dtype, **kw)
+    assert got == pair(dtype, **want)
+    assert (got.threads, got.min_blocks, got.threads_min) == (512, 2, 64)
+    assert got.slots * planner.VEC[dtype] == 16
 
 
 @pytest.mark.parametrize("dtype,kw", [
-    ("bf16", dict(sweeps=2, cached=2, forward=False)),              # softmax's backward
-    ("f32", dict(sweeps=2, cached=1, weights=True, forward=True)),   # a norm's forward
-    ("bf16", dict(sweeps=2, cached=1, weights=True, forward=True)),
-    ("f32", dict(sweeps=1, cached=1, weights=True, forward=True)),   # weights: no short blocks
-    ("f32", dict(sweeps=3, cached=2, weights=True, forward=False)),  # backward, no weight grads
+    ("f32", dict(sweeps=2, cached=1, weights=True)),                  # a norm's fp32 forward
+    ("f32", dict(sweeps=1, cached=1, weights=True)),                  # weights: no short blocks
+    ("f32", dict(stage="backward", sweeps=3, cached=2, weights=True)),  # no weight grads
+    ("bf16", dict(stage="backward", sweeps=3, cached=2, weights=True)),
 ])
 def test_the_rest_take_1024_threads_unbounded_with_the_dtype_slots(dtype, kw):
     assert shape(dtype, **kw) == planner.RowShape(planner.BLOCK_THREADS_MAX, 0,
                                                   planner.BLOCK_SLOTS[dtype],
-                                                  dtype in planner.PREFETCH_DTYPES,
-                                                  whole=not kw.get("weights"))
+                                                  dtype in planner.PREFETCH_DTYPES)
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
 @pytest.mark.parametrize("sweeps", [1, 2, 3])
-@pytest.mark.parametrize("forward", [True, False])
-def test_only_block_rows_without_weights_sweep_their_re_read_groups_whole(dtype, sweeps, forward):
+@pytest.mark.parametrize("stage", ["forward", "backward", "fwdbwd"])
+def test_only_block_rows_without_weights_sweep_their_re_read_groups_whole(dtype, sweeps, stage):
     """The norms (weights) took more registers for it; warp rows hold their row whole."""
-    assert shape(dtype, sweeps=sweeps, forward=forward).whole
-    assert not shape(dtype, sweeps=sweeps, weights=True, forward=forward).whole
-    assert not shape(dtype, sweeps=sweeps, weights=True, wgrad=True, forward=False).whole
+    assert shape(dtype, stage=stage, sweeps=sweeps).whole
+    assert not shape(dtype, stage=stage, sweeps=sweeps, weights=True).whole
+    assert not shape(dtype, stage="backward", sweeps=sweeps, weights=True, wgrad=True).whole
+    assert not shape(dtype, stage="backward_rows", sweeps=sweeps, weights=True).whole
     for wgrad in (False, True):
         assert not planner.warp_shape(dtype, stage="forward", wgrad=wgrad, levels=sweeps).whole
 
@@ -109,7 +133,7 @@ def test_row_launch_writes_the_block_it_is_given(dtype, block, wgrad):
     assert plan["layout"] == "block_per_row"
     assert plan["threads"] == block.threads
     assert plan["cols_per_thread"] == planner.VEC[dtype] * block.slots
-    assert plan["threads_min"] == planner.BLOCK_THREADS_MIN
+    assert plan["threads_min"] == block.threads_min
     assert plan["rows_per_block"] == 1
     # past what a warp keeps in registers, the block kernel is the fast one
     assert plan["min_cols"] == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1

@@ -208,16 +208,13 @@ def test_reduction_sweeps_and_weights_load_for_keeps(center_sweeps):
 
 @pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
 def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
-    """bf16 prefetches the next row's cached groups, fp32 does not, in both layouts; except
-    the fp32-style re-read shapes (generator/plan.block_shape), whose groups leave no room,
-    and the warp backwards with weight gradients over two reduction levels, which take more
-    warps instead (plan.warp_shape). The split backward's rows kernel caches more groups in
-    smaller blocks (plan.SPLIT_ROWS_SHAPE) and prefetches as the dtype says."""
+    """bf16 prefetches the next row's cached groups, fp32 does not (its re-read shapes'
+    groups leave no room: generator/plan.block_shape), in both layouts; except the warp
+    backwards with weight gradients over two reduction levels, which take more warps
+    instead (plan.warp_shape)."""
     k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
-    reread = (not c.warp and c.slots > planner.BLOCK_SLOTS[k.dtype]
-              and k.stage != "backward_rows")
     deep = c.warp and c.min_blocks == planner.WARP_DEEP_WGRAD_BLOCKS
-    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not reread and not deep), kernel
+    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not deep), kernel
 
 
 @pytest.mark.parametrize("op,deep", [("layernorm", True), ("rmsnorm", False)])

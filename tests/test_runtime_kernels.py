@@ -18,8 +18,8 @@ from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
 from eulergen.runtime import kernels as K
 from eulergen.runtime.backend import Backend, get_backend
-from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.cuda_ops import workspace_elements
+from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
 
 MANIFEST = GENERATED_DIR / "manifest.json"

@@ -1086,14 +1086,14 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_blo
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_block_unaligned_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
   cross_entropy_backward_online<float, false, 10, 1, false, 2, true, false>(x, target, dloss, dx, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(512, 2) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, target, dloss, dx, rows, cols);
+  cross_entropy_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, target, dloss, dx, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_backward_block_unaligned_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  cross_entropy_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, target, dloss, dx, rows, cols);
+extern "C" __global__ void __launch_bounds__(512, 2) cross_entropy_backward_block_unaligned_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
+  cross_entropy_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, false>(x, target, dloss, dx, rows, cols);
 }
 
 // fwdbwd: loss, dx from x, target, dloss

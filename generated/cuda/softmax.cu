@@ -1330,12 +1330,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_unaligned_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
   softmax_backward_online<float, false, 5, 1, false, 1, true, false>(x, dy, dx, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(512, 2) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, dy, dx, rows, cols);
+  softmax_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, dy, dx, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(1024) softmax_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  softmax_backward_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, dy, dx, rows, cols);
+extern "C" __global__ void __launch_bounds__(512, 2) softmax_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
+  softmax_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, false>(x, dy, dx, rows, cols);
 }
