@@ -54,7 +54,8 @@ def test_fp32_re_read_kernels_without_weights_split_ten_groups_among_the_cached_
     row: its groups would not fit beside these. Reading one operand, their first sweep loads
     two re-read groups at a time; reading two, it has two loads in flight already."""
     got = shape("f32", stage=stage, sweeps=2, cached=cached)
-    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False, batch, True)
+    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX, 1, slots, False, batch, True,
+                                   threads_min=64)
     assert planner.BLOCK_REREAD_GROUPS["f32"] == 10
     assert planner.BLOCK_REREAD_BATCH == 2
 
