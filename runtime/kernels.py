@@ -201,12 +201,6 @@ def wgrad_cols_geometry(plan: dict, rows: int, cols: int) -> tuple[tuple[int, in
     return (x, max(1, min(rows, cdiv(plan["blocks"], x)))), plan["threads"]
 
 
-def row_partials_max(plan: dict) -> int:
-    """The most workspace rows a launch of this kernel writes (for memory planning)."""
-    cap = plan.get("grid_max") or 1
-    return cap * (plan.get("rows_per_block", 1) if plan.get("layout") != "block_per_row" else 1)
-
-
 def reduce_geometry(plan: dict, cols: int) -> tuple[int, tuple[int, int]]:
     tx, ty = plan.get("threads_x", 32), plan.get("threads_y", 32)
     return cdiv(cols, tx), (tx, ty)
