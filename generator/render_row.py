@@ -212,11 +212,10 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     chunked = set(rows_in + d_elem_out + elem_out + d_rows)
     for (stage, later, reads, writes, wgrads), (suffix, steps, lays) in (
             (st, v) for st in stages for v in variants(st[1])):
-        if stage == "backward_rows":
+        if stage == "backward_rows":   # long rows only
             lays = [lay for lay in lays if lay["layout"] == "block_per_row"]
-            if not lays:
-                continue
         uses = frozenset().union(*(s["uses"] for s in steps))
+        levels = sum(s["kind"] == "pass" for s in steps)
         ptrs = []
         for name in reads:
             role = ("row" if name in chunked else "weight" if name in weights
@@ -251,9 +250,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                         else f"eg_load({a.name}_ptr, row_)")
                 row_scalars.append({"name": a.name, "load": load})
         shapes = {
-            "warp_per_row": {dt: planner.warp_shape(
-                dt, stage=stage, wgrad=bool(wgrads),
-                levels=sum(s["kind"] == "pass" for s in steps)) for dt in planner.DTYPES},
+            "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads),
+                                                    levels=levels) for dt in planner.DTYPES},
             "block_per_row": {dt: planner.block_shape(
                 dt, stage=stage, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
                 cached=len(cached), weights=bool(weights), wgrad=bool(wgrads))
@@ -280,7 +278,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
                                    if s["kind"] == "pass"), default=0),
             "row_stats": row_stats,
-            "levels": sum(s["kind"] == "pass" for s in steps),
+            "split_cols": {dt: planner.wgrad_split_cols(dt, levels)
+                           if stage == "backward_rows" else 0 for dt in planner.DTYPES},
         })
     wgrad = any(k["wgrads"] for k in kernels)
     split = None
@@ -310,8 +309,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
                                             shape=k["shapes"][lay["layout"]][dt],
                                             fwdbwd=k["stage"] == "fwdbwd",
-                                            split_cols=planner.wgrad_split_cols(
-                                                dt, k["levels"]) if k["stage"] == "backward_rows" else 0)
+                                            split_cols=k["split_cols"][dt])
                 for aligned in (True, False):
                     name = f"{k['kernel']}{lay['suffix']}{'' if aligned else '_unaligned'}_{dt}"
                     sigs.append(ir.KernelSig(name, args, dt, k["stage"],
