@@ -5,7 +5,9 @@ Each call checks its arrays' shapes against one another (dtypes, contiguity and 
 are checked in kernels.bind), allocates the outputs it was not given in the storage type
 the kernel writes, and launches the kernels with the geometry of their plans. Weight
 gradients of row ops go through a float32 workspace of per-worker partial sums and the
-op's `wgrad_reduce` kernel (deterministic: fixed order, no atomics). Attention is
+op's `wgrad_reduce` kernel (deterministic: fixed order, no atomics); over long rows the
+backward is split (`backward_rows` writes dx and per-row values, `wgrad_cols` sums the
+weight terms by columns: generator/plan.py WGRAD_SPLIT_COLS). Attention is
 launched by runtime/attention.py.
 """
 from __future__ import annotations
