@@ -181,7 +181,7 @@ def row_geometry(plan: dict, rows: int, cols: int) -> RowGeometry:
     if plan.get("layout") == "block_per_row":
         want = cdiv(cdiv(cols, plan["cols_per_thread"]), 32) * 32
         threads = min(max(want, plan["threads_min"]), plan["threads"])
-        grid = grid_for(rows, plan)
+        grid = max(1, rows) if cols <= plan.get("uncapped_cols", 0) else grid_for(rows, plan)
         return RowGeometry(grid, threads, grid)
     grid = grid_for(cdiv(rows, rpb), plan)
     return RowGeometry(grid, plan["threads"], grid * rpb)

@@ -8,6 +8,7 @@ import pytest
 from eulergen.generator import plan as planner
 from eulergen.generator.derive import derive
 from eulergen.generator.spec import find_ops, load_spec
+from eulergen.runtime.kernels import row_geometry
 
 ROW_PLAN = planner.plan_op(derive(load_spec(find_ops()["softmax"])))   # a row op's plan
 
@@ -171,3 +172,21 @@ def test_a_warp_backward_with_weight_gradients_over_two_levels_takes_warps_not_a
     assert plan["grid_max"] == 132 * (planner.WARP_DEEP_WGRAD_BLOCKS if deep else 4)
     no_wgrad = planner.warp_shape(dtype, stage="backward", wgrad=False, levels=levels)
     assert no_wgrad.prefetch == (dtype in planner.PREFETCH_DTYPES) and no_wgrad.min_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", planner.DTYPES)
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("wgrad", [False, True])
+def test_a_block_that_holds_its_row_takes_a_block_a_row_unless_it_prefetches(dtype, prefetch,
+                                                                             wgrad):
+    """A prefetching block loops over rows (the next one's loads in flight), and weight
+    gradients size their workspace by the grid: both stay capped. The others take a block a
+    row over rows their registers hold, and the capped grid beyond (kernels.row_geometry)."""
+    block = planner.RowShape(1024, 1, 10, prefetch)
+    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=wgrad, shape=block))
+    held = 1024 * planner.VEC[dtype] * 10
+    assert plan.get("uncapped_cols") == (None if prefetch or wgrad else held)
+    rows = 10 * plan["grid_max"]
+    uncapped = not prefetch and not wgrad
+    assert row_geometry(plan, rows, held).grid == (rows if uncapped else plan["grid_max"])
+    assert row_geometry(plan, rows, held + 1).grid == plan["grid_max"]
