@@ -78,7 +78,7 @@ embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy as sp
 
@@ -263,8 +263,7 @@ def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bo
                         False, BLOCK_REREAD_BATCH if cached <= 1 else 1, whole,
                         threads_min=BLOCK_REREAD_THREADS_MIN)
     if stage == "backward":
-        return RowShape(pair.threads, pair.min_blocks, pair.slots, prefetch, whole=whole,
-                        threads_min=pair.threads_min)
+        return replace(pair, whole=whole)
     return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD if stage == "forward" else 0,
                     BLOCK_SLOTS[dtype], prefetch, whole=whole)
 
