@@ -325,8 +325,7 @@ class CudaOps:
         launcher.launch(kernel, geom.grid, geom.threads, values)
         partials = geom.partials
         if split:
-            cols_kernel = next(k for k in op.kernels.values() if k.stage == "wgrad_cols"
-                               and k.dtype == dtype and k.plan["aligned"] == aligned)
+            cols_kernel = row_kernel(op, "wgrad_cols", dtype, cols, aligned)
             grid, threads = wgrad_cols_geometry(cols_kernel.plan, rows, cols)
             launcher.launch(cols_kernel, grid, threads, values)
             partials = grid[1]

@@ -152,9 +152,10 @@ def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: boo
 
 
 def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True) -> Kernel:
-    """The warp-per-row kernel for rows it holds in registers, else the block-per-row one;
-    of each, the `aligned` variant (row_aligned) or the one for any operands. Both have one
-    geometry: a memory planner may ask for either."""
+    """The warp-per-row kernel for rows it holds in registers, else the block-per-row one
+    (a stage of one layout, or none, such as wgrad_cols: its kernel); of each, the `aligned`
+    variant (row_aligned) or the one for any operands. Both have one geometry: a memory
+    planner may ask for either."""
     candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
                   and k.plan.get("aligned", True) == aligned]
     if not candidates:
