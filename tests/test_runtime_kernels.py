@@ -284,7 +284,9 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
     split = next(k.plan["split_cols"] for k in op.kernels.values()
                  if k.stage == "backward_rows" and k.dtype == "f32")
     rng = np.random.default_rng(5)
-    for cols in (split - 1, split):
+    # split - 1: the fused kernel; split (odd): the `_unaligned` split kernels; a multiple
+    # of 8 past it: the aligned ones (numpy's buffers start on 16-byte boundaries)
+    for cols in (split - 1, split, -(-split // 8) * 8 + 8):
         emu.launches.clear()
         x = rng.uniform(-2, 2, (3, cols)).astype(np.float32)
         weights = [rng.uniform(0.5, 1.5, cols).astype(np.float32)
@@ -298,6 +300,8 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
         stages = [op.kernels[k].stage for k, _, _, _ in emu.launches]
         first = ["backward_rows", "wgrad_cols"] if cols >= split else ["backward"]
         assert stages == first + ["wgrad_reduce"] * len(weights)
+        aligned = [op.kernels[k].plan["aligned"] for k, _, _, _ in emu.launches[:len(first)]]
+        assert aligned == [cols % 8 == 0] * len(first)
         for _, _, _, values in emu.launches[:len(first)]:
             for n, a in values.items():
                 if n == "rowstats" or n.endswith("_partials"):
