@@ -761,7 +761,6 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
   constexpr int VEC = EgVec<scalar_t>::N;
   const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (c0_ >= cols_) return;
-  const bool vec_ = ALIGNED;
   const int n_ = min(VEC, cols_ - c0_);
   float dw_acc_[VEC];
 #pragma unroll
@@ -772,7 +771,7 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
 #pragma unroll
     for (int b_ = 0; b_ < ROWS; ++b_) {
       const long long row_ = r0_ + (long long)b_ * gridDim.y;
-      if (vec_ && row_ < rows_) {
+      if (ALIGNED && row_ < rows_) {
         x_b_[b_] = eg_load_raw(x_ptr, row_ * cols_ + c0_);
         dy_b_[b_] = eg_load_raw(dy_ptr, row_ * cols_ + c0_);
       }
@@ -784,14 +783,14 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
       const float ms = rowstats_ptr[row_ * 1 + 0];
       const float r5_ = rsqrtf(eps + ms);
       float x_r_[VEC];
-      if (vec_) {
+      if (ALIGNED) {
         eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
       } else {
 #pragma unroll
         for (int e_ = 0; e_ < VEC; ++e_) x_r_[e_] = e_ < n_ ? eg_load(x_ptr, row_ * cols_ + c0_ + e_) : 0.0f;
       }
       float dy_r_[VEC];
-      if (vec_) {
+      if (ALIGNED) {
         eg_unpack_vec<scalar_t>(dy_b_[b_], dy_r_);
       } else {
 #pragma unroll
@@ -810,14 +809,15 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
     }
   }
   float* dw_out_ = dw_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
-  if (vec_) {
+  if (ALIGNED) {
     eg_store_n<VEC>(dw_out_, 0, dw_acc_);
   } else {
     for (int e_ = 0; e_ < n_; ++e_) dw_out_[e_] = dw_acc_[e_];
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_f32(const float* x, const float* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned).
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
   rmsnorm_wgrad_cols<float, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);
 }
@@ -825,7 +825,8 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_unaligned_f
   rmsnorm_wgrad_cols<float, 4, false>(x, dy, rowstats, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned).
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
   rmsnorm_wgrad_cols<__nv_bfloat16, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);
 }
