@@ -167,6 +167,16 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
 
     forward = (([row_step(row_outputs, row_out)] if row_out else [])
                + ([elem_step(body.elem_outputs, elem_out, [], outputs=True)] if elem_out else []))
+    # The split backward's column kernel: the weight-gradient terms alone, row-invariant
+    # parts hoisted; the per-row values they read (`stats`) come from backward_rows.
+    wgrad_step = elem_step(grads.only(set(d_weights)), [], d_weights) if d_weights else None
+    per_elem = set(rows_in + d_elem_out + weights) | {"i", "N"} | set(_params(op))
+    stats: list[str] = []
+    if wgrad_step:
+        local = set(wgrad_step["consts"].results if wgrad_step["consts"] else ())
+        local |= set(wgrad_step["pre"].results if wgrad_step["pre"] else ())
+        stats = sorted(wgrad_step["uses"] - local - per_elem)
+
     stages = [("forward", forward, rows_in + weights + index, elem_out + row_out, [])]
     if d_rows or d_weights:
         backward = ([row_step(row_outputs, [])] if needs_row_out else []) + grad_steps
@@ -178,10 +188,12 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                            rows_in + weights + index + d_row_out, row_out + d_rows, d_weights))
         if d_weights:
             # The split backward of long rows (plan.WGRAD_SPLIT_COLS): a block per row writes
-            # the input grads and the per-row values the weight-gradient terms read; a column
-            # kernel sums those terms over rows (wgrad_cols below).
+            # the input grads and the per-row values the weight-gradient terms read (so the
+            # row forms those too); a column kernel sums those terms over rows (wgrad_cols).
+            rows_elem = elem_step(grads.only(set(d_rows)), grad_steps[1]["stores"], [])
+            rows_elem["uses"] = rows_elem["uses"] | set(stats)
             split_rows = (([row_step(row_outputs, [])] if needs_row_out else [])
-                          + [grad_steps[0], elem_step(grads, grad_steps[1]["stores"], [])])
+                          + [grad_steps[0], rows_elem])
             stages.append(("backward_rows", split_rows,
                            rows_in + weights + index + d_elem_out + d_row_out, d_rows, []))
 
@@ -197,16 +209,6 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         if any(s.get("online") for s in online):
             return [("", two_pass, layouts[:1]), ("_online", online, layouts[1:])]
         return [("", two_pass, layouts)]
-
-    # The split backward's column kernel: the weight-gradient terms alone, row-invariant
-    # parts hoisted; the per-row values they read (`stats`) come from backward_rows.
-    wgrad_step = elem_step(grads.only(set(d_weights)), [], d_weights) if d_weights else None
-    per_elem = set(rows_in + d_elem_out + weights) | {"i", "N"} | set(_params(op))
-    stats: list[str] = []
-    if wgrad_step:
-        local = set(wgrad_step["consts"].results if wgrad_step["consts"] else ())
-        local |= set(wgrad_step["pre"].results if wgrad_step["pre"] else ())
-        stats = sorted(wgrad_step["uses"] - local - per_elem)
 
     kernels = []
     chunked = set(rows_in + d_elem_out + elem_out + d_rows)

@@ -921,11 +921,11 @@ __device__ __forceinline__ void layernorm_backward_rows(const scalar_t* x_ptr, c
     }
     // per element: dx
     // once per row: the element terms' row-invariant parts
-    const float r6_ = 1.0f/N;
-    const float r7_ = rsqrtf(eps + var);
-    const float r8_ = -2.0f*mu;
-    const float r9_ = dvar*r6_;
-    const float r10_ = dmu*r6_;
+    const float r7_ = 1.0f/N;
+    const float r8_ = rsqrtf(eps + var);
+    const float r9_ = -2.0f*mu;
+    const float r10_ = dvar*r7_;
+    const float r11_ = dmu*r7_;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -942,10 +942,8 @@ __device__ __forceinline__ void layernorm_backward_rows(const scalar_t* x_ptr, c
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t3 = dy*r7_;
-          const float dx = r10_ + r9_*(r8_ + 2.0f*x) + t3*w;
-          const float dw = t3*(x - mu);
-          const float db = dy;
+          const float t3 = dy*r8_;
+          const float dx = r11_ + r10_*(r9_ + 2.0f*x) + t3*w;
           dx_o_[e_] = dx;
         }
       }
@@ -965,10 +963,8 @@ __device__ __forceinline__ void layernorm_backward_rows(const scalar_t* x_ptr, c
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t3 = dy*r7_;
-          const float dx = r10_ + r9_*(r8_ + 2.0f*x) + t3*w;
-          const float dw = t3*(x - mu);
-          const float db = dy;
+          const float t3 = dy*r8_;
+          const float dx = r11_ + r10_*(r9_ + 2.0f*x) + t3*w;
           dx_o_[e_] = dx;
         }
       }
@@ -980,10 +976,8 @@ __device__ __forceinline__ void layernorm_backward_rows(const scalar_t* x_ptr, c
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float t3 = dy*r7_;
-        const float dx = r10_ + r9_*(r8_ + 2.0f*x) + t3*w;
-        const float dw = t3*(x - mu);
-        const float db = dy;
+        const float t3 = dy*r8_;
+        const float dx = r11_ + r10_*(r9_ + 2.0f*x) + t3*w;
         eg_store(dx_row_, col_, dx);
       }
     }
@@ -1043,7 +1037,7 @@ __device__ __forceinline__ void layernorm_wgrad_cols(const scalar_t* x_ptr, cons
       if (row_ >= rows_) break;
       const float mu = rowstats_ptr[row_ * 2 + 0];
       const float var = rowstats_ptr[row_ * 2 + 1];
-      const float r11_ = rsqrtf(eps + var);
+      const float r6_ = rsqrtf(eps + var);
       float x_r_[VEC];
       if (ALIGNED) {
         eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
@@ -1063,7 +1057,7 @@ __device__ __forceinline__ void layernorm_wgrad_cols(const scalar_t* x_ptr, cons
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
-          const float t3 = dy*r11_;
+          const float t3 = dy*r6_;
           const float dw = t3*(x - mu);
           const float db = dy;
           if (e_ < n_) dw_acc_[e_] += dw;

@@ -669,8 +669,8 @@ __device__ __forceinline__ void rmsnorm_backward_rows(const scalar_t* x_ptr, con
     }
     // per element: dx
     // once per row: the element terms' row-invariant parts
-    const float r3_ = rsqrtf(eps + ms);
-    const float r4_ = 2.0f*dms/N;
+    const float r4_ = rsqrtf(eps + ms);
+    const float r5_ = 2.0f*dms/N;
 #pragma unroll
     for (int s_ = 0; s_ < SLOTS; ++s_) {
       const int g0_ = s_ * lanes_ * VEC;
@@ -687,9 +687,8 @@ __device__ __forceinline__ void rmsnorm_backward_rows(const scalar_t* x_ptr, con
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = dy*r3_;
-          const float dx = r4_*x + t0*w;
-          const float dw = t0*x;
+          const float t0 = dy*r4_;
+          const float dx = r5_*x + t0*w;
           dx_o_[e_] = dx;
         }
       }
@@ -709,9 +708,8 @@ __device__ __forceinline__ void rmsnorm_backward_rows(const scalar_t* x_ptr, con
         const float dy = dy_r_[e_];
         const float w = w_w_[e_];
         {
-          const float t0 = dy*r3_;
-          const float dx = r4_*x + t0*w;
-          const float dw = t0*x;
+          const float t0 = dy*r4_;
+          const float dx = r5_*x + t0*w;
           dx_o_[e_] = dx;
         }
       }
@@ -723,9 +721,8 @@ __device__ __forceinline__ void rmsnorm_backward_rows(const scalar_t* x_ptr, con
       const float dy = eg_load(dy_row_, col_);
       const float w = eg_load(w_ptr, col_);
       {
-        const float t0 = dy*r3_;
-        const float dx = r4_*x + t0*w;
-        const float dw = t0*x;
+        const float t0 = dy*r4_;
+        const float dx = r5_*x + t0*w;
         eg_store(dx_row_, col_, dx);
       }
     }
@@ -781,7 +778,7 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
       const long long row_ = r0_ + (long long)b_ * gridDim.y;
       if (row_ >= rows_) break;
       const float ms = rowstats_ptr[row_ * 1 + 0];
-      const float r5_ = rsqrtf(eps + ms);
+      const float r3_ = rsqrtf(eps + ms);
       float x_r_[VEC];
       if (ALIGNED) {
         eg_unpack_vec<scalar_t>(x_b_[b_], x_r_);
@@ -801,7 +798,7 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
         const float x = x_r_[e_];
         const float dy = dy_r_[e_];
         {
-          const float t0 = dy*r5_;
+          const float t0 = dy*r3_;
           const float dw = t0*x;
           if (e_ < n_) dw_acc_[e_] += dw;
         }
