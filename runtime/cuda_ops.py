@@ -101,7 +101,7 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
     embedding's ids, with `table_rows` the rows of its token table). Pure: a memory
     planner calls it without a GPU."""
     if op.kind == "row":
-        return _elements(_row_layout(op, stage, dtype, prod(shape[:-1]), shape[-1]))
+        return _elements(_row_layout(op, stage, dtype, prod(shape[:-1]), shape[-1])[1])
     if op.kind == "attention" and stage == "backward":
         B, T, H, _ = shape
         return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
@@ -110,19 +110,21 @@ def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
     return 0
 
 
-def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int, cols: int) -> list[tuple]:
-    """The workspace of a row op's `stage` call over `rows` rows of `cols`, as _carve lays it
-    out: a [partials, cols] float32 row of partial sums per weight gradient, after the split
-    backward's [rows, row_stats] per-row values where it takes that (wgrad_split)."""
+def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int,
+                cols: int) -> tuple[bool, list[tuple]]:
+    """Whether a row op's `stage` call over `rows` rows of `cols` takes the split backward
+    (wgrad_split), and its workspace as _carve lays it out: a [partials, cols] float32 row
+    of partial sums per weight gradient, after the split backward's [rows, row_stats]
+    per-row values where it takes that."""
     sig = _row_sig(op, stage)
     if not sig.wgrads:
-        return []
+        return False, []
     if wgrad_split(op, dtype, cols):
         cols_plan = op.kernel("wgrad_cols", dtype).plan
         (_, groups), _ = wgrad_cols_geometry(cols_plan, rows, cols)
-        return [(rows, cols_plan["row_stats"])] + [(groups, cols)] * len(sig.wgrads)
+        return True, [(rows, cols_plan["row_stats"])] + [(groups, cols)] * len(sig.wgrads)
     kernel = row_kernel(op, stage, dtype, cols)
-    return [(row_geometry(kernel.plan, rows, cols).partials, cols)] * len(sig.wgrads)
+    return False, [(row_geometry(kernel.plan, rows, cols).partials, cols)] * len(sig.wgrads)
 
 
 def _embedding_layout(op: OpEntry, n: int, rows: int) -> list[tuple[int]]:
@@ -292,7 +294,7 @@ class CudaOps:
                                  f"{by_role[r]} for rows of shape {shape}", file=op.spec, key=n)
         rows = x.size // cols
         dtype = storage_dtype_name(x)
-        split = bool(sig.wgrads) and wgrad_split(op, dtype, cols)
+        split, layout = _row_layout(op, stage, dtype, rows, cols)
         kstage = "backward_rows" if split else stage
         kernel = row_kernel(op, kstage, dtype, cols)
         results = _outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
@@ -310,7 +312,6 @@ class CudaOps:
             for g in sig.wgrads:
                 values[g].fill(0)
             return results
-        layout = _row_layout(op, stage, dtype, rows, cols)
         if workspace is not None:
             views = _carve(op, workspace, layout)
         else:
