@@ -59,7 +59,8 @@ pair       blocks loop over the tokens in (b, t) order, each taking every grid-t
            grows as they shrink); any block size and any grid are correct.
 update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
            are the storage dtype; launch once per weight-decay range.
-embedding  forward: vec, grid = cdiv(BT · C, vec · threads), ids checked on the device.
+embedding  forward: a warp a row, grid = cdiv(BT, threads / 32) (any grid is correct: warps
+           stride over the rows), ids checked on the device.
            backward (n = BT ids, V table rows; a planned workspace of int64 `tiled` and
            `keys`, n each, int32 `first`, V, and int32 `runs`, 1 + n / (long_run + 1)):
            backward_sort: tile, grid = cdiv(n, tile) (a block sorts one tile of keys id <<
@@ -469,6 +470,12 @@ def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...
 
 
 EMBEDDING_THREADS = 256
+# The forward's 16-byte vectors a lane loads before it stores (a warp a row). H200, 65536
+# ids into 50304 x 768, in us, bf16 / fp32: a thread a vector (an id load and two 64-bit
+# divisions each) 61.7 / 105.0 (ncu); a warp a row fetching 2, 3, 4: 57.0 / 102.8, 52.8 /
+# 102.0, 57.2 / 102.2 (events; 3 is a 768-wide row's bf16 vectors a lane, half its fp32).
+# Loading the next row's id ahead: slower (60.3 / 107.0 at 4).
+EMBEDDING_FETCH = 3
 EMBEDDING_WTE_THREADS = 256           # the dwte kernel: 8 warps a block,
 EMBEDDING_WTE_WARP_ROWS = 16          # a warp 16 rows (one after another; at most 32)
 # dwte kernel, H200 (ncu), 50304 x 768, 8192 / 65536 ids, f32 and bf16, in us, by rows a
@@ -496,7 +503,9 @@ EMBEDDING_MERGE_MIN_BLOCKS = 4
 
 
 def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
-    if stage in ("forward", "backward_wpe"):
+    if stage == "forward":
+        return (("threads", EMBEDDING_THREADS), ("grid_max", _GRID_MAX))
+    if stage == "backward_wpe":
         return (("threads", EMBEDDING_THREADS), ("vec", VEC[dtype]), ("grid_max", _GRID_MAX))
     if stage == "backward_sort":
         return (("threads", EMBEDDING_SORT_THREADS), ("tile", EMBEDDING_TILE),

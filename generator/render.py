@@ -241,6 +241,7 @@ def render_embedding(header_line: str) -> ir.RenderedCuda:
     dtypes = [{"name": d, "ctype": planner.CTYPE[d]} for d in planner.DTYPES]
     source = _template("embedding.cu.j2", header=header_line, dtypes=dtypes,
                        threads=planner.EMBEDDING_THREADS,
+                       fetch=planner.EMBEDDING_FETCH,
                        sort_threads=planner.EMBEDDING_SORT_THREADS,
                        tile=planner.EMBEDDING_TILE,
                        tile_steps=planner.EMBEDDING_TILE.bit_length(),

@@ -418,7 +418,7 @@ class CudaOps:
         bt = ids.size
         if bt:
             plan = kernel.plan
-            grid = grid_for(cdiv(bt * C, plan["vec"] * plan["threads"]), plan)
+            grid = grid_for(cdiv(bt, plan["threads"] // 32), plan)    # a warp a row
             self.launcher(op).launch(kernel, grid, plan["threads"], {
                 "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt,
                 "T": T, "C": C, "V": wte.shape[0]})

@@ -568,7 +568,8 @@ def test_embedding_sort_orders_ids_and_keeps_token_order_within_an_id(n, vocab):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("C,with_wpe", [(64, True), (64, False), (50, True)])
+# 1096: 274 fp32 / 137 bf16 vectors, more than a warp fetches a pass (32 lanes x FETCH)
+@pytest.mark.parametrize("C,with_wpe", [(64, True), (64, False), (50, True), (1096, True)])
 def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
     rng = np.random.default_rng(C)
     B, T, V = 2, 9, 70                               # dwte: three warps of rows, one part-filled
