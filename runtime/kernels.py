@@ -60,13 +60,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@lru_cache(maxsize=None)
+def _arg_types(args: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str, CType], ...]:
+    """A kernel's arguments with their parsed C types: parsed once, not at every launch
+    (the host side of a launch is most of a small kernel's cost)."""
+    return tuple((name, ctext, parse_ctype(ctext)) for name, ctext in args)
+
+
+_NULL_POINTER = np.uint64(0)
+
+
 def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) -> tuple:
     """The argument tuple for one launch, after checking every value against its C type."""
     import cupy
     device = cupy.cuda.runtime.getDevice()
     args = []
-    for name, ctext in kernel.args:
-        ct = parse_ctype(ctext)
+    for name, ctext, ct in _arg_types(kernel.args):
         try:
             v = values[name]
         except KeyError:
@@ -75,9 +84,9 @@ def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) 
         if not ct.pointer:
             args.append(ct.dtype.type(v))
         elif v is NULL and ct.const:
-            args.append(np.uint64(0))
-        elif (isinstance(v, cupy.ndarray) and v.dtype == ct.dtype and v.device.id == device
-              and (v.flags.c_contiguous or not contiguous)):
+            args.append(_NULL_POINTER)
+        elif (isinstance(v, cupy.ndarray) and v.dtype == ct.dtype and v.data.device_id == device
+              and (not contiguous or v.flags.c_contiguous)):
             args.append(v)
         else:
             raise _bad_array(op, kernel, name, ctext, ct, v, device)
@@ -109,15 +118,19 @@ class Launcher:
     def __init__(self, op: OpEntry):
         self.op = op
         self._compiled = None
+        self._functions: dict[str, object] = {}   # a lookup costs about 1 us a launch
 
     def function(self, kernel: Kernel):
-        if self._compiled is None:
-            if self.op.cuda is None:
-                raise EulerError("op has no CUDA source", file=str(self.op.manifest),
-                                 key=f"ops.{self.op.name}.cuda")
-            from eulergen.runtime.compile import compile_file, op_options
-            self._compiled = compile_file(self.op.cuda, op_options(self.op), self.op.template)
-        return self._compiled.function(kernel.name)
+        fn = self._functions.get(kernel.name)
+        if fn is None:
+            if self._compiled is None:
+                if self.op.cuda is None:
+                    raise EulerError("op has no CUDA source", file=str(self.op.manifest),
+                                     key=f"ops.{self.op.name}.cuda")
+                from eulergen.runtime.compile import compile_file, op_options
+                self._compiled = compile_file(self.op.cuda, op_options(self.op), self.op.template)
+            fn = self._functions[kernel.name] = self._compiled.function(kernel.name)
+        return fn
 
     def launch(self, kernel: Kernel, grid, block, values: dict, *, shared_mem: int = 0,
                contiguous: bool = True) -> None:

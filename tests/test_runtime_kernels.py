@@ -39,7 +39,7 @@ class FakeArray(np.ndarray):
 
     @property
     def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=0)
 
 
 def _wrap(fn):
