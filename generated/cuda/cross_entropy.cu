@@ -214,13 +214,13 @@ __device__ __forceinline__ void cross_entropy_forward(const scalar_t* x_ptr, con
     if (lane_ == 0) eg_store(loss_ptr, row_, loss);
   }
 }
-extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(128) cross_entropy_forward_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
-  cross_entropy_forward<float, true, 6, 8, false, 1, false, true>(x, target, loss, rows, cols);
+  cross_entropy_forward<float, true, 6, 4, false, 1, false, true>(x, target, loss, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) cross_entropy_forward_unaligned_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
-  cross_entropy_forward<float, true, 6, 8, false, 1, false, false>(x, target, loss, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) cross_entropy_forward_unaligned_f32(const float* x, const int* target, float* loss, long long rows, int cols) {
+  cross_entropy_forward<float, true, 6, 4, false, 1, false, false>(x, target, loss, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_forward_bf16(const __nv_bfloat16* x, const int* target, float* loss, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a

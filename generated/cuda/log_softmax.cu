@@ -243,14 +243,14 @@ __device__ __forceinline__ void log_softmax_forward(const scalar_t* x_ptr, scala
 
   }
 }
-extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(128) log_softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
-  log_softmax_forward<float, true, 6, 8, false, 1, false, true>(x, y, rows, cols);
+  log_softmax_forward<float, true, 6, 4, false, 1, false, true>(x, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_unaligned_f32(const float* x, float* y, long long rows, int cols) {
-  log_softmax_forward<float, true, 6, 8, false, 1, false, false>(x, y, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) log_softmax_forward_unaligned_f32(const float* x, float* y, long long rows, int cols) {
+  log_softmax_forward<float, true, 6, 4, false, 1, false, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a

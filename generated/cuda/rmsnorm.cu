@@ -196,14 +196,14 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
 
   }
 }
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_forward_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
-  rmsnorm_forward<float, true, 6, 8, false, 1, false, true>(x, w, y, eps, rows, cols);
+  rmsnorm_forward<float, true, 6, 4, false, 1, false, true>(x, w, y, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_unaligned_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  rmsnorm_forward<float, true, 6, 8, false, 1, false, false>(x, w, y, eps, rows, cols);
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_forward_unaligned_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
+  rmsnorm_forward<float, true, 6, 4, false, 1, false, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
