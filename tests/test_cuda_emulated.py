@@ -577,11 +577,14 @@ def test_embedding_gather_and_deterministic_scatter(C, with_wpe, dtype):
     ids[0, :6] = 4                                   # a run longer than a fetch batch
     ids[1, :8] = V - 1                               # the last run: it ends at the last key
     wte, wpe = inputs_as_stored([rng.uniform(-1, 1, (V, C)), rng.uniform(-1, 1, (T, C))], dtype)
+    wte[ids[1, 8], ::3] = -0.0                       # a gather copies bits: -0 stays -0
     k = f"embedding_forward_{dtype}"
     got = launch("embedding", k, 2, 64, ids=ids, wte=stored(wte, dtype),
                  wpe=stored(wpe, dtype) if with_wpe else None,
                  out=stored(np.full((B, T, C), np.nan), dtype), BT=B * T, T=T, C=C, V=V)
     close(value(got["out"], dtype), wte[ids] + (wpe[None] if with_wpe else 0), TOL[dtype], k)
+    if not with_wpe:
+        assert (got["out"].view(np.uint8) == stored(wte, dtype)[ids].view(np.uint8)).all(), k
 
     dout = inputs_as_stored([rng.uniform(-1, 1, (B, T, C))], dtype)[0]
     flat = ids.reshape(-1)
