@@ -14,8 +14,8 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ope
            that each stream one tile keep the resident blocks on one contiguous window of
            memory and leave no tail wave). Any n and any alignment work (a scalar path
            takes unaligned pointers and the tail); in_place_ok = True.
-row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct for any row
-           length, `max_cols` / `min_cols` say where each is the fast one. `aligned`: each
+row        layout 'warp_per_row', 'block_held' or 'block_per_row'; each kernel is correct for
+           any row length, `max_cols` / `min_cols` say where each is the fast one. `aligned`: each
            (stage, layout, dtype) has two kernels: True for operands that take 16-byte
            access throughout (runtime/kernels.row_aligned), False (`_unaligned`) for
            any. Each kernel's block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
@@ -33,6 +33,10 @@ row        layout 'warp_per_row' or 'block_per_row'; both kernels are correct fo
            that does not prefetch, over rows its registers hold, takes a block a row). The
            first cols_per_thread elements a thread owns stay in registers; longer rows are
            re-read (from L2) once per pass.
+           block_held (HELD_SLOTS' dtypes, ops without weights): a block per row as above
+           for rows of min_cols to max_cols columns, which its registers hold; grid = rows,
+           uncapped. Where a stage has an online sum it takes the two-pass impl, as the warp
+           does.
            wgrad_partials: for backward kernels of ops with weights, each row worker (a warp,
            or a block) writes its partial weight gradient to a float32 workspace
            [partials, cols] per weight: partials = grid · rows_per_block (warp) or grid
@@ -216,6 +220,28 @@ BLOCK_WHOLE_GROUPS = True
 BLOCK_PAIR_THREADS, BLOCK_PAIR_MIN_BLOCKS, BLOCK_PAIR_THREADS_MIN = 512, 2, 64
 BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 
+# A block per row of an op without weights whose row its registers hold (block_held):
+# bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (64 threads up to
+# 2048 columns, 256 at 8192; 64 registers, four blocks an SM: the backwards spill 24-32
+# bytes), no prefetch, a block a row (uncapped grid), and the two-pass impl: from registers
+# a second sweep costs no traffic, and softmax's reuses the first's exponentials. The
+# block_per_row kernel (one group a thread, the next row's prefetched, online sums) keeps
+# the longer rows, whose tail it re-reads from L2. H200, bf16, 2^26 elements, the
+# generated kernels as the runtime launches them, ms, block_per_row -> block_held:
+#   2048 columns: softmax forward 0.1153 -> 0.0706, backward 0.1227 -> 0.1036; log-softmax
+#     0.1032 -> 0.0730, 0.1117 -> 0.1016; cross-entropy forward 0.0750 -> 0.0392, backward
+#     0.0806 -> 0.0698, fused 0.1096 -> 0.0697;
+#   4096 and 8192: the same gains (softmax forward 8192 0.1194 -> 0.0732, 0.88 of copy);
+#   1024: mixed (softmax forward 0.1209 -> 0.1065, log-softmax backward 0.1161 -> 0.1244);
+#   16384 (the row past the block's registers): log-softmax forward 0.0912 -> 0.1008,
+#     cross-entropy 0.0396 -> 0.0484, hence max_cols 8192.
+# In this shape (hand-instantiated, softmax forward 2048, 0.0711 ms) online sums ran 0.0834,
+# two or three groups a thread 0.0843 / 0.0874, eight (spilling) 0.1325, the next row's
+# prefetch 0.0764 and a capped grid 0.0732. fp32's block_per_row kernel already holds
+# 40960 columns (its REREAD groups), at 0.92-1.00 of copy from 2048 to 8192 columns.
+HELD_SLOTS = {"bf16": 4}
+HELD_THREADS, HELD_MIN_BLOCKS, HELD_THREADS_MIN = 256, 4, 64
+
 
 @dataclass(frozen=True)
 class RowShape:
@@ -272,6 +298,15 @@ def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bo
         return replace(pair, whole=whole)
     return RowShape(BLOCK_THREADS_MAX, BLOCK_MIN_BLOCKS_FORWARD if stage == "forward" else 0,
                     BLOCK_SLOTS[dtype], prefetch, whole=whole)
+
+
+def held_shape(dtype: str, *, stage: str, weights: bool) -> RowShape | None:
+    """The block of a block_held kernel (a block per row, the row in registers), or None
+    where `dtype` or an op with weights takes none (HELD_SLOTS)."""
+    if weights or stage == "backward_rows" or dtype not in HELD_SLOTS:
+        return None
+    return RowShape(HELD_THREADS, HELD_MIN_BLOCKS, HELD_SLOTS[dtype], False,
+                    threads_min=HELD_THREADS_MIN)
 
 
 @dataclass(frozen=True)
@@ -394,6 +429,12 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
                 ("rows_per_block", rpb), ("grid_max", grid_max),
                 ("max_cols", 32 * v * shape.slots)) + partials("grid*rows_per_block") + extra
     per_thread = v * shape.slots
+    if layout == "block_held":
+        return (("layout", layout), ("threads", shape.threads),
+                ("threads_min", shape.threads_min), ("cols_per_thread", per_thread),
+                ("rows_per_block", 1), ("grid_max", None),
+                ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1),
+                ("max_cols", shape.threads * per_thread)) + extra
     if split_cols:
         extra += (("split_cols", split_cols),)
     if not wgrad and not shape.prefetch:

@@ -197,17 +197,20 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             stages.append(("backward_rows", split_rows,
                            rows_in + weights + index + d_elem_out + d_row_out, d_rows, []))
 
+    # A block_held kernel holds its row in registers, as a warp does: it takes the two-pass
+    # impl too (generator/plan.py, HELD_SLOTS).
     layouts = [{"suffix": "", "warp": "true", "layout": "warp_per_row"},
+               {"suffix": "_held", "warp": "false", "layout": "block_held"},
                {"suffix": "_block", "warp": "false", "layout": "block_per_row"}]
 
     def variants(later: list[dict]) -> list[tuple[str, list[dict], list[dict]]]:
-        """(impl suffix, steps, the layouts it serves): the two-pass impl for both layouts,
-        unless an online sum joins one of the stage's sweeps; then the block layout has its
-        own `_online` impl."""
+        """(impl suffix, steps, the layouts it serves): the two-pass impl for every layout,
+        unless an online sum joins one of the stage's sweeps; then block_per_row has its own
+        `_online` impl."""
         two_pass = reductions(later, False) + later
         online = reductions(later, True) + later
         if any(s.get("online") for s in online):
-            return [("", two_pass, layouts[:1]), ("_online", online, layouts[1:])]
+            return [("", two_pass, layouts[:2]), ("_online", online, layouts[2:])]
         return [("", two_pass, layouts)]
 
     kernels = []
@@ -254,10 +257,14 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         shapes = {
             "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads),
                                                     levels=levels) for dt in planner.DTYPES},
+            "block_held": {dt: planner.held_shape(dt, stage=stage, weights=bool(weights))
+                           for dt in planner.DTYPES},
             "block_per_row": {dt: planner.block_shape(
                 dt, stage=stage, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
                 cached=len(cached), weights=bool(weights), wgrad=bool(wgrads))
                 for dt in planner.DTYPES}}
+        # a layout serves the dtypes it has a shape for (block_held: HELD_SLOTS')
+        lays = [lay for lay in lays if any(shapes[lay["layout"]].values())]
         kernels.append({
             "kernel": f"{op.name}_{stage}", "impl": f"{op.name}_{stage}{suffix}", "stage": stage,
             "layouts": lays,
@@ -272,11 +279,11 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
             "shapes": shapes,
             # a first sweep that some shape batches is rendered both ways (row.cu.j2, sweep)
-            "batched": any(shapes[lay["layout"]][dt].batch > 1 for lay in lays
-                           for dt in planner.DTYPES),
+            "batched": any(sh.batch > 1 for lay in lays
+                           for sh in shapes[lay["layout"]].values() if sh),
             # and one that some shape sweeps whole, both ways too (WHOLE picks)
-            "whole": any(shapes[lay["layout"]][dt].whole for lay in lays
-                         for dt in planner.DTYPES),
+            "whole": any(sh.whole for lay in lays
+                         for sh in shapes[lay["layout"]].values() if sh),
             "max_reductions": max((len(s["ops"]) + len(s["online"]) for s in steps
                                    if s["kind"] == "pass"), default=0),
             "row_stats": row_stats,
@@ -305,6 +312,8 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     for k in kernels:
         for dt in p.dtypes:
             for lay in k["layouts"]:
+                if k["shapes"][lay["layout"]][dt] is None:
+                    continue
                 args = tuple((a.name, a.ctypes[dt]) for a in k["ptrs"])
                 args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
                                                                     ("cols", "int"))

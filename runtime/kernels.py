@@ -165,10 +165,11 @@ def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: boo
 
 
 def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True) -> Kernel:
-    """The warp-per-row kernel for rows it holds in registers, else the block-per-row one
-    (a stage of one layout, or none, such as wgrad_cols: its kernel); of each, the `aligned`
-    variant (row_aligned) or the one for any operands. Both have one geometry: a memory
-    planner may ask for either."""
+    """The warp-per-row kernel for rows it holds in registers, else the block_held one for
+    rows a block holds (where the dtype has one), else the block-per-row one (a stage of one
+    layout, or none, such as wgrad_cols: its kernel); of each, the `aligned` variant
+    (row_aligned) or the one for any operands. Both have one geometry: a memory planner may
+    ask for either."""
     candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
                   and k.plan.get("aligned", True) == aligned]
     if not candidates:
@@ -177,9 +178,12 @@ def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = T
         # operands there).
         return op.kernel(stage, dtype)
     warp = [k for k in candidates if k.plan.get("layout") == "warp_per_row"]
+    held = [k for k in candidates if k.plan.get("layout") == "block_held"]
     block = [k for k in candidates if k.plan.get("layout") == "block_per_row"]
     if warp and (not block or cols <= warp[0].plan["max_cols"]):
         return warp[0]
+    if held and cols <= held[0].plan["max_cols"]:
+        return held[0]
     return (block or candidates)[0]
 
 
@@ -192,7 +196,7 @@ class RowGeometry:
 
 def row_geometry(plan: dict, rows: int, cols: int) -> RowGeometry:
     rpb = plan.get("rows_per_block", 1)
-    if plan.get("layout") == "block_per_row":
+    if plan.get("layout") in ("block_per_row", "block_held"):
         want = cdiv(cdiv(cols, plan["cols_per_thread"]), 32) * 32
         threads = min(max(want, plan["threads_min"]), plan["threads"])
         grid = max(1, rows) if cols <= plan.get("uncapped_cols", 0) else grid_for(rows, plan)

@@ -206,7 +206,7 @@ def _row_geometry(plan: dict, rows: int, cols: int) -> tuple[int, int, int]:
     """(grid, threads, partials): the runtime's threads (kernels.row_geometry), the grid
     kept small so that workers loop over rows."""
     threads = row_geometry(plan, rows, cols).threads
-    if plan["layout"] == "block_per_row":
+    if plan["layout"] != "warp_per_row":
         grid = min(rows, 2)
         return grid, threads, grid
     return 1, threads, plan["rows_per_block"]
@@ -228,7 +228,20 @@ def _runtime_variant(kernel: str, dtype: str, rows: list, weights: list, wgrads:
 # columns is the one case past the cached groups of a full block in both dtypes (8192 bf16
 # columns, 40960 fp32): whole re-read groups, then a last one that ends in the body.
 ROW_CASES = [(1, "warp"), (17, "warp"), (768, "warp"), (3001, "warp"),
-             (17, "block"), (1000, "block"), (1250, "block"), (8800, "block"), (50257, "block")]
+             (17, "block"), (1000, "block"), (1250, "block"), (8800, "block"), (50257, "block"),
+             (17, "held"), (1250, "held"), (3001, "held"), (8800, "held")]
+# The entry points' suffixes by layout (warp_per_row, block_per_row, block_held).
+SUFFIX = {"warp": "", "block": "_block", "held": "_held"}
+
+
+def layout_params(name: str, cases, dtypes=("f32", "bf16")) -> list:
+    """(name, cols, layout, dtype) for each case whose kernels the op has: block_held ones
+    only in the dtypes generator/plan.py HELD_SLOTS gives them (bf16), for ops without
+    weights."""
+    kernels = OPS[name]["kernels"]
+    return [pytest.param(name, cols, layout, dt, id=f"{name}-{cols}-{layout}-{dt}")
+            for cols, layout in cases for dt in dtypes
+            if f"{name}_forward{SUFFIX[layout]}_{dt}" in kernels]
 # The split backward's kernels (test_split_backward_rows_then_columns_match_numpy): 17 and
 # 1250 columns are no multiple of the vector; 2500 launch 5 warps of 16 columns a thread.
 SPLIT_CASES = [17, 1000, 1250, 2500]
@@ -239,16 +252,15 @@ def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:
     (kernel -> its warp counts)."""
     out = {}
     for k, v in OPS[op]["kernels"].items():
-        if v["plan"].get("layout") == "block_per_row":
+        if v["plan"].get("layout") in ("block_per_row", "block_held"):
             warps = [row_geometry(v["plan"], 1, cols).threads // 32 for cols in cols_list]
             if all(w & (w - 1) == 0 for w in warps):
                 out[k] = warps
     return out
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("cols,layout", ROW_CASES)
-@pytest.mark.parametrize("name", _ops("row"))
+@pytest.mark.parametrize("name,cols,layout,dtype",
+                         [p for n in _ops("row") for p in layout_params(n, ROW_CASES)])
 def test_row_kernels_match_numpy(name, cols, layout, dtype):
     op = OPS[name]
     entry = load_manifest(MANIFEST).ops[name]
@@ -265,7 +277,7 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
     ins = {o["name"]: (x if o["role"] == "index" else stored(x, dtype))
            for o, x in zip(op["inputs"], xs)}
     params = _params(name)
-    suffix = "_block" if layout == "block" else ""
+    suffix = SUFFIX[layout]
     scalar_out = {o["name"] for o in op["outputs"] if o["role"] == "scalar"}
 
     def out_buf(o, shape):
@@ -327,7 +339,7 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
 def test_row_cases_launch_every_block_kernel_with_warps_no_power_of_two(name):
     """The split backward's rows kernels by SPLIT_CASES, the others by ROW_CASES."""
     split = {k for k, v in OPS[name]["kernels"].items() if v["pass"] == "backward_rows"}
-    row = powers_of_two_only(name, [c for c, layout in ROW_CASES if layout == "block"])
+    row = powers_of_two_only(name, [c for c, layout in ROW_CASES if layout != "warp"])
     assert not set(row) - split and not set(powers_of_two_only(name, SPLIT_CASES)) & split
 
 
@@ -669,13 +681,13 @@ def same_with_inf(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> N
     close(got[finite], want[finite], tol, what)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("layout", ["warp", "block"])
-@pytest.mark.parametrize("cols", NEG_INF_COLS)
-@pytest.mark.parametrize("name", NEG_INF_OPS)
+@pytest.mark.parametrize("name,cols,layout,dtype", [
+    p for n in NEG_INF_OPS for p in layout_params(
+        n, [(c, lay) for c in NEG_INF_COLS for lay in ("warp", "block", "held")])])
 def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
     """The block-per-row kernels accumulate the sum against the running max (ir.Online), the
-    warp-per-row ones keep two passes; both give numpy's values, -inf included."""
+    warp-per-row and block_held ones keep two passes; all give numpy's values, -inf
+    included."""
     op = OPS[name]
     entry = load_manifest(MANIFEST).ops[name]
     mod = load_numpy_module(entry)
@@ -688,7 +700,7 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
         target = np.array([rng.choice(np.flatnonzero(np.isfinite(r))) for r in x], np.int32)
         ins["target"] = target
         xs.append(target)
-    suffix = "_block" if layout == "block" else ""
+    suffix = SUFFIX[layout]
     (out,) = op["outputs"]
     scalar = out["role"] == "scalar"
     tol = TOL["f32"] if scalar else TOL[dtype]

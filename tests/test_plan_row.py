@@ -190,3 +190,27 @@ def test_a_block_that_holds_its_row_takes_a_block_a_row_unless_it_prefetches(dty
     uncapped = not prefetch and not wgrad
     assert row_geometry(plan, rows, held).grid == (rows if uncapped else plan["grid_max"])
     assert row_geometry(plan, rows, held + 1).grid == plan["grid_max"]
+
+
+@pytest.mark.parametrize("dtype", planner.DTYPES)
+def test_a_held_block_is_planned_for_its_dtypes_over_rows_without_weights(dtype):
+    """block_held: the HELD_SLOTS dtypes' ops without weights (their forward, backward and
+    fused stages), never the split backward's rows kernel; it holds max_cols columns in
+    registers, takes no prefetch and launches a block a row."""
+    shape = planner.held_shape(dtype, stage="forward", weights=False)
+    if dtype not in planner.HELD_SLOTS:
+        assert shape is None
+        return
+    assert shape.slots == planner.HELD_SLOTS[dtype] and not shape.prefetch
+    assert planner.held_shape(dtype, stage="backward", weights=True) is None
+    assert planner.held_shape(dtype, stage="backward_rows", weights=False) is None
+    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_held", wgrad=False, shape=shape))
+    assert plan["layout"] == "block_held" and plan["rows_per_block"] == 1
+    assert plan["max_cols"] == shape.threads * plan["cols_per_thread"] \
+        == shape.threads * planner.VEC[dtype] * shape.slots
+    assert plan["min_cols"] == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1
+    rows = 100_000
+    for cols, threads in ((plan["min_cols"], shape.threads_min), (2048, 64), (3001, 96),
+                          (plan["max_cols"], shape.threads)):
+        g = row_geometry(plan, rows, cols)
+        assert (g.grid, g.threads) == (rows, threads), cols

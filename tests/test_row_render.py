@@ -83,10 +83,12 @@ def test_manifest_launch_facts_match_the_kernel_as_compiled(op, kernel):
     assert c.args == k.args, f"{kernel}: the manifest's arguments are not the kernel's"
     assert k.plan["threads"] == c.threads
     assert k.plan["aligned"] == c.aligned == ("_unaligned_" not in kernel)
-    if k.plan["layout"] == "block_per_row":
+    if k.plan["layout"] in ("block_per_row", "block_held"):
         assert not c.warp and c.rows_per_block == 1
         assert k.plan["cols_per_thread"] == vec * c.slots
         assert k.plan["threads_min"] <= c.threads
+        if k.plan["layout"] == "block_held":   # the row in registers: no re-read to prefetch
+            assert k.plan["max_cols"] == c.threads * vec * c.slots and not c.prefetch
     else:
         assert c.warp and k.plan["rows_per_block"] * 32 == c.threads == c.rows_per_block * 32
         assert k.plan["max_cols"] == 32 * vec * c.slots
@@ -211,10 +213,27 @@ def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
     """bf16 prefetches the next row's cached groups, fp32 does not (its re-read shapes'
     groups leave no room: generator/plan.block_shape), in both layouts; except the warp
     backwards with weight gradients over two reduction levels, which take more warps
-    instead (plan.warp_shape)."""
+    instead (plan.warp_shape), and the blocks that hold their row (plan.held_shape), which
+    take a row each."""
     k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
     deep = c.warp and c.min_blocks == planner.WARP_DEEP_WGRAD_BLOCKS
-    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not deep), kernel
+    held = k.plan["layout"] == "block_held"
+    assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not deep and not held), kernel
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy", "layernorm"])
+def test_rows_held_in_registers_take_the_two_pass_impl_and_long_block_rows_the_online_one(op):
+    """An online sum joins its max's sweep only in block_per_row kernels, which re-read
+    their rows; the warp and block_held kernels sweep registers twice. Only the HELD_SLOTS
+    dtypes have block_held kernels, and only ops without weights."""
+    held = set()
+    for name, c in wrappers(op).items():
+        layout = OPS[op].kernels[name].plan.get("layout")
+        online = c.impl.endswith("_online")
+        if layout == "block_held":
+            held.add(OPS[op].kernels[name].dtype)
+        assert online == (layout == "block_per_row" and op != "layernorm"), name
+    assert held == (set() if op == "layernorm" else set(planner.HELD_SLOTS))
 
 
 @pytest.mark.parametrize("op,deep", [("layernorm", True), ("rmsnorm", False)])
@@ -255,10 +274,12 @@ def test_only_the_first_sweep_of_an_impl_some_shape_batches_has_the_batched_loop
 
 @pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
 def test_each_row_kernel_sweeps_whole_groups_as_the_plan_says(op, kernel):
-    """WHOLE is the plan's RowShape.whole: the block rows of ops without weights."""
+    """WHOLE is the plan's RowShape.whole: the block_per_row rows of ops without weights
+    (a block_held kernel has its row in registers, no re-read groups)."""
     c = wrappers(op)[kernel]
     weights = any(i.role == "weight" for i in OPS[op].inputs)
-    assert c.whole == (not c.warp and not weights), kernel
+    block = OPS[op].kernels[kernel].plan["layout"] == "block_per_row"
+    assert c.whole == (block and not weights), kernel
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "softmax", "layernorm"])
@@ -271,12 +292,6 @@ def test_only_the_impls_some_shape_sweeps_whole_have_the_whole_group_loop(op):
         name = re.search(r"void (\w+)\(", impl).group(1)
         assert ("eg_whole_end" in impl) == (name in whole), name
     assert whole or op == "layernorm"
-
-
-@pytest.mark.parametrize("op", ["softmax", "log_softmax", "cross_entropy"])
-def test_block_kernels_of_ops_with_online_sums_use_the_online_impl(op):
-    for kernel, c in wrappers(op).items():
-        assert c.impl.endswith("_online") == (not c.warp), (kernel, c.impl)
 
 
 def test_a_stage_that_reads_no_online_sum_has_one_impl_for_both_layouts(tmp_path):

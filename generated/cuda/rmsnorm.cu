@@ -2,10 +2,11 @@
 //
 // Row kernels of `rmsnorm` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which;
-// a stage where an online sum joins a sweep has two: two-pass for warp rows, `_online` for
-// block rows):
+// a stage where an online sum joins a sweep has two: two-pass for rows held in registers,
+// `_online` for the long rows a block re-reads):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
-//   WARP = false: one block per row (long rows).
+//   WARP = false: one block per row (long rows; `_held` entry points where the plan gives
+//                 a block that holds its row, `_block` ones for any).
 // SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups are
 // loaded while this one is computed), BATCH (re-read groups the first sweep loads at a
 // time) and WHOLE (re-read groups swept whole, unchecked, before the last) are the plan's,

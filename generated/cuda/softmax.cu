@@ -2,10 +2,11 @@
 //
 // Row kernels of `softmax` over the last axis: rows_ rows of cols_ elements. Each stage is
 // one template over the storage type with two layouts (KernelSig.plan says which is which;
-// a stage where an online sum joins a sweep has two: two-pass for warp rows, `_online` for
-// block rows):
+// a stage where an online sum joins a sweep has two: two-pass for rows held in registers,
+// `_online` for the long rows a block re-reads):
 //   WARP = true:  one warp per row, RPB = blockDim.x / 32 rows per block (short rows);
-//   WARP = false: one block per row (long rows).
+//   WARP = false: one block per row (long rows; `_held` entry points where the plan gives
+//                 a block that holds its row, `_block` ones for any).
 // SLOTS (16-byte groups a lane caches), PREFETCH (whether the next row's cached groups are
 // loaded while this one is computed), BATCH (re-read groups the first sweep loads at a
 // time) and WHOLE (re-read groups swept whole, unchecked, before the last) are the plan's,
@@ -260,6 +261,15 @@ extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const 
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_unaligned_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
   softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_held_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
+  softmax_forward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_held_unaligned_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
+  softmax_forward<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, y, rows, cols);
 }
 
 // forward: y from x
@@ -883,6 +893,15 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
   softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, dx, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) softmax_backward_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
+  softmax_backward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, dy, dx, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) softmax_backward_held_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
+  softmax_backward<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, dy, dx, rows, cols);
 }
 
 // backward: dx from x, dy
