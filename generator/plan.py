@@ -33,7 +33,7 @@ row        layout 'warp_per_row', 'block_held' or 'block_per_row'; each kernel i
            that does not prefetch, over rows its registers hold, takes a block a row). The
            first cols_per_thread elements a thread owns stay in registers; longer rows are
            re-read (from L2) once per pass.
-           block_held (HELD_SLOTS' dtypes, ops without weights): a block per row as above
+           block_held (HELD_SLOTS' dtypes, stages without weight gradients): a block per row
            for rows of min_cols to max_cols columns, which its registers hold; grid = rows,
            uncapped. Where a stage has an online sum it takes the two-pass impl, as the warp
            does.
@@ -100,7 +100,8 @@ _SMS = 132
 _GRID_MAX = _SMS * 16
 # warp_per_row: 4 partial rows per block, 4 blocks an SM (or the shape's min_blocks)
 _GRID_MAX_WGRAD = _SMS * 4
-_GRID_MAX_WGRAD_BLOCK = _SMS * 8       # block_per_row: one per block (blocks may be small)
+# block_per_row: one per block (blocks may be small); bf16: BLOCK_WGRAD_SLOTS
+_GRID_MAX_WGRAD_BLOCK = {"f32": _SMS * 8, "bf16": _SMS * 4}
 
 WARP_ROWS_PER_BLOCK = 8
 # fp32 forwards take 4 rows a block (128 threads; the same 32 warps an SM at their 58-62
@@ -139,6 +140,13 @@ BLOCK_THREADS_MAX = 1024
 # A block per row with weight gradients holds their partials in registers as well: 512
 # threads leave 128 registers a thread, where 1024 (64 registers) spill.
 BLOCK_THREADS_MAX_WGRAD = 512
+# bf16 takes two groups a thread there (half the threads a row: 127 registers, four blocks
+# of 128 an SM at 2048 columns) and half the grid (fewer partial rows to write and reduce).
+# H200, bf16, backward and its reduce, ms, one group and 1056 blocks -> two and 528: LayerNorm
+# 32768 x 2048 0.1908 -> 0.1352, 16384 x 4096 0.2279 -> 0.1490; RMSNorm 32768 x 2048 0.1166
+# -> 0.1124, 8192 x 8192 0.1618 -> 0.1319. Two groups at 1056 blocks: 0.1395, 0.1619, 0.1156,
+# 0.1486; at 2112, slower still; without the prefetch, slower (0.1851 for LayerNorm's 0.1395).
+BLOCK_WGRAD_SLOTS = {"f32": BLOCK_SLOTS["f32"], "bf16": 2}
 BLOCK_THREADS_MIN = 128
 # A block per row forward of an op without weights fits 32 registers a thread: held there,
 # two 1024-thread blocks share an SM, and a long row's latency is hidden by the other
@@ -220,8 +228,8 @@ BLOCK_WHOLE_GROUPS = True
 BLOCK_PAIR_THREADS, BLOCK_PAIR_MIN_BLOCKS, BLOCK_PAIR_THREADS_MIN = 512, 2, 64
 BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 
-# A block per row of an op without weights whose row its registers hold (block_held):
-# bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (64 threads up to
+# A block per row of a stage without weight gradients whose row its registers hold
+# (block_held): bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (64 threads up to
 # 2048 columns, 256 at 8192; 64 registers, four blocks an SM: the backwards spill 24-32
 # bytes), no prefetch, a block a row (uncapped grid), and the two-pass impl: from registers
 # a second sweep costs no traffic, and softmax's reuses the first's exponentials. The
@@ -234,7 +242,10 @@ BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 #   4096 and 8192: the same gains (softmax forward 8192 0.1194 -> 0.0732, 0.88 of copy);
 #   1024: mixed (softmax forward 0.1209 -> 0.1065, log-softmax backward 0.1161 -> 0.1244);
 #   16384 (the row past the block's registers): log-softmax forward 0.0912 -> 0.1008,
-#     cross-entropy 0.0396 -> 0.0484, hence max_cols 8192.
+#     cross-entropy 0.0396 -> 0.0484, hence max_cols 8192;
+#   the norms' forwards (hand-instantiated, against their block_per_row shape, BLOCK_PAIR):
+#     LayerNorm 2048 0.0771 -> 0.0701, 4096 0.0772 -> 0.0716; RMSNorm 2048 0.0746 ->
+#     0.0689, 8192 0.0738 -> 0.0711.
 # In this shape (hand-instantiated, softmax forward 2048, 0.0711 ms) online sums ran 0.0834,
 # two or three groups a thread 0.0843 / 0.0874, eight (spilling) 0.1325, the next row's
 # prefetch 0.0764 and a capped grid 0.0732. fp32's block_per_row kernel already holds
@@ -281,7 +292,7 @@ def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bo
     if stage == "backward_rows":
         return pair
     if wgrad:
-        return RowShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_SLOTS[dtype], prefetch)
+        return RowShape(BLOCK_THREADS_MAX_WGRAD, 0, BLOCK_WGRAD_SLOTS[dtype], prefetch)
     if weights:
         if stage == "forward" and dtype == "bf16":
             return pair
@@ -300,10 +311,10 @@ def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bo
                     BLOCK_SLOTS[dtype], prefetch, whole=whole)
 
 
-def held_shape(dtype: str, *, stage: str, weights: bool) -> RowShape | None:
+def held_shape(dtype: str, *, stage: str, wgrad: bool) -> RowShape | None:
     """The block of a block_held kernel (a block per row, the row in registers), or None
-    where `dtype` or an op with weights takes none (HELD_SLOTS)."""
-    if weights or stage == "backward_rows" or dtype not in HELD_SLOTS:
+    where `dtype` or a stage with weight gradients takes none (HELD_SLOTS)."""
+    if wgrad or stage == "backward_rows" or dtype not in HELD_SLOTS:
         return None
     return RowShape(HELD_THREADS, HELD_MIN_BLOCKS, HELD_SLOTS[dtype], False,
                     threads_min=HELD_THREADS_MIN)
@@ -414,7 +425,7 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
     if not wgrad:
         grid_max = _GRID_MAX
     elif layout != "warp_per_row":
-        grid_max = _GRID_MAX_WGRAD_BLOCK
+        grid_max = _GRID_MAX_WGRAD_BLOCK[dtype]
     else:   # as many blocks as the launch bounds keep on an SM
         grid_max = _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD
     extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()

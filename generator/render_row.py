@@ -257,7 +257,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         shapes = {
             "warp_per_row": {dt: planner.warp_shape(dt, stage=stage, wgrad=bool(wgrads),
                                                     levels=levels) for dt in planner.DTYPES},
-            "block_held": {dt: planner.held_shape(dt, stage=stage, weights=bool(weights))
+            "block_held": {dt: planner.held_shape(dt, stage=stage, wgrad=bool(wgrads))
                            for dt in planner.DTYPES},
             "block_per_row": {dt: planner.block_shape(
                 dt, stage=stage, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),

@@ -235,9 +235,8 @@ SUFFIX = {"warp": "", "block": "_block", "held": "_held"}
 
 
 def layout_params(name: str, cases, dtypes=("f32", "bf16")) -> list:
-    """(name, cols, layout, dtype) for each case whose kernels the op has: block_held ones
-    only in the dtypes generator/plan.py HELD_SLOTS gives them (bf16), for ops without
-    weights."""
+    """(name, cols, layout, dtype) for each case whose forward kernel the op has: block_held
+    ones only in the dtypes generator/plan.py HELD_SLOTS gives them (bf16)."""
     kernels = OPS[name]["kernels"]
     return [pytest.param(name, cols, layout, dt, id=f"{name}-{cols}-{layout}-{dt}")
             for cols, layout in cases for dt in dtypes
@@ -310,6 +309,8 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
     stages = ["backward"] + (["fwdbwd"] if f"{name}_fwdbwd_{dtype}" in op["kernels"] else [])
     for stage in stages:
         k = f"{name}_{stage}{suffix}_{dtype}"
+        if k not in op["kernels"]:   # a held layout's op with weight gradients: the block's
+            k = f"{name}_{stage}_block_{dtype}"
         grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
         bufs = {}
         for g in entry.grads:

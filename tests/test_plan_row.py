@@ -28,11 +28,16 @@ def pair(dtype: str, **kw) -> planner.RowShape:
 @pytest.mark.parametrize("dtype", planner.DTYPES)
 @pytest.mark.parametrize("sweeps", [1, 3])
 def test_weight_gradient_kernels_take_512_threads_unbounded_with_the_dtype_slots(dtype, sweeps):
-    """Their partials live in registers too: 1024 threads (64 registers) would spill."""
+    """Their partials live in registers too: 1024 threads (64 registers) would spill. Two
+    groups a thread in both dtypes (bf16: half the threads a row, BLOCK_WGRAD_SLOTS), and
+    bf16's grid, the workspace's partial rows, half fp32's."""
     got = shape(dtype, stage="backward", sweeps=sweeps, weights=True, wgrad=True)
-    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX_WGRAD, 0, planner.BLOCK_SLOTS[dtype],
+    assert got == planner.RowShape(planner.BLOCK_THREADS_MAX_WGRAD, 0,
+                                   planner.BLOCK_WGRAD_SLOTS[dtype],
                                    dtype in planner.PREFETCH_DTYPES)
-    assert got.threads == 512
+    assert got.threads == 512 and got.slots == 2
+    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=True, shape=got))
+    assert plan["grid_max"] == 132 * {"f32": 8, "bf16": 4}[dtype]
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
@@ -193,17 +198,18 @@ def test_a_block_that_holds_its_row_takes_a_block_a_row_unless_it_prefetches(dty
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
-def test_a_held_block_is_planned_for_its_dtypes_over_rows_without_weights(dtype):
-    """block_held: the HELD_SLOTS dtypes' ops without weights (their forward, backward and
-    fused stages), never the split backward's rows kernel; it holds max_cols columns in
-    registers, takes no prefetch and launches a block a row."""
-    shape = planner.held_shape(dtype, stage="forward", weights=False)
+def test_a_held_block_is_planned_for_its_dtypes_stages_without_weight_gradients(dtype):
+    """block_held: the HELD_SLOTS dtypes' stages without weight gradients (forwards,
+    backwards and fused stages of ops without weights), never the split backward's rows
+    kernel; it holds max_cols columns in registers, takes no prefetch and launches a block a
+    row."""
+    shape = planner.held_shape(dtype, stage="forward", wgrad=False)
     if dtype not in planner.HELD_SLOTS:
         assert shape is None
         return
     assert shape.slots == planner.HELD_SLOTS[dtype] and not shape.prefetch
-    assert planner.held_shape(dtype, stage="backward", weights=True) is None
-    assert planner.held_shape(dtype, stage="backward_rows", weights=False) is None
+    assert planner.held_shape(dtype, stage="backward", wgrad=True) is None
+    assert planner.held_shape(dtype, stage="backward_rows", wgrad=False) is None
     plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_held", wgrad=False, shape=shape))
     assert plan["layout"] == "block_held" and plan["rows_per_block"] == 1
     assert plan["max_cols"] == shape.threads * plan["cols_per_thread"] \

@@ -225,15 +225,18 @@ def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
 def test_rows_held_in_registers_take_the_two_pass_impl_and_long_block_rows_the_online_one(op):
     """An online sum joins its max's sweep only in block_per_row kernels, which re-read
     their rows; the warp and block_held kernels sweep registers twice. Only the HELD_SLOTS
-    dtypes have block_held kernels, and only ops without weights."""
+    dtypes have block_held kernels, and only for stages without weight gradients."""
     held = set()
     for name, c in wrappers(op).items():
-        layout = OPS[op].kernels[name].plan.get("layout")
+        k = OPS[op].kernels[name]
         online = c.impl.endswith("_online")
-        if layout == "block_held":
-            held.add(OPS[op].kernels[name].dtype)
-        assert online == (layout == "block_per_row" and op != "layernorm"), name
-    assert held == (set() if op == "layernorm" else set(planner.HELD_SLOTS))
+        if k.plan.get("layout") == "block_held":
+            held.add((k.stage, k.dtype))
+            assert "wgrad_partials" not in k.plan, name
+        assert online == (k.plan.get("layout") == "block_per_row" and op != "layernorm"), name
+    stages = ["forward"] + ([] if op == "layernorm" else ["backward"]) + (
+        ["fwdbwd"] if op == "cross_entropy" else [])
+    assert held == {(s, dt) for s in stages for dt in planner.HELD_SLOTS}
 
 
 @pytest.mark.parametrize("op,deep", [("layernorm", True), ("rmsnorm", False)])

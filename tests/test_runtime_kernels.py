@@ -277,20 +277,24 @@ def test_row_calls_wire_outputs_workspace_and_reduce(name, cols, libs, emu):
 @pytest.mark.parametrize("name,dtype,layouts", [
     ("softmax", "bf16", ("warp_per_row", "block_held", "block_held", "block_per_row")),
     ("cross_entropy", "bf16", ("warp_per_row", "block_held", "block_held", "block_per_row")),
-    ("softmax", "f32", ("warp_per_row", "block_per_row", "block_per_row", "block_per_row")),
-    ("layernorm", "bf16", ("warp_per_row", "block_per_row", "block_per_row", "block_per_row"))])
+    ("layernorm", "bf16", ("warp_per_row", "block_held", "block_held", "block_per_row")),
+    ("softmax", "f32", ("warp_per_row", "block_per_row", "block_per_row", "block_per_row"))])
 def test_row_kernel_takes_the_warp_then_the_held_block_then_the_long_row_block(name, dtype,
                                                                                layouts):
-    """A warp's registers hold 768 bf16 columns; block_held kernels (bf16, ops without
-    weights) hold the rows from there to their max_cols (8192); longer rows take
-    block_per_row, as every row past a warp's does where there is no held kernel."""
+    """A warp's registers hold 768 bf16 columns; block_held kernels (bf16, stages without
+    weight gradients) hold the rows from there to their max_cols (8192); longer rows take
+    block_per_row, as every row past a warp's does where there is no held kernel (fp32, and
+    the backward of an op with weights)."""
     op = OPS[name]
-    held = [k for k in op.kernels.values() if k.plan.get("layout") == "block_held"]
-    top = held[0].plan["max_cols"] if held else 8192
+    top = 8192
     for cols, layout in zip((768, 769, top, top + 1), layouts):
         for aligned in (True, False):
             k = K.row_kernel(op, "forward", dtype, cols, aligned)
             assert (k.plan["layout"], k.plan["aligned"]) == (layout, aligned), cols
+            if name == "layernorm":
+                back = K.row_kernel(op, "backward", dtype, cols, aligned)
+                assert back.plan["layout"] == ("warp_per_row" if cols <= 768
+                                               else "block_per_row"), cols
 
 
 @needs_manifest

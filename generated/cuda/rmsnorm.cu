@@ -224,6 +224,15 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_bf16(const 
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
   rmsnorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, w, y, eps, rows, cols);
 }
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_held_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, w, y, eps, rows, cols);
+}
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
@@ -512,10 +521,10 @@ extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_bf16(co
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
-  rmsnorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  rmsnorm_backward<__nv_bfloat16, false, 1, 1, true, 1, false, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
+  rmsnorm_backward<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 
 // backward_rows: dx from x, w, dy
