@@ -100,8 +100,8 @@ _SMS = 132
 _GRID_MAX = _SMS * 16
 # warp_per_row: 4 partial rows per block, 4 blocks an SM (or the shape's min_blocks)
 _GRID_MAX_WGRAD = _SMS * 4
-# block_per_row: one per block (blocks may be small); bf16: BLOCK_WGRAD_SLOTS
-_GRID_MAX_WGRAD_BLOCK = {"f32": _SMS * 8, "bf16": _SMS * 4}
+# block_per_row: one per block (blocks may be small); BLOCK_WGRAD_SLOTS says why four an SM
+_GRID_MAX_WGRAD_BLOCK = _SMS * 4
 
 WARP_ROWS_PER_BLOCK = 8
 # fp32 forwards take 4 rows a block (128 threads; the same 32 warps an SM at their 58-62
@@ -140,13 +140,18 @@ BLOCK_THREADS_MAX = 1024
 # A block per row with weight gradients holds their partials in registers as well: 512
 # threads leave 128 registers a thread, where 1024 (64 registers) spill.
 BLOCK_THREADS_MAX_WGRAD = 512
-# bf16 takes two groups a thread there (half the threads a row: 127 registers, four blocks
-# of 128 an SM at 2048 columns) and half the grid (fewer partial rows to write and reduce).
-# H200, bf16, backward and its reduce, ms, one group and 1056 blocks -> two and 528: LayerNorm
-# 32768 x 2048 0.1908 -> 0.1352, 16384 x 4096 0.2279 -> 0.1490; RMSNorm 32768 x 2048 0.1166
-# -> 0.1124, 8192 x 8192 0.1618 -> 0.1319. Two groups at 1056 blocks: 0.1395, 0.1619, 0.1156,
-# 0.1486; at 2112, slower still; without the prefetch, slower (0.1851 for LayerNorm's 0.1395).
-BLOCK_WGRAD_SLOTS = {"f32": BLOCK_SLOTS["f32"], "bf16": 2}
+# They take twice the groups a thread of a block without (bf16 two, fp32 four: 8192 columns
+# in registers at 512 threads; at 2048 columns 128 threads, 98-127 registers, four blocks an
+# SM) and a grid of four blocks an SM (fewer partial rows to write and reduce). H200,
+# backward and its reduce, ms, BLOCK_SLOTS groups and 1056 blocks -> these and 528:
+#   bf16: LayerNorm 32768 x 2048 0.1908 -> 0.1352, 16384 x 4096 0.2279 -> 0.1490; RMSNorm
+#     32768 x 2048 0.1166 -> 0.1124, 8192 x 8192 0.1618 -> 0.1319 (two groups at 1056
+#     blocks: 0.1395, 0.1619, 0.1156, 0.1486; at 2112 slower still; without the prefetch
+#     slower: LayerNorm 2048 0.1851);
+#   fp32: LayerNorm 8192 x 8192 0.3364 -> 0.2764, RMSNorm 0.2452 -> 0.2180; at 2048 columns
+#     no change (LayerNorm 0.2320 -> 0.2329, RMSNorm 0.2074 -> 0.2086; 264 blocks lost there,
+#     0.3116 and 0.2453).
+BLOCK_WGRAD_SLOTS = {"f32": 4, "bf16": 2}
 BLOCK_THREADS_MIN = 128
 # A block per row forward of an op without weights fits 32 registers a thread: held there,
 # two 1024-thread blocks share an SM, and a long row's latency is hidden by the other
@@ -425,7 +430,7 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
     if not wgrad:
         grid_max = _GRID_MAX
     elif layout != "warp_per_row":
-        grid_max = _GRID_MAX_WGRAD_BLOCK[dtype]
+        grid_max = _GRID_MAX_WGRAD_BLOCK
     else:   # as many blocks as the launch bounds keep on an SM
         grid_max = _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD
     extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
@@ -476,9 +481,13 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
 #   RMSNorm bf16: 4096 0.212 -> 0.289, 8192 0.257 -> 0.300, 16384 0.549 -> 0.583, 50257
 #     4.830 -> 2.424 (3.596); fp32: 16384 0.934 -> 0.942, 50257 4.629 -> 3.903 (6.749).
 # So a row of two reduction levels (LayerNorm: 93 registers, one block an SM) splits sooner
-# than one of one (RMSNorm: 64, two); keyed (dtype, levels ≥ 2).
+# than one of one (RMSNorm: 64, two); keyed (dtype, levels ≥ 2). bf16 LayerNorm split from
+# 4097 columns until its fused backward took two groups a thread (BLOCK_WGRAD_SLOTS: 8192
+# columns in registers); since, fused -> split, timed as benchmarks/kernels.py times it:
+# 4096 0.219 -> 0.282 ms, 6144 0.252 -> 0.295, 8192 0.255 -> 0.299, 12288 0.392 -> 0.343
+# (PyTorch 0.337, 0.380, 0.375, 0.392).
 WGRAD_SPLIT_COLS = {("f32", False): 16385, ("bf16", False): 16385,
-                    ("f32", True): 8193, ("bf16", True): 4097}
+                    ("f32", True): 8193, ("bf16", True): 8193}
 WGRAD_COLS_THREADS = 128
 WGRAD_COLS_ROWS = 4
 WGRAD_COLS_BLOCKS = _SMS * 8

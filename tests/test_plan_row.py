@@ -28,16 +28,17 @@ def pair(dtype: str, **kw) -> planner.RowShape:
 @pytest.mark.parametrize("dtype", planner.DTYPES)
 @pytest.mark.parametrize("sweeps", [1, 3])
 def test_weight_gradient_kernels_take_512_threads_unbounded_with_the_dtype_slots(dtype, sweeps):
-    """Their partials live in registers too: 1024 threads (64 registers) would spill. Two
-    groups a thread in both dtypes (bf16: half the threads a row, BLOCK_WGRAD_SLOTS), and
-    bf16's grid, the workspace's partial rows, half fp32's."""
+    """Their partials live in registers too: 1024 threads (64 registers) would spill. Twice
+    the groups a thread of a block without (BLOCK_WGRAD_SLOTS: 8192 columns at 512 threads),
+    and a grid, the workspace's partial rows, of four blocks an SM."""
     got = shape(dtype, stage="backward", sweeps=sweeps, weights=True, wgrad=True)
     assert got == planner.RowShape(planner.BLOCK_THREADS_MAX_WGRAD, 0,
                                    planner.BLOCK_WGRAD_SLOTS[dtype],
                                    dtype in planner.PREFETCH_DTYPES)
-    assert got.threads == 512 and got.slots == 2
+    assert got.threads == 512 and got.slots == 2 * planner.BLOCK_SLOTS[dtype]
+    assert got.threads * got.slots * planner.VEC[dtype] == 8192
     plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=True, shape=got))
-    assert plan["grid_max"] == 132 * {"f32": 8, "bf16": 4}[dtype]
+    assert plan["grid_max"] == 132 * 4
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)

@@ -680,10 +680,10 @@ extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_f32(c
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
-  layernorm_backward<float, false, 2, 1, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, false, 4, 1, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_unaligned_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  layernorm_backward<float, false, 2, 1, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
+  layernorm_backward<float, false, 4, 1, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
