@@ -234,9 +234,9 @@ BLOCK_PAIR_THREADS, BLOCK_PAIR_MIN_BLOCKS, BLOCK_PAIR_THREADS_MIN = 512, 2, 64
 BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 
 # A block per row of a stage without weight gradients whose row its registers hold
-# (block_held): bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (64 threads up to
-# 2048 columns, 256 at 8192; 64 registers, four blocks an SM: the backwards spill 24-32
-# bytes), no prefetch, a block a row (uncapped grid), and the two-pass impl: from registers
+# (block_held): bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (one
+# warp up to 1024 columns, 64 threads to 2048, 256 at 8192; 64 registers, four blocks an
+# SM: the backwards spill 24-32 bytes), no prefetch, a block a row (uncapped grid), and the two-pass impl: from registers
 # a second sweep costs no traffic, and softmax's reuses the first's exponentials. The
 # block_per_row kernel (one group a thread, the next row's prefetched, online sums) keeps
 # the longer rows, whose tail it re-reads from L2. H200, bf16, 2^26 elements, the
@@ -245,7 +245,12 @@ BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 #     0.1032 -> 0.0730, 0.1117 -> 0.1016; cross-entropy forward 0.0750 -> 0.0392, backward
 #     0.0806 -> 0.0698, fused 0.1096 -> 0.0697;
 #   4096 and 8192: the same gains (softmax forward 8192 0.1194 -> 0.0732, 0.88 of copy);
-#   1024: mixed (softmax forward 0.1209 -> 0.1065, log-softmax backward 0.1161 -> 0.1244);
+#   1024, where a block of 64 threads left half its groups empty (softmax forward 0.1209
+#     -> 0.1059, log-softmax backward 0.1175 -> 0.1252), one warp fills them: softmax
+#     0.0694 forward, 0.1036 backward (was 0.1287); log-softmax 0.0719 and 0.1016 (0.1082,
+#     0.1175); cross-entropy fused 0.1161 -> 0.0701; LayerNorm forward 0.0764 -> 0.0699
+#     (0.0918 at 64 threads); at 1536 columns 64 threads beat one warp (softmax forward
+#     0.0820 against 0.0878; block_per_row 0.1192);
 #   16384 (the row past the block's registers): log-softmax forward 0.0912 -> 0.1008,
 #     cross-entropy 0.0396 -> 0.0484, hence max_cols 8192;
 #   the norms' forwards (hand-instantiated, against their block_per_row shape, BLOCK_PAIR):
@@ -256,7 +261,7 @@ BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 # prefetch 0.0764 and a capped grid 0.0732. fp32's block_per_row kernel already holds
 # 40960 columns (its REREAD groups), at 0.92-1.00 of copy from 2048 to 8192 columns.
 HELD_SLOTS = {"bf16": 4}
-HELD_THREADS, HELD_MIN_BLOCKS, HELD_THREADS_MIN = 256, 4, 64
+HELD_THREADS, HELD_MIN_BLOCKS, HELD_THREADS_MIN = 256, 4, 32
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,8 @@ def test_a_held_block_is_planned_for_its_dtypes_stages_without_weight_gradients(
         == shape.threads * planner.VEC[dtype] * shape.slots
     assert plan["min_cols"] == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1
     rows = 100_000
-    for cols, threads in ((plan["min_cols"], shape.threads_min), (2048, 64), (3001, 96),
+    assert shape.threads_min == 32   # one warp fills its groups up to 1024 columns
+    for cols, threads in ((plan["min_cols"], 32), (1024, 32), (1025, 64), (2048, 64), (3001, 96),
                           (plan["max_cols"], shape.threads)):
         g = row_geometry(plan, rows, cols)
         assert (g.grid, g.threads) == (rows, threads), cols

@@ -211,10 +211,11 @@ def test_a_2_28_element_pointwise_forward_writes_every_element(cp, libs):
 # of the 8 rows a warp-per-row block takes, and 3000 rows exceed grid_max · rows_per_block,
 # so workers loop over rows and the weight-gradient partials hold several rows each. 12000
 # columns: LayerNorm's backward split (plan.WGRAD_SPLIT_COLS), RMSNorm's fused, re-reading
-# the columns it does not cache; 50257: both split. bf16 ops without weights hold 2048 and
-# 5001 (a tail past the last whole vector) in a block's registers (block_held).
-ROW_SHAPES = [(5, 1), (37, 17), (3000, 17), (64, 768), (33, 2048), (19, 5001), (24, 12000),
-              (9, 50257)]
+# the columns it does not cache; 50257: both split. In bf16, stages without weight gradients
+# hold 1000 (a block of one warp), 2048 and 5001 (a tail past the last whole vector) in a
+# block's registers (block_held).
+ROW_SHAPES = [(5, 1), (37, 17), (3000, 17), (64, 768), (40, 1000), (33, 2048), (19, 5001),
+              (24, 12000), (9, 50257)]
 
 
 def row_inputs(op, rng, rows, cols, dtype):
