@@ -14,15 +14,16 @@ pointwise  vec (elements per 16-byte access), unroll (vectors per thread per ope
            that each stream one tile keep the resident blocks on one contiguous window of
            memory and leave no tail wave). Any n and any alignment work (a scalar path
            takes unaligned pointers and the tail); in_place_ok = True.
-row        layout 'warp_per_row', 'block_held' or 'block_per_row'; each kernel is correct for
-           any row length, `max_cols` / `min_cols` say where each is the fast one. `aligned`: each
-           (stage, layout, dtype) has two kernels: True for operands that take 16-byte
-           access throughout (runtime/kernels.row_aligned), False (`_unaligned`) for
-           any. Each kernel's block is a RowShape (warp_shape, block_shape): threads, the __launch_bounds__
-           minimum of blocks, the 16-byte groups a lane caches, whether it prefetches
-           the next row (PREFETCH_DTYPES) and how many re-read groups its first sweep
-           loads at a time (BLOCK_REREAD_BATCH); the last three are template arguments
-           of the kernel's impl.
+row        layout 'warp_per_row', 'block_held' or 'block_per_row'; each kernel is correct
+           for any row length, `max_cols` / `min_cols` say where each is the fast one.
+           `aligned`: each (stage, layout, dtype) has two kernels: True for operands that
+           take 16-byte access throughout (runtime/kernels.row_aligned), False
+           (`_unaligned`) for any. Each kernel's block is a RowShape (warp_shape,
+           held_shape, block_shape): threads, the __launch_bounds__ minimum of blocks,
+           the 16-byte groups a lane caches, whether it prefetches the next row
+           (PREFETCH_DTYPES) and how many re-read groups its first sweep loads at a time
+           (BLOCK_REREAD_BATCH); the last three are template arguments of the kernel's
+           impl.
            warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block),
            capped only where a warp loops over several rows: the prefetching kernels, and
            those with weight gradients.
@@ -236,8 +237,9 @@ BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 # A block per row of a stage without weight gradients whose row its registers hold
 # (block_held): bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (one
 # warp up to 1024 columns, 64 threads to 2048, 256 at 8192; 64 registers, four blocks an
-# SM: the backwards spill 24-32 bytes), no prefetch, a block a row (uncapped grid), and the two-pass impl: from registers
-# a second sweep costs no traffic, and softmax's reuses the first's exponentials. The
+# SM: the backwards spill 24-32 bytes), no prefetch, a block a row (uncapped grid), and the
+# two-pass impl: from registers a second sweep costs no traffic, and softmax's reuses the
+# first's exponentials. The
 # block_per_row kernel (one group a thread, the next row's prefetched, online sums) keeps
 # the longer rows, whose tail it re-reads from L2. H200, bf16, 2^26 elements, the
 # generated kernels as the runtime launches them, ms, block_per_row -> block_held:
