@@ -263,8 +263,6 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 dt, stage=stage, sweeps=sum(s["kind"] in ("pass", "elem") for s in steps),
                 cached=len(cached), weights=bool(weights), wgrad=bool(wgrads))
                 for dt in planner.DTYPES}}
-        # a layout serves the dtypes it has a shape for (block_held: HELD_SLOTS')
-        lays = [lay for lay in lays if any(shapes[lay["layout"]].values())]
         kernels.append({
             "kernel": f"{op.name}_{stage}", "impl": f"{op.name}_{stage}{suffix}", "stage": stage,
             "layouts": lays,
@@ -277,6 +275,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             "split_ptr": next(a.name for a in ptrs if a.role == "row"),
             "cached": cached,
             "row_scalars": row_scalars, "uses_n": "N" in uses, "uses": uses,
+            # a layout serves the dtypes it has a shape for (block_held: HELD_SLOTS')
             "shapes": shapes,
             # a first sweep that some shape batches is rendered both ways (row.cu.j2, sweep)
             "batched": any(sh.batch > 1 for lay in lays
