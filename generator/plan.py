@@ -239,9 +239,8 @@ BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
 # warp up to 1024 columns, 64 threads to 2048, 256 at 8192; 64 registers, four blocks an
 # SM: the backwards spill 24-32 bytes), no prefetch, a block a row (uncapped grid), and the
 # two-pass impl: from registers a second sweep costs no traffic, and softmax's reuses the
-# first's exponentials. The
-# block_per_row kernel (one group a thread, the next row's prefetched, online sums) keeps
-# the longer rows, whose tail it re-reads from L2. H200, bf16, 2^26 elements, the
+# first's exponentials. The block_per_row kernel (one group a thread, the next row's
+# prefetched, online sums) keeps the longer rows, whose tail it re-reads from L2. H200, bf16, 2^26 elements, the
 # generated kernels as the runtime launches them, ms, block_per_row -> block_held:
 #   2048 columns: softmax forward 0.1153 -> 0.0706, backward 0.1227 -> 0.1036; log-softmax
 #     0.1032 -> 0.0730, 0.1117 -> 0.1016; cross-entropy forward 0.0750 -> 0.0392, backward

@@ -245,8 +245,8 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   }
 }
 extern "C" __global__ void __launch_bounds__(128) softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward<float, true, 6, 4, false, 1, false, true>(x, y, rows, cols);
 }
@@ -254,8 +254,8 @@ extern "C" __global__ void __launch_bounds__(128) softmax_forward_unaligned_f32(
   softmax_forward<float, true, 6, 4, false, 1, false, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, y, rows, cols);
 }
@@ -263,8 +263,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_unaligned_b
   softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_held_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, y, rows, cols);
 }
@@ -610,8 +610,8 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_online<float, false, 10, 1, false, 2, true, true>(x, y, rows, cols);
 }
@@ -619,8 +619,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_unal
   softmax_forward_online<float, false, 10, 1, false, 2, true, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, y, rows, cols);
 }
@@ -877,8 +877,8 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward<float, true, 6, 8, false, 1, false, true>(x, dy, dx, rows, cols);
 }
@@ -886,8 +886,8 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_f32
   softmax_backward<float, true, 6, 8, false, 1, false, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, dy, dx, rows, cols);
 }
@@ -895,8 +895,8 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_bf1
   softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_backward_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, dy, dx, rows, cols);
 }
@@ -1341,8 +1341,8 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_online<float, false, 5, 1, false, 1, true, true>(x, dy, dx, rows, cols);
 }
@@ -1350,8 +1350,8 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_una
   softmax_backward_online<float, false, 5, 1, false, 1, true, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
-  // caller's bug, stopped here rather than read and written at the wrong columns.
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, dy, dx, rows, cols);
 }
