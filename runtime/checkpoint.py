@@ -4,7 +4,9 @@ atomically and pruned to the last K. No pickle anywhere.
 
 Atomicity: everything is written into a hidden temp folder beside the final one, each
 file fsynced, then the folder is renamed into place and the run folder fsynced. A
-`kill -9` leaves at worst a temp folder, which `latest()` and `save()` ignore and remove.
+`kill -9` leaves at worst a temp folder: `latest()` ignores it, and the run's next `save()`
+removes it. Only the writer removes temp folders: a reader (a sampler, a resume check) that
+did could delete a running trainer's save in progress.
 """
 from __future__ import annotations
 
@@ -79,12 +81,11 @@ def save(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
 
 
 def latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder in `run_dir`, or None. Temp folders left
-    by an interrupted save are removed; folders missing a file are skipped."""
+    """The newest complete checkpoint folder in `run_dir`, or None. Temp folders (a save in
+    progress, or one a kill interrupted) and folders missing a file are skipped."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
-    _remove_temps(run_dir)
     for _, path in reversed(_checkpoints(run_dir)):
         if all((path / name).is_file() for name in (MODEL_FILE, OPTIM_FILE, STATE_FILE)):
             return path

@@ -125,6 +125,9 @@ def test_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard, tmp_pat
     deadline = time.time() + 300
     while checkpoint.latest(tmp_path / "killed") is None and time.time() < deadline:
         time.sleep(0.05)
+    # killed mid-run, with a checkpoint to resume from (else the resume below starts over
+    # and matches trivially)
+    assert checkpoint.latest(tmp_path / "killed") is not None and proc.poll() is None
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     resumed = subprocess.run(args[:-2] + ["--resume", str(tmp_path / "killed")],
