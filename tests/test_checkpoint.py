@@ -133,4 +133,6 @@ def test_kill_9_during_saves_leaves_a_loadable_latest(tmp_path):
     ck = checkpoint.load(tmp_path)
     assert ck.step >= 3 and ck.state["n"] == ck.step
     assert ck.params["w"].shape == (2048, 2048)
+    # the save the kill interrupted left a temp folder or none; the next save removes it
+    checkpoint.save(tmp_path, ck.step + 1, ck.params, ck.optim, {"n": ck.step + 1}, keep=2)
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
