@@ -87,7 +87,7 @@ def _header_common() -> str:
 
 
 def _common_bytes() -> bytes:
-    from eulergen.generator.render import environment
+    from eulergen.generator.emit import environment
     return environment().get_template("common.cuh.j2").render(header=_header_common()).encode()
 
 
@@ -101,10 +101,10 @@ def _kernels(rendered: ir.RenderedCuda) -> dict:
 
 
 def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]:
-    from eulergen.generator import numpy_module, render
+    from eulergen.generator import emit, numpy_module, render
     label = numpy_module.spec_label(derived)
     template = render.template_of(derived)
-    head = render.header(label, derived.spec_sha256, template)
+    head = emit.header(label, derived.spec_sha256, template)
     rendered = render.render_op(derived, head)
     cuda = rendered.source.encode()
     py = numpy_module.render_numpy_module(derived).encode()
@@ -127,10 +127,10 @@ def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]
 
 
 def _render_embedding() -> tuple[dict, dict[str, bytes]]:
-    from eulergen.generator import render
+    from eulergen.generator import emit, render
     src = TEMPLATES_DIR / "embedding.cu.j2"
     sha = _sha(src.read_bytes())
-    rendered = render.render_embedding(render.header("templates/embedding.cu.j2", sha))
+    rendered = render.render_embedding(emit.header("templates/embedding.cu.j2", sha))
     cuda = rendered.source.encode()
     entry = {
         "kind": "embedding", "spec": "templates/embedding.cu.j2", "spec_sha256": sha,

@@ -190,6 +190,11 @@ class KernelSig:
     stage: str                         # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
     plan: tuple[tuple[str, object], ...]  # launch facts the runtime needs (block size, rows per block…)
 
+    @property
+    def c_params(self) -> str:
+        """The C parameter list the template prints: the one place it is spelled out."""
+        return ", ".join(f"{ctype} {name}" for name, ctype in self.args)
+
 
 @dataclass(frozen=True)
 class RenderedCuda:

@@ -25,7 +25,7 @@ from eulergen.errors import EulerError
 from eulergen.generator import ir
 from eulergen.generator.numpy_module import spec_label
 from eulergen.generator.printer import cuda_expr
-from eulergen.generator.render import header
+from eulergen.generator.emit import header
 
 HEAD_DIMS = (64, 128)
 CTYPES = {"f32": "float", "bf16": "__nv_bfloat16"}

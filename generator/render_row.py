@@ -17,7 +17,7 @@ from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
 from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.printer import cuda_expr
-from eulergen.generator.render import Block, _dtypes, _params, _template, block
+from eulergen.generator.emit import Block, block, dtype_values, param_names, render_template
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     # The split backward's column kernel: the weight-gradient terms alone, row-invariant
     # parts hoisted; the per-row values they read (`stats`) come from backward_rows.
     wgrad_step = elem_step(grads.only(set(d_weights)), [], d_weights) if d_weights else None
-    per_elem = set(rows_in + d_elem_out + weights) | {"i", "N"} | set(_params(op))
+    per_elem = set(rows_in + d_elem_out + weights) | {"i", "N"} | set(param_names(op))
     stats: list[str] = []
     if wgrad_step:
         local = set(wgrad_step["consts"].results if wgrad_step["consts"] else ())
@@ -235,7 +235,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
         row_stats = stats if stage == "backward_rows" else []
         if row_stats:
             ptrs.append(_row_ptr("rowstats", "stats", const=False, storage="float"))
-        defined = set(_params(op)) | {"i", "N"}
+        defined = set(param_names(op)) | {"i", "N"}
         for s in steps:
             defined |= set(s["block"].results) | {n for n, _ in s.get("ops", [])}
             defined |= {o["name"] for o in s.get("online", [])}
@@ -302,11 +302,11 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                              for g in d_weights]),
                  "uses_n": "N" in wgrad_step["uses"], "threads": planner.WGRAD_COLS_THREADS,
                  "rows": planner.WGRAD_COLS_ROWS}
-    source = _template(p.template, header=head, op=op.name, kernels=kernels, params=_params(op),
-                       dtypes=_dtypes(p), wgrad=wgrad, split=split,
-                       reduce={"x": planner.REDUCE_X, "y": planner.REDUCE_Y},
-                       row_operands=rows_in + d_elem_out, weights=weights,
-                       rescale_from=ir.RESCALE_FROM, rescale_to=ir.RESCALE_TO)
+    source = render_template(p.template, header=head, op=op.name, kernels=kernels, params=param_names(op),
+                             dtypes=dtype_values(p.dtypes), wgrad=wgrad, split=split,
+                             reduce={"x": planner.REDUCE_X, "y": planner.REDUCE_Y},
+                             row_operands=rows_in + d_elem_out, weights=weights,
+                             rescale_from=ir.RESCALE_FROM, rescale_to=ir.RESCALE_TO)
     sigs = []
     for k in kernels:
         for dt in p.dtypes:
@@ -314,7 +314,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 if k["shapes"][lay["layout"]][dt] is None:
                     continue
                 args = tuple((a.name, a.ctypes[dt]) for a in k["ptrs"])
-                args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
+                args += tuple((q, "float") for q in param_names(op)) + (("rows", "long long"),
                                                                     ("cols", "int"))
                 launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
                                             shape=k["shapes"][lay["layout"]][dt],
@@ -327,7 +327,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
     if split:
         for dt in p.dtypes:
             args = tuple((a.name, a.ctypes[dt]) for a in split["ptrs"])
-            args += tuple((q, "float") for q in _params(op)) + (("rows", "long long"),
+            args += tuple((q, "float") for q in param_names(op)) + (("rows", "long long"),
                                                                 ("cols", "int"))
             for aligned in (True, False):
                 name = f"{op.name}_wgrad_cols{'' if aligned else '_unaligned'}_{dt}"
