@@ -39,8 +39,9 @@ def render_op(op: ir.DerivedOp, header_line: str) -> ir.RenderedCuda:
         return render_attention(op)
     p = planner.plan_op(op)
     if op.kind == "row":
+        from eulergen.generator.plan_row import plan_row
         from eulergen.generator.render_row import render_row
-        return render_row(op, p, header_line)
+        return render_row(op, plan_row(op), header_line)
     render = {"pointwise": _pointwise, "pair": _pair, "update": _update}[op.kind]
     return render(op, p, header_line)
 
