@@ -104,163 +104,64 @@ _GRID_MAX_WGRAD = _SMS * 4
 # block_per_row: one per block (blocks may be small); BLOCK_WGRAD_SLOTS says why four an SM
 _GRID_MAX_WGRAD_BLOCK = _SMS * 4
 
+# The row kernels' blocks. Each constant's measurements: benchmarks/RESULTS.md, "Why the row
+# planner's constants are what they are", under its name.
 WARP_ROWS_PER_BLOCK = 8
-# fp32 forwards take 4 rows a block (128 threads; the same 32 warps an SM at their 58-62
-# registers): H200, softmax / log-softmax 262144 x 768, best of three rounds, 0.3858 /
-# 0.3858 ms against 0.3875 / 0.3872 at 8 rows (PyTorch 0.3863 / 0.3866).
+# fp32 forwards: 4 rows a block, the same 32 warps an SM at their registers, ran faster.
 WARP_ROWS_PER_BLOCK_OF = {("f32", "forward"): 4}
 # With weight gradients a warp keeps its partial rows in shared memory: 4 warps a block
 # keep two 768-wide fp32 rows each (layernorm's w and b) within the 48 KB of static smem.
 WARP_ROWS_PER_BLOCK_WGRAD = 4
 WARP_SLOTS = {"f32": 6, "bf16": 3}    # 16-byte chunks cached per lane: rows ≤ 768 in registers
-# Row kernels of these dtypes load the next row's cached groups (raw, 4 registers a group)
-# before they compute the current row: a bf16 row's cached groups are half the bytes of
-# fp32's, too few in flight to hide the latency of one row at a time. fp32 keeps one row at
-# a time: its registers already hold twice the bytes, and a prefetch would double them
-# (half the occupancy; the block re-read kernels' 10 groups a thread would spill).
+# Load the next row's cached groups before computing this one: bf16's are too few bytes in
+# flight to hide a row's latency; fp32's registers already hold twice the bytes.
 PREFETCH_DTYPES = ("bf16",)
 # Held to 64 registers (4 blocks of 256 threads an SM: the warps the kernels had without
 # the prefetch) the bf16 warp-per-row forward kernels do not spill; backward ones would, so
 # they are not held (but for WARP_DEEP_WGRAD_BLOCKS, which has no prefetch).
 WARP_MIN_BLOCKS = {("bf16", "forward"): 4}
-# A bf16 warp-per-row backward with weight gradients whose row takes two reduction levels
-# (LayerNorm's mean, then its variance and adjoint sums) waits on two butterflies a row,
-# which the next row's prefetch does not hide and more warps do: it takes no prefetch and
-# 7 blocks an SM (72 registers, no spills), its grid 7 blocks an SM too (H200, layernorm
-# 262144 x 768 forward+backward 0.603 -> 0.570 ms; at 6 blocks 0.575, at 8 0.602). RMSNorm
-# (one level) keeps its prefetch: 0.513 ms, 0.523 this way.
+# A bf16 warp backward with weight gradients over two reduction levels waits on two
+# butterflies a row, which more warps hide and a prefetch does not: no prefetch, 7 blocks an SM.
 WARP_DEEP_WGRAD_BLOCKS = 7
-# A warp-per-row kernel that prefetches needs several rows per warp, so it loops over a
-# capped grid. The others (one row at a time) take an uncapped grid of short blocks, a row
-# per warp: a capped grid runs more blocks than fit at once, and its last wave runs
-# part-empty (H200, softmax fp32 262144 x 768: forward 0.407 ms capped at 2112 blocks,
-# 0.387 uncapped, the copy's speed; bf16 uncapped lost: forward+backward 0.541 -> 0.633
-# ms). Kernels with weight gradients stay capped: the grid sizes their workspace.
+# row_launch caps a warp kernel's grid only where it prefetches, or has weight gradients,
+# whose workspace the grid sizes ("The warp-per-row grid").
 BLOCK_SLOTS = {"f32": 2, "bf16": 1}   # per thread of a block: rows ≤ 8192 in registers
 BLOCK_THREADS_MAX = 1024
 # A block per row with weight gradients holds their partials in registers as well: 512
 # threads leave 128 registers a thread, where 1024 (64 registers) spill.
 BLOCK_THREADS_MAX_WGRAD = 512
-# They take twice the groups a thread of a block without (bf16 two, fp32 four: 8192 columns
-# in registers at 512 threads; at 2048 columns 128 threads, 98-127 registers, four blocks an
-# SM) and a grid of four blocks an SM (fewer partial rows to write and reduce). H200,
-# backward and its reduce, ms, BLOCK_SLOTS groups and 1056 blocks -> these and 528:
-#   bf16: LayerNorm 32768 x 2048 0.1908 -> 0.1352, 16384 x 4096 0.2279 -> 0.1490; RMSNorm
-#     32768 x 2048 0.1166 -> 0.1124, 8192 x 8192 0.1618 -> 0.1319 (two groups at 1056
-#     blocks: 0.1395, 0.1619, 0.1156, 0.1486; at 2112 slower still; without the prefetch
-#     slower: LayerNorm 2048 0.1851);
-#   fp32: LayerNorm 8192 x 8192 0.3364 -> 0.2764, RMSNorm 0.2452 -> 0.2180; at 2048 columns
-#     no change (LayerNorm 0.2320 -> 0.2329, RMSNorm 0.2074 -> 0.2086; 264 blocks lost there,
-#     0.3116 and 0.2453).
+# They take twice a plain block's groups a thread and a grid of four blocks an SM: fewer
+# partial rows to write and reduce.
 BLOCK_WGRAD_SLOTS = {"f32": 4, "bf16": 2}
 BLOCK_THREADS_MIN = 128
-# A block per row forward of an op without weights fits 32 registers a thread: held there,
-# two 1024-thread blocks share an SM, and a long row's latency is hidden by the other
-# (H200, cross-entropy over 50257 columns: f32 at 31 registers ran 0.63 ms, at 42 0.82, when
-# that forward still took this shape; it now takes the one-sweep one below, and this bound
-# serves the bf16 softmax and log-softmax forwards). With weights (norms) it would spill.
+# A block per row forward without weights fits 32 registers a thread: two 1024-thread blocks
+# an SM hide each other's row latency (with weights it would spill).
 BLOCK_MIN_BLOCKS_FORWARD = 2
-# A kernel that reads its row in one sweep (cross-entropy's forward: the max and the online
-# sum in one pass, the target's logit read at its column) keeps nothing for later, so it
-# takes short blocks, eight an SM at 32 registers: more rows in flight, and the per-row
-# merge of the block's warps costs a quarter as much a column. H200, 8192 x 50257: bf16
-# 0.248 ms at 1024 threads, 0.206 at 256 (0.96 of copy); f32 0.390, 0.384.
+# A kernel that reads its row in one sweep keeps nothing for later: short blocks, eight an
+# SM, more rows in flight and a cheaper merge of the block's warps.
 BLOCK_THREADS_ONE_SWEEP = 256
 BLOCK_MIN_BLOCKS_ONE_SWEEP = 8
-# A kernel that sweeps its row again re-reads what its registers do not hold from L2, if
-# the rows in flight still fit there. fp32 rows are long in bytes: at two groups a thread,
-# 132 x 2 rows of 200 KB overflow the 50 MB L2, and the re-read comes from memory. So fp32
-# kernels without weights cache 10 groups a thread (40 registers, shared among the cached
-# operands: 40960 of a 50257-wide row) in one 1024-thread block an SM (64 registers). H200,
-# cross-entropy forward+backward fused, 8192 x 50257 fp32: 1.122 -> 0.947 ms (0.83 of
-# copy). bf16 kept its one group and the next row's prefetch: cached this way it ran
-# 0.577 ms against 0.532. Measured at 50257 columns only; the rule holds from 769 up.
+# fp32 kernels without weights that sweep again cache 10 groups a thread (shared among the
+# cached operands) in one block an SM, so that the rows in flight re-read from L2, not memory.
 BLOCK_REREAD_GROUPS = {"f32": 10}
-# Its blocks start at 64 threads: at 128, 2048 columns filled 4 of a thread's 10 groups.
-# H200, 32768 x 2048 fp32: softmax forward 0.162 -> 0.147 ms (PyTorch 0.144), log-softmax
-# 0.150 -> 0.144 (0.134), forward+backward 0.367 -> 0.352 and 0.355 -> 0.349 (0.323);
-# unchanged at 8192 and 50257 columns.
+# from 64 threads: at 128, 2048 columns filled 4 of a thread's 10 groups
 BLOCK_REREAD_THREADS_MIN = 64
-# A block per row without weight gradients that does not prefetch (fp32) takes a block a row
-# where its registers hold the row (row_launch, uncapped_cols); over longer rows its capped
-# grid keeps the rows in flight, re-read from L2, within L2. H200, fp32, capped -> a block
-# a row, ms (PyTorch): 32768 x 2048 log-softmax forward 0.144 -> 0.133 (0.134), forward+
-# backward 0.349 -> 0.323 (0.324), softmax forward 0.146 -> 0.134 (0.144), LayerNorm forward
-# 0.146 -> 0.135; 8192 x 8192 softmax forward 0.140 -> 0.134, forward+backward 0.333 ->
-# 0.323, log-softmax 0.139 -> 0.134 and 0.335 -> 0.341, LayerNorm forward 0.140 -> 0.146;
-# 8192 x 50257 (re-read) uncapped lost: softmax forward+backward 2.488 -> 2.586. bf16, which
-# prefetches the next row of its loop, lost uncapped at every width (log-softmax forward
-# 2048 0.103 -> 0.114).
-# Where they read one row operand, their first sweep, which reads the row from memory (the
-# later ones re-read it from L2), takes its re-read groups two at a time, both loads in
-# flight before either is computed: the loop otherwise loads, computes, loads (a kernel
-# that reads two operands has two loads in flight already, and batched it would spill).
-# H200, cross-entropy fused 8192 x 50257 fp32: 0.935 -> 0.879 ms (0.90 of copy); batching
-# every sweep, 0.893. Not bf16: its kernel (one cached group and the next row's prefetch)
-# ran 0.506 -> 0.604 with the first sweep batched, 0.528 with the last.
+# row_launch gives such a kernel (no prefetch) a block a row where its registers hold the
+# row, and over longer ones a capped grid that keeps the re-read rows within L2
+# ("The block-per-row grid").
+# Their first sweep, which reads from memory, loads its re-read groups two at a time where
+# they read one row operand: two loads in flight rather than load, compute, load.
 BLOCK_REREAD_BATCH = 2
-# A block per row of an op without weights sweeps its re-read groups whole (every lane's in
-# the row's body) with no bounds test, then the one group that may end in the body: the
-# tests, the zeros of the lanes past the body and the predicated loads, arithmetic and
-# stores were 11 of 75 instructions a group in cross-entropy bf16's first sweep, 21 of 101
-# in its last (nvcc sm_90). H200, 8192 x 50257: cross-entropy fused bf16 0.502 -> 0.486 ms
-# (0.81 of copy), fp32 0.879 -> 0.856; softmax and log-softmax forwards 4-7% faster; the
-# log-softmax bf16 forward+backward 1.400 -> 1.434. With weights (the norms) the kernels
-# took more registers for it (RMSNorm's bf16 backward 85 for 64, its 8192 x 50257
-# forward+backward 4.770 -> 4.909 ms), so they keep the test. Only the aligned entry point
-# takes it (row.cu.j2): in the `_unaligned` ones it cost registers too (cross-entropy bf16
-# 32 -> 44-57, one block an SM rather than two).
+# Block rows without weights sweep their re-read groups whole (no bounds test) before the
+# last group, in the aligned entry points only; with weights it cost registers.
 BLOCK_WHOLE_GROUPS = True
-
-
-# Two blocks of 512 an SM where one of 1024 would hold the row: a thread caches twice the
-# groups, so an SM has two rows in flight and each row's reductions merge half the warps.
-# Rows of 2048-16384 columns wait on their reductions and on the memory latency of one
-# row at a time in a block of 1024. Taken by (H200, ms, 1024-thread block -> this one):
-# - the split backward's rows kernel (WGRAD_SPLIT_COLS): LayerNorm bf16 8192 columns
-#   fwd+bwd 0.408 -> 0.347, fp32 16384 1.165 -> 1.078 (at 50257: 3.185 -> 3.195, fp32
-#   4.220 -> 4.629, where two rows in flight an SM re-read more from memory);
-# - bf16 forwards with weights (the norms; fp32 ran 0.142 -> 0.161 at 1024 columns, 0.289
-#   -> 0.321 at 16384): LayerNorm 1024 0.100 -> 0.076, 2048 0.101 -> 0.077, 4096 0.107 ->
-#   0.077, 8192 0.123 -> 0.082 (PyTorch 0.119), 16384 0.244 -> 0.183, 50257 1.005 -> 0.897;
-#   RMSNorm 8192 0.094 -> 0.075;
-# - bf16 backwards without weights (softmax, log-softmax, cross-entropy's unfused one; the
-#   forwards ran faster at 8192 columns, 0.119 -> 0.100, and slower at 50257, 0.546 ->
-#   0.607; cross-entropy's fused fwdbwd 0.490 -> 0.556): fwd+bwd softmax 8192 0.303 ->
-#   0.250, 50257 1.654 -> 1.595; log-softmax 0.281 -> 0.227, 1.446 -> 1.315 (PyTorch 1.318);
-#   held to 64 registers, softmax's spills 8 bytes (nvcc sm_90).
-# At 64 threads a block at least (at 128, 1024 bf16 columns left half of each thread's
-# groups empty: LayerNorm forward 0.100 -> 0.112 ms, and 0.076 at 64).
+# Two blocks of 512 an SM where one of 1024 would hold the row: two rows in flight an SM,
+# and each row's reductions merge half the warps (the split backward's rows kernel, bf16
+# forwards with weights, bf16 backwards without); at least 64 threads a block.
 BLOCK_PAIR_THREADS, BLOCK_PAIR_MIN_BLOCKS, BLOCK_PAIR_THREADS_MIN = 512, 2, 64
 BLOCK_PAIR_SLOTS = {"f32": 4, "bf16": 2}
-
-# A block per row of a stage without weight gradients whose row its registers hold
-# (block_held): bf16 rows past a warp's 768 columns, up to 8192. Four groups a thread (one
-# warp up to 1024 columns, 64 threads to 2048, 256 at 8192; 64 registers, four blocks an
-# SM: the backwards spill 24-32 bytes), no prefetch, a block a row (uncapped grid), and the
-# two-pass impl: from registers a second sweep costs no traffic, and softmax's reuses the
-# first's exponentials. The block_per_row kernel (one group a thread, the next row's
-# prefetched, online sums) keeps the longer rows, whose tail it re-reads from L2. H200, bf16, 2^26 elements, the
-# generated kernels as the runtime launches them, ms, block_per_row -> block_held:
-#   2048 columns: softmax forward 0.1153 -> 0.0706, backward 0.1227 -> 0.1036; log-softmax
-#     0.1032 -> 0.0730, 0.1117 -> 0.1016; cross-entropy forward 0.0750 -> 0.0392, backward
-#     0.0806 -> 0.0698, fused 0.1096 -> 0.0697;
-#   4096 and 8192: the same gains (softmax forward 8192 0.1194 -> 0.0732, 0.88 of copy);
-#   1024, where a block of 64 threads left half its groups empty (softmax forward 0.1209
-#     -> 0.1059, log-softmax backward 0.1175 -> 0.1252), one warp fills them: softmax
-#     0.0694 forward, 0.1036 backward (was 0.1287); log-softmax 0.0719 and 0.1016 (0.1082,
-#     0.1175); cross-entropy fused 0.1161 -> 0.0701; LayerNorm forward 0.0764 -> 0.0699
-#     (0.0918 at 64 threads); at 1536 columns 64 threads beat one warp (softmax forward
-#     0.0820 against 0.0878; block_per_row 0.1192);
-#   16384 (the row past the block's registers): log-softmax forward 0.0912 -> 0.1008,
-#     cross-entropy 0.0396 -> 0.0484, hence max_cols 8192;
-#   the norms' forwards (hand-instantiated, against their block_per_row shape, BLOCK_PAIR):
-#     LayerNorm 2048 0.0771 -> 0.0701, 4096 0.0772 -> 0.0716; RMSNorm 2048 0.0746 ->
-#     0.0689, 8192 0.0738 -> 0.0711.
-# In this shape (hand-instantiated, softmax forward 2048, 0.0711 ms) online sums ran 0.0834,
-# two or three groups a thread 0.0843 / 0.0874, eight (spilling) 0.1325, the next row's
-# prefetch 0.0764 and a capped grid 0.0732. fp32's block_per_row kernel already holds
-# 40960 columns (its REREAD groups), at 0.92-1.00 of copy from 2048 to 8192 columns.
+# block_held: a bf16 row past a warp's 768 columns and up to 8192 in a block's registers,
+# four groups a thread, no prefetch, a block a row and the two-pass impl.
 HELD_SLOTS = {"bf16": 4}
 HELD_THREADS, HELD_MIN_BLOCKS, HELD_THREADS_MIN = 256, 4, 32
 
@@ -467,31 +368,10 @@ def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape:
             ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1)) + partials("grid") + extra
 
 
-# Weight gradients of long rows. A block per row that sums them keeps its partials in
-# registers for the columns it caches and adds the rest into its workspace row in L2, a
-# read and a write a column a row; with 64-100 registers at 512 threads it holds one or two
-# blocks an SM, so each row's reductions wait on the memory latency with little else to
-# hide it, and past 25 MB of partial rows in flight the workspace spills L2 to memory. The
-# backward is split instead from wgrad_split_cols columns: `backward_rows` (a block per row
-# without weight gradients, two of 512 an SM: BLOCK_PAIR_THREADS) writes the input grads and
-# the per-row values the weight-gradient terms read (`row_stats` of them a row, float32), and `wgrad_cols`
-# reads the rows again by columns: a thread owns vec adjacent columns and sums their terms
-# over the rows y, y + G, ... (G = grid.y), WGRAD_COLS_ROWS rows' loads in flight, into
-# partial row y, which `wgrad_reduce` sums. Launch: WGRAD_COLS_THREADS threads, grid
-# (cdiv(cols, vec · threads), G), G = clamp(cdiv(blocks, grid.x), 1, rows).
-# H200, forward+backward, 2^26 elements (8192 rows from 8192 columns), ms, fused -> split,
-# PyTorch in the same run:
-#   LayerNorm bf16: 4096 0.334 -> 0.320 (0.333), 8192 0.494 -> 0.347 (0.376), 16384 1.015
-#     -> 0.705 (0.744), 50257 7.145 -> 3.195 (3.681); fp32: 4096 0.400 -> 0.528, 8192
-#     0.472 -> 0.520, 16384 1.299 -> 1.078 (1.316), 50257 7.947 -> 4.629 (6.598);
-#   RMSNorm bf16: 4096 0.212 -> 0.289, 8192 0.257 -> 0.300, 16384 0.549 -> 0.583, 50257
-#     4.830 -> 2.424 (3.596); fp32: 16384 0.934 -> 0.942, 50257 4.629 -> 3.903 (6.749).
-# So a row of two reduction levels (LayerNorm: 93 registers, one block an SM) splits sooner
-# than one of one (RMSNorm: 64, two); keyed (dtype, levels ≥ 2). bf16 LayerNorm split from
-# 4097 columns until its fused backward took two groups a thread (BLOCK_WGRAD_SLOTS: 8192
-# columns in registers); since, fused -> split, timed as benchmarks/kernels.py times it:
-# 4096 0.219 -> 0.282 ms, 6144 0.252 -> 0.295, 8192 0.255 -> 0.299, 12288 0.392 -> 0.343
-# (PyTorch 0.337, 0.380, 0.375, 0.392).
+# Weight gradients of long rows: from these columns the backward is split (a block per row
+# for the input grads and row stats, then wgrad_cols by columns): a fused block per row
+# adds its partials through L2 with little to hide the latency. Two reduction levels split
+# sooner; keyed (dtype, levels ≥ 2).
 WGRAD_SPLIT_COLS = {("f32", False): 16385, ("bf16", False): 16385,
                     ("f32", True): 8193, ("bf16", True): 8193}
 WGRAD_COLS_THREADS = 128
