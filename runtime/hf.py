@@ -50,7 +50,7 @@ class Imported:
     tokenizer: Path | None  # the folder's tokenizer.json
 
 
-def locate(spec: str | Path) -> Path:
+def locate(spec: str | Path, key: str = "--init-from") -> Path:
     """A local save_pretrained folder as given, or a Hub id (`gpt2`, `org/name`) fetched
     through huggingface_hub into its cache (offline: what the cache already holds)."""
     path = Path(spec)
@@ -58,12 +58,12 @@ def locate(spec: str | Path) -> Path:
         return path
     if path.exists() or str(spec).startswith((".", "/", "~")) or str(spec).count("/") > 1:
         raise EulerError("not a folder (want a save_pretrained folder or a Hub id)",
-                         file=str(spec), key="--init-from")
+                         file=str(spec), key=key)
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise EulerError(f"{spec!r} is no local folder, and a Hub id needs huggingface_hub "
-                         "(pip install huggingface_hub)", key="--init-from") from None
+                         "(pip install huggingface_hub)", key=key) from None
     patterns = [CONFIG, "*.safetensors", INDEX, TOKENIZER]
     try:
         return Path(snapshot_download(str(spec), allow_patterns=patterns))
@@ -75,7 +75,7 @@ def locate(spec: str | Path) -> Path:
             raise EulerError(f"{spec!r} is no local folder and the Hub download failed "
                              f"({type(err).__name__}); on a machine without access, copy a "
                              "save_pretrained folder here and name its path",
-                             key="--init-from") from None
+                             key=key) from None
 
 
 def load_folder(folder: Path) -> Imported:
@@ -292,6 +292,17 @@ def to_hf(arch: str, m: dict, params: dict) -> dict:
     return out
 
 
+def tokenizer_config(tokenizer_json: bytes, eot: int | None) -> dict:
+    """tokenizer_config.json beside a tokenizer.json: AutoTokenizer's class, and the end of
+    text as its bos and eos token (GPT-2's convention)."""
+    from tokenizers import Tokenizer
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if eot is not None:
+        token = Tokenizer.from_str(tokenizer_json.decode("utf-8")).id_to_token(eot)
+        config.update(bos_token=token, eos_token=token)
+    return config
+
+
 def export_folder(model_cfg, params: dict, out: Path, *, tokenizer_files: dict | None = None,
                   eot: int | None = None) -> str:
     """Write a folder transformers.AutoModelForCausalLM.from_pretrained loads (plus the
@@ -303,3 +314,25 @@ def export_folder(model_cfg, params: dict, out: Path, *, tokenizer_files: dict |
              WEIGHTS: to_hf(arch, m, params), **(tokenizer_files or {})}
     write_folder(Path(out), files, EXPORT_FILES)
     return arch
+
+
+def run_overrides(imported: Imported, given, overrides) -> list[str]:
+    """The `--set` items, to come before the user's, that make a run the imported model's:
+    every model key from config.json, and the folder's tokenizer.json when the run names
+    no tokenizer. `given` is the config resolved from them and the user's `overrides`: a
+    model key the user set to another value than config.json's is an error."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        section, _, name = key.partition(".")
+        if section == "model" and name in imported.model:
+            mine, theirs = getattr(given.model, name), imported.model[name]
+            if mine != theirs:
+                raise EulerError(f"--set {item} contradicts the imported model's {theirs!r} "
+                                 f"({imported.folder / CONFIG})", key=key)
+    return model_sets(imported) + (
+        [f"data.tokenizer={imported.tokenizer.resolve()}"]
+        if imported.tokenizer is not None and given.data.tokenizer == "byte" else [])
+
+
+def model_sets(imported: Imported) -> list[str]:
+    return [f"model.{k}={v}" for k, v in imported.model.items()]
