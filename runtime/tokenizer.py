@@ -67,7 +67,7 @@ class TiktokenTokenizer:
                     f"no {encoding_name!r} BPE files here: tiktoken could not download them "
                     f"({type(err).__name__}); copy tiktoken's cache folder from a machine where "
                     "it works and set TIKTOKEN_CACHE_DIR to it, or put GPT-2's tokenizer.json "
-                    "in the Hugging Face cache (huggingface-cli download openai-community/gpt2 "
+                    "in the Hugging Face cache (hf download openai-community/gpt2 "
                     "tokenizer.json), or set it to an HF GPT-2 folder", key=key) from None
             self._enc = gpt2_from_tokenizer_json(cached, key=key)
         self.name = encoding_name
