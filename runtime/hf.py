@@ -17,6 +17,7 @@ The layouts, checked against transformers by tests/test_hf.py:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -307,7 +308,6 @@ def export_folder(model_cfg, params: dict, out: Path, *, tokenizer_files: dict |
                   eot: int | None = None) -> str:
     """Write a folder transformers.AutoModelForCausalLM.from_pretrained loads (plus the
     tokenizer files given, name -> bytes); returns the architecture written."""
-    import dataclasses
     arch = architecture_of(model_cfg)
     m = dataclasses.asdict(model_cfg)
     files = {CONFIG: json.dumps(hf_config(model_cfg, arch, eot), indent=2).encode(),
