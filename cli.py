@@ -202,26 +202,39 @@ def _limit_blas_threads() -> None:
 @click.option("--run-dir", type=click.Path(path_type=Path),
               help="Where the run writes (default: a new runs/<config>-<date>-<time>).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
+@click.option("--init-from", metavar="PATH",
+              help="Start from a transformers save_pretrained folder (GPT2LMHeadModel or "
+                   "LlamaForCausalLM) or a Hub id such as gpt2; the model config is its config.json.")
 @ops_option
-def train(config_path, overrides, resume, run_dir, device, ops_dirs) -> None:
+def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) -> None:
     """Train a GPT on generated kernels (no arguments: a small byte-level model on the
     standard library's source, a few minutes on a CPU)."""
     _limit_blas_threads()
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer, resume_config
 
+    imported = None
     if resume is not None:
-        if config_path is not None or run_dir is not None:
-            raise EulerError("--resume continues a run with its saved config: give --set "
-                             "overrides, not --config or --run-dir", key="--resume")
+        if config_path is not None or run_dir is not None or init_from is not None:
+            raise EulerError("--resume continues a run with its saved config and weights: give "
+                             "--set overrides, not --config, --run-dir or --init-from",
+                             key="--resume")
         extra = [f"training.device={device}"] if device else []
         cfg = resume_config(resume, [*overrides, *extra])
+    elif init_from is not None:
+        # read and checked in full before the run folder is touched
+        from eulergen.runtime import hf
+        imported = hf.load_folder(hf.locate(init_from))
+        given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device)
+        sets = hf.run_overrides(imported, given, overrides)
+        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=True)
     else:
         # no run folder named: a new one per run, so running the same command twice works;
         # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
         cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     lib = _library(cfg, ops_dirs, build=True)
-    trainer = Trainer(cfg, lib, resume=resume is not None)
+    trainer = Trainer(cfg, lib, resume=resume is not None,
+                      initial=imported.params if imported else None)
     t = cfg.training
     click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
                f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, memory plan "
@@ -273,30 +286,22 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
 
 def _checkpoint_sampler(run, device, ops_dirs, num_samples: int):
     """The tokenizer and a KV-cache Sampler over a run folder's latest checkpoint (or one
-    checkpoint folder), with the config it was trained with. Weights that do not fit the
-    config's model (another architecture, an unpadded vocab) are one error naming the
-    checkpoint file and the tensor."""
+    checkpoint folder, or a transformers folder or Hub id), with the config it was trained
+    with. Weights that do not fit the config's model (another architecture, an unpadded
+    vocab) are one error naming the weights file and the tensor."""
     _limit_blas_threads()
-    from eulergen.runtime import checkpoint
-    from eulergen.runtime.config import config_from_dict
+    from eulergen.runtime.evaluate import load_into, open_model
     from eulergen.runtime.sample import Sampler
     from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
-    ck = checkpoint.load(run)
-    raw = dict(ck.state["config"])
-    if device:
-        raw["training"] = {**raw["training"], "device": device}
-    cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
+    weights = open_model(run, device)
+    cfg = weights.cfg
     tok = load_tokenizer(cfg.data)
     check_fits(tok, cfg.model.vocab_size)
     # the context it was trained on: learned positions past training.seq_len never moved
     sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True), batch=num_samples,
                       seq_len=cfg.training.seq_len, notify=lambda m: click.echo(m, err=True))
-    try:
-        sampler.decoder.load_state_dict(ck.params)
-    except EulerError as err:
-        raise EulerError(err.message, file=str(ck.path / checkpoint.MODEL_FILE),
-                         key=err.key) from None
+    load_into(sampler.decoder, weights)
     return tok, sampler
 
 
@@ -388,3 +393,56 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs)
                         max_new_tokens, stop=tok.eot, on_step=show, append=turn > 0,
                         **{**settings, "seed": seed + turn})
         click.echo(stream.flush())
+
+
+# -- Hugging Face out, and evaluation (runtime/hf.py, evaluate.py) ---------------------------
+
+@main.command()
+@click.argument("run", metavar="RUN_OR_CKPT")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="The folder to write (new, empty, or an earlier export).")
+def export(run, out) -> None:
+    """Write a checkpoint as a transformers folder (GPT2LMHeadModel or LlamaForCausalLM,
+    tied embeddings, the vocab unpadded) with the run's tokenizer as tokenizer.json."""
+    import json
+
+    from eulergen.runtime import hf
+    from eulergen.runtime.evaluate import open_model
+    from eulergen.runtime.tokenizer import hf_tokenizer_json, load_tokenizer
+
+    weights = open_model(run)
+    files, eot = {}, None
+    try:
+        tok = load_tokenizer(weights.cfg.data)
+        eot = tok.eot
+        text = hf_tokenizer_json(tok)
+        files = {hf.TOKENIZER: text,
+                 "tokenizer_config.json": json.dumps(hf.tokenizer_config(text, eot)).encode()}
+    except EulerError as err:
+        _warn(f"no tokenizer written: {err}")
+    arch = hf.export_folder(weights.cfg.model, weights.params, out, tokenizer_files=files, eot=eot)
+    click.echo(f"wrote {out}: {arch}{' with its tokenizer' if files else ''} "
+               f"(transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+
+
+@main.command("eval")
+@click.argument("run", metavar="RUN_OR_CKPT")
+@click.option("--data", "dataset", required=True,
+              help="A data.dataset value: a glob of token shards, a .bin file, builtin:stdlib.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), help="[default: the run's training.seq_len]")
+@click.option("--max-batches", type=click.IntRange(min=1), help="Stop after N batches [default: all].")
+@click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
+@ops_option
+def eval_(run, dataset, batch_size, seq_len, max_batches, device, ops_dirs) -> None:
+    """Mean cross-entropy and perplexity of a checkpoint (or a transformers folder) over
+    every whole window of a dataset (builtin:stdlib: its held-out split)."""
+    _limit_blas_threads()
+    from eulergen.runtime.evaluate import evaluate, open_model
+
+    weights = open_model(run, device)
+    seq = seq_len or weights.cfg.training.seq_len
+    result = evaluate(weights, _library(weights.cfg, ops_dirs, build=True), dataset,
+                      batch=batch_size, seq=seq, max_batches=max_batches)
+    click.echo(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  "
+               f"({result.tokens:,} tokens, {result.windows:,} windows of {seq})")

@@ -118,6 +118,7 @@ class TorchGPT(nn.Module):
         _check_supported(cfg)
         self.cfg = cfg
         # eulergen's padded rows (runtime/model.py padded_vocab): the same shapes, the same loss
+        # (over the real ids only)
         self.wte = nn.Embedding(padded_vocab(cfg.vocab_size), cfg.hidden_dim)
         if cfg.positions == "learned":
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.hidden_dim)
@@ -155,7 +156,9 @@ class TorchGPT(nn.Module):
         logits = self.ln_f(x) @ self.wte.weight.T
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(-1).long())
+        # padded rows take no part in the loss (runtime/model.py GPT._mask_padding)
+        real = logits[..., :self.cfg.vocab_size]
+        loss = F.cross_entropy(real.reshape(B * T, -1).float(), targets.reshape(-1).long())
         return logits, loss
 
 

@@ -361,6 +361,8 @@ def _resolve_data(given: dict[str, Any], fail) -> dict[str, Any]:
             fail("data.tokenizer", f"{given['tokenizer']!r} and data.tokenizer_path {path!r} "
                  "name different tokenizers: give one of them")
         data["tokenizer"] = path
+    if data["tokenizer"] not in TOKENIZER_KINDS and Path(data["tokenizer"]).is_dir():
+        data["tokenizer"] = str(Path(data["tokenizer"]) / "tokenizer.json")   # an HF folder
     if "val_dataset" not in given:
         data["val_dataset"] = derive_val_dataset(data["dataset"])
     return data

@@ -421,10 +421,20 @@ class GPT:
         self.tape.forward()
         return self.mem["logits"].reshape(self.batch, self.seq, -1)
 
+    def _mask_padding(self) -> None:
+        """Padded vocab rows take no part in the loss, as in llm.c and transformers: their
+        logits become -inf, so the softmax gives them 0 and their dlogits are 0. (The zero rows
+        an imported model pads with give logits of 0, which can outweigh every real id: a
+        trained model's logits may all sit below 0.)"""
+        a = self.arch
+        if a.vocab_rows > a.vocab:
+            self.mem["logits"][:, a.vocab:] = -np.inf
+
     def loss(self):
         """Mean cross-entropy of the loaded batch, as a 1-element device array."""
         m = self.mem
         self.tape.forward()
+        self._mask_padding()
         self.lib.forward("cross_entropy", m["logits"], m["targets"].reshape(-1),
                          out=(m["losses"],))
         self.xp.mean(m["losses"], keepdims=True, out=m["loss"])
@@ -435,6 +445,7 @@ class GPT:
         gradients add to those already in the grads arena (a later micro-step)."""
         m = self.mem
         self.tape.forward()
+        self._mask_padding()
         self.lib.fused("cross_entropy", m["logits"], m["targets"].reshape(-1), m["dloss"],
                        out=(m["losses"], m["logits"]))
         self.xp.mean(m["losses"], keepdims=True, out=m["loss"])

@@ -17,6 +17,8 @@ from eulergen.files import write_atomic
 BYTE, GPT2 = "byte", "gpt2"
 BYTE_EOT = 0   # byte 0 never occurs in text: builtin:stdlib ends each file with it
 ENDOFTEXT = "<|endoftext|>"
+HF_TOKENIZER_FILE = "tokenizer.json"
+GPT2_VOCAB = 50257   # 50256 BPE ranks, then <|endoftext|>
 # Names HF tokenizers give their end-of-text token (GPT-2, Llama 3, Llama 2 / Mistral, Gemma).
 _EOT_NAMES = (ENDOFTEXT, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -58,15 +60,24 @@ class TiktokenTokenizer:
         try:
             self._enc = tiktoken.get_encoding(encoding_name)
         except Exception as err:  # requests' network errors, tiktoken's hash mismatch
-            raise EulerError(
-                f"tiktoken could not load the {encoding_name!r} BPE files ({type(err).__name__}): "
-                "it downloads them once from openaipublic.blob.core.windows.net; on a machine "
-                "without that access, copy a cache folder filled where it works and set "
-                "TIKTOKEN_CACHE_DIR to it, or name a local tokenizer.json", key=key) from None
+            # offline: GPT-2's tokenizer.json in the Hugging Face cache holds the same BPE
+            cached = _hub_cached_gpt2() if encoding_name == GPT2 else None
+            if cached is None:
+                raise EulerError(
+                    f"no {encoding_name!r} BPE files here: tiktoken could not download them "
+                    f"({type(err).__name__}); copy tiktoken's cache folder from a machine where "
+                    "it works and set TIKTOKEN_CACHE_DIR to it, or put GPT-2's tokenizer.json "
+                    "in the Hugging Face cache (hf download openai-community/gpt2 "
+                    "tokenizer.json), or set it to an HF GPT-2 folder", key=key) from None
+            self._enc = gpt2_from_tokenizer_json(cached, key=key)
         self.name = encoding_name
         self.vocab_size = self._enc.n_vocab
         self.eot = self._enc.eot_token
         self.digest = f"tiktoken:{encoding_name}"
+
+    def ranks(self) -> dict[bytes, int]:
+        """The BPE's tokens (bytes) and their ranks, which are their ids."""
+        return {t: self._enc.encode_single_token(t) for t in self._enc.token_byte_values()}
 
     def encode(self, text: str) -> list[int]:
         # data text that spells "<|endoftext|>" is text, not a document boundary
@@ -93,6 +104,10 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eot = next((i for i in map(self._tok.token_to_id, _EOT_NAMES) if i is not None), None)
         self.digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
+        self._json = data
+
+    def to_json(self) -> bytes:
+        return self._json
 
     def encode(self, text: str) -> list[int]:
         # no post-processor specials ([CLS], <s>): prepare places the document boundaries
@@ -103,12 +118,19 @@ class HFTokenizer:
 
 
 def tokenizer_named(spec: str, *, key: str = "data.tokenizer") -> Tokenizer:
-    """"byte", "gpt2", or a path to a tokenizer.json."""
+    """"byte", "gpt2", a path to a tokenizer.json, or a Hugging Face tokenizer folder
+    (one holding tokenizer.json: a save_pretrained folder)."""
     if spec == BYTE:
         return ByteTokenizer()
     if spec == GPT2:
         return TiktokenTokenizer(GPT2, key=key)
-    return HFTokenizer(spec, key=key)
+    return HFTokenizer(tokenizer_file(spec), key=key)
+
+
+def tokenizer_file(spec: str | Path) -> Path:
+    """A tokenizer path as given, or a folder's tokenizer.json."""
+    path = Path(spec)
+    return path / HF_TOKENIZER_FILE if path.is_dir() else path
 
 
 def load_tokenizer(data) -> Tokenizer:
@@ -179,3 +201,109 @@ def _tokenizers(key: str):
         raise EulerError("this needs the `tokenizers` package (pip install tokenizers)",
                          key=key) from None
     return tokenizers
+
+
+# -- GPT-2's BPE between tiktoken and Hugging Face, and tokenizer.json for export -----------
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte in
+    a tokenizer.json's vocab (the `bytes_to_unicode` table of GPT-2's encoder.py)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _hub_cached_gpt2() -> Path | None:
+    """GPT-2's tokenizer.json where huggingface_hub caches it, if it is there."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    for repo in ("openai-community/gpt2", "gpt2"):
+        found = try_to_load_from_cache(repo, HF_TOKENIZER_FILE)
+        if isinstance(found, str):
+            return Path(found)
+    return None
+
+
+def gpt2_from_tokenizer_json(path: Path, *, key: str = "data.tokenizer"):
+    """A tiktoken Encoding of GPT-2 from an HF GPT-2 tokenizer.json: GPT-2's BPE ranks are
+    its ids (merge n makes id 256 + n), so tiktoken's lowest-rank-first merging gives the
+    ids the file's merges give, with tiktoken's own handling of text."""
+    import json
+
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise EulerError(f"not GPT-2's tokenizer.json ({type(err).__name__}: {err})",
+                         file=str(path), key=key) from None
+    eot = specials.get(ENDOFTEXT, vocab.get(ENDOFTEXT))
+    bpe = {token: i for token, i in vocab.items() if token != ENDOFTEXT}
+    if data["model"].get("type") != "BPE" or eot != GPT2_VOCAB - 1 or \
+            sorted(bpe.values()) != list(range(GPT2_VOCAB - 1)):
+        raise EulerError(f"not GPT-2's tokenizer.json: want a BPE of ids 0-{GPT2_VOCAB - 2} "
+                         f"and {ENDOFTEXT} = {GPT2_VOCAB - 1}", file=str(path), key=key)
+    byte_of = {c: b for b, c in enumerate(_byte_chars())}
+    try:
+        ranks = {bytes(byte_of[c] for c in token): i for token, i in bpe.items()}
+    except KeyError as err:
+        raise EulerError(f"not a byte-level BPE: {err.args[0]!r} stands for no byte",
+                         file=str(path), key=key) from None
+    return tiktoken.Encoding(GPT2, pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: GPT2_VOCAB - 1},
+                             explicit_n_vocab=GPT2_VOCAB)
+
+
+def hf_tokenizer_json(tok: Tokenizer) -> bytes:
+    """The tokenizer as a Hugging Face tokenizer.json, for export: an HF tokenizer's own
+    file; byte level and GPT-2's BPE rebuilt as byte-level BPEs with the same ids."""
+    if isinstance(tok, HFTokenizer):
+        return tok.to_json()
+    if isinstance(tok, TiktokenTokenizer):
+        return byte_level_bpe_json(tok.ranks(), {ENDOFTEXT: tok.eot})
+    # every byte its own id, no merges, no regex split: ids are the UTF-8 bytes
+    lib = _tokenizers("export")
+    chars = _byte_chars()
+    hf = lib.Tokenizer(lib.models.BPE({chars[b]: b for b in range(256)}, []))
+    hf.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = lib.decoders.ByteLevel()
+    return hf.to_str(pretty=True).encode("utf-8")
+
+
+def byte_level_bpe_json(ranks: dict[bytes, int], specials: dict[str, int]) -> bytes:
+    """tokenizer.json of a tiktoken-style BPE (token bytes -> rank = id) with GPT-2's
+    pre-tokenizer, and special tokens at their ids."""
+    lib = _tokenizers("export")
+    chars = _byte_chars()
+    text = {token: "".join(chars[b] for b in token) for token in ranks}
+    vocab = {**{text[t]: r for t, r in ranks.items()}, **specials}
+    hf = lib.Tokenizer(lib.models.BPE(vocab, [(text[a], text[b]) for a, b in _merges(ranks)]))
+    hf.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = lib.decoders.ByteLevel()
+    hf.add_special_tokens(list(specials))
+    return hf.to_str(pretty=True).encode("utf-8")
+
+
+def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """Merges under which HF's BPE (lowest merge first) gives tiktoken's ids (lowest rank
+    first): every split of a token into two tokens, ranked by the token it makes (as
+    transformers' TikTokenConverter builds them)."""
+    merges = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], left, right))
+    return [(left, right) for *_, left, right in sorted(merges)]

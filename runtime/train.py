@@ -132,7 +132,7 @@ class Trainer:
     total_steps (or `stop_after`, for tests that stop a run part way)."""
 
     def __init__(self, cfg: RunConfig, lib, *, resume: bool = False, progress: bool = True,
-                 tensorboard: bool = True, cache_dir=None):
+                 tensorboard: bool = True, cache_dir=None, initial: dict | None = None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
         arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
@@ -156,6 +156,8 @@ class Trainer:
         self.result = Result(self.run_dir)
         if ckpt is not None:
             self._restore(checkpoint.load(ckpt))
+        elif initial is not None:   # `--init-from`: an imported model's weights
+            self.model.load_state_dict(initial)
         else:
             self.model.init_weights(t.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -92,11 +92,13 @@ def test_gpt2_without_network_says_how_to_get_the_bpe_files(monkeypatch, tmp_pat
     monkeypatch.setattr(tiktoken.load, "read_file", unreachable)
     monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    constants = pytest.importorskip("huggingface_hub.constants")   # and no GPT-2 in its cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(EulerError) as err:
         load_tokenizer(_data(tokenizer="gpt2"))
     message = str(err.value)
-    assert message.startswith("data.tokenizer: tiktoken could not load the 'gpt2' BPE files "
-                              "(ConnectionError)")
+    assert message.startswith("data.tokenizer: no 'gpt2' BPE files here: tiktoken could not "
+                              "download them (ConnectionError)")
     assert "TIKTOKEN_CACHE_DIR" in message and "tokenizer.json" in message and "\n" not in message
 
 
