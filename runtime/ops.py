@@ -27,13 +27,12 @@ backend computes in float32 or float64 and has no bf16.
 """
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 import numpy as np
 
 from eulergen import GENERATED_DIR
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, suggest
 from eulergen.runtime.backend import Backend
 from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
 
@@ -86,8 +85,7 @@ class OpLibrary:
             return self.ops[name]
         except KeyError:
             pass
-        near = difflib.get_close_matches(name, self.ops, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        hint = suggest(name, self.ops)
         if self._missing_builtin:
             hint += f"; {BUILTIN_MANIFEST} is missing: run `eulergen build`"
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
@@ -236,9 +234,8 @@ class OpLibrary:
     def _params(op: OpEntry, given: dict) -> dict:
         unknown = [k for k in given if k not in op.params]
         if unknown:
-            near = difflib.get_close_matches(unknown[0], op.params, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise EulerError(f"op {op.name!r} has no parameter {unknown[0]!r}{hint}; "
+            raise EulerError(f"op {op.name!r} has no parameter {unknown[0]!r}"
+                             f"{suggest(unknown[0], op.params)}; "
                              f"parameters: {', '.join(op.params) or 'none'}",
                              file=op.spec, key=f"params.{unknown[0]}")
         merged = {**op.params, **given}
