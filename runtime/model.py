@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.cuda_ops import workspace_elements
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.tape import Add, Embedding, Grad, Linear, Op, Tape, cublas_nrm2
 
@@ -108,16 +107,10 @@ def _op_params(op, wanted: dict) -> dict:
 
 
 def arch_of(cfg, lib) -> Arch:
-    """Check a ModelConfig against the ops it names; EulerError names the key at fault."""
+    """Check a ModelConfig against the ops it names; EulerError names the key at fault.
+    The shape checks that need no op (heads dividing hidden_dim, an even rope head dim…)
+    are the config loader's (config._validate): every ModelConfig comes from it."""
     d, H, KVH = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads
-    if d % H:
-        raise EulerError(f"hidden_dim {d} is not divisible by num_heads {H}", key="model.num_heads")
-    if H % KVH:
-        raise EulerError(f"num_heads {H} is not divisible by num_kv_heads {KVH}",
-                         key="model.num_kv_heads")
-    if cfg.num_layers < 1:
-        raise EulerError(f"num_layers {cfg.num_layers}: need at least one block",
-                         key="model.num_layers")
     norm = _need_op(lib, cfg.norm, "model.norm", ("row",))
     weights = [o.name for o in norm.inputs if o.role == "weight"]
     rows = [o for o in norm.inputs if o.role == "row"]
@@ -132,15 +125,10 @@ def arch_of(cfg, lib) -> Arch:
     attention = _need_op(lib, cfg.attention, "model.attention", ("attention",))
     if lib.backend.is_gpu:
         _check_head_dim(attention, d, H)
-    if cfg.positions not in ("learned", "rope"):
-        raise EulerError(f"positions {cfg.positions!r}: expected 'learned' or 'rope'",
-                         key="model.positions")
     rope_params = {}
     if cfg.positions == "rope":
         rope = _need_op(lib, "rope", "model.positions", ("pair",))
         rope_params = _op_params(rope, {"base": float(cfg.rope_base)})
-        if (d // H) % 2:
-            raise EulerError(f"rope needs an even head dim, got {d // H}", key="model.hidden_dim")
     return Arch(d=d, layers=cfg.num_layers, heads=H, kv_heads=KVH, head_dim=d // H,
                 vocab=cfg.vocab_size, max_seq=cfg.max_seq_len, ffn=cfg.mlp_hidden,
                 gated=len(act.inputs) == 2, rope=cfg.positions == "rope", bias=bool(cfg.bias),
@@ -205,8 +193,11 @@ def plan_params(p: Planner, a: Arch, dtype: str) -> None:
 
 
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
-               dtype: str = "float32") -> Plan:
-    """Lay out parameters, (gradients, AdamW state,) activations and workspace."""
+               dtype: str = "float32", workspace=None) -> Plan:
+    """Lay out parameters, (gradients, AdamW state,) activations and workspace.
+    `workspace(op, stage, shape, table_rows=)`: the float32 elements a backward call needs
+    from the kernels' workspace, as OpLibrary.workspace_elements answers it (what `build`
+    passes; cuda_ops.workspace_elements for the GPU's plan on any machine); None: none."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -263,11 +254,10 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         p.add("workspace", "scratch", (N * d + 2 * d,), dtype)
         # float32 workspace of the generated backward kernels, reused call after call
         # (one stream: a call's kernels have read it before the next call writes it)
-        kernel_ws = max(workspace_elements(a.norm_op, "backward", (B, T, d)),
-                        workspace_elements(a.attention_op, "backward",
-                                           (B, T, a.heads, a.head_dim)),
-                        workspace_elements(a.embedding_op, "backward", (B, T),
-                                           table_rows=a.vocab_rows))
+        kernel_ws = 0 if workspace is None else max(
+            workspace(a.norm_op, "backward", (B, T, d)),
+            workspace(a.attention_op, "backward", (B, T, a.heads, a.head_dim)),
+            workspace(a.embedding_op, "backward", (B, T), table_rows=a.vocab_rows))
         if kernel_ws:
             p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
     p.add("tokens", "idx", (B, T), "int32")
@@ -503,6 +493,7 @@ def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str =
           shared: dict | None = None, tf32: bool = False) -> GPT:
     """Plan, allocate and record a model: the one call the trainer and sampler make."""
     arch = arch_of(cfg, lib)
-    plan = plan_model(arch, batch, seq, training=training, dtype=dtype)
+    plan = plan_model(arch, batch, seq, training=training, dtype=dtype,
+                      workspace=lib.workspace_elements)
     check_fits(plan, lib.backend, shared)
     return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)

@@ -90,6 +90,15 @@ class OpLibrary:
             hint += f"; {BUILTIN_MANIFEST} is missing: run `eulergen build`"
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
 
+    def workspace_elements(self, op: OpEntry, stage: str, shape, *, table_rows: int = 0) -> int:
+        """The float32 elements a `stage` call of `op` over inputs of `shape` needs from the
+        caller's `workspace=` on this backend (a memory plan asks): the CUDA kernels'
+        temporaries (cuda_ops.workspace_elements); numpy needs none."""
+        if not self._cuda:
+            return 0
+        from eulergen.runtime.cuda_ops import workspace_elements
+        return workspace_elements(op, stage, shape, table_rows=table_rows)
+
     # -- the calls ---------------------------------------------------------------------
 
     def forward(self, name: str, *inputs, out=None, **params):
@@ -106,7 +115,7 @@ class OpLibrary:
     def backward(self, name: str, *inputs_and_douts, out=None, workspace=None,
                  accumulate=False, **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
-        (cuda_ops.workspace_elements says how big); numpy needs none and ignores it.
+        (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
         all or one per gradient (GRADS order); the embedding op only (its table gradient
         meets the tied LM head's)."""
