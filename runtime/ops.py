@@ -8,6 +8,7 @@
     lib.forward("rope", q, out=q, pos0=t)      # pair ops: first position (KV-cache decoding)
     o = lib.decode("causal_attention", q, k_cache, v_cache, pos0)   # attention over a KV cache
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
+    gelu = lib.op("gelu"); lib.forward(gelu, x, out=y)   # an entry, resolved once (the model's)
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
 kernels); on a GPU they launch the op's generated kernels (runtime/cuda_ops.py and
@@ -99,10 +100,14 @@ class OpLibrary:
         from eulergen.runtime.cuda_ops import workspace_elements
         return workspace_elements(op, stage, shape, table_rows=table_rows)
 
-    # -- the calls ---------------------------------------------------------------------
+    def _entry(self, op: str | OpEntry) -> OpEntry:
+        """A call's op: its name, looked up here, or its entry, resolved once by the caller."""
+        return op if isinstance(op, OpEntry) else self.op(op)
 
-    def forward(self, name: str, *inputs, out=None, **params):
-        op = self.op(name)
+    # -- the calls: each takes an op's name or its OpEntry (`lib.op(name)`) ---------------
+
+    def forward(self, name: str | OpEntry, *inputs, out=None, **params):
+        op = self._entry(name)
         self._arity(op, "forward", inputs, len(op.inputs))
         pos0 = self._pos0(op, params)
         p = self._params(op, params)
@@ -112,14 +117,14 @@ class OpLibrary:
         got = self._module(op).forward(*inputs, **p, **self._numpy_pos0(op, pos0))
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
-    def backward(self, name: str, *inputs_and_douts, out=None, workspace=None,
+    def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
                  accumulate=False, **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
         (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
         all or one per gradient (GRADS order); the embedding op only (its table gradient
         meets the tied LM head's)."""
-        op = self.op(name)
+        op = self._entry(name)
         self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
         pos0 = self._pos0(op, params)
         adds = self._accumulate(op, accumulate, out)
@@ -133,14 +138,14 @@ class OpLibrary:
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
-    def decode(self, name: str, q, k_cache, v_cache, pos0: int, *, out=None, **params):
+    def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None, **params):
         """Attention of new queries q [B, Tq, H, D], at positions pos0 … pos0+Tq-1, over a KV
         cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 are valid (later rows are never
         read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence."""
         from eulergen.runtime.attention import decode_geometry
-        op = self.op(name)
+        op = self._entry(name)
         if op.kind != "attention":
-            raise EulerError(f"op {name!r} is {op.kind}: decode is for attention ops",
+            raise EulerError(f"op {op.name!r} is {op.kind}: decode is for attention ops",
                              file=op.spec, key="kind")
         p = self._params(op, params)
         pos0 = int(pos0)
@@ -150,10 +155,10 @@ class OpLibrary:
         got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
         return self._deliver(op, "decode", got, out, 1)
 
-    def step(self, name: str, *state_and_grads, **params) -> None:
-        op = self.op(name)
+    def step(self, name: str | OpEntry, *state_and_grads, **params) -> None:
+        op = self._entry(name)
         if op.kind != "update":
-            raise EulerError(f"op {name!r} is {op.kind}, not an update op: call forward/backward",
+            raise EulerError(f"op {op.name!r} is {op.kind}, not an update op: call forward/backward",
                              file=op.spec, key="kind")
         self._arity(op, "step", state_and_grads, len(op.inputs))
         p = self._params(op, params)
@@ -162,14 +167,14 @@ class OpLibrary:
             return
         self._module(op).step(*state_and_grads, **p)
 
-    def fused(self, name: str, *inputs_and_douts, out=None, **params) -> tuple:
+    def fused(self, name: str | OpEntry, *inputs_and_douts, out=None, **params) -> tuple:
         """Forward and backward in one call: the forward outputs, then the gradients.
 
         On a GPU this is the op's `fwdbwd` kernel (cross-entropy: loss and dlogits in one
         pass, without storing probabilities). On numpy it is forward then backward of the
         same generated module; the outputs are copied into `out` only after both ran, so
         a gradient buffer may alias an input (dlogits over logits) here too."""
-        op = self.op(name)
+        op = self._entry(name)
         n_in = len(op.inputs)
         self._arity(op, "fused", inputs_and_douts, self._backward_arity(op))
         inputs = inputs_and_douts[:n_in]
