@@ -7,8 +7,9 @@ values, so that a new token costs one position's work instead of the whole windo
     # logits: the device array [B, vocab_rows] of the last position
 
 A step over Tq new tokens at absolute positions pos0 … pos0+Tq-1 makes the training
-graph's op library calls at Tq rows: the embedding (learned positions from wpe[pos0]),
-then per block the norm, one GEMM over all of c_attn.weight (q, k and v are strided
+graph's op library calls at Tq rows (both are built from runtime/graph.py): the
+embedding (learned positions from wpe[pos0]), then per block the norm, one GEMM over
+all of c_attn.weight (q, k and v are strided
 views of its output: fewer launches than training's three dense GEMMs, which the
 backward wants), rope on q and k at pos0, k and v copied into the cache at pos0, the new
 queries' attention over the cache through `lib.decode`, c_proj and the residual add, the
@@ -38,6 +39,9 @@ from eulergen.runtime.model import arch_of
 from eulergen.runtime.params import load_params, parameters, plan_params
 from eulergen.runtime.tape import Add, Linear, Op, Tape
 
+# the head reads the last position's stream, which TakeLast copies out of the block's x
+_HEAD = {"x_final": "last"}
+
 
 def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32") -> Plan:
     """Parameters (the training layout), the KV cache ([B, seq, KVH, D] k and v per
@@ -61,10 +65,6 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32") -> Plan:
         p.add("activations", _HEAD.get(name, name), g.values[name].shape((B,)), dtype)
     p.add("tokens", "idx", (B, T), "int32")
     return p.plan()
-
-
-# the head reads the last position's stream, which TakeLast copies out of the block's x
-_HEAD = {"x_final": "last"}
 
 
 def _block_slots(g) -> dict[str, str]:
