@@ -262,6 +262,7 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     from rich.console import Console
 
     from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.memory import plan_table
     from eulergen.runtime.decoder import plan_decoder
     from eulergen.runtime.model import arch_of, param_count, plan_model
@@ -274,8 +275,9 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
         manifests = ensure_built((), ops_dirs) or []
     arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
     t = cfg.training
+    # a GPU run's plan, the kernels' workspace included, whatever this machine runs on
     p = (plan_decoder(arch, t.batch_size, t.seq_len) if inference
-         else plan_model(arch, t.batch_size, t.seq_len))
+         else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else 'training'}")
     console = Console()

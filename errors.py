@@ -1,6 +1,8 @@
 """The one exception type the project raises for bad input; the CLI prints it on one line."""
 from __future__ import annotations
 
+import difflib
+
 
 class EulerError(Exception):
     """A user-facing error: `file:line: key: message`, each part present when known."""
@@ -19,3 +21,13 @@ class EulerError(Exception):
             where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
         key = f"{self.key}: " if self.key else ""
         return f"{where}{key}{self.message}"
+
+
+def suggest(word, options, what: str = "") -> str:
+    """' (did you mean 'x'?)' for the nearest of `options`; else, when `what` names the
+    options ('preset'), the list of valid ones; else ''. The one hint every error uses."""
+    options = list(options)
+    close = difflib.get_close_matches(str(word), options, n=1)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f" (valid {what}s: {', '.join(options)})" if what else ""

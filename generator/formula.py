@@ -9,14 +9,13 @@ only where a condition is expected (inside where(), and in attention masks).
 from __future__ import annotations
 
 import ast
-import difflib
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import sympy as sp
 from sympy.codegen.cfunctions import log1p
 
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, suggest
 from eulergen.generator.primitives import logsumexp, sigmoid, softplus
 
 # name → (sympy callable, least arguments, most arguments or None for any number)
@@ -65,11 +64,6 @@ class Where:
 
     def error(self, message: str) -> EulerError:
         return EulerError(message, file=self.file, line=self.line, key=self.key)
-
-
-def suggest(name: str, candidates) -> str:
-    close = difflib.get_close_matches(name, sorted(candidates), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def number(value: int | float) -> sp.Expr:

@@ -8,7 +8,6 @@ into a build.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
@@ -21,7 +20,7 @@ from typing import Any
 import yaml
 
 from eulergen import PACKAGE_DIR
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, suggest
 
 
 # The built-in default (the dataclass defaults) is sized by measurement: on 2 busy cores
@@ -170,7 +169,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "<dict>",
             if not isinstance(value, dict):
                 fail(name, f"expected a mapping, got {_show(value)}")
         elif name not in TOP_LEVEL_KEYS:
-            fail(str(name), "unknown section" + _suggest(str(name), [*SECTIONS, *TOP_LEVEL_KEYS]))
+            fail(str(name), "unknown section" + suggest(str(name), [*SECTIONS, *TOP_LEVEL_KEYS]))
     given = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     values = {name: _typed(cls, given[name], name, fail) for name, cls in SECTIONS.items()}
 
@@ -262,10 +261,10 @@ def _apply_override(raw: dict[str, Any], item: str, where: dict[str, tuple[str, 
         return
     section, dot, name = key.partition(".")
     if not dot or not name:
-        raise EulerError("expected section.key" + _suggest(key, [*SECTIONS, *TOP_LEVEL_KEYS]),
+        raise EulerError("expected section.key" + suggest(key, [*SECTIONS, *TOP_LEVEL_KEYS]),
                          file="--set", key=key)
     if section not in SECTIONS:
-        raise EulerError("unknown section" + _suggest(section, [*SECTIONS, *TOP_LEVEL_KEYS]),
+        raise EulerError("unknown section" + suggest(section, [*SECTIONS, *TOP_LEVEL_KEYS]),
                          file="--set", key=key)
     current = raw.get(section)
     raw[section] = dict(current) if isinstance(current, dict) else {}
@@ -281,7 +280,7 @@ def _typed(cls: type, given: dict[str, Any], section: str, fail) -> dict[str, An
     for key, value in given.items():
         full = f"{section}.{key}"
         if key not in hints:
-            fail(full, "unknown key" + _suggest(str(key), list(hints)))
+            fail(full, "unknown key" + suggest(str(key), list(hints)))
         out[key] = _coerce(hints[key], value, full, fail)
     return out
 
@@ -332,7 +331,7 @@ def _resolve_model(given: dict[str, Any], fail) -> dict[str, Any]:
     preset = given.get("preset")
     if preset is not None:
         if preset not in PRESETS:
-            fail("model.preset", f"unknown preset {preset!r}" + _suggest(preset, list(PRESETS), "preset"))
+            fail("model.preset", f"unknown preset {preset!r}" + suggest(preset, list(PRESETS), "preset"))
         base.update(PRESETS[preset])
     model = {**base, **given}
     if "mlp_hidden" not in given:
@@ -408,7 +407,7 @@ def _validate(cfg: RunConfig, fail) -> None:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in choices:
-            fail(key, f"{value!r} is not one of {', '.join(choices)}" + _suggest(value, list(choices)))
+            fail(key, f"{value!r} is not one of {', '.join(choices)}" + suggest(value, list(choices)))
     for name in ("norm", "activation", "attention"):
         if not _OP_NAME.match(getattr(m, name)):
             fail(f"model.{name}", f"{getattr(m, name)!r} is not an op name")
@@ -432,15 +431,7 @@ def _validate(cfg: RunConfig, fail) -> None:
         fail("data.dataset", "must name a dataset (a glob, a .bin file or builtin:stdlib)")
     if d.tokenizer not in TOKENIZER_KINDS and not d.tokenizer.endswith(".json"):
         fail("data.tokenizer", f"{d.tokenizer!r} is not {', '.join(TOKENIZER_KINDS)} or a path to a "
-             "tokenizer .json" + _suggest(d.tokenizer, list(TOKENIZER_KINDS)))
-
-
-def _suggest(word: str, options: list[str], what: str = "") -> str:
-    """' (did you mean …?)' for a near miss; else, when `what` names the options, the list."""
-    close = difflib.get_close_matches(str(word), options, n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean '{close[0]}'?)"
-    return f" (valid {what}s: {', '.join(options)})" if what else ""
+             "tokenizer .json" + suggest(d.tokenizer, list(TOKENIZER_KINDS)))
 
 
 def _show(value: Any) -> str:

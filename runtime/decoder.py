@@ -7,8 +7,9 @@ values, so that a new token costs one position's work instead of the whole windo
     # logits: the device array [B, vocab_rows] of the last position
 
 A step over Tq new tokens at absolute positions pos0 … pos0+Tq-1 makes the training
-graph's op library calls at Tq rows: the embedding (learned positions from wpe[pos0]),
-then per block the norm, one GEMM over all of c_attn.weight (q, k and v are strided
+graph's op library calls at Tq rows (both are built from runtime/graph.py): the
+embedding (learned positions from wpe[pos0]), then per block the norm, one GEMM over
+all of c_attn.weight (q, k and v are strided
 views of its output: fewer launches than training's three dense GEMMs, which the
 backward wants), rope on q and k at pos0, k and v copied into the cache at pos0, the new
 queries' attention over the cache through `lib.decode`, c_proj and the residual add, the
@@ -33,40 +34,60 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
-from eulergen.runtime.model import arch_of, load_params, parameters, plan_params
+from eulergen.runtime.graph import fused_shape, model_graph, parameter_names
+from eulergen.runtime.model import arch_of
+from eulergen.runtime.params import load_params, parameters, plan_params
 from eulergen.runtime.tape import Add, Linear, Op, Tape
+
+# the head reads the last position's stream, which TakeLast copies out of the block's x
+_HEAD = {"x_final": "last"}
 
 
 def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32") -> Plan:
     """Parameters (the training layout), the KV cache ([B, seq, KVH, D] k and v per
     layer), one block's activations at up to B·seq rows (blocks run one after another and
-    keep nothing), the last position's logits, and the token ids."""
+    keep nothing: each value in its graph.py slot), the last position's stream, norm and
+    logits, and the token ids."""
     if seq > a.max_seq:
         raise EulerError(f"sampling context {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
-    B, T, d, F = batch, seq, a.d, a.ffn
+    B, T = batch, seq
+    g = model_graph(a)
     p = Planner()
     plan_params(p, a, dtype)
+    attention = next(n for n in g.block if n.kind == "attention")
     for layer in range(a.layers):
-        for part in ("k", "v"):
-            p.add("kv_cache", f"h.{layer}.{part}_cache", (B, T, a.kv_heads, a.head_dim), dtype)
-    p.add("activations", "x", (B, T, d), dtype)        # the residual stream, added in place
-    p.add("activations", "ln", (B, T, d), dtype)
-    # q, k and v from one GEMM over all of c_attn: heads [q…, k…, v…] of head_dim each
-    p.add("activations", "qkv", (B, T, a.heads + 2 * a.kv_heads, a.head_dim), dtype)
-    if a.rope:
-        p.add("activations", "q_rope", (B, T, a.heads, a.head_dim), dtype)
-        p.add("activations", "k_rope", (B, T, a.kv_heads, a.head_dim), dtype)
-    p.add("activations", "attn", (B, T, a.heads, a.head_dim), dtype)
-    p.add("activations", "proj", (B, T, d), dtype)
-    for name in (("fc_a", "fc_b") if a.gated else ("fc",)):
-        p.add("activations", name, (B, T, F), dtype)
-    p.add("activations", "act", (B, T, F), dtype)
-    p.add("activations", "last", (B, d), dtype)        # the last position's stream
-    p.add("activations", "ln_f", (B, d), dtype)
-    p.add("activations", "logits", (B, a.vocab_rows), dtype)
+        for part, name in zip(("k", "v"), attention.inputs[1:]):
+            p.add("kv_cache", f"h.{layer}.{part}_cache", g.values[name].shape((B, T)), dtype)
+    for buffer, shape in _block_buffers(g, (B, T)).items():
+        p.add("activations", buffer, shape, dtype)
+    for name in g.order(g.head):       # at the last position only: [B, …]
+        p.add("activations", _HEAD.get(name, name), g.values[name].shape((B,)), dtype)
     p.add("tokens", "idx", (B, T), "int32")
     return p.plan()
+
+
+def _block_slots(g) -> dict[str, str]:
+    """Each block value the decoder makes -> its buffer: its slot, or the `fused` buffer
+    of a linear's outputs. Attention through lib.decode makes o alone (lse is for a
+    backward)."""
+    slots = {}
+    for node in g.block:
+        outputs = node.outputs[:1] if node.kind == "attention" else node.outputs
+        for name in node.inputs + outputs:
+            fused = node.fused and name in node.outputs
+            slots.setdefault(name, node.fused if fused else g.values[name].buffer)
+    return slots
+
+
+def _block_buffers(g, lead) -> dict[str, tuple]:
+    """The shape of each buffer of _block_slots at leading dims `lead`, in order of first use."""
+    fused = {n.fused: fused_shape([g.values[o].shape(lead) for o in n.outputs])
+             for n in g.block if n.fused}
+    shapes = {}
+    for name, buffer in _block_slots(g).items():
+        shapes.setdefault(buffer, fused.get(buffer) or g.values[name].shape(lead))
+    return shapes
 
 
 class Cursor:
@@ -81,30 +102,31 @@ class Cursor:
 class Embed:
     """x = wte[ids] (+ wpe[pos0 … pos0+Tq-1]): the embedding op with wpe's rows from pos0."""
 
-    def __init__(self, ids, wte, wpe, out, cursor: Cursor):
-        self.ids, self.wte, self.wpe, self.out, self.cursor = ids, wte, wpe, out, cursor
+    def __init__(self, op, ids, wte, wpe, out, cursor: Cursor):
+        self.op, self.ids, self.wte, self.wpe, self.out = op, ids, wte, wpe, out
+        self.cursor = cursor
 
     def forward(self, tape: Tape) -> None:
         p, T = self.cursor.pos0, self.ids.shape[1]
         wpe = None if self.wpe is None else self.wpe[p:p + T]
-        tape.lib.forward("embedding", self.ids, self.wte, wpe, out=(self.out,))
+        tape.lib.forward(self.op, self.ids, self.wte, wpe, out=(self.out,))
 
 
 class Rope:
     """y = rope(x) with the first row at absolute position pos0."""
 
-    def __init__(self, x, y, params: dict, cursor: Cursor):
-        self.x, self.y, self.params, self.cursor = x, y, params, cursor
+    def __init__(self, op, x, y, params: dict, cursor: Cursor):
+        self.op, self.x, self.y, self.params, self.cursor = op, x, y, params, cursor
 
     def forward(self, tape: Tape) -> None:
-        tape.lib.forward("rope", self.x, out=(self.y,), pos0=self.cursor.pos0, **self.params)
+        tape.lib.forward(self.op, self.x, out=(self.y,), pos0=self.cursor.pos0, **self.params)
 
 
 class Attend:
     """k and v written into the cache at pos0, then o = attention of the new queries over
     cache positions 0 … pos0+Tq-1 (lib.decode: the op's score, mask and params)."""
 
-    def __init__(self, op: str, q, k, v, k_cache, v_cache, o, cursor: Cursor):
+    def __init__(self, op, q, k, v, k_cache, v_cache, o, cursor: Cursor):
         self.op, self.q, self.k, self.v, self.o = op, q, k, v, o
         self.k_cache, self.v_cache, self.cursor = k_cache, v_cache, cursor
 
@@ -137,6 +159,7 @@ class Decoder:
         self.tf32 = tf32
         self.length = 0                                  # cache positions holding tokens
         self.tokens = np.zeros((batch, seq), np.int64)   # those tokens: a crop prefills them
+        self.graph = model_graph(arch)
         self._decode_tape = self._record(1)
         self.logits = memory["logits"]
 
@@ -149,57 +172,67 @@ class Decoder:
         return full.reshape(-1)[:prod(shape)].reshape(shape)
 
     def _record(self, rows: int) -> Tape:
-        a, m, P, cur = self.arch, self.mem, self.params, self.cursor
+        """graph.py's stem and blocks at `rows` new positions of each sequence (1: the
+        decode tape), then the head at the last position."""
+        g, m = self.graph, self.mem
         tape = Tape(self.backend, self.lib, None, tf32=self.tf32)
-        at = self._at
-
-        def flat(t):
-            return t.reshape(self.batch * rows, -1)
-
-        def linear(x, name, y, row_block=slice(None)):
-            b = P[f"{name}.bias"][row_block] if a.bias else None
-            tape.record(Linear(flat(x), P[f"{name}.weight"][row_block], flat(y),
-                               None, None, None, b))
-
-        def norm(prefix, x, y):
-            tape.record(Op(a.norm, (x, *[P[f"{prefix}.{w}"] for w in a.norm_weights]), (y,),
-                           (), (), a.norm_params))
-
-        x, ln, proj, qkv = at("x", rows), at("ln", rows), at("proj", rows), at("qkv", rows)
-        tape.record(Embed(at("idx", rows), P["wte.weight"],
-                          None if a.rope else P["wpe.weight"], x, cur))
-        H, KVH = a.heads, a.kv_heads
-        for layer in range(a.layers):
-            h = f"h.{layer}"
-            norm(f"{h}.ln_1", x, ln)
-            linear(ln, f"{h}.attn.c_attn", qkv)
-            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + KVH], qkv[:, :, H + KVH:]   # strided views
-            if a.rope:
-                q_rope, k_rope = at("q_rope", rows), at("k_rope", rows)
-                tape.record(Rope(q, q_rope, a.rope_params, cur))
-                tape.record(Rope(k, k_rope, a.rope_params, cur))
-                q, k = q_rope, k_rope
-            o = at("attn", rows)
-            tape.record(Attend(a.attention, q, k, v, m[f"{h}.k_cache"], m[f"{h}.v_cache"], o,
-                               cur))
-            linear(o, f"{h}.attn.c_proj", proj)
-            tape.record(Add(x, proj, x))
-            norm(f"{h}.ln_2", x, ln)
-            if a.gated:
-                fc = (at("fc_a", rows), at("fc_b", rows))
-                linear(ln, f"{h}.mlp.c_fc", fc[0], slice(0, a.ffn))
-                linear(ln, f"{h}.mlp.c_fc", fc[1], slice(a.ffn, 2 * a.ffn))
-            else:
-                fc = (at("fc", rows),)
-                linear(ln, f"{h}.mlp.c_fc", fc[0])
-            act = at("act", rows)
-            tape.record(Op(a.activation, fc, (act,), (), (), {}))
-            linear(act, f"{h}.mlp.c_proj", proj)
-            tape.record(Add(x, proj, x))
-        tape.record(TakeLast(x, m["last"]))
-        norm("ln_f", m["last"], m["ln_f"])
-        tape.record(Linear(m["ln_f"], P["wte.weight"], m["logits"], None, None, None))
+        views, buffers = self._views(rows)
+        for node in g.stem:
+            self._node(tape, node, "", views, buffers, rows)
+        for layer in range(self.arch.layers):
+            for node in g.block:
+                self._node(tape, node, f"h.{layer}.", views, buffers, rows)
+        tape.record(TakeLast(views["x"], m["last"]))
+        head = {name: m[_HEAD.get(name, name)] for name in g.order(g.head)}
+        for node in g.head:
+            self._node(tape, node, "", head, {}, 1)
         return tape
+
+    def _views(self, rows: int) -> tuple[dict, dict]:
+        """Each block value at `rows` positions -> its array, and each buffer -> its array:
+        a fused linear's outputs are strided views of its buffer (q, k, v of qkv)."""
+        g, slots = self.graph, _block_slots(self.graph)
+        buffers = {b: self._at(b, rows) for b in dict.fromkeys(slots.values())}
+        views = {name: buffers[b] for name, b in slots.items()}
+        for node in g.block:
+            if node.fused:
+                at = 0
+                for name in node.outputs:
+                    heads = g.values[name].shape((1, 1))[2]
+                    views[name] = buffers[node.fused][:, :, at:at + heads]
+                    at += heads
+        views["idx"] = self._at("idx", rows)
+        return views, buffers
+
+    def _node(self, tape: Tape, node, prefix: str, views: dict, buffers: dict, rows: int):
+        """Record one graph node, forward only, over `views`; `rows` positions a sequence."""
+        P, cur = self.params, self.cursor
+        names = parameter_names(node, prefix, P)
+        if node.kind == "embedding":
+            (ids,), (x,) = node.inputs, node.outputs
+            tape.record(Embed(node.op, views[ids], P[names[0]],
+                              P[names[1]] if len(names) > 1 else None, views[x], cur))
+        elif node.kind == "linear":
+            def flat(t):
+                return t.reshape(self.batch * rows, -1)
+            w, b = names[0], names[1] if len(names) > 1 else None
+            outputs = ([(buffers[node.fused], slice(None))] if node.fused else
+                       zip((views[n] for n in node.outputs), self.graph.row_blocks(node)))
+            for y, block in outputs:
+                tape.record(Linear(flat(views[node.inputs[0]]), P[w][block], flat(y), None,
+                                   None, None, P[b][block] if b else None))
+        elif node.kind == "rope":
+            tape.record(Rope(node.op, views[node.inputs[0]], views[node.outputs[0]],
+                             node.params, cur))
+        elif node.kind == "attention":
+            q, k, v = (views[n] for n in node.inputs)
+            tape.record(Attend(node.op, q, k, v, self.mem[f"{prefix}k_cache"],
+                               self.mem[f"{prefix}v_cache"], views[node.outputs[0]], cur))
+        elif node.kind == "add":
+            tape.record(Add(*(views[n] for n in node.inputs + node.outputs)))
+        else:   # norm, activation
+            tape.record(Op(node.op, (*(views[n] for n in node.inputs), *(P[n] for n in names)),
+                           tuple(views[n] for n in node.outputs), (), (), node.params))
 
     # -- running it -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@
     lib.forward("rope", q, out=q, pos0=t)      # pair ops: first position (KV-cache decoding)
     o = lib.decode("causal_attention", q, k_cache, v_cache, pos0)   # attention over a KV cache
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
+    gelu = lib.op("gelu"); lib.forward(gelu, x, out=y)   # an entry, resolved once (the model's)
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
 kernels); on a GPU they launch the op's generated kernels (runtime/cuda_ops.py and
@@ -27,13 +28,12 @@ backend computes in float32 or float64 and has no bf16.
 """
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 import numpy as np
 
 from eulergen import GENERATED_DIR
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, suggest
 from eulergen.runtime.backend import Backend
 from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
 
@@ -86,16 +86,28 @@ class OpLibrary:
             return self.ops[name]
         except KeyError:
             pass
-        near = difflib.get_close_matches(name, self.ops, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        hint = suggest(name, self.ops)
         if self._missing_builtin:
             hint += f"; {BUILTIN_MANIFEST} is missing: run `eulergen build`"
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
 
-    # -- the calls ---------------------------------------------------------------------
+    def workspace_elements(self, op: OpEntry, stage: str, shape, *, table_rows: int = 0) -> int:
+        """The float32 elements a `stage` call of `op` over inputs of `shape` needs from the
+        caller's `workspace=` on this backend (a memory plan asks): the CUDA kernels'
+        temporaries (cuda_ops.workspace_elements); numpy needs none."""
+        if not self._cuda:
+            return 0
+        from eulergen.runtime.cuda_ops import workspace_elements
+        return workspace_elements(op, stage, shape, table_rows=table_rows)
 
-    def forward(self, name: str, *inputs, out=None, **params):
-        op = self.op(name)
+    def _entry(self, op: str | OpEntry) -> OpEntry:
+        """A call's op: its name, looked up here, or its entry, resolved once by the caller."""
+        return op if isinstance(op, OpEntry) else self.op(op)
+
+    # -- the calls: each takes an op's name or its OpEntry (`lib.op(name)`) ---------------
+
+    def forward(self, name: str | OpEntry, *inputs, out=None, **params):
+        op = self._entry(name)
         self._arity(op, "forward", inputs, len(op.inputs))
         pos0 = self._pos0(op, params)
         p = self._params(op, params)
@@ -105,14 +117,14 @@ class OpLibrary:
         got = self._module(op).forward(*inputs, **p, **self._numpy_pos0(op, pos0))
         return self._deliver(op, "forward", got, out, len(op.outputs))
 
-    def backward(self, name: str, *inputs_and_douts, out=None, workspace=None,
+    def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
                  accumulate=False, **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
-        (cuda_ops.workspace_elements says how big); numpy needs none and ignores it.
+        (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
         all or one per gradient (GRADS order); the embedding op only (its table gradient
         meets the tied LM head's)."""
-        op = self.op(name)
+        op = self._entry(name)
         self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
         pos0 = self._pos0(op, params)
         adds = self._accumulate(op, accumulate, out)
@@ -126,14 +138,14 @@ class OpLibrary:
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
-    def decode(self, name: str, q, k_cache, v_cache, pos0: int, *, out=None, **params):
+    def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None, **params):
         """Attention of new queries q [B, Tq, H, D], at positions pos0 … pos0+Tq-1, over a KV
         cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 are valid (later rows are never
         read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence."""
         from eulergen.runtime.attention import decode_geometry
-        op = self.op(name)
+        op = self._entry(name)
         if op.kind != "attention":
-            raise EulerError(f"op {name!r} is {op.kind}: decode is for attention ops",
+            raise EulerError(f"op {op.name!r} is {op.kind}: decode is for attention ops",
                              file=op.spec, key="kind")
         p = self._params(op, params)
         pos0 = int(pos0)
@@ -143,10 +155,10 @@ class OpLibrary:
         got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
         return self._deliver(op, "decode", got, out, 1)
 
-    def step(self, name: str, *state_and_grads, **params) -> None:
-        op = self.op(name)
+    def step(self, name: str | OpEntry, *state_and_grads, **params) -> None:
+        op = self._entry(name)
         if op.kind != "update":
-            raise EulerError(f"op {name!r} is {op.kind}, not an update op: call forward/backward",
+            raise EulerError(f"op {op.name!r} is {op.kind}, not an update op: call forward/backward",
                              file=op.spec, key="kind")
         self._arity(op, "step", state_and_grads, len(op.inputs))
         p = self._params(op, params)
@@ -155,14 +167,14 @@ class OpLibrary:
             return
         self._module(op).step(*state_and_grads, **p)
 
-    def fused(self, name: str, *inputs_and_douts, out=None, **params) -> tuple:
+    def fused(self, name: str | OpEntry, *inputs_and_douts, out=None, **params) -> tuple:
         """Forward and backward in one call: the forward outputs, then the gradients.
 
         On a GPU this is the op's `fwdbwd` kernel (cross-entropy: loss and dlogits in one
         pass, without storing probabilities). On numpy it is forward then backward of the
         same generated module; the outputs are copied into `out` only after both ran, so
         a gradient buffer may alias an input (dlogits over logits) here too."""
-        op = self.op(name)
+        op = self._entry(name)
         n_in = len(op.inputs)
         self._arity(op, "fused", inputs_and_douts, self._backward_arity(op))
         inputs = inputs_and_douts[:n_in]
@@ -236,9 +248,8 @@ class OpLibrary:
     def _params(op: OpEntry, given: dict) -> dict:
         unknown = [k for k in given if k not in op.params]
         if unknown:
-            near = difflib.get_close_matches(unknown[0], op.params, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise EulerError(f"op {op.name!r} has no parameter {unknown[0]!r}{hint}; "
+            raise EulerError(f"op {op.name!r} has no parameter {unknown[0]!r}"
+                             f"{suggest(unknown[0], op.params)}; "
                              f"parameters: {', '.join(op.params) or 'none'}",
                              file=op.spec, key=f"params.{unknown[0]}")
         merged = {**op.params, **given}

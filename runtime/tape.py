@@ -158,23 +158,24 @@ class Linear:
 
 
 class Op:
-    """A generated op: forward through `lib.forward`, backward through `lib.backward`.
+    """A generated op: forward through `lib.forward`, backward through `lib.backward`, with
+    its manifest entry `op` (resolved once, not looked up by name at each call).
 
     `saved` are the arrays the op's backward reads besides its inputs and output grads:
     attention's (o, lse), for which the backward signature is (q, k, v, o, lse, do)."""
 
-    def __init__(self, name: str, inputs, outputs, douts, dins, params: dict, saved=()):
-        self.name, self.inputs, self.outputs, self.params = name, inputs, outputs, params
+    def __init__(self, op, inputs, outputs, douts, dins, params: dict, saved=()):
+        self.op, self.inputs, self.outputs, self.params = op, inputs, outputs, params
         self.douts, self.dins, self.saved = douts, dins, saved
 
     def forward(self, tape: Tape) -> None:
-        tape.lib.forward(self.name, *self.inputs, out=tuple(self.outputs), **self.params)
+        tape.lib.forward(self.op, *self.inputs, out=tuple(self.outputs), **self.params)
 
     def backward(self, tape: Tape) -> None:
         adding = [g for g in self.dins if tape.adds(g)]
         temps = iter(tape.scratch([g.buf.shape for g in adding]))
         targets = tuple(next(temps) if tape.adds(g) else g.buf for g in self.dins)
-        tape.lib.backward(self.name, *self.inputs, *self.saved, *self.douts, out=targets,
+        tape.lib.backward(self.op, *self.inputs, *self.saved, *self.douts, out=targets,
                           workspace=tape.kernel_ws, **self.params)
         for g, t in zip(self.dins, targets):
             if t is not g.buf:
@@ -203,19 +204,20 @@ class Embedding:
     Backward: dtable[ids[i]] (+)= dout[i] summed in token order per id (deterministic),
     dpositions (+)= Σ_batch dout; each gradient is added or written as its Grad says (the
     table's is added: the tied LM head, later in the forward pass, writes it first). The
-    sort the backward needs lives in the tape's kernel workspace."""
+    sort the backward needs lives in the tape's kernel workspace. `op`: the embedding
+    op's manifest entry."""
 
-    def __init__(self, ids, table, out, dout, dtable: Grad | None, positions=None,
+    def __init__(self, op, ids, table, out, dout, dtable: Grad | None, positions=None,
                  dpositions: Grad | None = None):
-        self.ids, self.table, self.out, self.dout = ids, table, out, dout
+        self.op, self.ids, self.table, self.out, self.dout = op, ids, table, out, dout
         self.dtable, self.positions, self.dpositions = dtable, positions, dpositions
 
     def forward(self, tape: Tape) -> None:
-        tape.lib.forward("embedding", self.ids, self.table, self.positions, out=self.out)
+        tape.lib.forward(self.op, self.ids, self.table, self.positions, out=self.out)
 
     def backward(self, tape: Tape) -> None:
         dpos = self.dpositions
         adds = (tape.adds(self.dtable), dpos is not None and tape.adds(dpos))
-        tape.lib.backward("embedding", self.ids, self.table, self.positions, self.dout,
+        tape.lib.backward(self.op, self.ids, self.table, self.positions, self.dout,
                           out=(self.dtable.buf, None if dpos is None else dpos.buf),
                           accumulate=adds, workspace=tape.kernel_ws)

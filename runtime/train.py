@@ -90,12 +90,13 @@ class AdamW:
                 self.groups.append((tuple(mem.arenas[a][lo:hi] for a in
                                           ("params", "grads", "adam_m", "adam_v")), wd))
         self.updates = 0     # AdamW's t: bias correction counts applied updates only
+        self.op = model.lib.op("adamw")
 
     def step(self, lr: float) -> None:
         self.updates += 1
         t = self.t
         for (p, g, m, v), wd in self.groups:
-            self.model.lib.step("adamw", p, g, m, v, lr=lr, step=self.updates, beta1=t.beta1,
+            self.model.lib.step(self.op, p, g, m, v, lr=lr, step=self.updates, beta1=t.beta1,
                                 beta2=t.beta2, eps=t.adam_eps, weight_decay=wd)
 
     def state_dict(self) -> dict:

@@ -79,13 +79,29 @@ def test_the_training_plan_holds_the_largest_backward_workspace():
     cfg = load_config(None, TINY)
     lib = OpLibrary(NUMPY)
     arch = arch_of(cfg.model, lib)
-    plan = plan_model(arch, 2, 128)
+    plan = plan_model(arch, 2, 128, workspace=workspace_elements)
     want = max(workspace_elements(lib.op("rmsnorm"), "backward", (2, 128, 256)),
                workspace_elements(lib.op("causal_attention"), "backward", (2, 128, 4, 64)))
     assert plan.buffer("kernel_ws").shape == (want,) and want > 0
     assert plan.arena("kernels").dtype == "float32"
-    inference = plan_model(arch, 2, 128, training=False)
+    inference = plan_model(arch, 2, 128, training=False, workspace=workspace_elements)
     assert "kernel_ws" not in inference.index
+
+
+@needs_manifest
+def test_the_kernel_workspace_is_the_backends_question():
+    """A GPU library sizes the workspace as its kernels carve it; numpy's modules take none,
+    so a numpy model plans no `kernels` arena (and never asks the CUDA side)."""
+    cfg = load_config(None, TINY)
+    gpu = OpLibrary(Backend("cuda", np, True, "test"))   # sizing launches nothing
+    op = gpu.op("rmsnorm")
+    assert gpu.workspace_elements(op, "backward", (2, 128, 256)) == \
+        workspace_elements(op, "backward", (2, 128, 256)) > 0
+    assert OpLibrary(NUMPY).workspace_elements(op, "backward", (2, 128, 256)) == 0
+    arch = arch_of(cfg.model, gpu)
+    assert "kernel_ws" in plan_model(arch, 2, 128, workspace=gpu.workspace_elements).index
+    numpy_plan = plan_model(arch, 2, 128, workspace=OpLibrary(NUMPY).workspace_elements)
+    assert "kernels" not in {a.name for a in numpy_plan.arenas}
 
 
 def test_upload_converts_on_the_host_into_the_view():

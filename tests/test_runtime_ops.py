@@ -126,6 +126,21 @@ def test_backward_is_always_a_tuple_of_grads_in_input_order(lib):
     assert (da[0], db[0]) == (3, 1)
 
 
+def test_every_call_takes_the_ops_entry_as_well_as_its_name(lib):
+    """A model resolves its ops once (lib.op) and calls with the entry; it is not looked
+    up again, so a name removed from the library afterwards does not matter."""
+    x, dy = np.float32([1, 2]), np.float32([5, 7])
+    scale, sgd = lib.op("scale"), lib.op("sgd")
+    del lib.ops["scale"], lib.ops["sgd"]
+    np.testing.assert_array_equal(lib.forward(scale, x, k=3.0), 3 * x)
+    np.testing.assert_array_equal(lib.backward(scale, x, dy)[0], 2 * dy)
+    p = np.float32([1, 1])
+    lib.step(sgd, p, np.float32([1, 2]), lr=0.5)
+    np.testing.assert_array_equal(p, [0.5, 0])
+    with pytest.raises(EulerError, match="unknown op 'scale'"):
+        lib.forward("scale", x)
+
+
 def test_out_writes_into_the_given_buffers_and_returns_them(lib):
     a, b = np.float32([1, 2]), np.float32([3, 4])
     p, s = np.full(2, np.nan, np.float32), np.full(2, np.nan, np.float32)

@@ -1,0 +1,169 @@
+"""The model's forward pass, written once as data: the stem, one block and the head, each
+a tuple of Nodes over named Values. runtime/model.py builds the training memory plan and
+tape from it, runtime/decoder.py the KV-cache decoder's plan and tape.
+
+    stem   idx -> embedding -> x
+    block  x -> norm -> ln_1 -> c_attn -> q, k, v [-> rope -> q_rope, k_rope]
+             -> attention -> attn, lse -> c_proj -> attn_proj;  x + attn_proj -> x_mid
+           x_mid -> norm -> ln_2 -> c_fc -> fc (fc_a, fc_b: gated) -> activation -> act
+             -> c_proj -> mlp_proj;  x_mid + mlp_proj -> next
+    head   x_final -> norm -> ln_f -> wte (tied) -> logits
+
+A block reads `x` and writes `next`: the next block's `x`, or after the last block the
+head's `x_final`. Each value has its own name within a block (training plans
+h.{i}.ln_1 and h.{i}.ln_2); its `slot` is the buffer it takes where one buffer serves
+every block (the decoder runs the blocks one after another over one set of
+activations; training keeps the values no backward reads there, in its workspace), and
+its `grad` the training workspace buffer that holds its gradient, which every block
+shares too. The values a residual add joins share one gradient (`d.x`): the add's
+backward is the fan-in of writers adding into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+from math import prod
+from typing import Callable
+
+Shape = Callable[[tuple], tuple]   # the leading dims, (B, T) or (B,), -> the value's shape
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str
+    shape: Shape
+    slot: str = ""              # "" : its own name
+    grad: str | None = None     # None: no gradient flows into it
+
+    @property
+    def buffer(self) -> str:
+        return self.slot or self.name
+
+    @property
+    def features(self) -> int:
+        """Elements per token: the rows of a weight that a GEMM writes it from."""
+        return prod(self.shape((1, 1))[2:])
+
+
+@dataclass(frozen=True)
+class Node:
+    """One step of the forward pass. `kind` is 'embedding', 'norm', 'rope', 'attention' or
+    'activation' (a manifest op: `op` is its entry, `params` its call parameters), or
+    'linear' (a GEMM) or 'add' (the residual add). `weights`: the prefixes of the
+    parameters it reads, in the order it takes them (`parameter_names`). A linear with
+    several outputs makes them from consecutive row blocks of its weight: one GEMM each
+    in training (dense outputs, one gradient each), one GEMM into the buffer `fused`, the
+    outputs views of it, where only the forward runs. `saved`: outputs its backward
+    reads besides its inputs (attention's o and lse)."""
+    kind: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    weights: tuple[str, ...] = ()
+    op: object = None                                 # manifest.OpEntry
+    params: dict = field(default_factory=dict, hash=False)
+    fused: str = ""
+    saved: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Graph:
+    values: dict = field(hash=False)   # name -> Value
+    stem: tuple[Node, ...]
+    block: tuple[Node, ...]
+    head: tuple[Node, ...]
+
+    def order(self, nodes) -> list[str]:
+        """The values `nodes` read and write, in order of first appearance."""
+        return list(dict.fromkeys(n for node in nodes for n in node.inputs + node.outputs))
+
+    def row_blocks(self, node: Node) -> list[slice]:
+        """The weight rows each output of a linear is made from: all of them for one output,
+        consecutive blocks of each output's features for several (c_attn's q, k, v)."""
+        if len(node.outputs) == 1:
+            return [slice(None)]
+        sizes = [self.values[n].features for n in node.outputs]
+        return [slice(lo, lo + n) for lo, n in zip(accumulate([0] + sizes), sizes)]
+
+    def kept(self) -> frozenset[str]:
+        """The values a backward reads (every node's inputs but an add's, the outputs a node
+        saves) and the model's output: what training keeps from forward to backward."""
+        nodes = self.stem + self.block + self.head
+        read = {n for node in nodes if node.kind != "add" for n in node.inputs}
+        return frozenset(read | {n for node in nodes for n in node.saved}
+                         | {self.head[-1].outputs[-1]})
+
+
+def parameter_names(node: Node, prefix: str, params) -> list[str]:
+    """The parameters `node` reads, of those in `params`: for each of its weights
+    `<prefix><w>.weight`, then `.bias` where the model has one (prefix: h.{i}. in a block)."""
+    return [name for w in node.weights for name in (f"{prefix}{w}.weight", f"{prefix}{w}.bias")
+            if name in params]
+
+
+def fused_shape(shapes) -> tuple:
+    """The shape of one buffer holding arrays of `shapes` side by side along axis 2 (q, k
+    and v: [B, T, H + 2·KVH, D]), each of them a view of its part."""
+    first = shapes[0]
+    if any(len(s) != len(first) or s[:2] != first[:2] or s[3:] != first[3:] for s in shapes):
+        raise ValueError(f"cannot fuse shapes {shapes} along axis 2")
+    return (*first[:2], sum(s[2] for s in shapes), *first[3:])
+
+
+def model_graph(a) -> Graph:
+    """The graph of an Arch (runtime/model.py): rope nodes with rope positions, two fc
+    outputs for a gated activation, the ops and parameters arch_of resolved."""
+    def per_token(*tail):
+        return lambda lead: (*lead, *tail)
+
+    stream = per_token(a.d)
+    heads, kv = per_token(a.heads, a.head_dim), per_token(a.kv_heads, a.head_dim)
+    fc = ("fc_a", "fc_b") if a.gated else ("fc",)
+    values = [
+        Value("idx", per_token()),
+        Value("x", stream, grad="d.x"),
+        Value("ln_1", stream, "ln", "d.ln"),
+        Value("q", heads, grad="d.q"),
+        Value("k", kv, grad="d.k"),
+        Value("v", kv, grad="d.v"),
+        Value("q_rope", heads, grad="d.q_rope"),
+        Value("k_rope", kv, grad="d.k_rope"),
+        Value("attn", heads, grad="d.attn"),
+        Value("lse", lambda lead: (lead[0], a.heads, *lead[1:])),
+        Value("attn_proj", stream, "proj", "d.x"),
+        Value("x_mid", stream, "x", "d.x"),
+        Value("ln_2", stream, "ln", "d.ln"),
+        *(Value(name, per_token(a.ffn), grad=f"d.{name}") for name in fc),
+        Value("act", per_token(a.ffn), grad="d.act"),
+        Value("mlp_proj", stream, "proj", "d.x"),
+        Value("next", stream, "x", "d.x"),
+        Value("x_final", stream, grad="d.x"),
+        Value("ln_f", stream, grad="d.ln"),
+        Value("logits", lambda lead: (prod(lead), a.vocab_rows), grad="logits"),  # dlogits
+    ]
+
+    def norm(x, y, param):
+        return Node("norm", (x,), (y,), (param,), a.ops.norm, a.norm_params)
+
+    q, k = ("q_rope", "k_rope") if a.rope else ("q", "k")
+    block = (
+        norm("x", "ln_1", "ln_1"),
+        Node("linear", ("ln_1",), ("q", "k", "v"), ("attn.c_attn",), fused="qkv"),
+        *((Node("rope", ("q",), ("q_rope",), op=a.ops.rope, params=a.rope_params),
+           Node("rope", ("k",), ("k_rope",), op=a.ops.rope, params=a.rope_params))
+          if a.rope else ()),
+        Node("attention", (q, k, "v"), ("attn", "lse"), op=a.ops.attention,
+             saved=("attn", "lse")),
+        Node("linear", ("attn",), ("attn_proj",), ("attn.c_proj",)),
+        Node("add", ("x", "attn_proj"), ("x_mid",)),
+        norm("x_mid", "ln_2", "ln_2"),
+        Node("linear", ("ln_2",), fc, ("mlp.c_fc",)),
+        Node("activation", fc, ("act",), op=a.ops.activation),
+        Node("linear", ("act",), ("mlp_proj",), ("mlp.c_proj",)),
+        Node("add", ("x_mid", "mlp_proj"), ("next",)),
+    )
+    tables = ("wte",) if a.rope else ("wte", "wpe")    # learned positions: wpe[:T] added
+    return Graph(values={v.name: v for v in values},
+                 stem=(Node("embedding", ("idx",), ("x",), tables, a.ops.embedding),),
+                 block=block,
+                 head=(norm("x_final", "ln_f", "ln_f"),
+                       Node("linear", ("ln_f",), ("logits",), ("wte",))))   # tied, no bias
