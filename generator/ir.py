@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from eulergen.launch import Geometry
+
 
 @dataclass(frozen=True)
 class Location:
@@ -188,7 +190,7 @@ class KernelSig:
     args: tuple[tuple[str, str], ...]  # (name, C type) in launch order
     dtype: str                         # 'f32' | 'bf16' (storage; compute is fp32)
     stage: str                         # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
-    plan: tuple[tuple[str, object], ...]  # launch facts the runtime needs (block size, rows per block…)
+    geometry: Geometry                 # its launch (eulergen/launch.py): the manifest's `geometry`
 
     @property
     def c_params(self) -> str:

@@ -88,6 +88,7 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
+from eulergen import launch
 from eulergen.errors import EulerError
 from eulergen.generator import ir
 
@@ -336,7 +337,6 @@ class KernelPlan:
     """How one op is rendered: the template and the launch facts for each storage dtype."""
     template: str                    # file under templates/
     dtypes: tuple[str, ...]
-    threads: int
     vec: tuple[tuple[str, int], ...]  # dtype -> elements per 16-byte access
     fwdbwd: bool = False             # row op whose outputs are all per-row scalars
 
@@ -355,15 +355,14 @@ def plan_op(op: ir.DerivedOp) -> KernelPlan:
                          line=op.where.line, key="kind")
     vec = tuple(VEC.items())
     if op.kind == "pointwise":
-        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec)
+        return KernelPlan("pointwise.cu.j2", DTYPES, vec=vec)
     if op.kind == "row":
         scalar_only = all(o.role == "scalar" for o in op.outputs)
-        return KernelPlan("row.cu.j2", DTYPES, threads=32 * WARP_ROWS_PER_BLOCK, vec=vec,
-                          fwdbwd=scalar_only)
+        return KernelPlan("row.cu.j2", DTYPES, vec=vec, fwdbwd=scalar_only)
     if op.kind == "pair":
-        return KernelPlan("pair.cu.j2", DTYPES, threads=256, vec=vec)
+        return KernelPlan("pair.cu.j2", DTYPES, vec=vec)
     # update: state is float32, so one vector is 4 state floats (two for bf16 grads' 8).
-    return KernelPlan("update.cu.j2", DTYPES, threads=256, vec=(("f32", 4), ("bf16", 8)))
+    return KernelPlan("update.cu.j2", DTYPES, vec=(("f32", 4), ("bf16", 8)))
 
 
 # Pointwise tiles (threads, vectors a thread). Measured on the H200 (2^28 elements, PyTorch
@@ -424,47 +423,33 @@ def pointwise_min_blocks(dtype: str, loads: int, light: bool) -> int:
     return 0 if light or loads != 1 else POINTWISE_ONE_LOAD_MIN_BLOCKS.get(dtype, 0)
 
 
-def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,
-                     unroll: int) -> tuple[tuple[str, object], ...]:
-    return (("threads", threads), ("vec", plan.vec_of(dtype)), ("unroll", unroll),
-            ("grid_max", None), ("in_place_ok", True))
+def pointwise_launch(dtype: str, loads: int, light: bool) -> launch.Pointwise:
+    threads, unroll = pointwise_tile(dtype, loads, light)
+    return launch.Pointwise(threads, VEC[dtype], unroll, pointwise_min_blocks(dtype, loads, light))
 
 
-def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape: RowShape,
-               fwdbwd: bool = False, split_cols: int = 0) -> tuple[tuple[str, object], ...]:
-    v = plan.vec_of(dtype)
+def row_launch(dtype: str, layout: str, *, wgrad: bool, shape: RowShape, aligned: bool,
+               fwdbwd: bool = False, split_cols: int = 0) -> launch.Geometry:
+    v = VEC[dtype]
     if not wgrad:
         grid_max = _GRID_MAX
     elif layout != "warp_per_row":
         grid_max = _GRID_MAX_WGRAD_BLOCK
     else:   # as many blocks as the launch bounds keep on an SM
         grid_max = _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD
-    extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
-
-    def partials(rule: str) -> tuple[tuple[str, object], ...]:
-        return (("wgrad_partials", rule),) if wgrad else ()
     if layout == "warp_per_row":
-        rpb = shape.threads // 32
         if not wgrad and not shape.prefetch:
             grid_max = None
-        return (("layout", layout), ("threads", shape.threads),
-                ("rows_per_block", rpb), ("grid_max", grid_max),
-                ("max_cols", 32 * v * shape.slots)) + partials("grid*rows_per_block") + extra
+        return launch.WarpPerRow(shape.threads, shape.threads // 32, grid_max,
+                                 32 * v * shape.slots, aligned, wgrad, fwdbwd)
     per_thread = v * shape.slots
+    min_cols = 32 * v * WARP_SLOTS[dtype] + 1
     if layout == "block_held":
-        return (("layout", layout), ("threads", shape.threads),
-                ("threads_min", shape.threads_min), ("cols_per_thread", per_thread),
-                ("rows_per_block", 1), ("grid_max", None),
-                ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1),
-                ("max_cols", shape.threads * per_thread)) + extra
-    if split_cols:
-        extra += (("split_cols", split_cols),)
-    if not wgrad and not shape.prefetch:
-        extra += (("uncapped_cols", shape.threads * per_thread),)
-    return (("layout", layout), ("threads", shape.threads),
-            ("threads_min", shape.threads_min), ("cols_per_thread", per_thread),
-            ("rows_per_block", 1), ("grid_max", grid_max),
-            ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1)) + partials("grid") + extra
+        return launch.BlockHeld(shape.threads, shape.threads_min, per_thread, min_cols,
+                                shape.threads * per_thread, aligned, fwdbwd)
+    uncapped = shape.threads * per_thread if not wgrad and not shape.prefetch else 0
+    return launch.BlockPerRow(shape.threads, shape.threads_min, per_thread, grid_max, min_cols,
+                              aligned, wgrad, uncapped, split_cols, fwdbwd)
 
 
 # Weight gradients of long rows. A block per row that sums them keeps its partials in
@@ -505,21 +490,20 @@ def wgrad_split_cols(dtype: str, levels: int) -> int:
     return WGRAD_SPLIT_COLS[(dtype, levels >= 2)]
 
 
-def wgrad_cols_launch(plan: KernelPlan, dtype: str, stats: int) -> tuple[tuple[str, object], ...]:
-    return (("threads", WGRAD_COLS_THREADS), ("vec", plan.vec_of(dtype)), ("row_stats", stats),
-            ("blocks", WGRAD_COLS_BLOCKS), ("grid_max", None))
+def wgrad_cols_launch(dtype: str, stats: int, aligned: bool) -> launch.WgradCols:
+    return launch.WgradCols(WGRAD_COLS_THREADS, VEC[dtype], stats, WGRAD_COLS_BLOCKS, aligned)
 
 
 # The fixed-order reduce of weight partials: 8 columns (a 32-byte sector) by 128 partial
 # groups per block, so that even a 768-wide weight spreads over 96 blocks.
 REDUCE_X, REDUCE_Y = 8, 128
-WGRAD_REDUCE_LAUNCH = (("threads", REDUCE_X * REDUCE_Y), ("threads_x", REDUCE_X),
-                       ("threads_y", REDUCE_Y), ("grid_max", None))
+WGRAD_REDUCE_LAUNCH = launch.WgradReduce(REDUCE_X, REDUCE_Y)
 
 
 # Pairs of one token whose index-only terms a pair block tables at a time (D ≤ 512 in one
 # go); a multiple of every vec, so that the vector path's chunks stay 16-byte aligned.
 PAIR_TABLE = 256
+PAIR_THREADS = 256
 # Full (256-thread) pair blocks held to 40 registers, six an SM (sm_90, no spills; unbounded
 # they took 44-48, five an SM): more 16-byte loads in flight. At 32 (eight) they spill.
 PAIR_MIN_BLOCKS = 6
@@ -532,13 +516,15 @@ PAIR_MIN_BLOCKS = 6
 _PAIR_GRID_MAX = 132 * PAIR_MIN_BLOCKS * 4
 
 
-def pair_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("table_pairs", PAIR_TABLE),
-            ("grid_max", _PAIR_GRID_MAX), ("in_place_ok", True))
+def pair_launch(dtype: str) -> launch.Pair:
+    return launch.Pair(PAIR_THREADS, VEC[dtype], PAIR_TABLE, PAIR_MIN_BLOCKS, _PAIR_GRID_MAX)
 
 
-def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("grid_max", _GRID_MAX))
+UPDATE_THREADS = 256
+
+
+def update_launch(dtype: str) -> launch.Update:
+    return launch.Update(UPDATE_THREADS, VEC[dtype], _GRID_MAX)
 
 
 EMBEDDING_THREADS = 256
@@ -574,20 +560,17 @@ EMBEDDING_MERGE_GROUP = 8             # tiles whose lower bounds a merge thread 
 EMBEDDING_MERGE_MIN_BLOCKS = 4
 
 
-def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
+def embedding_launch(stage: str, dtype: str) -> launch.Geometry:
     if stage == "forward":
-        return (("threads", EMBEDDING_THREADS), ("grid_max", _GRID_MAX))
+        return launch.EmbeddingForward(EMBEDDING_THREADS, _GRID_MAX)
     if stage == "backward_wpe":
-        return (("threads", EMBEDDING_THREADS), ("vec", VEC[dtype]), ("grid_max", _GRID_MAX))
+        return launch.EmbeddingWpe(EMBEDDING_THREADS, VEC[dtype], _GRID_MAX)
     if stage == "backward_sort":
-        return (("threads", EMBEDDING_SORT_THREADS), ("tile", EMBEDDING_TILE),
-                ("grid_max", None))
+        return launch.EmbeddingSort(EMBEDDING_SORT_THREADS, EMBEDDING_TILE)
     if stage == "backward_merge":
-        return (("threads", EMBEDDING_THREADS), ("tile", EMBEDDING_TILE), ("grid_max", None))
+        return launch.EmbeddingMerge(EMBEDDING_THREADS)
     if stage == "backward_wte_long":
-        return (("threads", EMBEDDING_LONG_THREADS), ("lanes", 32),
-                ("long_run", EMBEDDING_LONG_RUN), ("vec", VEC[dtype]),
-                ("grid_max", EMBEDDING_LONG_GRID))
-    return (("threads", EMBEDDING_WTE_THREADS), ("lanes", 32),
-            ("rows", EMBEDDING_WTE_THREADS // 32 * EMBEDDING_WTE_WARP_ROWS), ("vec", VEC[dtype]),
-            ("grid_max", None))
+        return launch.EmbeddingWteLong(EMBEDDING_LONG_THREADS, 32, EMBEDDING_LONG_RUN, VEC[dtype],
+                                       EMBEDDING_LONG_GRID)
+    return launch.EmbeddingWte(EMBEDDING_WTE_THREADS, 32,
+                               EMBEDDING_WTE_THREADS // 32 * EMBEDDING_WTE_WARP_ROWS, VEC[dtype])

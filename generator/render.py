@@ -12,6 +12,8 @@ from eulergen.errors import EulerError
 from eulergen.generator import ir, plan as planner
 from eulergen.generator.emit import block, dtype_values, param_names, render_template
 from eulergen.generator.hoist import hoist, row_constant_names
+from eulergen.generator.render_attention import render_attention
+from eulergen.generator.render_row import render_row
 
 
 def template_of(op: ir.DerivedOp) -> str:
@@ -35,11 +37,9 @@ def _ctype(dt: str, const: bool, storage: str = "T") -> str:
 def render_op(op: ir.DerivedOp, header_line: str) -> ir.RenderedCuda:
     """The .cu text of one op and its kernel signatures (the manifest's `kernels`)."""
     if op.kind == "attention":
-        from eulergen.generator.render_attention import render_attention
         return render_attention(op)
     p = planner.plan_op(op)
     if op.kind == "row":
-        from eulergen.generator.render_row import render_row
         return render_row(op, p, header_line)
     render = {"pointwise": _pointwise, "pair": _pair, "update": _update}[op.kind]
     return render(op, p, header_line)
@@ -70,10 +70,10 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
              "light": planner.arithmetic_light(body.backward)})
     for k in kernels:
         k["ptrs"] = [Ptr(a, "const ") for a in k["loads"]] + [Ptr(a, "") for a in k["stores"]]
-        k["tiles"] = {dt: planner.pointwise_tile(dt, len(k["loads"]), k["light"])
-                      for dt in p.dtypes}
-        k["min_blocks"] = {dt: planner.pointwise_min_blocks(dt, len(k["loads"]), k["light"])
-                           for dt in p.dtypes}
+        k["geometry"] = {dt: planner.pointwise_launch(dt, len(k["loads"]), k["light"])
+                         for dt in p.dtypes}
+        k["tiles"] = {dt: (g.threads, g.unroll) for dt, g in k["geometry"].items()}
+        k["min_blocks"] = {dt: g.min_blocks for dt, g in k["geometry"].items()}
     source = render_template(p.template, header=head, op=op.name, kernels=kernels,
                              params=param_names(op), dtypes=dtype_values(p.dtypes))
     sigs = []
@@ -82,7 +82,7 @@ def _pointwise(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             args = tuple((a.name, _ctype(dt, bool(a.const))) for a in k["ptrs"])
             args += tuple((q, "float") for q in param_names(op)) + (("n", "long long"),)
             sigs.append(ir.KernelSig(f"{k['kernel']}_{dt}", args, dt, k["stage"],
-                                     planner.pointwise_launch(p, dt, *k["tiles"][dt])))
+                                     k["geometry"][dt]))
     return ir.RenderedCuda(source, tuple(sigs))
 
 
@@ -137,7 +137,7 @@ def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda
                                     reads_pair(ins + outs) + [f"d{o}" for o in outs], grads,
                                     body.backward, body.index))
     source = render_template(p.template, header=head, op=op.name, kernels=kernels, params=param_names(op),
-                             dtypes=dtype_values(p.dtypes), threads=p.threads, table_pairs=planner.PAIR_TABLE,
+                             dtypes=dtype_values(p.dtypes), threads=planner.PAIR_THREADS, table_pairs=planner.PAIR_TABLE,
                              min_blocks=planner.PAIR_MIN_BLOCKS)
     sigs = []
     for k in kernels:
@@ -149,7 +149,7 @@ def _pair(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCuda
             args += tuple((q, "float") for q in param_names(op))
             args += (("B", "int"), ("T", "int"), ("H", "int"), ("D", "int"), ("pos0", "int"))
             sigs.append(ir.KernelSig(f"{k['kernel']}_{dt}", args, dt, k["stage"],
-                                     planner.pair_launch(p, dt)))
+                                     planner.pair_launch(dt)))
     return ir.RenderedCuda(source, tuple(sigs))
 
 
@@ -170,14 +170,14 @@ def _update(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.RenderedCu
                              line=op.where.line, key=f"update.{r}")
     dtypes = [dict(d, vec=p.vec_of(d["name"])) for d in dtype_values(p.dtypes)]
     source = render_template(p.template, header=head, op=op.name, operands=list(op.inputs),
-                             params=param_names(op), dtypes=dtypes, threads=p.threads, code=code)
+                             params=param_names(op), dtypes=dtypes, threads=planner.UPDATE_THREADS, code=code)
     sigs = []
     for dt in p.dtypes:
         args = tuple((o.name, _ctype(dt, True) if o.role == "grad" else "float*")
                      for o in op.inputs)
         args += tuple((q, "float") for q in param_names(op)) + (("n", "long long"),)
         sigs.append(ir.KernelSig(f"{op.name}_step_{dt}", args, dt, "step",
-                                 planner.update_launch(p, dt)))
+                                 planner.update_launch(dt)))
     return ir.RenderedCuda(source, tuple(sigs))
 
 

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 import jinja2
 import sympy as sp
 
-from eulergen import TEMPLATES_DIR
+from eulergen import TEMPLATES_DIR, launch
 from eulergen.errors import EulerError
 from eulergen.generator import ir
-from eulergen.generator.numpy_module import spec_label
+from eulergen.generator.emit import header, spec_label
 from eulergen.generator.printer import cuda_expr
-from eulergen.generator.emit import header
 
 HEAD_DIMS = (64, 128)
 CTYPES = {"f32": "float", "bf16": "__nv_bfloat16"}
@@ -246,13 +245,12 @@ def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[st
 
 
 def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: str,
-            params: tuple[str, ...], defaults: tuple) -> tuple[dict, ir.KernelSig]:
+            params: tuple[str, ...]) -> tuple[dict, ir.KernelSig]:
     args = kernel_args(role, dtype, params)
     call = [a for a, _ in args if a not in params]
     if role == "rowdot":
         name = f"{op}_backward_rowdot_{dtype}"
-        facts = {"role": role, "threads": 32 * ROWDOT_WARPS, "rows_per_block": ROWDOT_WARPS,
-                 "smem_bytes": 0}
+        geometry = launch.AttentionRowdot(32 * ROWDOT_WARPS, ROWDOT_WARPS)
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * ROWDOT_WARPS,
                "comment": "delta = rowsum(dO ∘ O), one warp per (batch, head, row)"}
     else:
@@ -269,20 +267,21 @@ def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: st
             "decode": (plan.dec_warps, plan.dec_rows, plan.dec_rows, plan.dec_tile, "query"),
         }[role]
         name = f"{op}_{role}_d{d}_{dtype}"
-        facts = {"role": role, "head_dim": d, "threads": 32 * warps, "block_rows": block_rows,
-                 "grid_rows": rows, "tile": tile, "smem_bytes": plan.smem_bytes(role),
-                 "mask": mode}
+        if role == "decode":
+            geometry = launch.AttentionDecode(d, 32 * warps, block_rows, tile,
+                                              plan.smem_bytes(role), mode)
+        else:
+            geometry = launch.AttentionTiles(role, d, 32 * warps, block_rows, tile,
+                                             plan.smem_bytes(role), mode)
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
                "head_dim": d, "warps": warps, "tile": tile, "mtiles": f"{targ}, ",
                "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
                "comment": f"{role}, D = {d}: {block_rows} {rows} rows a block, "
                           f"tiles of {tile}"}
-    facts["params"] = [[p, v] for p, v in zip(params, defaults)]
     ctx["args"] = _wrap([f"{ty} {a}" for a, ty in args])
     ctx["call"] = call
     stage = role if role in ("forward", "decode") else "backward"
-    sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage,
-                       plan=tuple(facts.items()))
+    sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage, geometry=geometry)
     return ctx, sig
 
 
@@ -320,7 +319,6 @@ def render_attention(derived: ir.DerivedOp, *,
     check_symbols(derived)
     body: ir.AttentionDerived = derived.body
     params = tuple(p.name for p in derived.params)
-    defaults = tuple(p.default for p in derived.params)
     hoist = _HeadConstants(_HEAD_SYMBOLS | {sp.Symbol(p, real=True) for p in params})
     score2 = hoist(body.score / sp.log(2))
     dscore = hoist(body.dscore)
@@ -335,11 +333,11 @@ def render_attention(derived: ir.DerivedOp, *,
             plan = (plans or {}).get((d, dtype)) or plan_attention(d, dtype)
             for role in ("forward", "backward_dkv", "backward_dq", "decode"):
                 if role in roles:
-                    ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)
+                    ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params)
                     kernels.append(ctx)
                     sigs.append(sig)
         if "rowdot" in roles:
-            ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params, defaults)
+            ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params)
             kernels.append(ctx)
             sigs.append(sig)
 

@@ -316,14 +316,12 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
                 args = tuple((a.name, a.ctypes[dt]) for a in k["ptrs"])
                 args += tuple((q, "float") for q in param_names(op)) + (("rows", "long long"),
                                                                     ("cols", "int"))
-                launch = planner.row_launch(p, dt, lay["layout"], wgrad=bool(k["wgrads"]),
-                                            shape=k["shapes"][lay["layout"]][dt],
-                                            fwdbwd=k["stage"] == "fwdbwd",
-                                            split_cols=k["split_cols"][dt])
                 for aligned in (True, False):
                     name = f"{k['kernel']}{lay['suffix']}{'' if aligned else '_unaligned'}_{dt}"
-                    sigs.append(ir.KernelSig(name, args, dt, k["stage"],
-                                             launch + (("aligned", aligned),)))
+                    sigs.append(ir.KernelSig(name, args, dt, k["stage"], planner.row_launch(
+                        dt, lay["layout"], wgrad=bool(k["wgrads"]),
+                        shape=k["shapes"][lay["layout"]][dt], aligned=aligned,
+                        fwdbwd=k["stage"] == "fwdbwd", split_cols=k["split_cols"][dt])))
     if split:
         for dt in p.dtypes:
             args = tuple((a.name, a.ctypes[dt]) for a in split["ptrs"])
@@ -332,8 +330,7 @@ def render_row(op: ir.DerivedOp, p: planner.KernelPlan, head: str) -> ir.Rendere
             for aligned in (True, False):
                 name = f"{op.name}_wgrad_cols{'' if aligned else '_unaligned'}_{dt}"
                 sigs.append(ir.KernelSig(name, args, dt, "wgrad_cols",
-                                         planner.wgrad_cols_launch(p, dt, len(stats))
-                                         + (("aligned", aligned),)))
+                                         planner.wgrad_cols_launch(dt, len(stats), aligned)))
     if wgrad:
         for dt in p.dtypes:
             args = (("partials", "const float*"), ("dw", f"{planner.CTYPE[dt]}*"),
