@@ -47,8 +47,10 @@ class Geometry:
 @dataclass(frozen=True)
 class Pointwise(Geometry):
     """A block of `threads` streams one tile of threads · unroll vectors of `vec` elements;
-    the grid covers the tiles once (any n and any alignment work: a scalar path takes
-    unaligned pointers and the tail). Outputs may alias inputs."""
+    the grid covers the tiles once, uncapped: short blocks that each stream one tile keep
+    the resident blocks on one window of memory and leave no tail wave. Any n and any
+    alignment work (a scalar path takes unaligned pointers and the tail); outputs may alias
+    inputs."""
     shape: ClassVar[str] = "pointwise"
     threads: int
     vec: int
@@ -78,8 +80,10 @@ class Update(Geometry):
 class Pair(Geometry):
     """Pair kernels (RoPE) over [B, T, H, D]: blocks loop over the tokens. A block launches
     one thread a 16-byte vector of a token's table chunk (table_pairs pairs), in whole warps,
-    at most `threads`; grid_max counts blocks of `threads`, smaller blocks get more. Any
-    block size and grid are correct. Outputs may alias inputs."""
+    at most `threads`: no more than a token has vectors (GPT-2 small's 12 heads of 64 are 48
+    in bf16), so that small tokens still put many blocks on an SM. grid_max counts blocks of
+    `threads`, smaller blocks get more. Any block size and grid are correct; outputs may
+    alias inputs."""
     shape: ClassVar[str] = "pair"
     threads: int
     vec: int

@@ -20,23 +20,18 @@ from pathlib import Path
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.files import write_atomic
 from eulergen.generator import ir
+from eulergen.kinds import KINDS
 
 FORMAT = 2
 COMMON = "eulergen_common.cuh"
-
-# The templates each kind renders through (besides common.cuh.j2).
-_KIND_TEMPLATES = {"pointwise": ("pointwise.cu.j2",), "row": ("row.cu.j2",),
-                   "pair": ("pair.cu.j2",), "update": ("update.cu.j2",)}
-
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _templates_of(kind: str) -> list[Path]:
-    if kind == "attention":
-        return sorted(TEMPLATES_DIR.glob("attention*.j2"))
-    return [TEMPLATES_DIR / t for t in _KIND_TEMPLATES.get(kind, ())]
+    """The templates a kind renders through, besides common.cuh.j2 (none: not a kind)."""
+    return sorted(TEMPLATES_DIR.glob(KINDS[kind].templates)) if kind in KINDS else []
 
 
 def generator_fingerprint() -> str:

@@ -8,7 +8,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
-import sympy as sp
 
 from eulergen import PACKAGE_DIR, TEMPLATES_DIR
 from eulergen.errors import EulerError
@@ -42,9 +41,24 @@ def header(spec: str, sha256: str, template: str = "") -> str:
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)), undefined=jinja2.StrictUndefined,
         trim_blocks=True, lstrip_blocks=False, keep_trailing_newline=True, autoescape=False)
+    # `{{ sig.c_params | wrap }}`: a parameter list in lines, continued four spaces in
+    env.filters["wrap"] = lambda params: ",\n    ".join(wrap_lines(params))
+    return env
+
+
+def wrap_lines(params: str, width: int = 92) -> list[str]:
+    """A comma-separated list (a signature's c_params) as lines of at most `width`
+    characters, each but the last ending before a comma."""
+    lines, line = [], ""
+    for item in params.split(", "):
+        if line and len(line) + len(item) + 2 > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}, {item}" if line else item
+    return lines + [line]
 
 
 def render_template(name: str, **ctx) -> str:
@@ -65,12 +79,7 @@ class Block:
 
 
 def block(code: ir.Code, *, declare: bool = True) -> Block:
-    defined = {a.name for a in code.temps}
-    uses: set[str] = set()
-    for a in code.temps + code.results:
-        uses |= {s.name for s in a.expr.free_symbols if isinstance(s, sp.Symbol)} - defined
-        defined.add(a.name)
-    return Block(tuple(print_cuda(code, declare_results=declare)), frozenset(uses), code.names)
+    return Block(tuple(print_cuda(code, declare_results=declare)), code.uses, code.names)
 
 
 def param_names(op: ir.DerivedOp) -> list[str]:

@@ -53,6 +53,17 @@ class Code:
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.results)
 
+    @property
+    def uses(self) -> frozenset[str]:
+        """The free names the code reads: none of its temporaries, nor a result it
+        reads after computing it."""
+        defined = {a.name for a in self.temps}
+        uses: set[str] = set()
+        for a in self.temps + self.results:
+            uses |= {s.name for s in a.expr.free_symbols if isinstance(s, sp.Symbol)} - defined
+            defined.add(a.name)
+        return frozenset(uses)
+
 
 @dataclass(frozen=True)
 class Param:
@@ -196,6 +207,11 @@ class KernelSig:
     def c_params(self) -> str:
         """The C parameter list the template prints: the one place it is spelled out."""
         return ", ".join(f"{ctype} {name}" for name, ctype in self.args)
+
+    @property
+    def call_args(self) -> str:
+        """The parameters' names, as an entry point passes them on to its device impl."""
+        return ", ".join(name for name, _ in self.args)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from eulergen.generator import ir
 from eulergen.generator.emit import numpy_header
 from eulergen.generator.numpy_attention import render_attention_module
 from eulergen.generator.printer import numpy_helpers, numpy_imports, print_numpy
+from eulergen.kinds import KINDS
 
 _LAYOUT = '''\
 def _dtype(*arrays):
@@ -50,7 +51,7 @@ def render_numpy_module(derived: ir.DerivedOp) -> str:
         f"INPUTS = {tuple(o.name for o in derived.inputs)!r}",
         f"OUTPUTS = {tuple(o.name for o in derived.outputs)!r}",
         f"PARAMS = {dict((p.name, p.default) for p in derived.params)!r}",
-        f"GRADS = {tuple(o.name for o in derived.inputs if o.differentiable and derived.kind != 'update')!r}",
+        f"GRADS = {tuple(o.name for o in derived.inputs if o.differentiable and KINDS[derived.kind].backward)!r}",
     ]
     helpers = numpy_helpers(functions)
     support = ([] if derived.kind == "update" else [_LAYOUT]) + ([_ROW] if derived.kind == "row" else [])

@@ -13,10 +13,10 @@ from types import ModuleType
 
 from eulergen import launch
 from eulergen.errors import EulerError
+from eulergen.kinds import KINDS
 from eulergen.launch import Geometry
 
 FORMAT = 2
-KINDS = ("pointwise", "row", "pair", "update", "attention", "embedding")
 
 
 @dataclass(frozen=True)
