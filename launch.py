@@ -275,33 +275,32 @@ class EmbeddingWteLong(Geometry):
                        cdiv(_units(cols, self.vec, vectorized), self.lanes)), (self.threads,))
 
 
-@dataclass(frozen=True)
-class EmbeddingWpe(Geometry):
-    """dwpe: `vec` elements a thread over T · C."""
+class EmbeddingWpe(Update):
+    """dwpe: `vec` elements a thread over T · C, an update's loop."""
     shape: ClassVar[str] = "embedding_wpe"
-    threads: int
-    vec: int
-    grid_max: int | None
-
-    def launch(self, n: int) -> Launch:
-        return Launch((capped(cdiv(n, self.vec * self.threads), self.grid_max),), (self.threads,))
 
 
 # ---- attention ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class AttentionTiles(Geometry):
-    """A flash kernel (role forward, backward_dkv or backward_dq) of one head dim: a block
-    owns block_rows query rows (dkv: key rows) of one head (dkv: kv head) and streams
-    `tile` rows of the other side; grid (cdiv(T, block_rows), heads, B)."""
-    shape: ClassVar[str] = "attention"
-    role: str
+class FlashKernel(Geometry):
+    """What a flash kernel of one head dim has: rows a block owns, the tile it streams, its
+    dynamic shared memory and the mask mode ('causal' | 'generic' | 'none')."""
     head_dim: int
     threads: int
     block_rows: int
     tile: int
     smem_bytes: int
     mask: str
+
+
+@dataclass(frozen=True)
+class AttentionTiles(FlashKernel):
+    """A flash kernel (role forward, backward_dkv or backward_dq): a block owns block_rows
+    query rows (dkv: key rows) of one head (dkv: kv head) and streams `tile` rows of the
+    other side; grid (cdiv(T, block_rows), heads, B)."""
+    shape: ClassVar[str] = "attention"
+    role: str
 
     def launch(self, batch: int, seq: int, heads: int, kv_heads: int) -> Launch:
         across = kv_heads if self.role == "backward_dkv" else heads
@@ -310,17 +309,11 @@ class AttentionTiles(Geometry):
 
 
 @dataclass(frozen=True)
-class AttentionDecode(Geometry):
+class AttentionDecode(FlashKernel):
     """New queries over a KV cache: a block owns block_rows query rows of one kv head's
     group and one of `splits` ranges of the cache, `tile` keys a step; grid (chunks ·
     splits, KVH, B)."""
     shape: ClassVar[str] = "attention_decode"
-    head_dim: int
-    threads: int
-    block_rows: int
-    tile: int
-    smem_bytes: int
-    mask: str
     role: ClassVar[str] = "decode"
 
     def launch(self, batch: int, queries: int, heads: int, kv_heads: int,

@@ -252,12 +252,10 @@ def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: st
             "decode": (plan.dec_warps, plan.dec_rows, plan.dec_rows, plan.dec_tile, "query"),
         }[role]
         name = f"{op}_{role}_d{d}_{dtype}"
-        if role == "decode":
-            geometry = launch.AttentionDecode(d, 32 * warps, block_rows, tile,
-                                              plan.smem_bytes(role), mode)
-        else:
-            geometry = launch.AttentionTiles(role, d, 32 * warps, block_rows, tile,
-                                             plan.smem_bytes(role), mode)
+        flash = dict(head_dim=d, threads=32 * warps, block_rows=block_rows, tile=tile,
+                     smem_bytes=plan.smem_bytes(role), mask=mode)
+        geometry = (launch.AttentionDecode(**flash) if role == "decode"
+                    else launch.AttentionTiles(**flash, role=role))
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
                "head_dim": d, "warps": warps, "tile": tile, "mtiles": f"{targ}, ",
                "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.launch import AttentionDecode, AttentionTiles, Launch, cdiv
+from eulergen.launch import AttentionDecode, FlashKernel, Launch, cdiv
 from eulergen.runtime.kernels import DTYPE_OF, storage_dtype_name
 
 
@@ -108,7 +108,7 @@ class AttentionKernels:
 
 
 def _head_dims(geometries) -> list[int]:
-    return sorted({g.head_dim for g in geometries if isinstance(g, (AttentionTiles, AttentionDecode))})
+    return sorted({g.head_dim for g in geometries if isinstance(g, FlashKernel)})
 
 
 def head_dims(op) -> list[int]:

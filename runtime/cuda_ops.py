@@ -421,7 +421,7 @@ class CudaOps:
         sync: the ids are sorted on the device by keys id << 32 | position (unique, so
         equal ids stay in token order), then every row of dwte is written as its id's run
         of dout rows summed (zeros where the id does not occur): by one kernel, and the
-        runs longer than the plan's long_run keys, which it lists, by a second. Each element
+        runs longer than the geometry's long_run keys, which it lists, by a second. Each element
         has one writer and one summation order, np.add.at's: a rerun gives the same bits.
         The keys live in `workspace` (planned) or in the library's own buffer."""
         ids, wte, wpe, dout = args

@@ -152,7 +152,7 @@ def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = T
     """The warp-per-row kernel for rows it holds in registers, else the block_held one for
     rows a block holds (where the dtype has one), else the block-per-row one (a stage of one
     layout, or none, such as wgrad_cols: its kernel); of each, the `aligned` variant
-    (row_aligned) or the one for any operands. The two variants have one geometry: a memory
+    (row_aligned) or the one for any operands. The two variants launch alike: a memory
     planner may ask for either."""
     candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
                   and k.geometry.aligned == aligned]

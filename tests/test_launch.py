@@ -23,7 +23,7 @@ EXAMPLES = [
     planner.wgrad_cols_launch("bf16", 2, True),
     planner.WGRAD_REDUCE_LAUNCH,
     *(planner.embedding_launch(stage, "bf16") for stage in plan_ops.EMBEDDING_STAGES),
-    launch.AttentionTiles("backward_dkv", 64, 128, 64, 64, 74240, "causal"),
+    launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
     launch.AttentionRowdot(256, 8),
 ]
@@ -73,7 +73,7 @@ def test_wgrad_cols_spreads_its_blocks_over_rows_and_writes_a_partial_row_each()
 
 
 def test_attention_grids_take_kv_heads_only_for_the_dkv_kernel():
-    dkv = launch.AttentionTiles("backward_dkv", 64, 128, 64, 64, 74240, "causal")
+    dkv = launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv")
     dq = dataclasses.replace(dkv, role="backward_dq")
     assert dkv.launch(2, 1000, 12, 4) == launch.Launch((16, 4, 2), (128,), 74240)
     assert dq.launch(2, 1000, 12, 4).grid == (16, 12, 2)
