@@ -50,8 +50,20 @@ def check(names: tuple[str, ...], ops_dirs: tuple[Path, ...]) -> None:
 @ops_option
 def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
     """Regenerate CUDA kernels, numpy modules and the manifest from the op specs."""
-    from eulergen.generator.build import run_build
-    sys.exit(run_build(ops_dirs, check=check_only, compile=compile_, echo=click.echo))
+    from eulergen.generator.build import build_sets, display_path, run_build
+    status = run_build(ops_dirs, check=check_only, echo=click.echo)
+    if compile_ and not check_only:
+        # The generator never imports the runtime: the CLI builds, then has it compile.
+        try:
+            from eulergen.runtime.compile import compile_manifest
+            for root, _, _ in build_sets(ops_dirs):
+                click.echo(f"compiling kernels of {display_path(root, 'manifest.json')}")
+                compile_manifest(root / "manifest.json")
+        except ImportError as err:   # CuPy (or the runtime's compile) is not importable
+            raise EulerError(f"--compile needs CuPy and a GPU ({err}); install "
+                             "'eulergen[cuda13]' (or [cuda12]), or build without --compile"
+                             ) from None
+    sys.exit(status)
 
 
 @main.command()

@@ -54,7 +54,7 @@ def kernels(plans=None, configs=None, roles=ROLES) -> AttentionKernels:
     cu = folder / "causal_attention.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
-    return AttentionKernels("causal_attention", {k.name: dict(k.plan) for k in rendered.kernels},
+    return AttentionKernels("causal_attention", {k.name: k.geometry for k in rendered.kernels},
                             {}, compiled.function)
 
 
@@ -71,9 +71,9 @@ class _Only:
     def param_values(self, given):
         return self.ak.param_values(given)
 
-    def launch(self, name, plan, grid, args):
+    def launch(self, name, at, args):
         if self.role in name:
-            self.ak.launch(name, plan, grid, args)
+            self.ak.launch(name, at, args)
 
 
 def ours(ak, B, T, dtype, split=False):

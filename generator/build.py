@@ -18,26 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
-from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.generator import ir
+from eulergen.kinds import KINDS
 
-FORMAT = 1
+FORMAT = 2
 COMMON = "eulergen_common.cuh"
-
-# The templates each kind renders through (besides common.cuh.j2).
-_KIND_TEMPLATES = {"pointwise": ("pointwise.cu.j2",), "row": ("row.cu.j2",),
-                   "pair": ("pair.cu.j2",), "update": ("update.cu.j2",)}
-
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _templates_of(kind: str) -> list[Path]:
-    if kind == "attention":
-        return sorted(TEMPLATES_DIR.glob("attention*.j2"))
-    return [TEMPLATES_DIR / t for t in _KIND_TEMPLATES.get(kind, ())]
+    """The templates a kind renders through, besides common.cuh.j2 (none: not a kind)."""
+    return sorted(TEMPLATES_DIR.glob(KINDS[kind].templates)) if kind in KINDS else []
 
 
 def generator_fingerprint() -> str:
@@ -97,12 +91,12 @@ def _operands(ops: tuple[ir.Operand, ...]) -> list[dict]:
 
 def _kernels(rendered: ir.RenderedCuda) -> dict:
     return {k.name: {"args": [list(a) for a in k.args], "dtype": k.dtype, "pass": k.stage,
-                     "plan": dict(k.plan)} for k in rendered.kernels}
+                     "geometry": k.geometry.to_json()} for k in rendered.kernels}
 
 
 def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]:
     from eulergen.generator import emit, numpy_module, render
-    label = numpy_module.spec_label(derived)
+    label = emit.spec_label(derived)
     template = render.template_of(derived)
     head = emit.header(label, derived.spec_sha256, template)
     rendered = render.render_op(derived, head)
@@ -277,7 +271,8 @@ def build_sets(ops_dirs=()) -> list[tuple[Path, dict[str, Path], bool]]:
     return sets
 
 
-def _display(root: Path, rel: str) -> str:
+def display_path(root: Path, rel: str) -> str:
+    """A built file's path as messages show it: relative to the working folder if inside."""
     path = root / rel
     try:
         return path.relative_to(Path.cwd()).as_posix()
@@ -285,44 +280,24 @@ def _display(root: Path, rel: str) -> str:
         return str(path)
 
 
-def run_build(ops_dirs=(), *, check: bool = False, compile: bool = False,
-              echo=print) -> int:
+def run_build(ops_dirs=(), *, check: bool = False, echo=print) -> int:
     """The `eulergen build` command; returns the exit status."""
     stale = 0
-    manifests = []
     for root, specs, embedding in build_sets(ops_dirs):
         # --check re-renders everything: a hand edit under generated/ must not pass.
         out = plan_build(root, specs, embedding=embedding, force=check,
                          log=None if check else echo)
         changes = differences(out, content_only=check)
         for change, rel in changes:
-            echo(f"{'stale' if check else change}: {_display(root, rel)}")
+            echo(f"{'stale' if check else change}: {display_path(root, rel)}")
         stale += len(changes)
         if not check:
             write(out, changes)
-        manifests.append(root / "manifest.json")
         if not changes:
-            echo(f"up to date: {_display(root, 'manifest.json')} ({len(out.ops)} ops)")
-    if check:
-        if stale:
-            echo(f"generated code is stale ({stale} files): run `eulergen build`")
-        return 1 if stale else 0
-    if compile:
-        _compile(manifests, echo)
-    return 0
-
-
-def _compile(manifests: list[Path], echo) -> None:
-    """Warm the runtime's NVRTC cache (the one place the generator reaches into the
-    runtime, and only when asked to)."""
-    try:
-        from eulergen.runtime import compile as rt_compile
-        for m in manifests:
-            echo(f"compiling kernels of {_display(m.parent, m.name)}")
-            rt_compile.compile_manifest(m)
-    except ImportError as err:
-        raise EulerError(f"--compile needs CuPy and a GPU ({err}); install "
-                         "'eulergen[cuda13]' (or [cuda12]), or build without --compile") from None
+            echo(f"up to date: {display_path(root, 'manifest.json')} ({len(out.ops)} ops)")
+    if check and stale:
+        echo(f"generated code is stale ({stale} files): run `eulergen build`")
+    return 1 if check and stale else 0
 
 
 def ensure_built(names=(), ops_dirs=(), echo=None) -> list[Path]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from eulergen.launch import Geometry
+
 
 @dataclass(frozen=True)
 class Location:
@@ -50,6 +52,17 @@ class Code:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.results)
+
+    @property
+    def uses(self) -> frozenset[str]:
+        """The free names the code reads: none of its temporaries, nor a result it
+        reads after computing it."""
+        defined = {a.name for a in self.temps}
+        uses: set[str] = set()
+        for a in self.temps + self.results:
+            uses |= {s.name for s in a.expr.free_symbols if isinstance(s, sp.Symbol)} - defined
+            defined.add(a.name)
+        return frozenset(uses)
 
 
 @dataclass(frozen=True)
@@ -188,12 +201,17 @@ class KernelSig:
     args: tuple[tuple[str, str], ...]  # (name, C type) in launch order
     dtype: str                         # 'f32' | 'bf16' (storage; compute is fp32)
     stage: str                         # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
-    plan: tuple[tuple[str, object], ...]  # launch facts the runtime needs (block size, rows per block…)
+    geometry: Geometry                 # its launch (eulergen/launch.py): the manifest's `geometry`
 
     @property
     def c_params(self) -> str:
         """The C parameter list the template prints: the one place it is spelled out."""
         return ", ".join(f"{ctype} {name}" for name, ctype in self.args)
+
+    @property
+    def call_args(self) -> str:
+        """The parameters' names, as an entry point passes them on to its device impl."""
+        return ", ".join(name for name, _ in self.args)
 
 
 @dataclass(frozen=True)

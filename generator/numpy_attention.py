@@ -11,7 +11,7 @@ from __future__ import annotations
 import sympy as sp
 
 from eulergen.generator import ir
-from eulergen.generator.numpy_module import header
+from eulergen.generator.emit import numpy_header
 from eulergen.generator.printer import numpy_expr, numpy_helpers, numpy_imports
 from eulergen.generator.render_attention import check_symbols
 
@@ -131,7 +131,7 @@ def render_attention_module(derived: ir.DerivedOp) -> str:
     lines = [score_np, dscore_np, mask_np]
     helpers = "\n".join(numpy_helpers(lines))
     return _TEMPLATE.format(
-        header=header(derived), name=derived.name,
+        header=numpy_header(derived), name=derived.name,
         score=body.score, mask=mask,
         imports="\n".join(numpy_imports(lines)),
         params_dict="{" + ", ".join(f"{p.name!r}: {p.default!r}" for p in derived.params) + "}",

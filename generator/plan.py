@@ -1,86 +1,15 @@
-"""Kernel plans: which template renders an op, and how its kernels are launched.
+"""The planner's numbers: storage dtypes, pointwise tiles, row block shapes, grid caps and
+the embedding's constants, and the launch geometry (eulergen/launch.py) each kernel gets.
 
-A KernelPlan is chosen from a DerivedOp alone (sizes such as the row length arrive at
-launch), so it is a frozen value that the render step and the manifest share. The facts
-the runtime needs to launch a kernel travel in `KernelSig.plan` as (key, value) pairs;
-the keys, per template (every kernel also has `threads`, the block size, and
-`grid_max`: the grid is min(the formula below, grid_max), kernels loop over the rest;
-None: no cap):
-
-pointwise  vec (elements per 16-byte access), unroll (vectors per thread per operand: a
-           block's tile is threads · unroll vectors; pointwise_tile gives both, per kernel,
-           from its dtype, the operands it reads and the weight of its arithmetic):
-           grid = cdiv(n, vec · unroll · threads), uncapped (grid_max None: short blocks
-           that each stream one tile keep the resident blocks on one contiguous window of
-           memory and leave no tail wave). Any n and any alignment work (a scalar path
-           takes unaligned pointers and the tail); in_place_ok = True.
-row        layout 'warp_per_row', 'block_held' or 'block_per_row'; each kernel is correct
-           for any row length, `max_cols` / `min_cols` say where each is the fast one.
-           `aligned`: each (stage, layout, dtype) has two kernels: True for operands that
-           take 16-byte access throughout (runtime/kernels.row_aligned), False
-           (`_unaligned`) for any. Each kernel's block is a RowShape (warp_shape,
-           held_shape, block_shape): threads, the __launch_bounds__ minimum of blocks,
-           the 16-byte groups a lane caches, whether it prefetches the next row
-           (PREFETCH_DTYPES) and how many re-read groups its first sweep loads at a time
-           (BLOCK_REREAD_BATCH); the last three are template arguments of the kernel's
-           impl.
-           warp_per_row: rows_per_block (one warp per row), grid = cdiv(rows, rows_per_block),
-           capped only where a warp loops over several rows: the prefetching kernels, and
-           those with weight gradients.
-           block_per_row: threads is the most a block takes (block_shape: 1024; 512 with
-           weight gradients; 256 for a kernel that reads its row once); launch
-           clamp(round_up(cdiv(cols, cols_per_thread), 32), threads_min, threads) threads,
-           grid = rows (capped but for rows of at most `uncapped_cols` columns: a kernel
-           that does not prefetch, over rows its registers hold, takes a block a row). The
-           first cols_per_thread elements a thread owns stay in registers; longer rows are
-           re-read (from L2) once per pass.
-           block_held (HELD_SLOTS' dtypes, stages without weight gradients): a block per row
-           for rows of min_cols to max_cols columns, which its registers hold; grid = rows,
-           uncapped. Where a stage has an online sum it takes the two-pass impl, as the warp
-           does.
-           wgrad_partials: for backward kernels of ops with weights, each row worker (a warp,
-           or a block) writes its partial weight gradient to a float32 workspace
-           [partials, cols] per weight: partials = grid · rows_per_block (warp) or grid
-           (block). `<op>_wgrad_reduce_<dt>` then sums them in a fixed order: block
-           (threads_x, threads_y), grid = cdiv(cols, threads_x).
-           fwdbwd kernels: dx_may_alias_x = True (the row is read before it is written).
-           The split backward of an op with weights (rows of split_cols columns or more,
-           wgrad_split_cols): `backward_rows` (block_per_row, as above, no partials) writes
-           the input grads and row_stats float32 values a row to a workspace [rows,
-           row_stats]; `wgrad_cols` (threads, vec, aligned as for the row kernels) reads
-           them with the rows, grid (cdiv(cols, vec · threads), G), G = clamp(cdiv(blocks,
-           grid x), 1, rows), and writes partials = G rows, which wgrad_reduce sums.
-pair       blocks loop over the tokens in (b, t) order, each taking every grid-th one:
-           grid = min(B · T, grid_max · threads / launched threads). Strides are arguments
-           (views of a fused qkv buffer work); in_place_ok = True (y may be x, dx may be
-           dy). vec: pairs a thread takes in the 16-byte path (all pointers 16-byte
-           aligned, b/t/h strides and D/2 multiples of vec; checked in the kernel, which
-           takes one pair a thread otherwise). table_pairs: the per-(token, k) terms
-           (cos θ, sin θ) go to a shared table of that many pairs, built once per token
-           for all its heads, a block sweeping its token's heads once per table_pairs pairs
-           (any D). Launch min(round_up(H · cdiv(min(D/2, table_pairs), vec), 32), threads)
-           threads: no more than a token has vectors (GPT-2 small's 12 heads of 64 are 48
-           in bf16), so that small tokens still put many blocks on an SM (and the grid
-           grows as they shrink); any block size and any grid are correct.
-update     vec, grid = cdiv(n, vec · threads); state is float32 whatever the dtype, grads
-           are the storage dtype; launch once per weight-decay range.
-embedding  forward: a warp a row, grid = cdiv(BT, threads / 32) (any grid is correct: warps
-           stride over the rows), ids checked on the device.
-           backward (n = BT ids, V table rows; a planned workspace of int64 `tiled` and
-           `keys`, n each, int32 `first`, V, and int32 `runs`, 1 + n / (long_run + 1)):
-           backward_sort: tile, grid = cdiv(n, tile) (a block sorts one tile of keys id <<
-           32 | position; the blocks clear first and runs[0]); backward_merge: grid =
-           cdiv(n, threads) (each key to its rank; first[id] = n - the rank of the id's
-           first key, 0 where it does not occur); backward_wte: a block takes `rows` rows
-           of dwte, a warp (lanes threads) rows / (threads / lanes) of them, grid =
-           (cdiv(V, rows), cdiv(C / w, lanes)) with w = vec when the `vec` argument is 1 (C
-           % vec == 0 and dout, dwte 16-byte aligned), else 1; it lists the rows whose id
-           has more than long_run keys in runs and leaves them to backward_wte_long: a block
-           a listed run, grid = (min(runs' capacity, grid_max), cdiv(C / w, lanes));
-           backward_wpe: vec, grid = cdiv(T · C, vec · threads). The backward_w* add into
-           their output when `accumulate` is 1, else write all of it. The sort kernels
-           read no floats; each dtype has its copy, so that every stage is looked up by
-           (stage, dtype).
+Every choice is made from a DerivedOp alone (sizes such as the row length arrive at
+launch) and is a frozen value: the geometry travels in `KernelSig.geometry` to the
+manifest, and the runtime launches with its `launch(sizes)`. A row stage has a kernel per
+layout (warp_per_row, block_held, block_per_row), each correct for any row length, its
+max_cols / min_cols saying where it is the fast one, and each twice: `aligned` for operands
+that take 16-byte access throughout, `_unaligned` for any (runtime/kernels.row_aligned).
+generator/plan_ops.py makes the plans of pointwise, pair, update and embedding ops from
+these. What the constants were measured against: benchmarks/RESULTS.md, "Why the planner's
+constants are what they are".
 """
 from __future__ import annotations
 
@@ -88,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from eulergen.errors import EulerError
+from eulergen import launch
 from eulergen.generator import ir
 
 DTYPES = ("f32", "bf16")
@@ -234,65 +163,20 @@ def held_shape(dtype: str, *, stage: str, wgrad: bool) -> RowShape | None:
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """How one op is rendered: the template and the launch facts for each storage dtype."""
+    """A row op's plan: its template and whether it has a fused forward+backward."""
     template: str                    # file under templates/
     dtypes: tuple[str, ...]
-    threads: int
-    vec: tuple[tuple[str, int], ...]  # dtype -> elements per 16-byte access
     fwdbwd: bool = False             # row op whose outputs are all per-row scalars
 
-    def vec_of(self, dtype: str) -> int:
-        return dict(self.vec)[dtype]
 
-
-_TEMPLATES = {"pointwise": "pointwise.cu.j2", "row": "row.cu.j2", "pair": "pair.cu.j2",
-              "update": "update.cu.j2"}
-
-
-def plan_op(op: ir.DerivedOp) -> KernelPlan:
-    """The plan for an op of kind pointwise, row, pair or update."""
-    if op.kind not in _TEMPLATES:
-        raise EulerError(f"no CUDA template for kind {op.kind!r}", file=op.where.file,
-                         line=op.where.line, key="kind")
-    vec = tuple(VEC.items())
-    if op.kind == "pointwise":
-        return KernelPlan("pointwise.cu.j2", DTYPES, threads=256, vec=vec)
-    if op.kind == "row":
-        scalar_only = all(o.role == "scalar" for o in op.outputs)
-        return KernelPlan("row.cu.j2", DTYPES, threads=32 * WARP_ROWS_PER_BLOCK, vec=vec,
-                          fwdbwd=scalar_only)
-    if op.kind == "pair":
-        return KernelPlan("pair.cu.j2", DTYPES, threads=256, vec=vec)
-    # update: state is float32, so one vector is 4 state floats (two for bf16 grads' 8).
-    return KernelPlan("update.cu.j2", DTYPES, threads=256, vec=(("f32", 4), ("bf16", 8)))
-
-
-# Pointwise tiles (threads, vectors a thread). Measured on the H200 (2^28 elements, PyTorch
-# eager in the same run):
-# - arithmetic-light kernels (relu, relu2: compares, selects, products) stream best in
-#   short blocks of one vector a thread: relu bf16 forward 0.264 -> 0.253 ms (PyTorch
-#   0.253), backward 0.372 -> 0.370 (against 256 x 8); fp32 relu forward 0.522 -> 0.501;
-# - fp32 kernels with special functions, two vectors a thread in 128: gelu_erf forward
-#   0.515-0.523 ms at one (PyTorch 0.507), 0.503-0.506 at two, 0.511 at three; with two or
-#   three operands too (forward+backward or forward, timed in turns with PyTorch's, 256 x 4
-#   -> 128 x 2): gelu 1.2494 -> 1.2439 ms (PyTorch 1.2454), gelu_erf 1.2440 -> 1.2423
-#   (1.2434), silu 1.2481 -> 1.2447 (1.2441), swiglu 1.0072 -> 0.9988, geglu 1.0074 ->
-#   0.9973, their forwards 0.3744 -> 0.3714 and 0.3743 -> 0.3718; 512 x 2 and 128 x 4
-#   were no better;
-# - bf16 kernels with special functions want four vectors a thread: silu forward 0.278 ->
-#   0.275 ms (PyTorch 0.276); one vector ran 0.290; those reading one operand, eight in
-#   128 threads (timed in turns with PyTorch's, against 256 x 4): gelu_erf forward 0.3121
-#   -> 0.2995 ms (PyTorch 0.3435), gelu 0.2647 -> 0.2634, silu 0.2643 -> 0.2633; with two
-#   operands 256 x 4 stays: swiglu forward 0.1897 (0.1915 at 128 x 8), geglu 0.1899
-#   (0.1911), silu forward+backward 0.6376 (0.6384).
+# Pointwise tiles (threads, vectors a thread), by what streamed fastest on the H200
+# (benchmarks/RESULTS.md, "POINTWISE_LIGHT_TILE…"): arithmetic-light code one vector a
+# thread in short blocks; special functions more vectors, bf16 one-operand kernels most.
 POINTWISE_LIGHT_TILE = (128, 1)
 POINTWISE_TILE = {"f32": (128, 2), "bf16": (256, 4)}
 POINTWISE_ONE_LOAD_TILE = {"f32": (128, 2), "bf16": (128, 8)}
-# An fp32 one-operand kernel with special functions is held to a full SM of its blocks (16
-# of 128 threads: 32 registers), as PyTorch's gelu kernel is (31). gelu_erf forward took 39
-# registers, 12 blocks an SM; timed in turns with PyTorch's after geglu and gelu's cases
-# (as in benchmarks/kernels.py), where both kernels run slower than alone, it ran 1.08x-1.11x
-# PyTorch, held 1.01x-1.05x; alone 0.5039-0.5045 ms against 0.5047-0.5049 (PyTorch 0.504).
+# An fp32 one-operand kernel with special functions is held to 16 blocks of 128 an SM (32
+# registers), as PyTorch's gelu is (RESULTS.md, POINTWISE_ONE_LOAD_MIN_BLOCKS).
 POINTWISE_ONE_LOAD_MIN_BLOCKS = {"f32": 2048 // POINTWISE_ONE_LOAD_TILE["f32"][0]}
 # Functions that print as a compare, a select or fabsf: no costlier than a multiply-add.
 _CHEAP_FUNCTIONS = (sp.Heaviside, sp.Abs, sp.sign, sp.Piecewise)
@@ -325,47 +209,33 @@ def pointwise_min_blocks(dtype: str, loads: int, light: bool) -> int:
     return 0 if light or loads != 1 else POINTWISE_ONE_LOAD_MIN_BLOCKS.get(dtype, 0)
 
 
-def pointwise_launch(plan: KernelPlan, dtype: str, threads: int,
-                     unroll: int) -> tuple[tuple[str, object], ...]:
-    return (("threads", threads), ("vec", plan.vec_of(dtype)), ("unroll", unroll),
-            ("grid_max", None), ("in_place_ok", True))
+def pointwise_launch(dtype: str, loads: int, light: bool) -> launch.Pointwise:
+    threads, unroll = pointwise_tile(dtype, loads, light)
+    return launch.Pointwise(threads, VEC[dtype], unroll, pointwise_min_blocks(dtype, loads, light))
 
 
-def row_launch(plan: KernelPlan, dtype: str, layout: str, *, wgrad: bool, shape: RowShape,
-               fwdbwd: bool = False, split_cols: int = 0) -> tuple[tuple[str, object], ...]:
-    v = plan.vec_of(dtype)
+def row_launch(dtype: str, layout: str, *, wgrad: bool, shape: RowShape, aligned: bool,
+               fwdbwd: bool = False, split_cols: int = 0) -> launch.Geometry:
+    v = VEC[dtype]
     if not wgrad:
         grid_max = _GRID_MAX
     elif layout != "warp_per_row":
         grid_max = _GRID_MAX_WGRAD_BLOCK
     else:   # as many blocks as the launch bounds keep on an SM
         grid_max = _SMS * shape.min_blocks if shape.min_blocks else _GRID_MAX_WGRAD
-    extra: tuple[tuple[str, object], ...] = (("dx_may_alias_x", True),) if fwdbwd else ()
-
-    def partials(rule: str) -> tuple[tuple[str, object], ...]:
-        return (("wgrad_partials", rule),) if wgrad else ()
     if layout == "warp_per_row":
-        rpb = shape.threads // 32
         if not wgrad and not shape.prefetch:
             grid_max = None
-        return (("layout", layout), ("threads", shape.threads),
-                ("rows_per_block", rpb), ("grid_max", grid_max),
-                ("max_cols", 32 * v * shape.slots)) + partials("grid*rows_per_block") + extra
+        return launch.WarpPerRow(shape.threads, shape.threads // 32, grid_max,
+                                 32 * v * shape.slots, aligned, wgrad, fwdbwd)
     per_thread = v * shape.slots
+    min_cols = 32 * v * WARP_SLOTS[dtype] + 1
     if layout == "block_held":
-        return (("layout", layout), ("threads", shape.threads),
-                ("threads_min", shape.threads_min), ("cols_per_thread", per_thread),
-                ("rows_per_block", 1), ("grid_max", None),
-                ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1),
-                ("max_cols", shape.threads * per_thread)) + extra
-    if split_cols:
-        extra += (("split_cols", split_cols),)
-    if not wgrad and not shape.prefetch:
-        extra += (("uncapped_cols", shape.threads * per_thread),)
-    return (("layout", layout), ("threads", shape.threads),
-            ("threads_min", shape.threads_min), ("cols_per_thread", per_thread),
-            ("rows_per_block", 1), ("grid_max", grid_max),
-            ("min_cols", 32 * v * WARP_SLOTS[dtype] + 1)) + partials("grid") + extra
+        return launch.BlockHeld(shape.threads, shape.threads_min, per_thread, min_cols,
+                                shape.threads * per_thread, aligned, fwdbwd)
+    uncapped = shape.threads * per_thread if not wgrad and not shape.prefetch else 0
+    return launch.BlockPerRow(shape.threads, shape.threads_min, per_thread, grid_max, min_cols,
+                              aligned, wgrad, uncapped, split_cols, fwdbwd)
 
 
 # Weight gradients of long rows: from these columns the backward is split (a block per row
@@ -385,62 +255,52 @@ def wgrad_split_cols(dtype: str, levels: int) -> int:
     return WGRAD_SPLIT_COLS[(dtype, levels >= 2)]
 
 
-def wgrad_cols_launch(plan: KernelPlan, dtype: str, stats: int) -> tuple[tuple[str, object], ...]:
-    return (("threads", WGRAD_COLS_THREADS), ("vec", plan.vec_of(dtype)), ("row_stats", stats),
-            ("blocks", WGRAD_COLS_BLOCKS), ("grid_max", None))
+def wgrad_cols_launch(dtype: str, stats: int, aligned: bool) -> launch.WgradCols:
+    return launch.WgradCols(WGRAD_COLS_THREADS, VEC[dtype], stats, WGRAD_COLS_BLOCKS, aligned)
 
 
 # The fixed-order reduce of weight partials: 8 columns (a 32-byte sector) by 128 partial
 # groups per block, so that even a 768-wide weight spreads over 96 blocks.
 REDUCE_X, REDUCE_Y = 8, 128
-WGRAD_REDUCE_LAUNCH = (("threads", REDUCE_X * REDUCE_Y), ("threads_x", REDUCE_X),
-                       ("threads_y", REDUCE_Y), ("grid_max", None))
+WGRAD_REDUCE_LAUNCH = launch.WgradReduce(REDUCE_X, REDUCE_Y)
 
 
 # Pairs of one token whose index-only terms a pair block tables at a time (D ≤ 512 in one
 # go); a multiple of every vec, so that the vector path's chunks stay 16-byte aligned.
 PAIR_TABLE = 256
-# Full (256-thread) pair blocks held to 40 registers, six an SM (sm_90, no spills; unbounded
-# they took 44-48, five an SM): more 16-byte loads in flight. At 32 (eight) they spill.
+PAIR_THREADS = 256
+# Pair blocks held to 40 registers, six an SM: more 16-byte loads in flight, no spills
+# (RESULTS.md, PAIR_MIN_BLOCKS).
 PAIR_MIN_BLOCKS = 6
 
 
-# Pair blocks loop over tokens; grid_max counts blocks of `threads` (smaller blocks get
-# proportionally more: runtime/kernels.pair_grid). Measured on the H200, B=8 T=1024 H=32
-# D=128, forward fp32 / bf16: a block a token (8192) 69.5 / 65.1 us; 3168 blocks (four
-# times what fits at once) 70.8 / 39.7; 1584: 74.2 / 57.4; 792: 75.7 / 58.6.
+# Pair blocks loop over tokens: four times the blocks that fit at once ran fastest in
+# bf16, within 2% of a block a token in fp32 (RESULTS.md, _PAIR_GRID_MAX).
 _PAIR_GRID_MAX = 132 * PAIR_MIN_BLOCKS * 4
 
 
-def pair_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("table_pairs", PAIR_TABLE),
-            ("grid_max", _PAIR_GRID_MAX), ("in_place_ok", True))
+def pair_launch(dtype: str) -> launch.Pair:
+    return launch.Pair(PAIR_THREADS, VEC[dtype], PAIR_TABLE, PAIR_MIN_BLOCKS, _PAIR_GRID_MAX)
 
 
-def update_launch(plan: KernelPlan, dtype: str) -> tuple[tuple[str, object], ...]:
-    return (("threads", plan.threads), ("vec", plan.vec_of(dtype)), ("grid_max", _GRID_MAX))
+UPDATE_THREADS = 256
+
+
+def update_launch(dtype: str) -> launch.Update:
+    return launch.Update(UPDATE_THREADS, VEC[dtype], _GRID_MAX)
 
 
 EMBEDDING_THREADS = 256
-# The forward's 16-byte vectors a lane loads before it stores (a warp a row). H200, 65536
-# ids into 50304 x 768, in us, bf16 / fp32: a thread a vector (an id load and two 64-bit
-# divisions each) 61.7 / 105.0 (ncu); a warp a row fetching 2, 3, 4: 57.0 / 102.8, 52.8 /
-# 102.0, 57.2 / 102.2 (events; 3 is a 768-wide row's bf16 vectors a lane, half its fp32).
-# Loading the next row's id ahead: slower (60.3 / 107.0 at 4).
+# The forward's 16-byte vectors a lane loads before it stores (a warp a row): 3, a 768-wide
+# bf16 row's vectors a lane, ran fastest (RESULTS.md, EMBEDDING_FETCH).
 EMBEDDING_FETCH = 3
 EMBEDDING_WTE_THREADS = 256           # the dwte kernel: 8 warps a block,
 EMBEDDING_WTE_WARP_ROWS = 16          # a warp 16 rows (one after another; at most 32)
-# dwte kernel, H200 (ncu), 50304 x 768, 8192 / 65536 ids, f32 and bf16, in us, by rows a
-# warp: 4: 58.7 / 135.5, 34.5 / 72.4; 8: 53.5 / 123.1, 30.0 / 65.8; 16: 52.4 / 117.1,
-# 29.3 / 61.8; 32: 54.2 / 114.8, 30.7 / 68.4.
+# 16 rows a warp: the fastest of 4-32 (RESULTS.md, EMBEDDING_WTE_WARP_ROWS).
 # Runs longer than EMBEDDING_LONG_RUN keys (frequent tokens) go to their own kernel, a block
-# of EMBEDDING_LONG_THREADS a run, each warp staging EMBEDDING_LONG_ROWS of its rows a round;
-# at most EMBEDDING_LONG_GRID blocks a chunk, looping over the runs. In the dwte kernel a run
-# is one warp's chain of loads, RUN_BATCH rows a memory latency: H200, 64 x 1024 ids drawn
-# 1/rank over 50257 (the top id 8.8% of them), forward+backward fp32 1.066 ms, bf16 1.037
-# (PyTorch 0.846, 0.754); with this kernel 0.378 and 0.296 (ncu: 105 and 115 us of it),
-# uniform ids unchanged (0.322, 0.208). Long runs from 16 or 64 keys: within 2% of these;
-# blocks of 256 x 8 or 1024 x 2 rows: fp32 0.391, 0.430 ms, bf16 0.296, 0.333.
+# of EMBEDDING_LONG_THREADS a run, each warp staging EMBEDDING_LONG_ROWS rows a round, at
+# most EMBEDDING_LONG_GRID blocks: in the dwte kernel a run is one warp's chain of loads
+# (RESULTS.md, EMBEDDING_LONG_RUN…: Zipf-drawn ids 2.8-3.5x faster, uniform ones unchanged).
 EMBEDDING_LONG_RUN = 32
 EMBEDDING_LONG_THREADS = 512
 EMBEDDING_LONG_ROWS = 4
@@ -448,26 +308,23 @@ EMBEDDING_LONG_GRID = 64
 EMBEDDING_SORT_THREADS = 1024
 EMBEDDING_TILE = 2 * EMBEDDING_SORT_THREADS   # keys a block sorts: one compare-exchange a thread
 EMBEDDING_MERGE_GROUP = 8             # tiles whose lower bounds a merge thread runs in lockstep
-# Blocks an SM the merge kernel's launch bounds ask for: 4 of 256 threads leave it 64
-# registers, room for a group's probes in flight. Bounded by threads alone, ptxas (sm_90)
-# kept it at 32 registers and issued each probe's load after the last one's compare.
+# 4 blocks an SM leave the merge kernel 64 registers, room for a group's probes in flight;
+# bounded by threads alone ptxas kept 32 and serialised them (RESULTS.md).
 EMBEDDING_MERGE_MIN_BLOCKS = 4
 
 
-def embedding_launch(stage: str, dtype: str) -> tuple[tuple[str, object], ...]:
+def embedding_launch(stage: str, dtype: str) -> launch.Geometry:
     if stage == "forward":
-        return (("threads", EMBEDDING_THREADS), ("grid_max", _GRID_MAX))
+        return launch.EmbeddingForward(EMBEDDING_THREADS, _GRID_MAX)
     if stage == "backward_wpe":
-        return (("threads", EMBEDDING_THREADS), ("vec", VEC[dtype]), ("grid_max", _GRID_MAX))
+        return launch.EmbeddingWpe(EMBEDDING_THREADS, VEC[dtype], _GRID_MAX)
     if stage == "backward_sort":
-        return (("threads", EMBEDDING_SORT_THREADS), ("tile", EMBEDDING_TILE),
-                ("grid_max", None))
+        return launch.EmbeddingSort(EMBEDDING_SORT_THREADS, EMBEDDING_TILE)
     if stage == "backward_merge":
-        return (("threads", EMBEDDING_THREADS), ("tile", EMBEDDING_TILE), ("grid_max", None))
+        return launch.EmbeddingMerge(EMBEDDING_THREADS)
     if stage == "backward_wte_long":
-        return (("threads", EMBEDDING_LONG_THREADS), ("lanes", 32),
-                ("long_run", EMBEDDING_LONG_RUN), ("vec", VEC[dtype]),
-                ("grid_max", EMBEDDING_LONG_GRID))
-    return (("threads", EMBEDDING_WTE_THREADS), ("lanes", 32),
-            ("rows", EMBEDDING_WTE_THREADS // 32 * EMBEDDING_WTE_WARP_ROWS), ("vec", VEC[dtype]),
-            ("grid_max", None))
+        return launch.EmbeddingWteLong(EMBEDDING_LONG_THREADS, 32, EMBEDDING_LONG_RUN, VEC[dtype],
+                                       EMBEDDING_LONG_GRID)
+    return launch.EmbeddingWte(EMBEDDING_WTE_THREADS, 32,
+                               EMBEDDING_WTE_THREADS // 32 * EMBEDDING_WTE_WARP_ROWS, VEC[dtype])
+

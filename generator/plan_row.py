@@ -14,6 +14,7 @@ from eulergen.generator.emit import param_names
 from eulergen.generator.hoist import row_constant_names
 from eulergen.generator.row_schedule import (RowLayout, RowNames, RowStats, Stage, Step, Sweep,
                                              row_names, stages, variants)
+from eulergen.kinds import KINDS
 
 
 @dataclass(frozen=True)
@@ -236,13 +237,12 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
                 args = tuple((a.name, dict(a.ctypes)[dt]) for a in k.ptrs)
                 args += tuple((q, "float") for q in param_names(op)) + (("rows", "long long"),
                                                                     ("cols", "int"))
-                launch = planner.row_launch(p, dt, lay.name, wgrad=bool(k.wgrads), shape=shape,
-                                            fwdbwd=k.stage == "fwdbwd",
-                                            split_cols=dict(k.split_cols)[dt])
                 for aligned in (True, False):
                     name = f"{k.kernel}{lay.suffix}{'' if aligned else '_unaligned'}_{dt}"
-                    entries.append(Entry(ir.KernelSig(name, args, dt, k.stage,
-                                                      launch + (("aligned", aligned),)),
+                    geometry = planner.row_launch(dt, lay.name, wgrad=bool(k.wgrads), shape=shape,
+                                                  aligned=aligned, fwdbwd=k.stage == "fwdbwd",
+                                                  split_cols=dict(k.split_cols)[dt])
+                    entries.append(Entry(ir.KernelSig(name, args, dt, k.stage, geometry),
                                          planner.CTYPE[dt], aligned, lay, shape))
         rows.append(tuple(entries))
     cols = []
@@ -254,8 +254,8 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
             for aligned in (True, False):
                 name = f"{op.name}_wgrad_cols{'' if aligned else '_unaligned'}_{dt}"
                 cols.append(Entry(ir.KernelSig(name, args, dt, "wgrad_cols",
-                                               planner.wgrad_cols_launch(p, dt, len(split.stats))
-                                               + (("aligned", aligned),)),
+                                               planner.wgrad_cols_launch(dt, len(split.stats),
+                                                                         aligned)),
                                   planner.CTYPE[dt], aligned))
     reduce = []
     if any(k.wgrads for k in kernels):
@@ -271,7 +271,8 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
 def plan_row(op: ir.DerivedOp) -> RowPlan:
     """Every choice of a row op's kernels: stages, impls, steps, pointers, shapes, entry
     points."""
-    p = planner.plan_op(op)
+    p = planner.KernelPlan(KINDS["row"].template, planner.DTYPES,
+                           fwdbwd=all(o.role == "scalar" for o in op.outputs))
     o = row_names(op)
     names = row_constant_names()
     staged, wgrad_step, stats = stages(o, names, p.fwdbwd)

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 import jinja2
 import sympy as sp
 
-from eulergen import TEMPLATES_DIR
+from eulergen import TEMPLATES_DIR, launch
 from eulergen.errors import EulerError
 from eulergen.generator import ir
-from eulergen.generator.numpy_module import spec_label
+from eulergen.generator.emit import header, spec_label, wrap_lines
 from eulergen.generator.printer import cuda_expr
-from eulergen.generator.emit import header
 
 HEAD_DIMS = (64, 128)
 CTYPES = {"f32": "float", "bf16": "__nv_bfloat16"}
@@ -120,25 +119,10 @@ class AttentionPlan:
 
 
 def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
-    """Tile sizes: 64-row blocks of 4 warps, except where registers run short. The dkv
-    kernel keeps dK and dV (2·D/2 floats a thread) beside two score tiles, so at D = 128
-    it streams 32 queries at a time. The bf16 forward at D = 64 gives each warp 32 rows
-    (two slabs): every K/V fragment read from shared memory then feeds two mma, which
-    halves the shared-memory traffic that otherwise bounds it (FlashAttention-2 does the
-    same); it fits in 255 registers without spilling, where fp32's split planes and
-    D = 128 do not. The dQ kernel streams 32 keys at a time: its score tiles then take half
-    the registers (bf16 d=64: 168 → 128), and on the H200 that cut its time by a third at both
-    benchmark sizes (bf16 d=64: 0.170 → 0.111 ms at B=8 T=1024, 0.591 → 0.399 at B=2
-    T=4096). The bf16 dkv kernel at D = 64 pairs its products (dkv_paired): 234 registers
-    instead of 254, and 0.229 → 0.170 ms (T=1024), 0.820 → 0.600 (T=4096); at D = 128 and
-    with fp32's split planes pairing spills, so those keep one product after another.
-    Decode blocks own one query row (dec_rows = 1) and load 64 keys at a time: a block of 4
-    rows keeps 4 rows of q and of the output sum in registers (238 a thread against 84-127),
-    and on the H200 (graph-timed, d=64, cache 1024, 12 layers' caches in turn) one row took
-    B=1 9.2 → 7.9 us (fp32) and 8.1 → 6.4 (bf16), B=16 bf16 34.5 → 20.0; GQA groups then
-    read each cached key once per query head, from L2 (B=16 KVH=4 bf16 20.8 → 16.7 us).
-    Key tiles of 32 were slower everywhere, of 128 no better (benchmarks/attention.py
-    --decode-sweep)."""
+    """Tile sizes: 64-row blocks of 4 warps, except where registers run short: dkv streams
+    32 queries at D = 128, dQ 32 keys; bf16 at D = 64 gives a forward warp two slabs and
+    pairs dkv's products; decode blocks own one query row and load 64 keys a step (the
+    measurements: benchmarks/RESULTS.md, "plan_attention's tiles")."""
     if head_dim not in HEAD_DIMS:
         raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
                          key="head_dim")
@@ -246,13 +230,12 @@ def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[st
 
 
 def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: str,
-            params: tuple[str, ...], defaults: tuple) -> tuple[dict, ir.KernelSig]:
+            params: tuple[str, ...]) -> tuple[dict, ir.KernelSig]:
     args = kernel_args(role, dtype, params)
     call = [a for a, _ in args if a not in params]
     if role == "rowdot":
         name = f"{op}_backward_rowdot_{dtype}"
-        facts = {"role": role, "threads": 32 * ROWDOT_WARPS, "rows_per_block": ROWDOT_WARPS,
-                 "smem_bytes": 0}
+        geometry = launch.AttentionRowdot(32 * ROWDOT_WARPS, ROWDOT_WARPS)
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * ROWDOT_WARPS,
                "comment": "delta = rowsum(dO ∘ O), one warp per (batch, head, row)"}
     else:
@@ -269,32 +252,20 @@ def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: st
             "decode": (plan.dec_warps, plan.dec_rows, plan.dec_rows, plan.dec_tile, "query"),
         }[role]
         name = f"{op}_{role}_d{d}_{dtype}"
-        facts = {"role": role, "head_dim": d, "threads": 32 * warps, "block_rows": block_rows,
-                 "grid_rows": rows, "tile": tile, "smem_bytes": plan.smem_bytes(role),
-                 "mask": mode}
+        flash = dict(head_dim=d, threads=32 * warps, block_rows=block_rows, tile=tile,
+                     smem_bytes=plan.smem_bytes(role), mask=mode)
+        geometry = (launch.AttentionDecode(**flash) if role == "decode"
+                    else launch.AttentionTiles(**flash, role=role))
         ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
                "head_dim": d, "warps": warps, "tile": tile, "mtiles": f"{targ}, ",
                "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
                "comment": f"{role}, D = {d}: {block_rows} {rows} rows a block, "
                           f"tiles of {tile}"}
-    facts["params"] = [[p, v] for p, v in zip(params, defaults)]
-    ctx["args"] = _wrap([f"{ty} {a}" for a, ty in args])
-    ctx["call"] = call
     stage = role if role in ("forward", "decode") else "backward"
-    sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage,
-                       plan=tuple(facts.items()))
+    sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage, geometry=geometry)
+    ctx["args"] = wrap_lines(sig.c_params)   # the template prints the signature's list
+    ctx["call"] = call
     return ctx, sig
-
-
-def _wrap(items: list[str], width: int = 92) -> list[str]:
-    """Comma-separated items as lines of at most `width` characters (the template joins them)."""
-    lines, line = [], ""
-    for item in items:
-        if line and len(line) + len(item) + 2 > width:
-            lines.append(line)
-            line = ""
-        line = f"{line}, {item}" if line else item
-    return lines + [line]
 
 
 def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
@@ -320,7 +291,6 @@ def render_attention(derived: ir.DerivedOp, *,
     check_symbols(derived)
     body: ir.AttentionDerived = derived.body
     params = tuple(p.name for p in derived.params)
-    defaults = tuple(p.default for p in derived.params)
     hoist = _HeadConstants(_HEAD_SYMBOLS | {sp.Symbol(p, real=True) for p in params})
     score2 = hoist(body.score / sp.log(2))
     dscore = hoist(body.dscore)
@@ -335,11 +305,11 @@ def render_attention(derived: ir.DerivedOp, *,
             plan = (plans or {}).get((d, dtype)) or plan_attention(d, dtype)
             for role in ("forward", "backward_dkv", "backward_dq", "decode"):
                 if role in roles:
-                    ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params, defaults)
+                    ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params)
                     kernels.append(ctx)
                     sigs.append(sig)
         if "rowdot" in roles:
-            ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params, defaults)
+            ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params)
             kernels.append(ctx)
             sigs.append(sig)
 

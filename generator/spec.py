@@ -21,8 +21,7 @@ from eulergen.generator import formula
 from eulergen.generator.formula import Where, suggest
 from eulergen.generator.ir import Location, Param
 from eulergen.generator.yaml_doc import YamlDoc
-
-KINDS = ("pointwise", "row", "pair", "update", "attention")
+from eulergen.kinds import SPEC_KINDS as KINDS
 _COMMON = {"name", "kind", "doc", "params", "let", "domain", "tolerance", "override", "fast_math"}
 KEYS = {
     "pointwise": _COMMON | {"inputs", "outputs", "kink", "backward"},

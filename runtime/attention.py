@@ -15,20 +15,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from math import prod
 from typing import Callable
 
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.launch import AttentionDecode, FlashKernel, Launch, cdiv
 from eulergen.runtime.kernels import DTYPE_OF, storage_dtype_name
 
 
 @dataclass(frozen=True)
 class AttentionKernels:
-    """One attention op's kernels: plans by kernel name (the manifest's `plan` objects),
+    """One attention op's kernels: their launch geometry by kernel name (eulergen/launch.py),
     param defaults, and `function(name)` giving a launchable CuPy kernel."""
     op: str
-    plans: dict
+    geometry: dict
     params: dict
     function: Callable[[str], object]
     _ready: dict = field(default_factory=dict, compare=False, repr=False)  # name -> kernel
@@ -47,23 +49,24 @@ class AttentionKernels:
             if not compiled:
                 compiled.append(compile_file(op.cuda))
             return compiled[0].function(name)
-        return cls(op.name, {k.name: k.plan for k in op.kernels.values()}, dict(op.params),
+        return cls(op.name, {k.name: k.geometry for k in op.kernels.values()}, dict(op.params),
                    function)
 
     def head_dims(self) -> list[int]:
-        return sorted({p["head_dim"] for p in self.plans.values() if "head_dim" in p})
+        return _head_dims(self.geometry.values())
 
-    def kernel(self, role: str, dtype: str, head_dim: int | None = None) -> tuple[str, dict]:
+    def kernel(self, role: str, dtype: str, head_dim: int | None = None) -> tuple[str, object]:
+        """(name, geometry) of one kernel."""
         name = (f"{self.op}_backward_rowdot_{dtype}" if role == "rowdot"
                 else f"{self.op}_{role}_d{head_dim}_{dtype}")
-        if name not in self.plans:
+        if name not in self.geometry:
             dims = self.head_dims()
             raise EulerError(f"{self.op}: head dim {head_dim} is not supported (kernels exist "
                              f"for {dims}); use one of those", key="head_dim")
-        return name, self.plans[name]
+        return name, self.geometry[name]
 
-    def launch(self, name: str, plan: dict, grid: tuple, args: tuple) -> None:
-        smem = int(plan["smem_bytes"])
+    def launch(self, name: str, at: Launch, args: tuple) -> None:
+        smem = at.shared_mem
         fn = self._ready.get(name)
         if fn is None:
             fn = self.function(name)
@@ -76,10 +79,10 @@ class AttentionKernels:
                     driver.funcSetAttribute(
                         fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             self._ready[name] = fn
-        fn(grid, (int(plan["threads"]),), args, shared_mem=smem)
+        fn(at.grid, at.block, args, shared_mem=smem)
 
     def decode_workspace(self, records: int, cells: int) -> tuple:
-        """(part, counts) for a split decode: `records` float32 records of the plan's rows and
+        """(part, counts) for a split decode: `records` float32 records of a block's rows and
         `cells` counters, which the kernels leave at zero."""
         import cupy
         ws = self._decode_ws
@@ -104,8 +107,13 @@ class AttentionKernels:
         return tuple(values)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def _head_dims(geometries) -> list[int]:
+    return sorted({g.head_dim for g in geometries if isinstance(g, FlashKernel)})
+
+
+def head_dims(op) -> list[int]:
+    """The head dims an attention op (a manifest OpEntry) has kernels for."""
+    return _head_dims(k.geometry for k in op.kernels.values())
 
 
 def _strides(name: str, a, dtype: np.dtype) -> tuple:
@@ -176,7 +184,7 @@ def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **pa
     given arrays (o may be a strided view)."""
     import cupy
     B, T, H, KVH, D, dt = _geometry(q, k, v)
-    name, plan = ak.kernel("forward", dt, D)
+    name, geometry = ak.kernel("forward", dt, D)
     pvals = ak.param_values(params)
     o = cupy.empty(q.shape, q.dtype) if out is None else out
     lse = cupy.empty((B, H, T), np.float32) if lse is None else lse
@@ -188,7 +196,7 @@ def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **pa
     args = (q, k, v, o, lse, np.int32(T), np.int32(H), np.int32(KVH),
             *_strides("q", q, dtype), *_strides("k", k, dtype), *_strides("v", v, dtype),
             *_strides("out", o, dtype), *pvals)
-    ak.launch(name, plan, (_cdiv(T, plan["block_rows"]), H, B), args)
+    ak.launch(name, geometry.launch(B, T, H, KVH), args)
     return o, lse
 
 
@@ -203,9 +211,9 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     _check("lse", lse, (B, H, T), np.dtype(np.float32))
     if not lse.flags.c_contiguous:
         raise EulerError("lse: must be C-contiguous", key="lse")
-    dkv_name, dkv_plan = ak.kernel("backward_dkv", dt, D)
-    dq_name, dq_plan = ak.kernel("backward_dq", dt, D)
-    rd_name, rd_plan = ak.kernel("rowdot", dt)
+    dkv_name, dkv_geom = ak.kernel("backward_dkv", dt, D)
+    dq_name, dq_geom = ak.kernel("backward_dq", dt, D)
+    rd_name, rd_geom = ak.kernel("rowdot", dt)
     pvals = ak.param_values(params)
     if out is None:
         out = (cupy.empty(q.shape, q.dtype), cupy.empty(k.shape, k.dtype),
@@ -223,13 +231,12 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     so, sdo = _strides("o", o, dtype), _strides("do", do, dtype)
     sizes = (np.int32(T), np.int32(H), np.int32(KVH))
 
-    rows = B * H * T
-    ak.launch(rd_name, rd_plan, (_cdiv(rows, rd_plan["rows_per_block"]),),
+    ak.launch(rd_name, rd_geom.launch(B * H * T),
               (o, do, delta, np.int32(B), np.int32(T), np.int32(H), np.int32(D), *so, *sdo))
-    ak.launch(dkv_name, dkv_plan, (_cdiv(T, dkv_plan["block_rows"]), KVH, B),
+    ak.launch(dkv_name, dkv_geom.launch(B, T, H, KVH),
               (q, k, v, do, lse, delta, dk, dv, *sizes, *sq, *sk, *sv, *sdo,
                *_strides("dk", dk, dtype), *_strides("dv", dv, dtype), *pvals))
-    ak.launch(dq_name, dq_plan, (_cdiv(T, dq_plan["block_rows"]), H, B),
+    ak.launch(dq_name, dq_geom.launch(B, T, H, KVH),
               (q, k, v, do, lse, delta, dq, *sizes, *sq, *sk, *sv, *sdo,
                *_strides("dq", dq, dtype), *pvals))
     return dq, dk, dv
@@ -249,10 +256,10 @@ def _sm_count() -> int:
 def decode_splits(cells: int, keys: int, tile: int, sms: int) -> tuple[int, int]:
     """(splits, keys a split) for `cells` blocks of rows over `keys` cached keys: enough
     splits to give every SM DECODE_BLOCKS_PER_SM blocks, each split a whole number of tiles."""
-    tiles = _cdiv(keys, tile)
-    splits = max(1, min(tiles, _cdiv(DECODE_BLOCKS_PER_SM * sms, cells)))
-    split_keys = _cdiv(tiles, splits) * tile
-    return _cdiv(keys, split_keys), split_keys
+    tiles = cdiv(keys, tile)
+    splits = max(1, min(tiles, cdiv(DECODE_BLOCKS_PER_SM * sms, cells)))
+    split_keys = cdiv(tiles, splits) * tile
+    return cdiv(keys, split_keys), split_keys
 
 
 @dataclass(frozen=True)
@@ -260,13 +267,12 @@ class _DecodeLaunch:
     """What the layouts of a decode call's arrays fix, checked once: a sampler calls decode
     per layer per token with the same layouts, where checks would cost more than the launch."""
     name: str
-    plan: dict
+    geometry: AttentionDecode
+    sizes: tuple      # B, Tq, H, KVH: what geometry.launch takes before the splits
     tq: int
     tmax: int
-    chunks: int       # chunks of block_rows query rows per (batch, kv head)
-    cells: int        # blocks of rows: B · KVH · chunks
+    cells: int        # blocks of rows of one split: B · KVH · chunks of block_rows rows
     record: int       # floats of one split's record: block_rows · (D + 2)
-    grid_yz: tuple    # (KVH, B)
     heads: tuple      # n_heads, n_kv_heads
     tail: tuple       # strides of q, k, v, o, then the params
 
@@ -288,7 +294,7 @@ def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
     dt = storage_dtype_name(q)
     _check("k_cache", k_cache, k_cache.shape, q.dtype)
     _check("v_cache", v_cache, v_cache.shape, q.dtype)
-    name, plan = ak.kernel("decode", dt, D)
+    name, geometry = ak.kernel("decode", dt, D)
     pvals = ak.param_values(params)
     dtype = DTYPE_OF[dt]
     if out is None:
@@ -296,11 +302,10 @@ def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
     else:
         _check("out", out, q.shape, q.dtype)
         o_strides = _strides("out", out, dtype)
-    rows = int(plan["block_rows"])
-    chunks = _cdiv(Tq * (H // KVH), rows)
+    sizes = (B, Tq, H, KVH)
     return _DecodeLaunch(
-        name, plan, Tq, Tmax, chunks, B * KVH * chunks, rows * (D + 2), (KVH, B),
-        (np.int32(H), np.int32(KVH)),
+        name, geometry, sizes, Tq, Tmax, prod(geometry.launch(*sizes).grid),
+        geometry.block_rows * (D + 2), (np.int32(H), np.int32(KVH)),
         (*_strides("q", q, dtype), *_strides("k_cache", k_cache, dtype),
          *_strides("v_cache", v_cache, dtype), *o_strides, *pvals))
 
@@ -326,12 +331,12 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
         import cupy
         out = cupy.empty(q.shape, q.dtype)
     cells = launch.cells
-    splits, split_keys = decode_splits(cells, pos0 + launch.tq, launch.plan["tile"],
+    splits, split_keys = decode_splits(cells, pos0 + launch.tq, launch.geometry.tile,
                                        _sm_count())
     split = splits > 1
     part, counts = ak.decode_workspace(cells * splits * launch.record if split else 0,
                                        cells if split else 0)
-    ak.launch(launch.name, launch.plan, (launch.chunks * splits, *launch.grid_yz),
+    ak.launch(launch.name, launch.geometry.launch(*launch.sizes, splits),
               (q, k_cache, v_cache, out, part, counts, np.int32(launch.tq), np.int32(pos0),
                *launch.heads, np.int32(splits), np.int32(split_keys), *launch.tail))
     return out

@@ -3,7 +3,7 @@ ops on CuPy arrays, one method per op kind.
 
 Each call checks its arrays' shapes against one another (dtypes, contiguity and devices
 are checked in kernels.bind), allocates the outputs it was not given in the storage type
-the kernel writes, and launches the kernels with the geometry of their plans. Weight
+the kernel writes, and launches the kernels with their geometry (eulergen/launch.py). Weight
 gradients of row ops go through a float32 workspace of per-worker partial sums and the
 op's `wgrad_reduce` kernel (deterministic: fixed order, no atomics); over long rows the
 backward is split (`backward_rows` writes dx and per-row values, `wgrad_cols` sums the
@@ -19,10 +19,8 @@ from math import prod
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, cdiv, grid_for, pair_grid,
-                                      pair_threads, parse_ctype, pointwise_geometry,
-                                      reduce_geometry, row_aligned, row_geometry, row_kernel,
-                                      storage_dtype_name, wgrad_cols_geometry, wgrad_split)
+from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, parse_ctype, row_aligned,
+                                      row_kernel, storage_dtype_name, wgrad_split)
 from eulergen.runtime.manifest import Kernel, OpEntry
 
 
@@ -120,18 +118,18 @@ def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int,
     if not sig.wgrads:
         return False, []
     if wgrad_split(op, dtype, cols):
-        cols_plan = op.kernel("wgrad_cols", dtype).plan
-        (_, groups), _ = wgrad_cols_geometry(cols_plan, rows, cols)
-        return True, [(rows, cols_plan["row_stats"])] + [(groups, cols)] * len(sig.wgrads)
-    kernel = row_kernel(op, stage, dtype, cols)
-    return False, [(row_geometry(kernel.plan, rows, cols).partials, cols)] * len(sig.wgrads)
+        by_cols = op.kernel("wgrad_cols", dtype).geometry
+        groups = by_cols.launch(rows, cols).partials
+        return True, [(rows, by_cols.row_stats)] + [(groups, cols)] * len(sig.wgrads)
+    partials = row_kernel(op, stage, dtype, cols).geometry.launch(rows, cols).partials
+    return False, [(partials, cols)] * len(sig.wgrads)
 
 
 def _embedding_layout(op: OpEntry, n: int, rows: int) -> list[tuple[int]]:
     """The backward's workspace for n ids into a table of `rows`, as _carve lays it out:
     int64 sort keys, tiled and merged; an int32 first-key rank per table row; and the int32
-    list of the runs longer than the plan's long_run keys (a count, then their ids)."""
-    long_run = op.kernel("backward_wte_long", "f32").plan["long_run"]
+    list of the runs longer than the geometry's long_run keys (a count, then their ids)."""
+    long_run = op.kernel("backward_wte_long", "f32").geometry.long_run
     return [(2 * n,), (2 * n,), (rows,), (1 + n // (long_run + 1),)]
 
 
@@ -235,9 +233,7 @@ class CudaOps:
         kernel = op.kernel("step", storage_dtype_name(grads[0]) if grads else "f32")
         n = args[0].size
         if n:
-            grid = grid_for(cdiv(n, kernel.plan["vec"] * kernel.plan["threads"]), kernel.plan)
-            self.launcher(op).launch(kernel, grid, kernel.plan["threads"],
-                                     {**named, **params, "n": n})
+            self.launcher(op).launch(kernel, kernel.geometry.launch(n), {**named, **params, "n": n})
 
     def fused(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
         n_in, n_out = len(op.inputs), len(op.outputs)
@@ -273,8 +269,7 @@ class CudaOps:
             # The planner chose to read forward outputs in the backward: recompute them.
             values.update(zip(outs, self._pointwise(op, "forward", args[:len(ins)], None, params)))
         if args[0].size:
-            grid, block = pointwise_geometry(kernel.plan, args[0].size)
-            self.launcher(op).launch(kernel, grid, block, values)
+            self.launcher(op).launch(kernel, kernel.geometry.launch(args[0].size), values)
         return results
 
     # -- row: [..., cols] rows, weights [cols], one index or scalar per row -------------------
@@ -323,18 +318,16 @@ class CudaOps:
         for g, view in zip(sig.wgrads, views):
             values[f"{g}_partials"] = view
         launcher = self.launcher(op)
-        geom = row_geometry(kernel.plan, rows, cols)
-        launcher.launch(kernel, geom.grid, geom.threads, values)
-        partials = geom.partials
+        at = kernel.geometry.launch(rows, cols)
+        launcher.launch(kernel, at, values)
         if split:
             cols_kernel = row_kernel(op, "wgrad_cols", dtype, cols, aligned)
-            grid, threads = wgrad_cols_geometry(cols_kernel.plan, rows, cols)
-            launcher.launch(cols_kernel, grid, threads, values)
-            partials = grid[1]
+            at = cols_kernel.geometry.launch(rows, cols)
+            launcher.launch(cols_kernel, at, values)
+        partials = at.partials
         for g in sig.wgrads:
             red = op.kernel("wgrad_reduce", dtype)
-            grid, block = reduce_geometry(red.plan, cols)
-            launcher.launch(red, grid, block, {
+            launcher.launch(red, red.geometry.launch(cols), {
                 "partials": values[f"{g}_partials"], "dw": values[g],
                 "num_partials": partials, "cols": cols, "accumulate": 0})
         return results
@@ -384,9 +377,8 @@ class CudaOps:
                 values[f"{name}_sb"], values[f"{name}_st"], values[f"{name}_sh"] = (
                     s // item for s in a.strides[:3])
         if x.size:
-            threads = pair_threads(kernel.plan, H, D)
-            self.launcher(op).launch(kernel, pair_grid(kernel.plan, B * T, threads), threads,
-                                     values, contiguous=False)
+            self.launcher(op).launch(kernel, kernel.geometry.launch(B * T, H, D), values,
+                                     contiguous=False)
         return results
 
     # -- embedding: out[b, t] = wte[ids[b, t]] (+ wpe[t]); deterministic backward ----------------
@@ -418,9 +410,7 @@ class CudaOps:
         (y,) = _outputs(kernel, ["out"], [tuple(ids.shape) + (C,)], out, op, "forward")
         bt = ids.size
         if bt:
-            plan = kernel.plan
-            grid = grid_for(cdiv(bt, plan["threads"] // 32), plan)    # a warp a row
-            self.launcher(op).launch(kernel, grid, plan["threads"], {
+            self.launcher(op).launch(kernel, kernel.geometry.launch(bt), {
                 "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt,
                 "T": T, "C": C, "V": wte.shape[0]})
         return (y,)
@@ -431,7 +421,7 @@ class CudaOps:
         sync: the ids are sorted on the device by keys id << 32 | position (unique, so
         equal ids stay in token order), then every row of dwte is written as its id's run
         of dout rows summed (zeros where the id does not occur): by one kernel, and the
-        runs longer than the plan's long_run keys, which it lists, by a second. Each element
+        runs longer than the geometry's long_run keys, which it lists, by a second. Each element
         has one writer and one summation order, np.add.at's: a rerun gives the same bits.
         The keys live in `workspace` (planned) or in the library's own buffer."""
         ids, wte, wpe, dout = args
@@ -457,23 +447,18 @@ class CudaOps:
         launcher = self.launcher(op)
         V = wte.shape[0]
         keys, first, runs = self._embedding_sort(op, dtype, ids, V, workspace)
-        plan = wte_k.plan
-        use_vec = C % plan["vec"] == 0 and (dout.data.ptr | grads[0].data.ptr) % 16 == 0
-        units = C // plan["vec"] if use_vec else C
+        use_vec = (C % wte_k.geometry.vec == 0
+                   and (dout.data.ptr | grads[0].data.ptr) % 16 == 0)
         sums = {"dout": dout, "keys": keys, "first": first, "runs": runs, "dwte": grads[0],
                 "n": n, "C": C, "vec": int(use_vec), "accumulate": int(add_wte)}
-        launcher.launch(wte_k, (cdiv(V, plan["rows"]), cdiv(units, plan["lanes"])),
-                        plan["threads"], dict(sums, V=V))
+        launcher.launch(wte_k, wte_k.geometry.launch(V, C, use_vec), dict(sums, V=V))
         long_k = op.kernel("backward_wte_long", dtype)
-        plan = long_k.plan
-        launcher.launch(long_k, (grid_for(runs.size - 1, plan), cdiv(units, plan["lanes"])),
-                        plan["threads"], sums)
+        launcher.launch(long_k, long_k.geometry.launch(runs.size - 1, C, use_vec), sums)
         if wpe is not None:
             wpe_k = op.kernel("backward_wpe", dtype)
-            plan = wpe_k.plan
-            launcher.launch(wpe_k, grid_for(cdiv(T * C, plan["vec"] * plan["threads"]), plan),
-                            plan["threads"], {"dout": dout, "dwpe": grads[1], "B": n // T, "T": T,
-                                              "C": C, "accumulate": int(add_wpe)})
+            launcher.launch(wpe_k, wpe_k.geometry.launch(T * C), {
+                "dout": dout, "dwpe": grads[1], "B": n // T, "T": T, "C": C,
+                "accumulate": int(add_wpe)})
         return grads + ((None,) if wpe is None else ())
 
     def _embedding_sort(self, op: OpEntry, dtype: str, ids, rows: int, workspace):
@@ -491,9 +476,9 @@ class CudaOps:
         first, runs = first.view(np.int32), runs.view(np.int32)
         sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)
         launcher = self.launcher(op)
-        launcher.launch(sort_k, cdiv(n, sort_k.plan["tile"]), sort_k.plan["threads"],
+        launcher.launch(sort_k, sort_k.geometry.launch(n),
                         {"ids": ids, "tiled": tiled, "first": first, "runs": runs, "n": n,
                          "V": rows})
-        launcher.launch(merge_k, cdiv(n, merge_k.plan["threads"]), merge_k.plan["threads"],
+        launcher.launch(merge_k, merge_k.geometry.launch(n),
                         {"tiled": tiled, "keys": keys, "first": first, "n": n})
         return keys, first, runs

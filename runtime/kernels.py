@@ -6,8 +6,8 @@ callers in runtime/ops.py name their arrays and scalars the same way (operand na
 launch depends on is checked here before the launch: every argument present, pointer
 arguments CuPy arrays on the current device with the dtype the C type stores (bf16 is
 stored in uint16 arrays, see ops.py), contiguous, and scalars converted to the exact
-width the kernel reads. The launch geometry comes from the kernel's plan (the keys are
-documented in generator/plan.py).
+width the kernel reads. The grid and block come from the kernel's geometry
+(eulergen/launch.py), as the planner made it.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.launch import BlockHeld, BlockPerRow, Launch, WarpPerRow
 from eulergen.runtime.manifest import Kernel, OpEntry
 
 # What a pointer's pointee is stored as, and what a scalar argument is passed as.
@@ -54,10 +55,6 @@ def parse_ctype(text: str) -> CType:
     if base not in _STORAGE:
         raise EulerError(f"C type {text!r} is not one the runtime can pass", key="args")
     return CType(base, pointer, const, np.dtype(_STORAGE[base]))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @lru_cache(maxsize=None)
@@ -132,25 +129,12 @@ class Launcher:
             fn = self._functions[kernel.name] = self._compiled.function(kernel.name)
         return fn
 
-    def launch(self, kernel: Kernel, grid, block, values: dict, *, shared_mem: int = 0,
-               contiguous: bool = True) -> None:
+    def launch(self, kernel: Kernel, at: Launch, values: dict, *, contiguous: bool = True) -> None:
         args = bind(self.op, kernel, values, contiguous=contiguous)
-        grid = grid if isinstance(grid, tuple) else (grid,)
-        block = block if isinstance(block, tuple) else (block,)
-        self.function(kernel)(grid, block, args, shared_mem=shared_mem)
+        self.function(kernel)(at.grid, at.block, args, shared_mem=at.shared_mem)
 
 
-# ---- launch geometry, one function per plan shape (keys: generator/plan.py) --------------
-
-def grid_for(count: int, plan: dict) -> int:
-    cap = plan.get("grid_max")
-    return max(1, min(count, cap) if cap else count)
-
-
-def pointwise_geometry(plan: dict, n: int) -> tuple[int, int]:
-    per_block = plan["vec"] * plan.get("unroll", 1) * plan["threads"]
-    return grid_for(cdiv(n, per_block), plan), plan["threads"]
-
+# ---- which of a stage's kernels a call takes -----------------------------------------
 
 def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: bool) -> bool:
     """Whether the `aligned` variant of a row kernel (generator/plan.py) serves operands at
@@ -168,70 +152,24 @@ def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = T
     """The warp-per-row kernel for rows it holds in registers, else the block_held one for
     rows a block holds (where the dtype has one), else the block-per-row one (a stage of one
     layout, or none, such as wgrad_cols: its kernel); of each, the `aligned` variant
-    (row_aligned) or the one for any operands. The two variants have one geometry: a memory
+    (row_aligned) or the one for any operands. The two variants launch alike: a memory
     planner may ask for either."""
     candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
-                  and k.plan.get("aligned", True) == aligned]
+                  and k.geometry.aligned == aligned]
     if not candidates:
-        # None of (stage, dtype): raises, naming the kernels there are. A manifest from before
-        # the `_unaligned` variants, asked for one: the stage's first kernel (any serves any
-        # operands there).
-        return op.kernel(stage, dtype)
-    warp = [k for k in candidates if k.plan.get("layout") == "warp_per_row"]
-    held = [k for k in candidates if k.plan.get("layout") == "block_held"]
-    block = [k for k in candidates if k.plan.get("layout") == "block_per_row"]
-    if warp and (not block or cols <= warp[0].plan["max_cols"]):
+        return op.kernel(stage, dtype)   # none of (stage, dtype): raises, naming those there are
+    warp = [k for k in candidates if isinstance(k.geometry, WarpPerRow)]
+    held = [k for k in candidates if isinstance(k.geometry, BlockHeld)]
+    block = [k for k in candidates if isinstance(k.geometry, BlockPerRow)]
+    if warp and (not block or cols <= warp[0].geometry.max_cols):
         return warp[0]
-    if held and cols <= held[0].plan["max_cols"]:
+    if held and cols <= held[0].geometry.max_cols:
         return held[0]
     return (block or candidates)[0]
-
-
-@dataclass(frozen=True)
-class RowGeometry:
-    grid: int
-    threads: int
-    partials: int        # rows of the weight-gradient workspace this launch writes
-
-
-def row_geometry(plan: dict, rows: int, cols: int) -> RowGeometry:
-    rpb = plan.get("rows_per_block", 1)
-    if plan.get("layout") in ("block_per_row", "block_held"):
-        want = cdiv(cdiv(cols, plan["cols_per_thread"]), 32) * 32
-        threads = min(max(want, plan["threads_min"]), plan["threads"])
-        grid = max(1, rows) if cols <= plan.get("uncapped_cols", 0) else grid_for(rows, plan)
-        return RowGeometry(grid, threads, grid)
-    grid = grid_for(cdiv(rows, rpb), plan)
-    return RowGeometry(grid, plan["threads"], grid * rpb)
 
 
 def wgrad_split(op: OpEntry, dtype: str, cols: int) -> bool:
     """Whether a backward with weight gradients over rows of `cols` takes the split kernels
     (`backward_rows`, then `wgrad_cols`: generator/plan.py WGRAD_SPLIT_COLS)."""
-    return any(k.stage == "backward_rows" and k.dtype == dtype and cols >= k.plan["split_cols"]
-               for k in op.kernels.values())
-
-
-def wgrad_cols_geometry(plan: dict, rows: int, cols: int) -> tuple[tuple[int, int], int]:
-    """((grid x, grid y), threads) of a `wgrad_cols` launch; grid y is the partial rows it
-    writes."""
-    x = cdiv(cols, plan["vec"] * plan["threads"])
-    return (x, max(1, min(rows, cdiv(plan["blocks"], x)))), plan["threads"]
-
-
-def reduce_geometry(plan: dict, cols: int) -> tuple[int, tuple[int, int]]:
-    tx, ty = plan.get("threads_x", 32), plan.get("threads_y", 32)
-    return cdiv(cols, tx), (tx, ty)
-
-
-def pair_threads(plan: dict, H: int, D: int) -> int:
-    """A pair block's threads: one a 16-byte vector of a token's table chunk, in whole warps,
-    at most the plan's (generator/plan.py)."""
-    vectors = H * cdiv(min(D // 2, plan["table_pairs"]), plan["vec"])
-    return min(cdiv(vectors, 32) * 32, plan["threads"])
-
-
-def pair_grid(plan: dict, tokens: int, threads: int) -> int:
-    """Blocks for `tokens` tokens: the plan's grid_max counts blocks of its `threads`;
-    smaller blocks fit as many more at once."""
-    return max(1, min(tokens, plan["grid_max"] * plan["threads"] // threads))
+    return any(k.stage == "backward_rows" and k.dtype == dtype
+               and cols >= k.geometry.split_cols for k in op.kernels.values())

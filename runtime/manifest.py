@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from eulergen import launch
 from eulergen.errors import EulerError
+from eulergen.kinds import KINDS
+from eulergen.launch import Geometry
 
-FORMAT = 1
-KINDS = ("pointwise", "row", "pair", "update", "attention", "embedding")
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,12 @@ class Operand:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One `extern "C"` kernel: its launch arguments in order and the planner's facts."""
+    """One `extern "C"` kernel: its launch arguments in order and its launch geometry."""
     name: str
     args: tuple[tuple[str, str], ...]    # (name, C type)
     dtype: str                           # 'f32' | 'bf16'
     stage: str                           # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
-    plan: dict = field(hash=False)       # JSON object from generator/plan.py
+    geometry: Geometry                   # eulergen/launch.py, as the planner made it
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,12 @@ def _kernel(name: str, k, file: Path, where: str) -> Kernel:
     if dtype not in ("f32", "bf16"):
         raise EulerError(f"dtype {dtype!r} should be 'f32' or 'bf16'", file=str(file),
                          key=f"{where}.dtype")
-    return Kernel(name, tuple((a, t) for a, t in args), dtype, stage,
-                  dict(k.get("plan") or {}))
+    try:
+        geometry = launch.from_json(k.get("geometry"))
+    except (ValueError, TypeError) as err:
+        raise EulerError(f"{err} (rebuild with `eulergen build`)", file=str(file),
+                         key=f"{where}.geometry") from None
+    return Kernel(name, tuple((a, t) for a, t in args), dtype, stage, geometry)
 
 
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.runtime.attention import head_dims
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.params import (ParamSpec, load_params, padded_vocab,  # noqa: F401
@@ -128,8 +129,7 @@ def arch_of(cfg, lib) -> Arch:
 def _check_head_dim(attention, d: int, heads: int) -> None:
     """The flash kernels exist for a few head dims only: refuse another one when the
     config is read, not at the first attention launch after the run has started."""
-    dims = sorted({k.plan["head_dim"] for k in attention.kernels.values()
-                   if "head_dim" in k.plan})
+    dims = head_dims(attention)
     if d // heads in dims:
         return
     fits = [d // hd for hd in dims if d % hd == 0]

@@ -130,11 +130,11 @@ def _build(name: str, odd: bool = False):
             fields = {"key": key, "ctype": ctype, "d": d, "params": "\n".join(
                 f"  const float {p} = params[{n}];" for n, p in enumerate(pnames))}
             for role, kname in names.items():
-                plan = dict(sigs[kname].plan)
+                g = sigs[kname].geometry
                 fields[role] = kname
                 fields[f"{role}_args"] = ", ".join(a for a, _ in sigs[kname].args)
-                fields[f"{role}_rows"] = plan.get("block_rows", plan.get("rows_per_block"))
-                fields[f"{role}_threads"] = plan["threads"]
+                fields[f"{role}_rows"] = g.rows_per_block if role == "rd" else g.block_rows
+                fields[f"{role}_threads"] = g.threads
             runs.append(_RUN.format(**fields))
             dispatch.append(f'  if (key == "{key}") {{ run_{key}(B, T, H, KVH, params.data()); '
                             "return 0; }")

@@ -21,6 +21,7 @@ from eulergen import TEMPLATES_DIR
 from eulergen.errors import EulerError
 from eulergen.generator.numpy_attention import render_attention_module
 from eulergen.generator.render_attention import render_attention
+from eulergen.launch import AttentionRowdot
 from eulergen.runtime.ops import from_bf16, to_bf16
 
 import attention_ops
@@ -53,14 +54,16 @@ class FakeKernel:
     """A kernel of the shared library: checks the launch against the signature, then runs."""
 
     def __init__(self, lib, sig):
-        self.sig, self.plan = sig, dict(sig.plan)
+        self.sig = sig
         self.fn = getattr(lib, f"emu_{sig.name}")
         self.max_dynamic_shared_size_bytes = 48 * 1024
 
     def __call__(self, grid, block, args, shared_mem=0):
         assert len(args) == len(self.sig.args), f"{self.sig.name}: {len(args)} arguments"
-        assert block == (self.plan["threads"],) and len(grid) in (1, 3)
-        assert shared_mem == self.plan["smem_bytes"] <= self.max_dynamic_shared_size_bytes
+        assert block == (self.sig.geometry.threads,) and len(grid) in (1, 3)
+        g = self.sig.geometry
+        smem = 0 if isinstance(g, AttentionRowdot) else g.smem_bytes
+        assert shared_mem == smem <= self.max_dynamic_shared_size_bytes
         cargs = []
         for (name, ctype), value in zip(self.sig.args, args):
             if ctype.endswith("*"):
@@ -111,7 +114,7 @@ def runtime(monkeypatch_module):
     rendered, derived, lib, mod = _library("causal_attention",
                                            Path(tempfile.mkdtemp(prefix="eg-attn-rt-")))
     sigs = {k.name: k for k in rendered.kernels}
-    ak = AttentionKernels("causal_attention", {k.name: dict(k.plan) for k in rendered.kernels},
+    ak = AttentionKernels("causal_attention", {k.name: k.geometry for k in rendered.kernels},
                           {}, lambda name: FakeKernel(lib, sigs[name]))
     return ak, attention_forward, attention_backward, mod
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from eulergen import OPS_DIR
+from eulergen import OPS_DIR, launch
 from eulergen.cli import main
 from eulergen.generator import build, plan, render, spec
 from eulergen.generator.derive import derive
@@ -137,33 +137,33 @@ def test_ensure_built_of_builtin_ops_needs_no_extra_manifest(generated, few_ops)
     assert (generated / "manifest.json").exists()
 
 
-def test_every_kernel_signature_names_its_launch_plan():
+def test_every_kernel_signature_carries_its_launch_geometry():
     for name in FEW:
         rendered = render.render_op(derive(spec.load_op(name)), "header")
         for k in rendered.kernels:
-            p = dict(k.plan)
-            assert isinstance(p.get("threads"), int) and p["threads"] % 32 == 0, k.name
+            assert launch.from_json(k.geometry.to_json()) == k.geometry, k.name
+            assert k.geometry.threads % 32 == 0 and k.geometry.threads <= 1024, k.name
             assert k.name.endswith(f"_{k.dtype}") and k.dtype in plan.DTYPES
             assert f" {k.name}(" in rendered.source
 
 
 def test_row_op_has_its_layouts_fwdbwd_and_a_deterministic_weight_reduce():
     ce = render.render_op(derive(spec.load_op("cross_entropy")), "header")
-    stages = {(k.stage, dict(k.plan).get("layout"), k.dtype) for k in ce.kernels}
+    stages = {(k.stage, k.geometry.shape, k.dtype) for k in ce.kernels}
     for dt in plan.DTYPES:
         layouts = ("warp_per_row", "block_per_row") + (("block_held",) if dt in plan.HELD_SLOTS
                                                        else ())
         for stage in ("forward", "backward", "fwdbwd"):
             assert {lay for s, lay, d in stages if (s, d) == (stage, dt)} == set(layouts)
     fused = next(k for k in ce.kernels if k.name == "cross_entropy_fwdbwd_block_f32")
-    assert dict(fused.plan)["dx_may_alias_x"] is True
+    assert fused.geometry.dx_may_alias_x is True
     assert "atomicAdd" not in ce.source
 
     norm = render.render_op(derive(spec.load_op("rmsnorm")), "header")
     reduce = next(k for k in norm.kernels if k.name == "rmsnorm_wgrad_reduce_f32")
     assert [a for a, _ in reduce.args] == ["partials", "dw", "num_partials", "cols", "accumulate"]
     bwd = next(k for k in norm.kernels if k.name == "rmsnorm_backward_f32")
-    assert ("dw_partials", "float*") in bwd.args and dict(bwd.plan)["wgrad_partials"]
+    assert ("dw_partials", "float*") in bwd.args and bwd.geometry.wgrad
 
 
 def test_templates_branch_on_plans_never_on_op_names():
@@ -209,7 +209,7 @@ def test_check_ignores_build_keys_but_not_content(generated, few_ops):
     manifest["ops"]["gelu"]["build_key"] = "0" * 64       # as after an unrelated generator edit
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     assert build.run_build(check=True, echo=lambda s: None) == 0
-    manifest["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["plan"]["threads"] = 64   # a value no plan gives
+    manifest["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["geometry"]["threads"] = 64   # a value no plan gives
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     assert build.run_build(check=True, echo=lambda s: None) == 1
 

@@ -1,7 +1,7 @@
 """The generated pointwise, row, pair, update and embedding kernels, run on the CPU: each
 .cu in generated/cuda is compiled by g++ against tests/cudagen_emulator (CUDA threads as
-fibers, warp shuffles and __syncthreads as barriers), launched with the geometry its
-KernelSig.plan documents, and checked against the generated numpy module evaluated in
+fibers, warp shuffles and __syncthreads as barriers), launched with the block its manifest
+geometry gives (eulergen/launch.py), and checked against the generated numpy module evaluated in
 float64 on the same inputs. Small grids make every grid-stride loop, both row layouts, the
 registers-then-global row split and the scalar tails run. Speed and the real PTX are for
 tests/gpu/.
@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
-from eulergen.runtime.kernels import pair_threads, row_aligned, row_geometry
+from eulergen import launch as geometry_of
+from eulergen.runtime.kernels import row_aligned
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.ops import from_bf16, to_bf16
 
@@ -42,6 +43,11 @@ TOL = {"f32": 1e-5, "bf16": 2.0 ** -8}
 _ELEM = {"float": ("float", np.float32), "__nv_bfloat16": ("__nv_bfloat16", np.uint16),
          "int": ("int", np.int32), "long long": ("long long", np.int64)}
 _SCALAR = {"float": "(float)std::atof", "int": "std::atoi", "long long": "std::atoll"}
+
+
+def geometry(op: str, kernel: str):
+    """A kernel's launch geometry, as the runtime reads it from the manifest."""
+    return geometry_of.from_json(OPS[op]["kernels"][kernel]["geometry"])
 
 
 def _ops(*kinds) -> list[str]:
@@ -123,8 +129,8 @@ def launch(op: str, kernel: str, grid, block, **args) -> dict[str, np.ndarray]:
                 outs[name] = paths[name]
         else:
             argv.append(repr(value))
-    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
-    bx, by = block if isinstance(block, tuple) else (block, 1)
+    gx, gy = ((*grid, 1) if isinstance(grid, tuple) else (grid, 1))[:2]
+    bx, by = ((*block, 1) if isinstance(block, tuple) else (block, 1))[:2]
     done = subprocess.run([str(_binary(op)), kernel, str(gx), str(gy), str(bx), str(by), *argv],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (f"{kernel}: exit {done.returncode}\n{done.stdout[-2000:]}"
@@ -183,7 +189,7 @@ def test_pointwise_forward_and_backward_match_numpy(name, dtype):
     rng = np.random.default_rng(1)
     xs = inputs_as_stored([rng.uniform(-4, 4, n) for _ in op["inputs"]], dtype)
     ins = {o["name"]: stored(x, dtype) for o, x in zip(op["inputs"], xs)}
-    threads = {stage: OPS[name]["kernels"][f"{name}_{stage}_{dtype}"]["plan"]["threads"]
+    threads = {stage: geometry(name, f"{name}_{stage}_{dtype}").threads
                for stage in ("forward", "backward")}
     outs = {o["name"]: stored(np.full(n, np.nan), dtype) for o in op["outputs"]}
     got = launch(name, f"{name}_forward_{dtype}", 2, threads["forward"], **ins, **outs, n=n)
@@ -202,14 +208,15 @@ def test_pointwise_forward_and_backward_match_numpy(name, dtype):
 
 # ---- row --------------------------------------------------------------------------------
 
-def _row_geometry(plan: dict, rows: int, cols: int) -> tuple[int, int, int]:
-    """(grid, threads, partials): the runtime's threads (kernels.row_geometry), the grid
-    kept small so that workers loop over rows."""
-    threads = row_geometry(plan, rows, cols).threads
-    if plan["layout"] != "warp_per_row":
+def _row_geometry(op: str, kernel: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(grid, threads, partials): the runtime's block (the geometry's launch), the grid kept
+    small so that workers loop over rows."""
+    g = geometry(op, kernel)
+    (threads,) = g.launch(rows, cols).block
+    if not isinstance(g, geometry_of.WarpPerRow):
         grid = min(rows, 2)
         return grid, threads, grid
-    return 1, threads, plan["rows_per_block"]
+    return 1, threads, g.rows_per_block
 
 
 def _runtime_variant(kernel: str, dtype: str, rows: list, weights: list, wgrads: bool) -> str:
@@ -250,9 +257,10 @@ def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:
     """The block kernels of `op` that launch only blocks of 2^k warps over these row lengths
     (kernel -> its warp counts)."""
     out = {}
-    for k, v in OPS[op]["kernels"].items():
-        if v["plan"].get("layout") in ("block_per_row", "block_held"):
-            warps = [row_geometry(v["plan"], 1, cols).threads // 32 for cols in cols_list]
+    for k in OPS[op]["kernels"]:
+        g = geometry(op, k)
+        if isinstance(g, (geometry_of.BlockPerRow, geometry_of.BlockHeld)):
+            warps = [g.launch(1, cols).block[0] // 32 for cols in cols_list]
             if all(w & (w - 1) == 0 for w in warps):
                 out[k] = warps
     return out
@@ -288,7 +296,7 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
     weight_ins = [ins[o["name"]] for o in op["inputs"] if o["role"] == "weight"]
     k = _runtime_variant(f"{name}_forward{suffix}_{dtype}", dtype,
                          row_ins + [outs[o] for o in outs if o not in scalar_out], weight_ins, False)
-    grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    grid, threads, partials = _row_geometry(name, k, rows, cols)
     got = launch(name, k, grid, threads, **ins, **outs, **params, rows=rows, cols=cols)
     want = as_tuple(mod.forward(*xs, **params))
     want32 = as_tuple(mod.forward(*f32(xs), **params))
@@ -311,7 +319,7 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
         k = f"{name}_{stage}{suffix}_{dtype}"
         if k not in op["kernels"]:   # a held layout's op with weight gradients: the block's
             k = f"{name}_{stage}_block_{dtype}"
-        grid, threads, partials = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+        grid, threads, partials = _row_geometry(name, k, rows, cols)
         bufs = {}
         for g in entry.grads:
             if g in weights:
@@ -349,14 +357,14 @@ def test_row_cases_launch_every_block_kernel_with_warps_no_power_of_two(name):
     k["pass"] == "wgrad_reduce" for k in OPS[n]["kernels"].values())])
 def test_weight_gradient_reduce_sums_partials_and_may_accumulate(name, dtype):
     k = f"{name}_wgrad_reduce_{dtype}"
-    p = OPS[name]["kernels"][k]["plan"]
+    reduce = geometry(name, k)
     partials, cols = 300, 20              # 3 blocks of columns, uneven partial groups
     rng = np.random.default_rng(4)
     ws = rng.uniform(-1, 1, (partials, cols)).astype(np.float32)
     base = inputs_as_stored([rng.uniform(-1, 1, cols)], dtype)[0]
     for accumulate in (0, 1):
-        got = launch(name, k, cdiv(cols, p["threads_x"]), (p["threads_x"], p["threads_y"]),
-                     partials=ws, dw=stored(base, dtype), num_partials=partials, cols=cols,
+        at = reduce.launch(cols)
+        got = launch(name, k, at.grid, at.block, partials=ws, dw=stored(base, dtype), num_partials=partials, cols=cols,
                      accumulate=accumulate)
         want = ws.astype(np.float64).sum(0) + (base if accumulate else 0)
         close(value(got["dw"], dtype), want, TOL[dtype], f"{k} accumulate={accumulate}")
@@ -397,8 +405,8 @@ def test_split_backward_rows_then_columns_match_numpy(name, cols, dtype):
                          + list(dargs.values()) + list(dx.values()), weight_ins, True)
     aligned = not k.endswith(f"unaligned_{dtype}")
     cols_k = f"{name}_wgrad_cols{'' if aligned else '_unaligned'}_{dtype}"
-    nstats = op["kernels"][cols_k]["plan"]["row_stats"]
-    grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    nstats = geometry(name, cols_k).row_stats
+    grid, threads, _ = _row_geometry(name, k, rows, cols)
     got = launch(name, k, grid, threads, **ins, **dargs, **dx,
                  rowstats=np.full((rows, nstats), np.nan, np.float32), **params, rows=rows, cols=cols)
     for g in row_grads:
@@ -406,9 +414,9 @@ def test_split_backward_rows_then_columns_match_numpy(name, cols, dtype):
     stats = got["rowstats"]
     assert np.isfinite(stats).all(), f"{k}: a row's values were not all stored"
 
-    p = op["kernels"][cols_k]["plan"]
+    by_cols = geometry(name, cols_k)
     parts = {f"d{g}_partials": np.full((groups, cols), np.nan, np.float32) for g in weights}
-    got = launch(name, cols_k, (cdiv(cols, p["vec"] * p["threads"]), groups), p["threads"],
+    got = launch(name, cols_k, (by_cols.launch(rows, cols).grid[0], groups), by_cols.threads,
                  **ins, **dargs, rowstats=stats, **parts, **params, rows=rows, cols=cols)
     for g in weights:
         close(got[f"d{g}_partials"].astype(np.float64).sum(0), want[g], TOL["f32"],
@@ -488,7 +496,7 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
         else:
             before = _pair_buffer(np.full(c.shape, np.nan), c.out_heads, 0, np.nan)
             args |= {out: stored(before, dtype)} | _pair_strides(out, before)
-        threads = pair_threads(op["kernels"][k]["plan"], H, D)
+        (threads,) = geometry(name, k).launch(B * T, H, D).block
         got = value(launch(name, k, 3, threads, **args, **params, B=B, T=T, H=H, D=D,
                            pos0=c.pos0)[out], dtype)
         close(got[:, :, :H, :D], want, TOL[dtype], f"{k} {case}")
@@ -514,7 +522,7 @@ def test_update_step_matches_numpy(name, dtype):
     k = f"{name}_step_{dtype}"
     bufs = {o["name"]: stored(arrays[o["name"]], dtype) if o["role"] == "grad"
             else arrays[o["name"]].astype(np.float32) for o in op["inputs"]}
-    got = launch(name, k, 2, op["kernels"][k]["plan"]["threads"], **bufs, **params, n=n)
+    got = launch(name, k, 2, geometry(name, k).threads, **bufs, **params, n=n)
     ref = {n_: a.copy() for n_, a in arrays.items()}
     mod.step(*(ref[o["name"]] for o in op["inputs"]), **params)
     for o in op["inputs"]:
@@ -527,14 +535,14 @@ def _embedding_keys(ids: np.ndarray, dtype: str, V: int) -> tuple[np.ndarray, np
     sorted keys, and first[V] (n - the rank of each id's first key; 0: absent)."""
     n = ids.size
     k = f"embedding_backward_sort_{dtype}"
-    p = OPS["embedding"]["kernels"][k]["plan"]
-    got = launch("embedding", k, cdiv(n, p["tile"]), p["threads"], ids=ids,
+    at = geometry("embedding", k).launch(n)
+    got = launch("embedding", k, at.grid, at.block, ids=ids,
                  tiled=np.full(n, -1, np.int64), first=np.full(V, -1, np.int32),
                  runs=np.full(1, -1, np.int32), n=n, V=V)
     assert got["runs"][0] == 0, "the sort clears the count of long runs"
     k = f"embedding_backward_merge_{dtype}"
-    p = OPS["embedding"]["kernels"][k]["plan"]
-    got = launch("embedding", k, cdiv(n, p["threads"]), p["threads"], tiled=got["tiled"],
+    at = geometry("embedding", k).launch(n)
+    got = launch("embedding", k, at.grid, at.block, tiled=got["tiled"],
                  keys=np.full(n, -1, np.int64), first=got["first"], n=n)
     return got["keys"], got["first"]
 
@@ -546,21 +554,20 @@ def _embedding_dwte(ids, dout, base, dtype: str, accumulate: int) -> tuple[np.nd
     n = ids.size
     keys, first = _embedding_keys(ids, dtype, V)
     k = f"embedding_backward_wte_{dtype}"
-    p = OPS["embedding"]["kernels"][k]["plan"]
-    lp = OPS["embedding"]["kernels"][f"embedding_backward_wte_long_{dtype}"]["plan"]
-    runs = np.full(1 + n // (lp["long_run"] + 1), -1, np.int32)
+    wte = geometry("embedding", k)
+    long_k = f"embedding_backward_wte_long_{dtype}"
+    long = geometry("embedding", long_k)
+    runs = np.full(1 + n // (long.long_run + 1), -1, np.int32)
     runs[0] = 0                                      # as the sort leaves it
-    vec = int(C % p["vec"] == 0)
-    units = C // p["vec"] if vec else C
+    vec = int(C % wte.vec == 0)
     args = dict(dout=stored(dout, dtype), keys=keys, first=first, n=n, C=C, vec=vec,
                 accumulate=accumulate)
-    got = launch("embedding", k, (cdiv(V, p["rows"]), cdiv(units, p["lanes"])), p["threads"],
-                 runs=runs, dwte=base, V=V, **args)
+    at = wte.launch(V, C, bool(vec))
+    got = launch("embedding", k, at.grid, at.block, runs=runs, dwte=base, V=V, **args)
     listed = list(got["runs"][1:1 + got["runs"][0]])
-    k = f"embedding_backward_wte_long_{dtype}"
-    got = launch("embedding", k, (min(runs.size - 1, lp["grid_max"]) or 1,
-                                  cdiv(units, lp["lanes"])), lp["threads"], runs=got["runs"],
-                 dwte=got["dwte"], **args)
+    at = long.launch(runs.size - 1, C, bool(vec))
+    got = launch("embedding", long_k, at.grid, at.block, runs=got["runs"], dwte=got["dwte"],
+                 **args)
     return value(got["dwte"], dtype), listed
 
 
@@ -628,8 +635,8 @@ def test_embedding_long_runs_are_listed_and_summed_in_token_order(dtype):
     rows in shared memory and adds them in token order: in float32, np.add.at's bits.
     Here a run over four rounds (the last part-filled), one a key past long_run, one at
     long_run exactly (the first kernel's), and short ones; both write and accumulate."""
-    lp = OPS["embedding"]["kernels"][f"embedding_backward_wte_long_{dtype}"]["plan"]
-    long_run, rnd = lp["long_run"], lp["threads"] // 32 * 4
+    long = geometry("embedding", f"embedding_backward_wte_long_{dtype}")
+    long_run, rnd = long.long_run, long.threads // 32 * 4
     rng = np.random.default_rng(5)
     B, T, V, C = 2, 3 * rnd + 40, 90, 72             # C: 18 fp32 vectors, 9 bf16: lanes idle
     ids = rng.integers(10, V, (B, T)).astype(np.int32)
@@ -715,7 +722,7 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
     stages = ["forward", "backward"] + (["fwdbwd"] if f"{name}_fwdbwd_{dtype}" in op["kernels"] else [])
     for stage in stages:
         k = f"{name}_{stage}{suffix}_{dtype}"
-        grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+        grid, threads, _ = _row_geometry(name, k, rows, cols)
         bufs = {}
         if stage != "backward":
             bufs[out["name"]] = (np.full(rows, np.nan, np.float32) if scalar
@@ -751,7 +758,7 @@ def test_a_target_outside_the_row_picks_nothing(name, layout):
     target = np.array([-1, cols, 0, cols - 1], np.int32)
     suffix = "_block" if layout == "block" else ""
     k = f"{name}_forward{suffix}_f32"
-    grid, threads, _ = _row_geometry(op["kernels"][k]["plan"], rows, cols)
+    grid, threads, _ = _row_geometry(name, k, rows, cols)
     (out,) = [o["name"] for o in op["outputs"]]
     got = launch(name, k, grid, threads, x=stored(x, "f32"), target=target,
                  **{out: np.full(rows, np.nan, np.float32)}, rows=rows, cols=cols)

@@ -11,7 +11,7 @@ from eulergen import GENERATED_DIR
 from eulergen.generator.derive import derive
 from eulergen.generator.render import _pair_kernel
 from eulergen.generator.spec import find_ops, load_spec
-from eulergen.runtime.kernels import pair_grid, pair_threads
+from eulergen.launch import Pair
 from eulergen.runtime.manifest import load_manifest
 
 TRANSCENDENTAL = re.compile(r"\b(powf|eg_sinf|eg_cosf|expf|logf)\(")
@@ -49,16 +49,16 @@ def test_rope_angle_and_its_sine_and_cosine_are_tabled_not_computed_per_element(
     (2, 528, 8, 64),       # D/2 = 264: sized by the 256-pair table chunk, 2 × 32 vectors
 ])
 def test_pair_block_has_a_thread_per_vector_of_a_token_in_whole_warps(H, D, dtype_vec, threads):
-    plan = {"threads": 256, "vec": dtype_vec, "table_pairs": 256}
-    assert pair_threads(plan, H, D) == threads
+    geometry = Pair(threads=256, vec=dtype_vec, table_pairs=256, min_blocks=6, grid_max=792)
+    assert geometry.launch(1, H, D).block == (threads,)
 
 
-@pytest.mark.parametrize("tokens,threads,grid", [
-    (8192, 256, 792),      # B=8 T=1024: grid_max full blocks loop over the tokens
-    (8192, 64, 3168),      # quarter-size blocks: four times as many
-    (16, 256, 16),         # a decode step of 16 sequences: a block each
-    (0, 256, 1),
+@pytest.mark.parametrize("tokens,H,D,grid", [
+    (8192, 32, 128, 792),  # B=8 T=1024, blocks of 256: grid_max full blocks loop over the tokens
+    (8192, 12, 64, 3168),  # quarter-size blocks (64 threads): four times as many
+    (16, 32, 128, 16),     # a decode step of 16 sequences: a block each
+    (0, 32, 128, 1),
 ])
-def test_pair_grid_is_grid_max_scaled_to_the_launched_block_size(tokens, threads, grid):
-    plan = {"threads": 256, "grid_max": 792}   # grid_max counts blocks of the plan's threads
-    assert pair_grid(plan, tokens, threads) == grid
+def test_pair_grid_is_grid_max_scaled_to_the_launched_block_size(tokens, H, D, grid):
+    geometry = Pair(threads=256, vec=8, table_pairs=256, min_blocks=6, grid_max=792)
+    assert geometry.launch(tokens, H, D).grid == (grid,)   # grid_max counts blocks of 256

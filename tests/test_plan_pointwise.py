@@ -56,8 +56,8 @@ def test_the_built_swiglu_kernels_take_their_dtype_tile_for_two_and_three_operan
     lib = OpLibrary(get_backend("numpy"))
     for stage in ("forward", "backward"):        # reads a, b; then a, b, dy
         for dt in ("f32", "bf16"):
-            plan = lib.op("swiglu").kernels[f"swiglu_{stage}_{dt}"].plan
-            assert (plan["threads"], plan["unroll"]) == planner.POINTWISE_TILE[dt]
+            g = lib.op("swiglu").kernels[f"swiglu_{stage}_{dt}"].geometry
+            assert (g.threads, g.unroll) == planner.POINTWISE_TILE[dt]
 
 
 def test_the_built_relu_kernels_take_the_light_tile():
@@ -65,7 +65,7 @@ def test_the_built_relu_kernels_take_the_light_tile():
     from eulergen.runtime.backend import get_backend
     lib = OpLibrary(get_backend("numpy"))
     for name in ("relu_forward_f32", "relu_backward_bf16"):
-        plan = lib.op("relu").kernels[name].plan
-        assert (plan["threads"], plan["unroll"]) == planner.POINTWISE_LIGHT_TILE
-    plan = lib.op("silu").kernels["silu_forward_bf16"].plan
-    assert (plan["threads"], plan["unroll"]) == (128, 8)
+        g = lib.op("relu").kernels[name].geometry
+        assert (g.threads, g.unroll) == planner.POINTWISE_LIGHT_TILE
+    g = lib.op("silu").kernels["silu_forward_bf16"].geometry
+    assert (g.threads, g.unroll) == (128, 8)

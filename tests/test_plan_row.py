@@ -1,16 +1,12 @@
 """The planner's block-per-row shapes (generator/plan.block_shape: threads, the launch-bounds
-minimum of blocks an SM, registers cached a thread) and the launch facts row_launch writes
-for them into the manifest, which the runtime launches from."""
+minimum of blocks an SM, registers cached a thread) and the launch geometry row_launch makes
+of them (eulergen/launch.py), which the manifest carries and the runtime launches from."""
 from __future__ import annotations
 
 import pytest
 
+from eulergen import launch
 from eulergen.generator import plan as planner
-from eulergen.generator.derive import derive
-from eulergen.generator.spec import find_ops, load_spec
-from eulergen.runtime.kernels import row_geometry
-
-ROW_PLAN = planner.plan_op(derive(load_spec(find_ops()["softmax"])))   # a row op's plan
 
 
 def shape(dtype: str, *, stage: str = "forward", sweeps: int = 2, cached: int = 1,
@@ -37,8 +33,8 @@ def test_weight_gradient_kernels_take_512_threads_unbounded_with_the_dtype_slots
                                    dtype in planner.PREFETCH_DTYPES)
     assert got.threads == 512 and got.slots == 2 * planner.BLOCK_SLOTS[dtype]
     assert got.threads * got.slots * planner.VEC[dtype] == 8192
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=True, shape=got))
-    assert plan["grid_max"] == 132 * 4
+    geometry = planner.row_launch(dtype, "block_per_row", wgrad=True, shape=got, aligned=True)
+    assert geometry.grid_max == 132 * 4
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
@@ -137,15 +133,15 @@ def test_only_block_rows_without_weights_sweep_their_re_read_groups_whole(dtype,
 def test_row_launch_writes_the_block_it_is_given(dtype, block, wgrad):
     """threads and cols_per_thread (registers a thread: vec · slots) follow the RowShape;
     the rest is the layout's."""
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=wgrad, shape=block))
-    assert plan["layout"] == "block_per_row"
-    assert plan["threads"] == block.threads
-    assert plan["cols_per_thread"] == planner.VEC[dtype] * block.slots
-    assert plan["threads_min"] == block.threads_min
-    assert plan["rows_per_block"] == 1
+    g = planner.row_launch(dtype, "block_per_row", wgrad=wgrad, shape=block, aligned=True)
+    assert isinstance(g, launch.BlockPerRow)
+    assert g.threads == block.threads
+    assert g.cols_per_thread == planner.VEC[dtype] * block.slots
+    assert g.threads_min == block.threads_min
     # past what a warp keeps in registers, the block kernel is the fast one
-    assert plan["min_cols"] == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1
-    assert ("wgrad_partials" in plan) is wgrad
+    assert g.min_cols == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1
+    assert g.wgrad is wgrad
+    assert g.launch(rows=7, cols=1).partials == 7   # a partial row a block
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
@@ -155,12 +151,14 @@ def test_row_launch_caps_the_warp_grid_exactly_where_the_kernel_prefetches(dtype
     at a time takes an uncapped grid, a row a warp (weight gradients stay capped: the grid
     sizes their workspace)."""
     shape = planner.RowShape(32 * planner.WARP_ROWS_PER_BLOCK, 0, planner.WARP_SLOTS[dtype], prefetch)
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=False, shape=shape))
-    assert plan["threads"] == shape.threads and plan["rows_per_block"] == planner.WARP_ROWS_PER_BLOCK
-    assert (plan["grid_max"] is not None) is prefetch
-    assert plan["max_cols"] == 32 * planner.VEC[dtype] * shape.slots
-    wgrad = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=True, shape=shape))
-    assert wgrad["grid_max"] is not None
+    g = planner.row_launch(dtype, "warp_per_row", wgrad=False, shape=shape, aligned=True)
+    assert g.threads == shape.threads and g.rows_per_block == planner.WARP_ROWS_PER_BLOCK
+    assert (g.grid_max is not None) is prefetch
+    assert g.max_cols == 32 * planner.VEC[dtype] * shape.slots
+    wgrad = planner.row_launch(dtype, "warp_per_row", wgrad=True, shape=shape, aligned=True)
+    assert wgrad.grid_max is not None
+    at = wgrad.launch(rows=10 ** 6, cols=64)   # a partial row a warp
+    assert at.partials == at.grid[0] * planner.WARP_ROWS_PER_BLOCK
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
@@ -174,8 +172,8 @@ def test_a_warp_backward_with_weight_gradients_over_two_levels_takes_warps_not_a
     deep = levels >= 2 and dtype in planner.PREFETCH_DTYPES
     assert shape.prefetch == (dtype in planner.PREFETCH_DTYPES and not deep)
     assert shape.min_blocks == (planner.WARP_DEEP_WGRAD_BLOCKS if deep else 0)
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "warp_per_row", wgrad=True, shape=shape))
-    assert plan["grid_max"] == 132 * (planner.WARP_DEEP_WGRAD_BLOCKS if deep else 4)
+    g = planner.row_launch(dtype, "warp_per_row", wgrad=True, shape=shape, aligned=True)
+    assert g.grid_max == 132 * (planner.WARP_DEEP_WGRAD_BLOCKS if deep else 4)
     no_wgrad = planner.warp_shape(dtype, stage="backward", wgrad=False, levels=levels)
     assert no_wgrad.prefetch == (dtype in planner.PREFETCH_DTYPES) and no_wgrad.min_blocks == 0
 
@@ -187,15 +185,15 @@ def test_a_block_that_holds_its_row_takes_a_block_a_row_unless_it_prefetches(dty
                                                                              wgrad):
     """A prefetching block loops over rows (the next one's loads in flight), and weight
     gradients size their workspace by the grid: both stay capped. The others take a block a
-    row over rows their registers hold, and the capped grid beyond (kernels.row_geometry)."""
+    row over rows their registers hold, and the capped grid beyond (BlockPerRow.launch)."""
     block = planner.RowShape(1024, 1, 10, prefetch)
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_per_row", wgrad=wgrad, shape=block))
+    g = planner.row_launch(dtype, "block_per_row", wgrad=wgrad, shape=block, aligned=True)
     held = 1024 * planner.VEC[dtype] * 10
-    assert plan.get("uncapped_cols") == (None if prefetch or wgrad else held)
-    rows = 10 * plan["grid_max"]
+    assert g.uncapped_cols == (0 if prefetch or wgrad else held)
+    rows = 10 * g.grid_max
     uncapped = not prefetch and not wgrad
-    assert row_geometry(plan, rows, held).grid == (rows if uncapped else plan["grid_max"])
-    assert row_geometry(plan, rows, held + 1).grid == plan["grid_max"]
+    assert g.launch(rows, held).grid == ((rows if uncapped else g.grid_max),)
+    assert g.launch(rows, held + 1).grid == (g.grid_max,)
 
 
 @pytest.mark.parametrize("dtype", planner.DTYPES)
@@ -211,14 +209,13 @@ def test_a_held_block_is_planned_for_its_dtypes_stages_without_weight_gradients(
     assert shape.slots == planner.HELD_SLOTS[dtype] and not shape.prefetch
     assert planner.held_shape(dtype, stage="backward", wgrad=True) is None
     assert planner.held_shape(dtype, stage="backward_rows", wgrad=False) is None
-    plan = dict(planner.row_launch(ROW_PLAN, dtype, "block_held", wgrad=False, shape=shape))
-    assert plan["layout"] == "block_held" and plan["rows_per_block"] == 1
-    assert plan["max_cols"] == shape.threads * plan["cols_per_thread"] \
+    g = planner.row_launch(dtype, "block_held", wgrad=False, shape=shape, aligned=True)
+    assert isinstance(g, launch.BlockHeld)
+    assert g.max_cols == shape.threads * g.cols_per_thread \
         == shape.threads * planner.VEC[dtype] * shape.slots
-    assert plan["min_cols"] == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1
+    assert g.min_cols == 32 * planner.VEC[dtype] * planner.WARP_SLOTS[dtype] + 1
     rows = 100_000
     assert shape.threads_min == 32   # one warp fills its groups up to 1024 columns
-    for cols, threads in ((plan["min_cols"], 32), (1024, 32), (1025, 64), (2048, 64), (3001, 96),
-                          (plan["max_cols"], shape.threads)):
-        g = row_geometry(plan, rows, cols)
-        assert (g.grid, g.threads) == (rows, threads), cols
+    for cols, threads in ((g.min_cols, 32), (1024, 32), (1025, 64), (2048, 64), (3001, 96),
+                          (g.max_cols, shape.threads)):
+        assert g.launch(rows, cols)[:2] == ((rows,), (threads,)), cols

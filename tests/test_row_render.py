@@ -8,11 +8,11 @@ from __future__ import annotations
 import functools
 import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from eulergen import GENERATED_DIR
+from eulergen import GENERATED_DIR, launch
 from eulergen.generator import plan as planner
 from eulergen.generator.derive import derive
 from eulergen.generator.render import render_op
@@ -23,7 +23,8 @@ from eulergen.runtime.manifest import load_manifest
 MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
 ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
-               for k in sorted(OPS[op].kernels) if "layout" in OPS[op].kernels[k].plan]
+               for k in sorted(OPS[op].kernels)
+               if isinstance(OPS[op].kernels[k].geometry, launch.ROW_LAYOUTS)]
 # elements in one 16-byte access (EgVec<T>::N in templates/common.cuh.j2), by storage ctype
 VEC_OF_CTYPE = {planner.CTYPE[dt]: planner.VEC[dt] for dt in planner.DTYPES}
 
@@ -81,33 +82,34 @@ def test_manifest_launch_facts_match_the_kernel_as_compiled(op, kernel):
     c = wrappers(op)[kernel]
     vec = VEC_OF_CTYPE[c.ctype]
     assert c.args == k.args, f"{kernel}: the manifest's arguments are not the kernel's"
-    assert k.plan["threads"] == c.threads
-    assert k.plan["aligned"] == c.aligned == ("_unaligned_" not in kernel)
-    if k.plan["layout"] in ("block_per_row", "block_held"):
+    g = k.geometry
+    assert g.threads == c.threads
+    assert g.aligned == c.aligned == ("_unaligned_" not in kernel)
+    if isinstance(g, (launch.BlockPerRow, launch.BlockHeld)):
         assert not c.warp and c.rows_per_block == 1
-        assert k.plan["cols_per_thread"] == vec * c.slots
-        assert k.plan["threads_min"] <= c.threads
-        if k.plan["layout"] == "block_held":   # the row in registers: no re-read to prefetch
-            assert k.plan["max_cols"] == c.threads * vec * c.slots and not c.prefetch
+        assert g.cols_per_thread == vec * c.slots
+        assert g.threads_min <= c.threads
+        if isinstance(g, launch.BlockHeld):   # the row in registers: no re-read to prefetch
+            assert g.max_cols == c.threads * vec * c.slots and not c.prefetch
     else:
-        assert c.warp and k.plan["rows_per_block"] * 32 == c.threads == c.rows_per_block * 32
-        assert k.plan["max_cols"] == 32 * vec * c.slots
+        assert c.warp and g.rows_per_block * 32 == c.threads == c.rows_per_block * 32
+        assert g.max_cols == 32 * vec * c.slots
         # a prefetching warp takes several rows: its grid is capped (weight grads always are)
-        assert (k.plan["grid_max"] is not None) == (c.prefetch or "wgrad_partials" in k.plan)
+        assert (g.grid_max is not None) == (c.prefetch or g.wgrad)
 
 
-ALIGNED_ROW_KERNELS = [(op, k) for op, k in ROW_KERNELS if OPS[op].kernels[k].plan["aligned"]]
+ALIGNED_ROW_KERNELS = [(op, k) for op, k in ROW_KERNELS if OPS[op].kernels[k].geometry.aligned]
 
 
 @pytest.mark.parametrize("op,kernel", ALIGNED_ROW_KERNELS, ids=[k for _, k in ALIGNED_ROW_KERNELS])
 def test_each_aligned_row_kernel_has_an_unaligned_twin_with_its_launch_facts(op, kernel):
     """The runtime allocates outputs, sizes the grid and the workspace from the aligned kernel
     and then launches the `_unaligned` one where row_aligned says no (runtime/cuda_ops.py):
-    the two take the same arguments and the same plan but for `aligned`."""
+    the two take the same arguments and the same geometry but for `aligned`."""
     k = OPS[op].kernels[kernel]
     twin = OPS[op].kernels[f"{kernel[:-len(k.dtype)]}unaligned_{k.dtype}"]
     assert (twin.stage, twin.dtype, twin.args) == (k.stage, k.dtype, k.args)
-    assert {**twin.plan, "aligned": True} == dict(k.plan)
+    assert replace(twin.geometry, aligned=True) == k.geometry
 
 
 @pytest.mark.parametrize("kernel,threads,min_blocks,slots", [
@@ -217,7 +219,7 @@ def test_each_row_kernel_prefetches_as_the_plan_says(op, kernel):
     take a row each."""
     k, c = OPS[op].kernels[kernel], wrappers(op)[kernel]
     deep = c.warp and c.min_blocks == planner.WARP_DEEP_WGRAD_BLOCKS
-    held = k.plan["layout"] == "block_held"
+    held = isinstance(k.geometry, launch.BlockHeld)
     assert c.prefetch == (k.dtype in planner.PREFETCH_DTYPES and not deep and not held), kernel
 
 
@@ -230,10 +232,9 @@ def test_rows_held_in_registers_take_the_two_pass_impl_and_long_block_rows_the_o
     for name, c in wrappers(op).items():
         k = OPS[op].kernels[name]
         online = c.impl.endswith("_online")
-        if k.plan.get("layout") == "block_held":
+        if isinstance(k.geometry, launch.BlockHeld):   # never with weight gradients
             held.add((k.stage, k.dtype))
-            assert "wgrad_partials" not in k.plan, name
-        assert online == (k.plan.get("layout") == "block_per_row" and op != "layernorm"), name
+        assert online == (isinstance(k.geometry, launch.BlockPerRow) and op != "layernorm"), name
     stages = ["forward"] + ([] if op == "layernorm" else ["backward"]) + (
         ["fwdbwd"] if op == "cross_entropy" else [])
     assert held == {(s, dt) for s in stages for dt in planner.HELD_SLOTS}
@@ -248,7 +249,7 @@ def test_a_bf16_warp_backward_over_two_reduction_levels_trades_its_prefetch_for_
         k, c = OPS[op].kernels[name], wrappers(op)[name]
         blocks = planner.WARP_DEEP_WGRAD_BLOCKS if deep else 4
         assert (c.prefetch, c.min_blocks) == ((False, blocks) if deep else (True, 0))
-        assert k.plan["grid_max"] == 132 * blocks
+        assert k.geometry.grid_max == 132 * blocks
 
 
 @pytest.mark.parametrize("op,kernel", ROW_KERNELS, ids=[k for _, k in ROW_KERNELS])
@@ -281,7 +282,7 @@ def test_each_row_kernel_sweeps_whole_groups_as_the_plan_says(op, kernel):
     (a block_held kernel has its row in registers, no re-read groups)."""
     c = wrappers(op)[kernel]
     weights = any(i.role == "weight" for i in OPS[op].inputs)
-    block = OPS[op].kernels[kernel].plan["layout"] == "block_per_row"
+    block = isinstance(OPS[op].kernels[kernel].geometry, launch.BlockPerRow)
     assert c.whole == (block and not weights), kernel
 
 

@@ -139,7 +139,7 @@ def test_each_entry_point_has_the_shape_of_its_layout_and_the_plans_signature(op
         for e in k.entries:
             assert e.shape == k.shape(e.layout.name, e.sig.dtype) is not None
             assert e.sig.name.endswith(f"{'' if e.aligned else '_unaligned'}_{e.sig.dtype}")
-            assert dict(e.sig.plan)["aligned"] is e.aligned
+            assert e.sig.geometry.aligned is e.aligned
             assert e.sig.args[:len(k.ptrs)] == tuple((a.name, dict(a.ctypes)[e.sig.dtype])
                                                      for a in k.ptrs)
         shaped = [(lay.name, dt) for lay in k.layouts for dt in planner.DTYPES

@@ -173,7 +173,7 @@ class Emulator:
             if not isinstance(v["wpe"], np.uint64):
                 out += np.tile(v["wpe"][:T], (flat.size // T, 1))
         elif kernel.stage == "backward_sort":
-            n, tile = int(v["n"]), kernel.plan["tile"]
+            n, tile = int(v["n"]), kernel.geometry.tile
             keys = (np.asarray(v["ids"]).reshape(-1).astype(np.int64) << 32) | np.arange(n)
             for b in range(0, n, tile):
                 v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
@@ -188,7 +188,7 @@ class Emulator:
             # which the second sums
             C, keys = int(v["C"]), np.asarray(v["keys"])
             rows, ids = v["dout"].reshape(-1, C), keys >> 32
-            long_run = op.kernel("backward_wte_long", "f32").plan["long_run"]
+            long_run = op.kernel("backward_wte_long", "f32").geometry.long_run
             present, counts = np.unique(ids, return_counts=True)
             is_long = np.isin(ids, present[counts > long_run])
             if kernel.stage == "backward_wte":
@@ -265,7 +265,7 @@ def test_row_calls_wire_outputs_workspace_and_reduce(name, cols, libs, emu):
     got = gpu.forward(name, *map(dev, xs))
     want = ref.forward(name, *xs)
     close(got, want)
-    layout = OPS[name].kernels[emu.launches[0][0]].plan["layout"]
+    layout = OPS[name].kernels[emu.launches[0][0]].geometry.shape
     assert layout == ("warp_per_row" if cols <= 1024 else "block_per_row")
     douts = [rng.uniform(-1, 1, lead if o.role == "scalar" else lead + (cols,)).astype(np.float32)
              for o in op.outputs]
@@ -290,10 +290,10 @@ def test_row_kernel_takes_the_warp_then_the_held_block_then_the_long_row_block(n
     for cols, layout in zip((768, 769, top, top + 1), layouts):
         for aligned in (True, False):
             k = K.row_kernel(op, "forward", dtype, cols, aligned)
-            assert (k.plan["layout"], k.plan["aligned"]) == (layout, aligned), cols
+            assert (k.geometry.shape, k.geometry.aligned) == (layout, aligned), cols
             if name == "layernorm":
                 back = K.row_kernel(op, "backward", dtype, cols, aligned)
-                assert back.plan["layout"] == ("warp_per_row" if cols <= 768
+                assert back.geometry.shape == ("warp_per_row" if cols <= 768
                                                else "block_per_row"), cols
 
 
@@ -305,7 +305,7 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
     and partials carved from the caller's workspace as workspace_elements counts them."""
     gpu, ref = libs
     op = OPS[name]
-    split = next(k.plan["split_cols"] for k in op.kernels.values()
+    split = next(k.geometry.split_cols for k in op.kernels.values()
                  if k.stage == "backward_rows" and k.dtype == "f32")
     rng = np.random.default_rng(5)
     # split - 1: the fused kernel; split (odd): the `_unaligned` split kernels; a multiple
@@ -324,7 +324,7 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
         stages = [op.kernels[k].stage for k, _, _, _ in emu.launches]
         first = ["backward_rows", "wgrad_cols"] if cols >= split else ["backward"]
         assert stages == first + ["wgrad_reduce"] * len(weights)
-        aligned = [op.kernels[k].plan["aligned"] for k, _, _, _ in emu.launches[:len(first)]]
+        aligned = [op.kernels[k].geometry.aligned for k, _, _, _ in emu.launches[:len(first)]]
         assert aligned == [cols % 8 == 0] * len(first)
         for _, _, _, values in emu.launches[:len(first)]:
             for n, a in values.items():
@@ -332,7 +332,7 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
                     assert np.shares_memory(a, workspace), n
         if cols >= split:
             groups = emu.launches[1][1][1]
-            stats = op.kernel("wgrad_cols", "f32").plan["row_stats"]
+            stats = op.kernel("wgrad_cols", "f32").geometry.row_stats
             assert need == sum(-(-n // 64) * 64 for n in [3 * stats] + [groups * cols] * len(weights))
 
 
@@ -494,7 +494,7 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
                                               "embedding_backward_merge_f32",
                                               "embedding_backward_wte_f32",
                                               "embedding_backward_wte_long_f32"]
-    tile = gpu.op("embedding").kernel("backward_sort", "f32").plan["tile"]
+    tile = gpu.op("embedding").kernel("backward_sort", "f32").geometry.tile
     assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
     assert np.shares_memory(emu.launches[2][3]["keys"], ws)
     assert np.shares_memory(emu.launches[2][3]["first"], ws)

@@ -6,17 +6,20 @@ import json
 import pytest
 
 from eulergen.errors import EulerError
+from eulergen.launch import Pointwise
 from eulergen.runtime.manifest import load_manifest
 
-GOOD = {"format": 1, "generator": "0.1.0", "ops": {"gelu": {
+POINTWISE = {"shape": "pointwise", "threads": 256, "vec": 4, "unroll": 1}
+GOOD = {"format": 2, "generator": "0.1.0", "ops": {"gelu": {
     "kind": "pointwise", "spec": "ops/gelu.yaml", "spec_sha256": "ab" * 32,
     "inputs": [{"name": "x", "role": "elem", "differentiable": True}],
     "outputs": [{"name": "y", "role": "elem"}], "params": {},
     "numpy": "numpy/gelu.py", "cuda": "cuda/gelu.cu", "cuda_sha256": "cd" * 32,
     "kernels": {"gelu_forward_f32": {"args": [["x", "const float*"], ["y", "float*"],
                                               ["n", "long long"]],
-                                     "dtype": "f32", "pass": "forward", "plan": {"block": 256}},
-                "gelu_backward_bf16": {"args": [], "dtype": "bf16", "stage": "backward"}}}}}
+                                     "dtype": "f32", "pass": "forward", "geometry": POINTWISE},
+                "gelu_backward_bf16": {"args": [], "dtype": "bf16", "stage": "backward",
+                                       "geometry": {**POINTWISE, "vec": 8}}}}}}
 
 
 def write(tmp_path, data):
@@ -32,7 +35,9 @@ def test_a_good_manifest_gives_entries_with_paths_beside_it(tmp_path):
     assert gelu.cuda == tmp_path.resolve() / "cuda/gelu.cu"
     assert gelu.grads == ("x",)
     k = gelu.kernel("forward", "f32")
-    assert k.args[0] == ("x", "const float*") and k.plan == {"block": 256}
+    assert k.args[0] == ("x", "const float*")
+    assert k.geometry == Pointwise(threads=256, vec=4, unroll=1)
+    assert k.geometry.launch(4096).grid == (4,)
     assert gelu.kernel("backward", "bf16").name == "gelu_backward_bf16"
 
 
@@ -53,8 +58,20 @@ def test_bad_json_names_the_line(tmp_path):
 
 
 def test_another_format_is_refused(tmp_path):
-    with pytest.raises(EulerError, match="format: manifest format 2"):
-        load_manifest(write(tmp_path, {**GOOD, "format": 2}))
+    with pytest.raises(EulerError, match="format: manifest format 1"):
+        load_manifest(write(tmp_path, {**GOOD, "format": 1}))
+
+
+@pytest.mark.parametrize("geometry,fault", [
+    ({**POINTWISE, "shape": "pointwize"}, "unknown shape 'pointwize'"),
+    ({**POINTWISE, "threds": 1}, "pointwise: unknown field 'threds'"),
+    ({"shape": "pointwise", "threads": 256}, "pointwise: missing field 'vec'"),
+    (None, "should be an object with a 'shape'")])
+def test_a_bad_geometry_names_the_kernel_and_the_fault(tmp_path, geometry, fault):
+    data = json.loads(json.dumps(GOOD))
+    data["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["geometry"] = geometry
+    with pytest.raises(EulerError, match=rf"ops\.gelu\.kernels\.gelu_forward_f32\.geometry: {fault}"):
+        load_manifest(write(tmp_path, data))
 
 
 def test_a_bad_kernel_dtype_names_the_key(tmp_path):

@@ -53,10 +53,14 @@ __device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) adamw_step_f32(float* p, const float* g, float* m, float* v, float lr, float step, float beta1, float beta2, float eps, float weight_decay, long long n) {
+extern "C" __global__ void __launch_bounds__(256) adamw_step_f32(
+    float* p, const float* g, float* m, float* v, float lr, float step, float beta1, float beta2,
+    float eps, float weight_decay, long long n) {
   adamw_step<float, 4>(p, g, m, v, lr, step, beta1, beta2, eps, weight_decay, n);
 }
 
-extern "C" __global__ void __launch_bounds__(256) adamw_step_bf16(float* p, const __nv_bfloat16* g, float* m, float* v, float lr, float step, float beta1, float beta2, float eps, float weight_decay, long long n) {
+extern "C" __global__ void __launch_bounds__(256) adamw_step_bf16(
+    float* p, const __nv_bfloat16* g, float* m, float* v, float lr, float step, float beta1,
+    float beta2, float eps, float weight_decay, long long n) {
   adamw_step<__nv_bfloat16, 8>(p, g, m, v, lr, step, beta1, beta2, eps, weight_decay, n);
 }

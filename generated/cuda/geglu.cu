@@ -60,10 +60,12 @@ __device__ __forceinline__ void geglu_forward(const T* a_ptr, const T* b_ptr, T*
     eg_store(y_ptr, i_, y);
   }
 }
-extern "C" __global__ void __launch_bounds__(128) geglu_forward_f32(const float* a, const float* b, float* y, long long n) {
+extern "C" __global__ void __launch_bounds__(128) geglu_forward_f32(
+    const float* a, const float* b, float* y, long long n) {
   geglu_forward<float, 128, 2>(a, b, y, n);
 }
-extern "C" __global__ void __launch_bounds__(256) geglu_forward_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* y, long long n) {
+extern "C" __global__ void __launch_bounds__(256) geglu_forward_bf16(
+    const __nv_bfloat16* a, const __nv_bfloat16* b, __nv_bfloat16* y, long long n) {
   geglu_forward<__nv_bfloat16, 256, 4>(a, b, y, n);
 }
 
@@ -129,9 +131,12 @@ __device__ __forceinline__ void geglu_backward(const T* a_ptr, const T* b_ptr, c
     eg_store(db_ptr, i_, db);
   }
 }
-extern "C" __global__ void __launch_bounds__(128) geglu_backward_f32(const float* a, const float* b, const float* dy, float* da, float* db, long long n) {
+extern "C" __global__ void __launch_bounds__(128) geglu_backward_f32(
+    const float* a, const float* b, const float* dy, float* da, float* db, long long n) {
   geglu_backward<float, 128, 2>(a, b, dy, da, db, n);
 }
-extern "C" __global__ void __launch_bounds__(256) geglu_backward_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* da, __nv_bfloat16* db, long long n) {
+extern "C" __global__ void __launch_bounds__(256) geglu_backward_bf16(
+    const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* da,
+    __nv_bfloat16* db, long long n) {
   geglu_backward<__nv_bfloat16, 256, 4>(a, b, dy, da, db, n);
 }

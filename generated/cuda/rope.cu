@@ -124,10 +124,15 @@ __device__ __forceinline__ void rope_forward(const scalar_t* x_ptr, long long x_
     }
   }
 }
-extern "C" __global__ void __launch_bounds__(256, 6) rope_forward_f32(const float* x, long long x_sb, long long x_st, long long x_sh, float* y, long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_forward_f32(
+    const float* x, long long x_sb, long long x_st, long long x_sh, float* y, long long y_sb,
+    long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
   rope_forward<float>(x, x_sb, x_st, x_sh, y, y_sb, y_st, y_sh, base, B, T, H, D, pos0);
 }
-extern "C" __global__ void __launch_bounds__(256, 6) rope_forward_bf16(const __nv_bfloat16* x, long long x_sb, long long x_st, long long x_sh, __nv_bfloat16* y, long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_forward_bf16(
+    const __nv_bfloat16* x, long long x_sb, long long x_st, long long x_sh, __nv_bfloat16* y,
+    long long y_sb, long long y_st, long long y_sh, float base, int B, int T, int H, int D,
+    int pos0) {
   rope_forward<__nv_bfloat16>(x, x_sb, x_st, x_sh, y, y_sb, y_st, y_sh, base, B, T, H, D, pos0);
 }
 
@@ -241,9 +246,15 @@ __device__ __forceinline__ void rope_backward(const scalar_t* dy_ptr, long long 
     }
   }
 }
-extern "C" __global__ void __launch_bounds__(256, 6) rope_backward_f32(const float* dy, long long dy_sb, long long dy_st, long long dy_sh, float* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_backward_f32(
+    const float* dy, long long dy_sb, long long dy_st, long long dy_sh, float* dx,
+    long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D,
+    int pos0) {
   rope_backward<float>(dy, dy_sb, dy_st, dy_sh, dx, dx_sb, dx_st, dx_sh, base, B, T, H, D, pos0);
 }
-extern "C" __global__ void __launch_bounds__(256, 6) rope_backward_bf16(const __nv_bfloat16* dy, long long dy_sb, long long dy_st, long long dy_sh, __nv_bfloat16* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B, int T, int H, int D, int pos0) {
+extern "C" __global__ void __launch_bounds__(256, 6) rope_backward_bf16(
+    const __nv_bfloat16* dy, long long dy_sb, long long dy_st, long long dy_sh,
+    __nv_bfloat16* dx, long long dx_sb, long long dx_st, long long dx_sh, float base, int B,
+    int T, int H, int D, int pos0) {
   rope_backward<__nv_bfloat16>(dy, dy_sb, dy_st, dy_sh, dx, dx_sb, dx_st, dx_sh, base, B, T, H, D, pos0);
 }

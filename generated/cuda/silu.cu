@@ -54,10 +54,12 @@ __device__ __forceinline__ void silu_forward(const T* x_ptr, T* y_ptr, long long
     eg_store(y_ptr, i_, y);
   }
 }
-extern "C" __global__ void __launch_bounds__(128, 16) silu_forward_f32(const float* x, float* y, long long n) {
+extern "C" __global__ void __launch_bounds__(128, 16) silu_forward_f32(
+    const float* x, float* y, long long n) {
   silu_forward<float, 128, 2>(x, y, n);
 }
-extern "C" __global__ void __launch_bounds__(128) silu_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
+extern "C" __global__ void __launch_bounds__(128) silu_forward_bf16(
+    const __nv_bfloat16* x, __nv_bfloat16* y, long long n) {
   silu_forward<__nv_bfloat16, 128, 8>(x, y, n);
 }
 
@@ -109,9 +111,11 @@ __device__ __forceinline__ void silu_backward(const T* x_ptr, const T* dy_ptr, T
     eg_store(dx_ptr, i_, dx);
   }
 }
-extern "C" __global__ void __launch_bounds__(128) silu_backward_f32(const float* x, const float* dy, float* dx, long long n) {
+extern "C" __global__ void __launch_bounds__(128) silu_backward_f32(
+    const float* x, const float* dy, float* dx, long long n) {
   silu_backward<float, 128, 2>(x, dy, dx, n);
 }
-extern "C" __global__ void __launch_bounds__(256) silu_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long n) {
+extern "C" __global__ void __launch_bounds__(256) silu_backward_bf16(
+    const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long n) {
   silu_backward<__nv_bfloat16, 256, 4>(x, dy, dx, n);
 }

@@ -1,5 +1,5 @@
-"""The generated kernels launched raw, exactly as KernelSig.plan documents (generator/plan.py),
-without the runtime in between: the fused cross-entropy in place over a 50257-wide row, the
+"""The generated kernels launched raw, with the grids their manifest geometry gives
+(eulergen/launch.py), without the runtime in between: the fused cross-entropy in place over a 50257-wide row, the
 embedding gather and its deterministic scatter, the stable math helpers at ±1e4.
 Run on the H200: `pytest -m gpu tests/gpu/test_cudagen_raw.py`.
 """
@@ -10,8 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from eulergen import GENERATED_DIR
-from eulergen.runtime.kernels import row_geometry
+from eulergen import GENERATED_DIR, launch
 from eulergen.runtime.ops import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
 
 pytestmark = pytest.mark.gpu
@@ -35,17 +34,13 @@ def kernel(cp, op: str, name: str):
     return _MODULES[op].get_function(name)
 
 
-def plan(op: str, name: str) -> dict:
-    return OPS[op]["kernels"][name]["plan"]
+def geometry(op: str, name: str):
+    return launch.from_json(OPS[op]["kernels"][name]["geometry"])
 
 
 def numpy_module(op: str):
     from eulergen.runtime.manifest import load_manifest, load_numpy_module
     return load_numpy_module(load_manifest(MANIFEST).ops[op])
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def store(cp, x: np.ndarray, dtype: str):
@@ -77,11 +72,10 @@ def test_fused_cross_entropy_overwrites_50257_wide_logits_with_their_gradient(cp
     # The `_unaligned` kernel. The runtime launches the aligned one here (one row operand, so
     # one offset: any row length); test_kernels.py's fused test takes it at 50257 columns.
     name = f"{op}_fwdbwd{layout}_unaligned_{dtype}"
-    geom = row_geometry(plan(op, name), rows, cols)
-    grid, threads = geom.grid, geom.threads
+    at = geometry(op, name).launch(rows, cols)
     logits = store(cp, x, dtype)
     loss = cp.full(rows, np.nan, np.float32)
-    kernel(cp, op, name)((grid,), (threads,), (logits, cp.asarray(target), cp.asarray(dloss), loss,
+    kernel(cp, op, name)(at.grid, at.block, (logits, cp.asarray(target), cp.asarray(dloss), loss,
                                                logits, np.int64(rows), np.int32(cols)))
     mod = numpy_module(op)
     want_loss = mod.forward(x.astype(np.float64), target)
@@ -103,10 +97,9 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
         wte, wpe = from_bf16(to_bf16(wte)), from_bf16(to_bf16(wpe))
     d_wte, d_wpe = store(cp, wte, dtype), store(cp, wpe, dtype)
     out = store(cp, np.full((B, T, C), np.nan, np.float32), dtype)
-    p = plan("embedding", f"embedding_forward_{dtype}")
-    grid = min(cdiv(B * T, p["threads"] // 32), p["grid_max"])     # a warp a row
+    at = geometry("embedding", f"embedding_forward_{dtype}").launch(B * T)   # a warp a row
     kernel(cp, "embedding", f"embedding_forward_{dtype}")(
-        (grid,), (p["threads"],), (cp.asarray(ids), d_wte, d_wpe if with_wpe else np.uint64(0), out,
+        at.grid, at.block, (cp.asarray(ids), d_wte, d_wpe if with_wpe else np.uint64(0), out,
                                    np.int64(B * T), np.int32(T), np.int32(C), np.int32(V)))
     want = wte[ids] + (wpe[None] if with_wpe else 0)
     assert rel_err(load(cp, out, dtype), want) < TOL[dtype] / 4
@@ -117,15 +110,14 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
     n = ids.size
     tiled, keys = cp.empty(n, cp.int64), cp.empty(n, cp.int64)
     first = cp.full(V, -1, cp.int32)
-    lp = plan("embedding", f"embedding_backward_wte_long_{dtype}")
-    runs = cp.full(1 + n // (lp["long_run"] + 1), -1, cp.int32)
-    p = plan("embedding", f"embedding_backward_sort_{dtype}")
+    long = geometry("embedding", f"embedding_backward_wte_long_{dtype}")
+    runs = cp.full(1 + n // (long.long_run + 1), -1, cp.int32)
+    at = geometry("embedding", f"embedding_backward_sort_{dtype}").launch(n)
     kernel(cp, "embedding", f"embedding_backward_sort_{dtype}")(
-        (cdiv(n, p["tile"]),), (p["threads"],),
-        (cp.asarray(ids), tiled, first, runs, np.int32(n), np.int32(V)))
-    p = plan("embedding", f"embedding_backward_merge_{dtype}")
+        at.grid, at.block, (cp.asarray(ids), tiled, first, runs, np.int32(n), np.int32(V)))
+    at = geometry("embedding", f"embedding_backward_merge_{dtype}").launch(n)
     kernel(cp, "embedding", f"embedding_backward_merge_{dtype}")(
-        (cdiv(n, p["threads"]),), (p["threads"],), (tiled, keys, first, np.int32(n)))
+        at.grid, at.block, (tiled, keys, first, np.int32(n)))
     flat = ids.reshape(-1)
     want_keys = np.sort((flat.astype(np.int64) << 32) | np.arange(n))
     assert (cp.asnumpy(keys) == want_keys).all(), "sorted keys"
@@ -136,26 +128,25 @@ def test_embedding_forward_gathers_and_backward_scatters_deterministically(cp, C
     grads = []
     for _ in range(2):
         dwte = store(cp, np.ones((V, C), np.float32), dtype)   # accumulate: added into
-        p = plan("embedding", f"embedding_backward_wte_{dtype}")
-        vec = C % p["vec"] == 0
-        units = C // p["vec"] if vec else C
+        wte = geometry("embedding", f"embedding_backward_wte_{dtype}")
+        vec = C % wte.vec == 0
         d_dout = store(cp, dout, dtype)
         runs[0] = 0                                   # as the sort leaves it
+        at = wte.launch(V, C, vec)
         kernel(cp, "embedding", f"embedding_backward_wte_{dtype}")(
-            (cdiv(V, p["rows"]), cdiv(units, p["lanes"])),
-            (p["threads"],), (d_dout, keys, first, runs, dwte, np.int32(n), np.int32(V),
-                              np.int32(C), np.int32(vec), np.int32(1)))
+            at.grid, at.block, (d_dout, keys, first, runs, dwte, np.int32(n), np.int32(V),
+                                np.int32(C), np.int32(vec), np.int32(1)))
+        at = long.launch(runs.size - 1, C, vec)
         kernel(cp, "embedding", f"embedding_backward_wte_long_{dtype}")(
-            (min(runs.size - 1, lp["grid_max"]), cdiv(units, lp["lanes"])),
-            (lp["threads"],), (d_dout, keys, first, runs, dwte, np.int32(n), np.int32(C),
-                               np.int32(vec), np.int32(1)))
+            at.grid, at.block, (d_dout, keys, first, runs, dwte, np.int32(n), np.int32(C),
+                                np.int32(vec), np.int32(1)))
         listed = cp.asnumpy(runs)
         counts = np.bincount(ids.reshape(-1), minlength=V)
-        assert sorted(listed[1:1 + listed[0]]) == list(np.flatnonzero(counts > lp["long_run"]))
+        assert sorted(listed[1:1 + listed[0]]) == list(np.flatnonzero(counts > long.long_run))
         dwpe = store(cp, np.full((T, C), np.nan, np.float32), dtype)   # written
-        p = plan("embedding", f"embedding_backward_wpe_{dtype}")
+        at = geometry("embedding", f"embedding_backward_wpe_{dtype}").launch(T * C)
         kernel(cp, "embedding", f"embedding_backward_wpe_{dtype}")(
-            (min(cdiv(T * C, p["vec"] * p["threads"]), p["grid_max"]),), (p["threads"],),
+            at.grid, at.block,
             (store(cp, dout, dtype), dwpe, np.int32(B), np.int32(T), np.int32(C), np.int32(0)))
         grads.append((cp.asnumpy(dwte).copy(), cp.asnumpy(dwpe).copy()))
     assert all(a.tobytes() == b.tobytes() for a, b in zip(*grads)), "two runs differ"
@@ -201,7 +192,7 @@ extern "C" __global__ void trig(const float* x, float* out, int n) {
     f = cp.RawModule(code=src, options=("-std=c++17",)).get_function("trig")
     x = np.linspace(-70000, 70000, 100001).astype(np.float32)
     out = cp.zeros(2 * len(x), np.float32)
-    f((cdiv(len(x), 256),), (256,), (cp.asarray(x), out, np.int32(len(x))))
+    f((launch.cdiv(len(x), 256),), (256,), (cp.asarray(x), out, np.int32(len(x))))
     got = cp.asnumpy(out).reshape(-1, 2)
     xd = x.astype(np.float64)
     assert np.max(np.abs(got[:, 0] - np.sin(xd))) < 2e-6

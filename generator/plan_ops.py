@@ -1,0 +1,189 @@
+"""The plans of pointwise, pair, update and embedding ops: every per-kernel choice (stages,
+pointer operands, signatures, launch geometry) as frozen values, made before anything is
+rendered (generator/render.py only prints them). The numbers come from generator/plan.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eulergen.errors import EulerError
+from eulergen.generator import ir
+from eulergen.generator.plan import (CTYPE, DTYPES, EMBEDDING_FETCH, EMBEDDING_LONG_ROWS,
+                                     EMBEDDING_MERGE_GROUP, EMBEDDING_MERGE_MIN_BLOCKS,
+                                     EMBEDDING_WTE_WARP_ROWS, arithmetic_light,
+                                     embedding_launch, pair_launch, pointwise_launch,
+                                     update_launch)
+from eulergen.generator.plan_row import RowPlan, plan_row
+from eulergen.kinds import KINDS
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a pointwise, pair or update op: a device impl `name` over the pointer
+    operands `loads` (read) and `stores` (written), and its entry point for each dtype."""
+    name: str                        # <op>_<stage>; the entry points add _<dtype>
+    stage: str
+    loads: tuple[str, ...]
+    stores: tuple[str, ...]
+    sigs: tuple[ir.KernelSig, ...]   # in DTYPES order, each with its geometry
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """Every choice of a pointwise, pair or update op's kernels; render only prints it."""
+    template: str
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def sigs(self) -> tuple[ir.KernelSig, ...]:
+        return tuple(sig for st in self.stages for sig in st.sigs)
+
+
+def plan_op(op: ir.DerivedOp) -> RowPlan | OpPlan:
+    """The plan of an op of kind pointwise, row, pair or update."""
+    planners = {"pointwise": plan_pointwise, "row": plan_row, "pair": plan_pair,
+                "update": plan_update}
+    if op.kind not in planners:
+        raise EulerError(f"no CUDA template for kind {op.kind!r}", file=op.where.file,
+                         line=op.where.line, key="kind")
+    return planners[op.kind](op)
+
+
+def _pointers(dtype: str, loads, stores) -> tuple[tuple[str, str], ...]:
+    t = CTYPE[dtype]
+    return tuple((n, f"const {t}*") for n in loads) + tuple((n, f"{t}*") for n in stores)
+
+
+def _floats(op: ir.DerivedOp) -> tuple[tuple[str, str], ...]:
+    return tuple((p.name, "float") for p in op.params)
+
+
+def _stage(op: ir.DerivedOp, stage: str, loads, stores, args, geometry) -> StagePlan:
+    """`args(dtype)`: the entry point's parameters; `geometry(dtype)`: its launch."""
+    name = f"{op.name}_{stage}"
+    return StagePlan(name, stage, tuple(loads), tuple(stores), tuple(
+        ir.KernelSig(f"{name}_{dt}", args(dt), dt, stage, geometry(dt)) for dt in DTYPES))
+
+
+def plan_pointwise(op: ir.DerivedOp) -> OpPlan:
+    body: ir.PointwiseDerived = op.body
+    ins = [o.name for o in op.inputs]
+    outs = [o.name for o in op.outputs]
+    grads = [f"d{o.name}" for o in op.inputs if o.differentiable]
+    # The backward reads the inputs, any forward output it chose to reuse, and d<out>.
+    bwd_reads = ins + [o for o in outs if o in body.backward.uses] + [f"d{o}" for o in outs]
+    stages = [("forward", ins, outs, body.forward)]
+    if grads:
+        stages.append(("backward", bwd_reads, grads, body.backward))
+    planned = []
+    for stage, loads, stores, code in stages:
+        light = arithmetic_light(code)
+        planned.append(_stage(
+            op, stage, loads, stores,
+            lambda dt: _pointers(dt, loads, stores) + _floats(op) + (("n", "long long"),),
+            lambda dt: pointwise_launch(dt, len(loads), light)))
+    return OpPlan(KINDS["pointwise"].template, tuple(planned))
+
+
+# What each index role of a pair op is at a pair (b, t, h, k) of a [B, T, H, D] tensor
+# (templates/pair.cu.j2 names them so).
+PAIR_INDEX = {"position": "t_ + pos0_", "pair": "k_", "head_dim": "D_", "head": "h_"}
+
+
+def plan_pair(op: ir.DerivedOp) -> OpPlan:
+    body: ir.PairDerived = op.body
+    for o in op.inputs + op.outputs:
+        if o.role != "pair":
+            raise EulerError(f"pair op operand {o.name!r} has role {o.role!r} (only 'pair' "
+                             "operands are supported)", file=op.where.file, line=op.where.line,
+                             key="inputs")
+    for name, role in body.index:
+        if role not in PAIR_INDEX:
+            raise EulerError(f"index {name!r} has unknown role {role!r} (expected one of "
+                             f"{', '.join(PAIR_INDEX)})", file=op.where.file,
+                             line=op.where.line, key="index")
+    ins = [o.name for o in op.inputs]
+    outs = [o.name for o in op.outputs]
+    uses = body.backward.uses
+    reads = [n for n in ins + outs if {f"{n}0", f"{n}1"} & uses] + [f"d{o}" for o in outs]
+    grads = [f"d{o.name}" for o in op.inputs if o.differentiable]
+
+    def args(loads, stores):
+        def of(dt):
+            strided = ()
+            for name, ctype in _pointers(dt, loads, stores):
+                strided += ((name, ctype), (f"{name}_sb", "long long"),
+                            (f"{name}_st", "long long"), (f"{name}_sh", "long long"))
+            return strided + _floats(op) + tuple((n, "int") for n in ("B", "T", "H", "D", "pos0"))
+        return of
+    stages = [_stage(op, "forward", ins, outs, args(ins, outs), pair_launch)]
+    if grads:
+        stages.append(_stage(op, "backward", reads, grads, args(reads, grads), pair_launch))
+    return OpPlan(KINDS["pair"].template, tuple(stages))
+
+
+def plan_update(op: ir.DerivedOp) -> OpPlan:
+    """State is float32 in every variant; grads are the storage dtype."""
+    for o in op.inputs:
+        if o.role not in ("state", "grad"):
+            raise EulerError(f"update op input {o.name!r} has role {o.role!r} (expected "
+                             "'state' or 'grad')", file=op.where.file, line=op.where.line,
+                             key="inputs")
+    state = [o.name for o in op.inputs if o.role == "state"]
+    for r in op.body.step.names:
+        if r not in state:
+            raise EulerError(f"update result {r!r} is not a state input", file=op.where.file,
+                             line=op.where.line, key=f"update.{r}")
+
+    def args(dt):
+        return tuple((o.name, f"const {CTYPE[dt]}*" if o.role == "grad" else "float*")
+                     for o in op.inputs) + _floats(op) + (("n", "long long"),)
+    return OpPlan(KINDS["update"].template, (_stage(
+        op, "step", [o.name for o in op.inputs], state, args, update_launch),))
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    """The embedding's kernels (templates/embedding.cu.j2): every stage's entry point for
+    each dtype, and the constants of the template its geometry does not hold."""
+    sigs: tuple[ir.KernelSig, ...]
+    fetch: int = EMBEDDING_FETCH
+    merge_group: int = EMBEDDING_MERGE_GROUP
+    merge_min_blocks: int = EMBEDDING_MERGE_MIN_BLOCKS
+    warp_rows: int = EMBEDDING_WTE_WARP_ROWS
+    long_rows: int = EMBEDDING_LONG_ROWS
+
+    def sig(self, stage: str, dtype: str) -> ir.KernelSig:
+        return next(k for k in self.sigs if (k.stage, k.dtype) == (stage, dtype))
+
+
+def _embedding_args(stage: str, c: str) -> tuple[tuple[str, str], ...]:
+    """The parameters of one embedding stage over storage C type `c`."""
+    return {
+        "forward": (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
+                    ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"),
+                    ("V", "int")),
+        "backward_sort": (("ids", "const int*"), ("tiled", "long long*"), ("first", "int*"),
+                          ("runs", "int*"), ("n", "int"), ("V", "int")),
+        "backward_merge": (("tiled", "const long long*"), ("keys", "long long*"),
+                           ("first", "int*"), ("n", "int")),
+        "backward_wte": (("dout", f"const {c}*"), ("keys", "const long long*"),
+                         ("first", "const int*"), ("runs", "int*"), ("dwte", f"{c}*"),
+                         ("n", "int"), ("V", "int"), ("C", "int"), ("vec", "int"),
+                         ("accumulate", "int")),
+        "backward_wte_long": (("dout", f"const {c}*"), ("keys", "const long long*"),
+                              ("first", "const int*"), ("runs", "const int*"),
+                              ("dwte", f"{c}*"), ("n", "int"), ("C", "int"), ("vec", "int"),
+                              ("accumulate", "int")),
+        "backward_wpe": (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"), ("T", "int"),
+                         ("C", "int"), ("accumulate", "int")),
+    }[stage]
+
+
+EMBEDDING_STAGES = ("forward", "backward_sort", "backward_merge", "backward_wte",
+                    "backward_wte_long", "backward_wpe")
+
+
+def plan_embedding() -> EmbeddingPlan:
+    return EmbeddingPlan(tuple(
+        ir.KernelSig(f"embedding_{stage}_{dt}", _embedding_args(stage, CTYPE[dt]), dt, stage,
+                     embedding_launch(stage, dt)) for dt in DTYPES for stage in EMBEDDING_STAGES))

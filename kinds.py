@@ -1,0 +1,25 @@
+"""The op kinds, written once: the spec loader, the planner, the build and the manifest
+reader all take them from here. A leaf: it imports only the standard library."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    template: str          # the file under templates/ its CUDA renders through
+    templates: str         # a glob under templates/ of every file that rendering reads
+    spec: bool = True      # written as a YAML spec (embedding: a template with no formula)
+    backward: bool = True  # has a derived backward (update: an in-place step)
+
+
+KINDS = {k.name: k for k in (
+    Kind("pointwise", "pointwise.cu.j2", "pointwise.cu.j2"),
+    Kind("row", "row.cu.j2", "row.cu.j2"),
+    Kind("pair", "pair.cu.j2", "pair.cu.j2"),
+    Kind("update", "update.cu.j2", "update.cu.j2", backward=False),
+    Kind("attention", "attention.cu.j2", "attention*.j2"),
+    Kind("embedding", "embedding.cu.j2", "embedding.cu.j2", spec=False),
+)}
+SPEC_KINDS = tuple(name for name, k in KINDS.items() if k.spec)

@@ -1,0 +1,76 @@
+"""Who imports whom (DESIGN.md): no cycle inside generator/ or runtime/, counting the imports
+inside functions too; the generator never imports the runtime, nor the runtime the generator;
+eulergen/launch.py, which both share, imports neither."""
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from eulergen import PACKAGE_DIR
+
+
+def _imports(path) -> set[str]:
+    """The eulergen modules a file imports, anywhere in it, as dotted names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("eulergen")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eulergen"):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}   # `from pkg import mod`
+    return found
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports."""
+    modules = {p.stem: p for p in (PACKAGE_DIR / package).glob("*.py") if p.stem != "__init__"}
+    prefix = f"eulergen.{package}."
+    return {name: {m[len(prefix):].split(".")[0] for m in _imports(path) if m.startswith(prefix)}
+            & set(modules) - {name} for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of the graph, or [] if it has none."""
+    state: dict[str, int] = {}           # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("package", ["generator", "runtime"])
+def test_no_import_cycle_inside_a_package(package):
+    graph = _graph(package)
+    assert graph, f"no modules found in {package}/"
+    assert _cycle(graph) == [], f"{package}/ imports in a cycle: {' -> '.join(_cycle(graph))}"
+
+
+@pytest.mark.parametrize("package,other", [("generator", "runtime"), ("runtime", "generator")])
+def test_generator_and_runtime_do_not_import_each_other(package, other):
+    for path in sorted((PACKAGE_DIR / package).glob("*.py")):
+        bad = sorted(m for m in _imports(path) if m.startswith(f"eulergen.{other}"))
+        assert not bad, f"{package}/{path.name} imports {bad[0]}"
+
+
+def test_the_shared_leaves_import_no_package():
+    for leaf in ("launch.py", "errors.py"):
+        assert not _imports(PACKAGE_DIR / leaf), f"{leaf} imports {sorted(_imports(PACKAGE_DIR / leaf))}"

@@ -1,0 +1,83 @@
+"""The plans of pointwise, pair, update and embedding ops (generator/plan.py), inspected
+without rendering: stages, pointer operands, signatures and geometry; and every entry point
+of a generated .cu of those kinds declares exactly the parameters its signature lists."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from eulergen import GENERATED_DIR, launch
+from eulergen.generator import plan as planner, plan_ops
+from eulergen.generator.derive import derive
+from eulergen.generator.spec import find_ops, load_spec
+from eulergen.runtime.manifest import load_manifest
+
+MANIFEST = load_manifest(GENERATED_DIR / "manifest.json")
+
+
+def _plan(name: str):
+    return plan_ops.plan_op(derive(load_spec(find_ops()[name])))
+
+
+def test_a_pointwise_plan_has_a_stage_per_pass_with_the_dtype_tiles():
+    plan = _plan("swiglu")
+    assert [(st.name, st.loads, st.stores) for st in plan.stages] == [
+        ("swiglu_forward", ("a", "b"), ("y",)),
+        ("swiglu_backward", ("a", "b", "dy"), ("da", "db"))]
+    for st in plan.stages:
+        assert [sig.dtype for sig in st.sigs] == list(planner.DTYPES)
+        for sig in st.sigs:
+            t = planner.CTYPE[sig.dtype]
+            assert sig.args == tuple((n, f"const {t}*") for n in st.loads) + tuple(
+                (n, f"{t}*") for n in st.stores) + (("n", "long long"),)
+            assert isinstance(sig.geometry, launch.Pointwise)
+            assert (sig.geometry.threads, sig.geometry.unroll) == planner.POINTWISE_TILE[sig.dtype]
+
+
+def test_a_pointwise_backward_reads_the_forward_outputs_its_formula_reuses():
+    op = derive(load_spec(find_ops()["silu"]))
+    (_, bwd) = plan_ops.plan_pointwise(op).stages
+    reused = [o.name for o in op.outputs if o.name in op.body.backward.uses]
+    assert bwd.loads == tuple(["x"] + reused + ["dy"])
+
+
+def test_a_pair_plan_passes_three_strides_a_pointer_then_the_sizes():
+    fwd = _plan("rope").stages[0]
+    sig = fwd.sigs[0]
+    assert [n for n, _ in sig.args] == ["x", "x_sb", "x_st", "x_sh", "y", "y_sb", "y_st", "y_sh",
+                                        "base", "B", "T", "H", "D", "pos0"]
+    assert sig.geometry == planner.pair_launch(sig.dtype)
+
+
+def test_an_update_plan_keeps_state_float32_and_grads_in_the_storage_dtype():
+    (step,) = _plan("adamw").stages
+    assert step.stores == ("p", "m", "v")
+    bf16 = step.sigs[1]
+    assert bf16.name == "adamw_step_bf16" and bf16.stage == "step"
+    assert dict(bf16.args)["g"] == "const __nv_bfloat16*"
+    assert dict(bf16.args)["p"] == dict(bf16.args)["m"] == "float*"
+    assert bf16.geometry.vec == 8
+
+
+def test_the_embedding_plan_has_every_stage_in_every_dtype():
+    plan = plan_ops.plan_embedding()
+    assert {(k.stage, k.dtype) for k in plan.sigs} == {
+        (s, d) for s in plan_ops.EMBEDDING_STAGES for d in planner.DTYPES}
+    assert isinstance(plan.sig("backward_wte_long", "bf16").geometry, launch.EmbeddingWteLong)
+
+
+_ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\((.*?)\) \{',
+                    re.S)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, o in MANIFEST.ops.items() if o.kind != "row"))
+def test_each_entry_point_declares_its_signature_and_launch_bounds(name):
+    op = MANIFEST.ops[name]
+    declared = {m.group(2): (int(m.group(1)), " ".join(m.group(3).split()))
+                for m in _ENTRY.finditer(op.cuda.read_text())}
+    assert set(declared) == set(op.kernels)
+    for k in op.kernels.values():
+        bounds, params = declared[k.name]
+        assert params == ", ".join(f"{t} {n}" for n, t in k.args), k.name
+        assert bounds == k.geometry.threads, k.name
