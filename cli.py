@@ -58,7 +58,9 @@ def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def plot(run_dir: Path) -> None:
     """Write RUN_DIR/loss.png: train and validation loss against step."""
-    from eulergen.runtime.metrics import plot_run
+    from eulergen.runtime.metrics import PLOT_FILE, plot_run
+    from eulergen.runtime.run_dir import refuse_foreign
+    refuse_foreign(run_dir, PLOT_FILE)
     click.echo(f"wrote {plot_run(run_dir)}")
 
 

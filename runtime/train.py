@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint, metrics
+from eulergen.files import write_atomic
+from eulergen.runtime import checkpoint, metrics, run_dir
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
 from eulergen.runtime.memory import upload
@@ -137,6 +138,7 @@ class Trainer:
         t = cfg.training
         arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         self.run_dir = Path(cfg.run_dir)
+        run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
         ckpt = checkpoint.latest(self.run_dir) if resume else None
         if resume and ckpt is None and not (self.run_dir / CONFIG_FILE).is_file():
             raise EulerError("nothing to resume: no config.json or checkpoint here",
@@ -160,11 +162,16 @@ class Trainer:
             self.model.load_state_dict(initial)
         else:
             self.model.init_weights(t.seed)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CONFIG_FILE).write_text(json.dumps(as_dict(cfg), indent=1))
-        self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
-                                        resume_step=self.step if resume else None,
-                                        tensorboard=tensorboard, progress=progress)
+        # held from the first write to the end of run(); the kernel drops it if we die
+        self.lock = run_dir.RunLock(self.run_dir).acquire()
+        try:
+            write_atomic(self.run_dir / CONFIG_FILE, json.dumps(as_dict(cfg), indent=1).encode())
+            self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
+                                            resume_step=self.step if resume else None,
+                                            tensorboard=tensorboard, progress=progress)
+        except BaseException:
+            self.lock.release()
+            raise
         a = self.model.arch
         matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
         self.flops_per_token = metrics.flops_per_token(matmul_params, a.layers, a.heads,
@@ -264,10 +271,11 @@ class Trainer:
             if self.step == t.total_steps and t.sample_tokens:
                 self.result.sample = self.sample(t.sample_tokens)
                 self.logger.print(f"sample:\n{self.result.sample}")
+            if self.result.losses and importlib.util.find_spec("matplotlib") is not None:
+                metrics.plot_run(self.run_dir)   # a convenience: no matplotlib, no PNG
         finally:
             self.logger.close()
-        if self.result.losses and importlib.util.find_spec("matplotlib") is not None:
-            metrics.plot_run(self.run_dir)   # the curve is a convenience: no matplotlib, no PNG
+            self.lock.release()
         return self.result
 
     def sample(self, n: int) -> str:
