@@ -24,6 +24,14 @@ class _Group(click.Group):
                 raise
             click.echo(f"error: {err}", err=True)
             sys.exit(2)
+        except OSError as err:
+            # the machine's refusals (disk full, a read-only folder, no permission) wherever
+            # a command writes or reads that no closer handler names: one line, the file first
+            if ctx.params.get("debug") or err.strerror is None:
+                raise
+            where = f"{err.filename}: " if err.filename else ""
+            click.echo(f"error: {where}{err.strerror}", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group)
@@ -297,6 +305,11 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int):
     from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
+    import numpy as np
+    for name, value in weights.params.items():
+        if not np.isfinite(value).all():   # every logit would be NaN: nothing to sample
+            raise EulerError(f"{name} holds NaN or Inf: these weights cannot be sampled",
+                             file=weights.file)
     cfg = weights.cfg
     tok = load_tokenizer(cfg.data)
     check_fits(tok, cfg.model.vocab_size)
@@ -367,10 +380,14 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
                            **settings)
     if live:
         click.echo(stream.flush())
-        return
-    for n, row in enumerate(rows, 1):
-        click.echo(f"--- sample {n} of {num_samples}")
-        click.echo(prompt + tok.decode(row))
+    else:
+        for n, row in enumerate(rows, 1):
+            click.echo(f"--- sample {n} of {num_samples}")
+            click.echo(prompt + tok.decode(row))
+    empty = sum(not row for row in rows)
+    if empty:
+        _warn(f"{'the sample is' if live else f'{empty} of the samples are'} empty: the model "
+              "drew its end of text first")
 
 
 @main.command()

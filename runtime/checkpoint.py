@@ -49,12 +49,29 @@ def save(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
 
     `state` must be JSON-serialisable (data position, RNG state, config, metrics so far);
     `step` and a format number are added to it."""
-    from safetensors.numpy import save_file
+    from safetensors import SafetensorError
 
     run_dir = Path(run_dir)
+    final = checkpoint_dir(run_dir, step)
+    try:
+        _write(run_dir, step, final, params, optim, state)
+    except (OSError, SafetensorError) as err:
+        # disk full, a read-only or vanished folder: the earlier checkpoints are untouched
+        # (nothing is renamed or pruned before the new one is whole)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else \
+            str(err).rpartition("I/O error: ")[2]
+        kept = latest(run_dir)
+        raise EulerError(f"checkpoint of step {step} not saved: {why}; the latest saved one "
+                         f"is {kept.name if kept else 'none'}", file=str(final)) from None
+    _prune(run_dir, keep)
+    return final
+
+
+def _write(run_dir: Path, step: int, final: Path, params, optim, state) -> None:
+    from safetensors.numpy import save_file
+
     run_dir.mkdir(parents=True, exist_ok=True)
     _remove_temps(run_dir)
-    final = checkpoint_dir(run_dir, step)
     tmp = run_dir / f"{_TEMP_PREFIX}{step:08d}-{os.getpid()}"
     tmp.mkdir()
     try:
@@ -76,8 +93,6 @@ def save(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _prune(run_dir, keep)
-    return final
 
 
 def latest(run_dir: str | Path) -> Path | None:

@@ -191,10 +191,19 @@ class Trainer:
         self.train_data.restore(s["data"])
 
     def save(self) -> Path:
+        """Checkpoint this step; refused when a weight or moment is NaN or Inf (an update
+        that overflowed), so that every checkpoint is one a resume or `sample` can use."""
         state = {"adam_updates": self.optim.updates, "spike_guard": self.guard.to_dict(),
                  "data": self.train_data.state(), "config": as_dict(self.cfg)}
-        return checkpoint.save(self.run_dir, self.step, self.model.state_dict(),
-                               self.optim.state_dict(), state, self.cfg.training.keep_checkpoints)
+        params, optim = self.model.state_dict(), self.optim.state_dict()
+        for name, value in (*params.items(), *optim.items()):
+            if not np.isfinite(value).all():
+                kept = checkpoint.latest(self.run_dir)
+                raise EulerError(f"{name} is not finite after step {self.step}: stopped without "
+                                 f"saving it, last good checkpoint: {kept or 'none yet'}",
+                                 key="training")
+        return checkpoint.save(self.run_dir, self.step, params, optim, state,
+                               self.cfg.training.keep_checkpoints)
 
     # -- the loop ----------------------------------------------------------------------
 
