@@ -178,6 +178,19 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
         raise
 
 
+def check_prepared_with(files, tokenizer: Tokenizer, key: str = "data.tokenizer") -> None:
+    """Refuse token files that a prepared folder's manifest says another tokenizer made
+    (ids of one tokenizer read through another are noise the model would learn)."""
+    for folder in sorted({Path(f).parent for f in files}):
+        if not (folder / STATE_FILE).is_file():
+            continue
+        made = PrepareState.read(folder / STATE_FILE).settings
+        if made.get("tokenizer_digest") != tokenizer.digest:
+            raise EulerError(f"the data was prepared with tokenizer {made.get('tokenizer')!r}, "
+                             f"not {tokenizer.name!r} (digests differ): set data.tokenizer to "
+                             "the one prepare used", file=str(folder / STATE_FILE), key=key)
+
+
 def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None:
     if settings.shard_tokens < 1 or settings.val_tokens < 1:
         raise EulerError(f"--shard-tokens {settings.shard_tokens} and --val-tokens "

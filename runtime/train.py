@@ -19,15 +19,17 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
-from eulergen.runtime import checkpoint, metrics, run_dir
+from eulergen.runtime import budget, checkpoint, metrics, run_dir
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
 from eulergen.runtime.memory import upload
-from eulergen.runtime.model import GPT, arch_of, build, param_count
+from eulergen.runtime.prepare import check_prepared_with
+from eulergen.runtime.model import GPT, arch_of, build, param_count, plan_model
 from eulergen.runtime.sample import Sampler
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
 CONFIG_FILE = "config.json"
+STATE_KEYS = ("adam_updates", "spike_guard", "data", "config")   # what save() adds to state.json
 SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
 
@@ -136,7 +138,11 @@ class Trainer:
                  tensorboard: bool = True, cache_dir=None, initial: dict | None = None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
-        arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
+        budget.check_config(cfg)
+        arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
+        budget.check_fits(cfg, arch, lib.backend, lambda a: plan_model(a, t.batch_size, t.seq_len),
+                          what="training", batch=("training.batch_size", t.batch_size,
+                                                  TrainingConfig.batch_size))
         self.run_dir = Path(cfg.run_dir)
         run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
         ckpt = checkpoint.latest(self.run_dir) if resume else None
@@ -149,7 +155,12 @@ class Trainer:
                              file=str(self.run_dir))
         self.tokenizer = load_tokenizer(cfg.data)
         check_fits(self.tokenizer, cfg.model.vocab_size)
+        if self.tokenizer.eot is None:   # as prepare refuses it: documents and samples end in it
+            raise EulerError(f"tokenizer {self.tokenizer.name} has no end-of-text token; the data "
+                             "and the sampler end each document with one", key="data.tokenizer")
         self.train_data, self.val_data = make_loaders(cfg, cache_dir)
+        for loader in filter(None, (self.train_data, self.val_data)):
+            check_prepared_with(loader.files, self.tokenizer)
         self.model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation)
         self.optim = AdamW(self.model, t)
@@ -157,7 +168,7 @@ class Trainer:
         self.step = 0
         self.result = Result(self.run_dir)
         if ckpt is not None:
-            self._restore(checkpoint.load(ckpt))
+            self._restore(checkpoint.load(ckpt, require=STATE_KEYS))
         elif initial is not None:   # `--init-from`: an imported model's weights
             self.model.load_state_dict(initial)
         else:
@@ -186,9 +197,14 @@ class Trainer:
         self.optim.load_state_dict(ck.optim)
         s = ck.state
         self.step = ck.step
-        self.optim.updates = int(s["adam_updates"])
-        self.guard = SpikeGuard(self.cfg.training.spike_factor, **s["spike_guard"])
-        self.train_data.restore(s["data"])
+        try:
+            self.optim.updates = int(s["adam_updates"])
+            self.guard = SpikeGuard(self.cfg.training.spike_factor, **s["spike_guard"])
+            self.train_data.restore(s["data"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise EulerError(f"corrupt state: {type(err).__name__} {err} reading adam_updates, "
+                             "spike_guard and data", file=str(ck.path / checkpoint.STATE_FILE)) \
+                from None
 
     def save(self) -> Path:
         """Checkpoint this step; refused when a weight or moment is NaN or Inf (an update
