@@ -36,6 +36,7 @@ from eulergen.runtime.sources import ON_BAD_TEXT, Document, Source, checked
 from eulergen.runtime.tokenizer import Tokenizer
 
 STATE_FILE = "prepare.json"
+MAX_WORKERS_PER_CORE = 4   # each worker is a process holding the tokenizer
 FORMAT = 1
 SHARD_TOKENS = 100_000_000     # llm.c's fineweb.py
 # 10M validation tokens: at GPT-2 small's B=16, T=1024 that is 600 batches, far more than
@@ -151,6 +152,10 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
     out = Path(out)
     name = settings.name or out.resolve().name
     _check_settings(settings, name, tokenizer)
+    cores = len(os.sched_getaffinity(0))
+    if workers is not None and workers > MAX_WORKERS_PER_CORE * cores:
+        raise EulerError(f"{workers:,} workers: at most {MAX_WORKERS_PER_CORE} a core "
+                         f"({MAX_WORKERS_PER_CORE * cores} here)", key="--workers")
     wanted = {"source": source.identity(), "tokenizer": tokenizer.name,
               "tokenizer_digest": tokenizer.digest, "eot": tokenizer.eot,
               **asdict(replace(settings, name=name))}

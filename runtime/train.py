@@ -161,6 +161,11 @@ class Trainer:
         self.train_data, self.val_data = make_loaders(cfg, cache_dir)
         for loader in filter(None, (self.train_data, self.val_data)):
             check_prepared_with(loader.files, self.tokenizer)
+        if self.val_data is not None and t.eval_every and t.eval_steps > self.val_data.batches:
+            # more would only repeat the set, each evaluation taking that much longer
+            raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
+                             f"{self.val_data.batches:,} of B={t.batch_size}, T={t.seq_len}",
+                             key="training.eval_steps")
         self.model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation)
         self.optim = AdamW(self.model, t)

@@ -150,3 +150,33 @@ def test_a_real_full_tmpfs_during_a_save_keeps_the_earlier_checkpoints(lib, shar
     assert "loaded 4" in got.stdout, got.stdout + got.stderr
     assert "checkpoint of step 6 not saved" in errors[0], errors
     assert "the latest saved one is ckpt_00000004" in errors[0], errors
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="no user namespace to mount in")
+def test_read_only_run_folder_prepare_out_and_cache_are_one_line_each(shard, tmp_path):
+    """A read-only bind mount (root ignores file modes, so a mount it is): each command
+    that would write there ends in one line naming the place."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (tmp_path / "a.txt").write_text("hello\n")
+    cli = f"{sys.executable} -c 'from eulergen.cli import main; main()'"
+    quick = " ".join(cli_sets(tiny(shard, ro / "run")))
+    commands = {
+        "run": f"{cli} train --device numpy {quick}",
+        "out": f"{cli} prepare {tmp_path / 'a.txt'} --out {ro / 'out'} --tokenizer byte --quiet",
+        "cache": f"EULERGEN_CACHE={ro / 'cache'} {cli} train --device numpy "
+                 f"--run-dir {tmp_path / 'rw'} --set training.total_steps=1 "
+                 "--set training.warmup_steps=0 --set training.sample_tokens=0",
+    }
+    shell = f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} || exit 9\n" + "".join(
+        f"echo '== {name}'; {command} 2>&1; echo \"rc=$?\"\n" for name, command in commands.items())
+    got = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    parts = dict(part.split("\n", 1) for part in got.stdout.split("== ")[1:])
+    for name in commands:
+        out = parts[name]
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert "rc=2" in out and "Traceback" not in out, out
+        assert len(errors) == 1 and str(ro / name) in errors[0], out
+        assert "Read-only file system" in errors[0], out
