@@ -24,6 +24,14 @@ class _Group(click.Group):
                 raise
             click.echo(f"error: {err}", err=True)
             sys.exit(2)
+        except OSError as err:
+            # the machine's refusals (disk full, a read-only folder, no permission) wherever
+            # a command writes or reads that no closer handler names: one line, the file first
+            if ctx.params.get("debug") or err.strerror is None:
+                raise
+            where = f"{err.filename}: " if err.filename else ""
+            click.echo(f"error: {where}{err.strerror}", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group)
@@ -70,7 +78,9 @@ def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def plot(run_dir: Path) -> None:
     """Write RUN_DIR/loss.png: train and validation loss against step."""
-    from eulergen.runtime.metrics import plot_run
+    from eulergen.runtime.metrics import PLOT_FILE, plot_run
+    from eulergen.runtime.run_dir import refuse_foreign
+    refuse_foreign(run_dir, PLOT_FILE)
     click.echo(f"wrote {plot_run(run_dir)}")
 
 
@@ -280,7 +290,10 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     from eulergen.runtime.model import arch_of, param_count, plan_model
     from eulergen.runtime.ops import OpLibrary
 
+    from eulergen.runtime.budget import check_config
+
     cfg = _run_config(config_path, overrides)
+    check_config(cfg)   # a million layers would be a million-layer table
     manifests = []
     if ops_dirs:
         from eulergen.generator.build import ensure_built
@@ -309,14 +322,37 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int):
     from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
+    import numpy as np
+    for name, value in weights.params.items():
+        if not np.isfinite(value).all():   # every logit would be NaN: nothing to sample
+            raise EulerError(f"{name} holds NaN or Inf: these weights cannot be sampled",
+                             file=weights.file)
     cfg = weights.cfg
     tok = load_tokenizer(cfg.data)
     check_fits(tok, cfg.model.vocab_size)
+    lib = _library(cfg, ops_dirs, build=True)
+    _check_sampler_fits(cfg, lib, num_samples)
     # the context it was trained on: learned positions past training.seq_len never moved
-    sampler = Sampler(cfg.model, _library(cfg, ops_dirs, build=True), batch=num_samples,
+    sampler = Sampler(cfg.model, lib, batch=num_samples,
                       seq_len=cfg.training.seq_len, notify=lambda m: click.echo(m, err=True))
     load_into(sampler.decoder, weights)
     return tok, sampler
+
+
+def _check_sampler_fits(cfg, lib, num_samples: int) -> None:
+    """--num-samples is the KV cache's batch: refused before the cache is planned in full
+    or allocated when it cannot fit."""
+    from eulergen.runtime import budget
+    from eulergen.runtime.decoder import plan_decoder
+    from eulergen.runtime.model import arch_of
+
+    seq = cfg.training.seq_len
+    if num_samples * seq > budget.MAX_INDEX:
+        raise EulerError(f"{num_samples:,} samples of {seq} tokens: at most "
+                         f"{budget.MAX_INDEX:,} tokens in one batch", key="--num-samples")
+    budget.check_fits(cfg, arch_of(cfg.model, lib), lib.backend,
+                      lambda a: plan_decoder(a, num_samples, seq), what="sampling",
+                      batch=("--num-samples", num_samples, 1))
 
 
 def _sampling_options(f):
@@ -328,7 +364,7 @@ def _sampling_options(f):
                          help="Draw from the k most likely tokens (0: all)."),
             click.option("--top-p", default=1.0, show_default=True,
                          help="Nucleus: the fewest tokens whose probability reaches p (1: all)."),
-            click.option("--seed", default=0, show_default=True),
+            click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
             click.option("--device", type=click.Choice(["auto", "cuda", "numpy"])),
             ops_option]):
         f = option(f)
@@ -342,6 +378,18 @@ def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
                     top_p=None if top_p == 1 else top_p, seed=seed)
     check_settings(settings["temperature"], settings["top_k"], settings["top_p"], max_new_tokens)
     return settings
+
+
+def _utf8(text: str, key: str) -> str:
+    """Text from the command line or a terminal that must be UTF-8: bytes that are not
+    arrive as lone surrogates (Python's surrogateescape), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = ord(text[err.start]) - 0xDC00 if 0xDC80 <= ord(text[err.start]) <= 0xDCFF else None
+        raise EulerError("not UTF-8 text" + (f" (byte 0x{bad:02x} at character {err.start})"
+                                             if bad is not None else ""), key=key) from None
+    return text
 
 
 def _printer(tok):
@@ -360,7 +408,7 @@ def _printer(tok):
 @main.command()
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--prompt", default="\n", show_default=True)
-@click.option("--num-samples", default=1, show_default=True,
+@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Samples of the prompt, generated as one batch.")
 @_sampling_options
 def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, seed, device,
@@ -369,6 +417,7 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
     printing the text as it comes (one sample), or each sample in turn (several); a sample
     ends at the tokenizer's end of text or after --max-new-tokens."""
     settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
+    _utf8(prompt, "--prompt")
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples)
     ids = tok.encode(prompt)
     stream, show = _printer(tok)
@@ -379,10 +428,14 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
                            **settings)
     if live:
         click.echo(stream.flush())
-        return
-    for n, row in enumerate(rows, 1):
-        click.echo(f"--- sample {n} of {num_samples}")
-        click.echo(prompt + tok.decode(row))
+    else:
+        for n, row in enumerate(rows, 1):
+            click.echo(f"--- sample {n} of {num_samples}")
+            click.echo(prompt + tok.decode(row))
+    empty = sum(not row for row in rows)
+    if empty:
+        _warn(f"{'the sample is' if live else f'{empty} of the samples are'} empty: the model "
+              "drew its end of text first")
 
 
 @main.command()
@@ -397,7 +450,12 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs)
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1)
     for turn in itertools.count():
         click.echo("> ", nl=False)
-        line = sys.stdin.readline()
+        raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline()
+        try:
+            line = raw.decode("utf-8") if isinstance(raw, bytes) else _utf8(raw, "stdin")
+        except (UnicodeDecodeError, EulerError):
+            _warn("that line is not UTF-8 text: left out")
+            continue
         if not line or line.strip() == "/quit":
             click.echo()
             return

@@ -39,6 +39,14 @@ FUNCTIONS: dict[str, tuple[Callable, int, int | None]] = {
 REDUCTIONS = ("sum", "mean", "max")
 CONSTANTS = {"pi": sp.pi}
 
+# Bounds on one formula, checked before it is walked (its text's length and nesting) and
+# after (the sympy expression with `let` names inlined, which derive and the printers
+# recurse through). Chains of + - and of * / count as one level of nesting: a 1,000-term
+# sum is fine, 65 nested calls or parentheses are not.
+FORMULA_MAX_CHARS = 10_000
+FORMULA_MAX_DEPTH = 64
+FORMULA_MAX_NODES = 20_000     # sympy nodes once lets are inlined
+
 _BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
            ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b,
            ast.Pow: lambda a, b: a ** b}
@@ -87,10 +95,7 @@ def parse(text: object, names: Mapping[str, sp.Basic], where: Where, *,
         raise where.error(f"expected a formula, got {text!r}")
     if not isinstance(text, str):
         raise where.error(f"expected a formula (a string), got {type(text).__name__}")
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as err:
-        raise where.error(f"syntax error in formula {text.strip()!r}: {err.msg}") from None
+    tree = _parse_bounded(text, where)
     walker = _Walker(names, where)
     try:
         expr = walker.condition(tree.body) if condition else walker.value(tree.body)
@@ -99,24 +104,95 @@ def parse(text: object, names: Mapping[str, sp.Basic], where: Where, *,
         raise where.error(f"formula {text.strip()!r} is not a real expression: {err}") from None
     if isinstance(expr, sp.Expr) and expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
         raise where.error(f"formula {text.strip()!r} divides by zero or is not finite")
+    _check_expanded(expr, where)
     return expr
+
+
+def _parse_bounded(text: str, where: Where) -> ast.Expression:
+    """`ast.parse` of a formula within the bounds above (Python's parser itself recurses
+    on long chains, so the length is checked first)."""
+    text = text.strip()
+    if len(text) > FORMULA_MAX_CHARS:
+        raise where.error(f"formula of {len(text):,} characters: at most "
+                          f"{FORMULA_MAX_CHARS:,} (split it with `let` names)")
+    odd = next((c for c in text if not c.isascii()), None)
+    if odd is not None:
+        raise where.error(f"character {odd!r} (U+{ord(odd):04X}): formulas are ASCII, names "
+                          "[A-Za-z_][A-Za-z0-9_]*")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as err:
+        raise where.error(f"syntax error in formula {_short(text)!r}: {err.msg}") from None
+    except (RecursionError, MemoryError):
+        raise where.error(f"formula of {len(text):,} characters nests too deeply to parse "
+                          f"(at most {FORMULA_MAX_DEPTH} levels)") from None
+    deepest = 0
+    stack = [(tree.body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        for child in ast.iter_child_nodes(node):
+            # a chain of one operator family (a + b - c, a * b / c) is one level
+            same = (isinstance(node, ast.BinOp) and isinstance(child, ast.BinOp)
+                    and _family(node.op) is not None and _family(node.op) == _family(child.op)
+                    and child is node.left)
+            leaf = isinstance(child, _LEAVES)
+            stack.append((child, depth if same or leaf else depth + 1))
+    if deepest > FORMULA_MAX_DEPTH:
+        raise where.error(f"formula nests {deepest} levels deep: at most {FORMULA_MAX_DEPTH}")
+    return tree
+
+
+def _check_expanded(expr: sp.Basic, where: Where) -> None:
+    """The sympy tree's size and depth with every shared subexpression counted where it
+    occurs (`let` names used twice in each of several lets double each time), counted once
+    per distinct subexpression."""
+    size: dict = {}
+    depth: dict = {}
+    stack = [(expr, False)]
+    while stack:
+        e, ready = stack.pop()
+        if e in size:
+            continue
+        if ready or not e.args:
+            size[e] = 1 + sum(size[a] for a in e.args)
+            depth[e] = 1 + max((depth[a] for a in e.args), default=0)
+            if size[e] > FORMULA_MAX_NODES:
+                raise where.error(f"formula expands (its `let` names inlined) to more than "
+                                  f"{FORMULA_MAX_NODES:,} terms and operators")
+            if depth[e] > 4 * FORMULA_MAX_DEPTH:
+                raise where.error(f"formula expands (its `let` names inlined) to more than "
+                                  f"{4 * FORMULA_MAX_DEPTH} levels of nesting")
+            continue
+        stack.append((e, True))
+        stack.extend((a, False) for a in e.args if a not in size)
+
+
+_LEAVES = (ast.Name, ast.Constant, ast.operator, ast.unaryop, ast.boolop, ast.cmpop,
+           ast.expr_context)
+
+
+def _family(op: ast.operator) -> str | None:
+    return {ast.Add: "+", ast.Sub: "+", ast.Mult: "*", ast.Div: "*"}.get(type(op))
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:60] + "…"
 
 
 def parse_reduction(text: object, names: Mapping[str, sp.Basic], where: Where) -> tuple[str, sp.Expr]:
     """`sum(expr)`, `mean(expr)` or `max(expr)` → (op, per-element expr)."""
     if not isinstance(text, str):
         raise where.error(f"expected sum(...), mean(...) or max(...), got {text!r}")
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as err:
-        raise where.error(f"syntax error in formula {text.strip()!r}: {err.msg}") from None
-    call = tree.body
+    call = _parse_bounded(text, where).body
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
             and call.func.id in REDUCTIONS):
         raise where.error(f"a reduction must be sum(...), mean(...) or max(...), got {text.strip()!r}")
     if len(call.args) != 1 or call.keywords:
         raise where.error(f"{call.func.id}() takes exactly one argument")
-    return call.func.id, _Walker(names, where).value(call.args[0])
+    expr = _Walker(names, where).value(call.args[0])
+    _check_expanded(expr, where)
+    return call.func.id, expr
 
 
 class _Walker:
@@ -140,7 +216,18 @@ class _Walker:
             if op is None:
                 raise self.where.error(f"operator '{ast.unparse(node)}' is not allowed "
                                        "(use + - * / **)")
-            return op(self.value(node.left), self.value(node.right))
+            if _family(node.op) is None:
+                return op(self.value(node.left), self.value(node.right))
+            # a left-leaning chain a + b - c …, walked as a loop (no recursion per term),
+            # its operations applied in the order the recursion would apply them
+            family, links = _family(node.op), []
+            while isinstance(node, ast.BinOp) and _family(node.op) == family:
+                links.append((_BINOPS[type(node.op)], node.right))
+                node = node.left
+            result = self.value(node)
+            for apply, right in reversed(links):
+                result = apply(result, self.value(right))
+            return result
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
                 return -self.value(node.operand)

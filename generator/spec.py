@@ -48,6 +48,7 @@ ROW_SYMBOLS = ("i", "N")
 DEFAULT_DOMAIN = (-3.0, 3.0)
 DEFAULT_TOLERANCE = 1e-4
 _TEMP_NAME = re.compile(r"^t\d+$")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def symbol(name: str) -> sp.Symbol:
@@ -106,8 +107,11 @@ class OpSpec:
 # Field readers ---------------------------------------------------------------------------------
 
 def _identifier(doc: YamlDoc, name, *path) -> str:
-    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-        raise doc.error(f"{name!r} is not a valid name", *path)
+    """The one rule for every name a spec declares (op, inputs, outputs, params, lets,
+    reductions, index symbols): ASCII, as C, NVRTC and the config's op keys take them."""
+    if not isinstance(name, str) or not IDENTIFIER.match(name) or keyword.iskeyword(name):
+        raise doc.error(f"{name!r} is not a valid name (names are ASCII: letters, digits and _, "
+                        "not starting with a digit)", *path)
     if name in formula.FUNCTIONS or name in formula.REDUCTIONS or name in formula.CONSTANTS:
         raise doc.error(f"'{name}' is a built-in function or constant; choose another name", *path)
     if name.startswith("_"):

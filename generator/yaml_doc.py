@@ -9,6 +9,7 @@ import yaml
 
 from eulergen.errors import EulerError
 from eulergen.generator.formula import Where
+from eulergen.userfiles import compose_yaml, construct_yaml, read_text
 
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -18,38 +19,22 @@ class YamlDoc:
 
     def __init__(self, path: Path):
         self.file = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise EulerError(f"cannot read spec: {err}", file=self.file) from None
+        text = read_text(path, "spec")
         self.bytes = text.encode("utf-8")
         self.lines: dict[tuple, int] = {}
-        loader = yaml.SafeLoader(text)
-        try:
-            node = loader.get_single_node()
-            if node is None:
-                raise EulerError("empty spec file", file=self.file)
-            self._index(node, ())
-            self.data = loader.construct_document(node)
-        except yaml.MarkedYAMLError as err:
-            mark = err.problem_mark or err.context_mark
-            line = mark.line + 1 if mark else None
-            raise EulerError(f"YAML error: {err.problem or err.context}", file=self.file,
-                             line=line) from None
-        finally:
-            loader.dispose()
+        # bounded (aliases expanded, depth) and duplicate keys refused while composing
+        node = compose_yaml(text, self.file)
+        if node is None:
+            raise EulerError("empty spec file", file=self.file)
+        self._index(node, ())
+        self.data = construct_yaml(node, self.file)
         if not isinstance(self.data, dict):
             raise EulerError("a spec must be a mapping of keys (name, kind, …)", file=self.file, line=1)
 
     def _index(self, node: yaml.Node, path: tuple) -> None:
         if isinstance(node, yaml.MappingNode):
-            seen = set()
             for k, v in node.value:
                 key = k.value
-                if key in seen:
-                    raise EulerError("duplicate key", file=self.file, line=k.start_mark.line + 1,
-                                     key=".".join(map(str, path + (key,))))
-                seen.add(key)
                 self.lines[path + (key,)] = k.start_mark.line + 1
                 self._index(v, path + (key,))
         elif isinstance(node, yaml.SequenceNode):

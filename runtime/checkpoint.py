@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.userfiles import load_json, read_text
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optim.safetensors"
@@ -49,12 +50,29 @@ def save(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
 
     `state` must be JSON-serialisable (data position, RNG state, config, metrics so far);
     `step` and a format number are added to it."""
-    from safetensors.numpy import save_file
+    from safetensors import SafetensorError
 
     run_dir = Path(run_dir)
+    final = checkpoint_dir(run_dir, step)
+    try:
+        _write(run_dir, step, final, params, optim, state)
+    except (OSError, SafetensorError) as err:
+        # disk full, a read-only or vanished folder: the earlier checkpoints are untouched
+        # (nothing is renamed or pruned before the new one is whole)
+        why = err.strerror if isinstance(err, OSError) and err.strerror else \
+            str(err).rpartition("I/O error: ")[2]
+        kept = latest(run_dir)
+        raise EulerError(f"checkpoint of step {step} not saved: {why}; the latest saved one "
+                         f"is {kept.name if kept else 'none'}", file=str(final)) from None
+    _prune(run_dir, keep)
+    return final
+
+
+def _write(run_dir: Path, step: int, final: Path, params, optim, state) -> None:
+    from safetensors.numpy import save_file
+
     run_dir.mkdir(parents=True, exist_ok=True)
     _remove_temps(run_dir)
-    final = checkpoint_dir(run_dir, step)
     tmp = run_dir / f"{_TEMP_PREFIX}{step:08d}-{os.getpid()}"
     tmp.mkdir()
     try:
@@ -76,8 +94,6 @@ def save(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _prune(run_dir, keep)
-    return final
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -92,8 +108,9 @@ def latest(run_dir: str | Path) -> Path | None:
     return None
 
 
-def load(path: str | Path) -> Checkpoint:
-    """Read a checkpoint folder (or a run folder: its latest checkpoint)."""
+def load(path: str | Path, require: tuple[str, ...] = ()) -> Checkpoint:
+    """Read a checkpoint folder (or a run folder: its latest checkpoint). `require`: the
+    caller's keys state.json must hold."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -108,19 +125,30 @@ def load(path: str | Path) -> Checkpoint:
     for name in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
         if not (path / name).is_file():
             raise EulerError(f"incomplete checkpoint: {name} is missing", file=str(path))
+    state_file = str(path / STATE_FILE)
     try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise EulerError(f"corrupt state: {err.msg}", file=str(path / STATE_FILE), line=err.lineno) from None
+        state = load_json(read_text(path / STATE_FILE, "state.json"), state_file)
+    except EulerError as err:
+        raise EulerError(f"corrupt state: {err.message}", file=state_file, line=err.line,
+                         key=err.key) from None
+    if not isinstance(state, dict):
+        raise EulerError("corrupt state: not a JSON object", file=state_file)
     if state.get("format") != FORMAT:
-        raise EulerError(f"checkpoint format {state.get('format')} is not {FORMAT}", file=str(path / STATE_FILE))
+        raise EulerError(f"checkpoint format {state.get('format')} is not {FORMAT}", file=state_file)
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise EulerError(f"corrupt state: step {json.dumps(step)} is not a step number",
+                         file=state_file, key="step")
+    missing = [k for k in require if k not in state]
+    if missing:
+        raise EulerError(f"corrupt state: no {', '.join(missing)}", file=state_file)
     tensors = {}
     for name in (MODEL_FILE, OPTIM_FILE):
         try:
             tensors[name] = load_file(str(path / name))
         except (SafetensorError, OSError) as err:
             raise EulerError(f"corrupt tensors: {err}", file=str(path / name)) from None
-    return Checkpoint(path=path, step=int(state["step"]), params=tensors[MODEL_FILE],
+    return Checkpoint(path=path, step=step, params=tensors[MODEL_FILE],
                       optim=tensors[OPTIM_FILE], state=state)
 
 

@@ -21,6 +21,7 @@ import yaml
 
 from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError, suggest
+from eulergen.userfiles import compose_yaml, construct_yaml, load_json, load_yaml, read_text
 
 
 # The built-in default (the dataclass defaults) is sized by measurement: on 2 busy cores
@@ -131,8 +132,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     if path is not None:
         source = str(path)
         path = _locate(Path(path))
-        raw = _read_file(path)
-        where = {key: (source, line) for key, line in _key_lines(path).items()}
+        raw, lines = _read_file(path)
+        where = {key: (source, line) for key, line in lines.items()}
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides:
         _apply_override(raw, item, where)
@@ -202,36 +203,40 @@ def _locate(path: Path) -> Path:
     return shipped if shipped.is_file() else path
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """The file's mapping and the line of each key. Read through eulergen/userfiles.py:
+    aliases and nesting bounded before expansion, a key given twice refused."""
     if not path.is_file():
         raise EulerError("config file not found", file=str(path))
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "config")
+    file = str(path)
+    root = None
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise EulerError(f"invalid JSON: {err.msg}", file=str(path), line=err.lineno) from None
+            data = load_json(text, file)
+        except EulerError as err:
+            try:   # a key given twice: read as YAML, the message names both lines
+                compose_yaml(text, file)
+            except EulerError as twice:
+                if "given twice" in twice.message:
+                    raise twice from None
+            raise err from None
+        try:   # JSON is read again as YAML just for positions (where that fails, none)
+            root = compose_yaml(text, file)
+        except EulerError:
+            pass
     else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            raise EulerError(f"invalid YAML: {getattr(err, 'problem', err)}", file=str(path),
-                             line=mark.line + 1 if mark else None) from None
+        root = compose_yaml(text, file)
+        data = None if root is None else construct_yaml(root, file)
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise EulerError("expected a mapping of sections (model, training, data)", file=str(path))
-    return data
+    return data, _key_lines(root)
 
 
-def _key_lines(path: Path) -> dict[str, int]:
-    """Line of each `section.key` (and section), for error messages. JSON is read again
-    as YAML just for positions; where that fails, errors simply carry no line."""
-    try:
-        root = yaml.compose(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError:
-        return {}
+def _key_lines(root) -> dict[str, int]:
+    """Line of each `section.key` (and section), for error messages."""
     lines: dict[str, int] = {}
     if not isinstance(root, yaml.MappingNode):
         return lines
@@ -250,8 +255,8 @@ def _apply_override(raw: dict[str, Any], item: str, where: dict[str, tuple[str, 
     if not sep or not key:
         raise EulerError(f"expected section.key=value, got {item!r}", file="--set")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+        value = load_yaml(text, "--set") if text.strip() else None
+    except EulerError:
         value = text
     if isinstance(value, (dict, list)):
         raise EulerError(f"expected a scalar value, got {text!r}", file="--set", key=key)
@@ -399,6 +404,7 @@ def _validate(cfg: RunConfig, fail) -> None:
         "training.weight_decay": t.weight_decay, "training.grad_clip": t.grad_clip,
         "training.spike_factor": t.spike_factor, "training.eval_every": t.eval_every,
         "training.checkpoint_every": t.checkpoint_every, "training.sample_tokens": t.sample_tokens,
+        "training.seed": t.seed,   # numpy's generators take no negative seed
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -435,4 +441,5 @@ def _validate(cfg: RunConfig, fail) -> None:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value, default=str)
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:60] + f"… ({len(text):,} characters)"

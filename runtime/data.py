@@ -170,6 +170,11 @@ class DataLoader:
     def tokens(self) -> int:
         return sum(len(s) for s in self.shards)
 
+    @property
+    def batches(self) -> int:
+        """Batches in one pass over every file."""
+        return sum(self._batches)
+
     def state(self) -> dict[str, int]:
         """JSON-ready position of the next batch; restore() continues from it exactly."""
         return {**self._position.to_dict(), "seed": self.seed}

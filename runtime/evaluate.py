@@ -53,7 +53,7 @@ def open_model(spec: str | Path, device: str | None = None) -> Weights:
                             **training}}
         config = str(imported.folder / hf.CONFIG)
         return Weights(config_from_dict(raw, source=config), imported.params, config)
-    ck = checkpoint.load(path)
+    ck = checkpoint.load(path, require=("config",))
     raw = dict(ck.state["config"])
     if device:
         raw["training"] = {**raw["training"], **training}

@@ -171,11 +171,11 @@ def check_fits(plan: Plan, backend, shared: dict | None = None) -> None:
 
 
 def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} GiB"
+    return f"{n:.2f} PiB"
 
 
 def plan_table(plan: Plan, title: str):

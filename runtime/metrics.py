@@ -16,6 +16,7 @@ from typing import Any
 
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
+from eulergen.userfiles import load_json, read_text
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -95,15 +96,20 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise EulerError(f"no {METRICS_FILE} here (not a run folder?)", file=str(run_dir))
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_text(path, METRICS_FILE).splitlines()
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = load_json(line, str(path))
+        except EulerError:
             if number == len(lines):
                 break  # the last line, half-written when the run was killed
             raise EulerError("corrupt metrics record", file=str(path), line=number) from None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise EulerError("not a metrics record (a JSON object with an integer step)",
+                             file=str(path), line=number)
+        records.append(record)
     return records
 
 

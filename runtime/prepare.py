@@ -36,6 +36,7 @@ from eulergen.runtime.sources import ON_BAD_TEXT, Document, Source, checked
 from eulergen.runtime.tokenizer import Tokenizer
 
 STATE_FILE = "prepare.json"
+MAX_WORKERS_PER_CORE = 4   # each worker is a process holding the tokenizer
 FORMAT = 1
 SHARD_TOKENS = 100_000_000     # llm.c's fineweb.py
 # 10M validation tokens: at GPT-2 small's B=16, T=1024 that is 600 batches, far more than
@@ -151,6 +152,10 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
     out = Path(out)
     name = settings.name or out.resolve().name
     _check_settings(settings, name, tokenizer)
+    cores = len(os.sched_getaffinity(0))
+    if workers is not None and workers > MAX_WORKERS_PER_CORE * cores:
+        raise EulerError(f"{workers:,} workers: at most {MAX_WORKERS_PER_CORE} a core "
+                         f"({MAX_WORKERS_PER_CORE * cores} here)", key="--workers")
     wanted = {"source": source.identity(), "tokenizer": tokenizer.name,
               "tokenizer_digest": tokenizer.digest, "eot": tokenizer.eot,
               **asdict(replace(settings, name=name))}
@@ -176,6 +181,19 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
             if not any(out.iterdir()):
                 out.rmdir()
         raise
+
+
+def check_prepared_with(files, tokenizer: Tokenizer, key: str = "data.tokenizer") -> None:
+    """Refuse token files that a prepared folder's manifest says another tokenizer made
+    (ids of one tokenizer read through another are noise the model would learn)."""
+    for folder in sorted({Path(f).parent for f in files}):
+        if not (folder / STATE_FILE).is_file():
+            continue
+        made = PrepareState.read(folder / STATE_FILE).settings
+        if made.get("tokenizer_digest") != tokenizer.digest:
+            raise EulerError(f"the data was prepared with tokenizer {made.get('tokenizer')!r}, "
+                             f"not {tokenizer.name!r} (digests differ): set data.tokenizer to "
+                             "the one prepare used", file=str(folder / STATE_FILE), key=key)
 
 
 def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None:

@@ -18,15 +18,18 @@ from pathlib import Path
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint, metrics
+from eulergen.files import write_atomic
+from eulergen.runtime import budget, checkpoint, metrics, run_dir
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
 from eulergen.runtime.memory import upload
-from eulergen.runtime.model import GPT, arch_of, build, param_count
+from eulergen.runtime.prepare import check_prepared_with
+from eulergen.runtime.model import GPT, arch_of, build, param_count, plan_model
 from eulergen.runtime.sample import Sampler
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
 CONFIG_FILE = "config.json"
+STATE_KEYS = ("adam_updates", "spike_guard", "data", "config")   # what save() adds to state.json
 SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
 
@@ -136,8 +139,13 @@ class Trainer:
                  tensorboard: bool = True, cache_dir=None, initial: dict | None = None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
-        arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
+        budget.check_config(cfg)
+        arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
+        budget.check_fits(cfg, arch, lib.backend, lambda a: plan_model(a, t.batch_size, t.seq_len),
+                          what="training", batch=("training.batch_size", t.batch_size,
+                                                  TrainingConfig.batch_size))
         self.run_dir = Path(cfg.run_dir)
+        run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
         ckpt = checkpoint.latest(self.run_dir) if resume else None
         if resume and ckpt is None and not (self.run_dir / CONFIG_FILE).is_file():
             raise EulerError("nothing to resume: no config.json or checkpoint here",
@@ -148,7 +156,19 @@ class Trainer:
                              file=str(self.run_dir))
         self.tokenizer = load_tokenizer(cfg.data)
         check_fits(self.tokenizer, cfg.model.vocab_size)
+        # as prepare refuses it: documents and samples end in it (an imported model's own
+        # tokenizer is taken as it is: eulergen's byte-level export names no end of text)
+        if self.tokenizer.eot is None and initial is None:
+            raise EulerError(f"tokenizer {self.tokenizer.name} has no end-of-text token; the data "
+                             "and the sampler end each document with one", key="data.tokenizer")
         self.train_data, self.val_data = make_loaders(cfg, cache_dir)
+        for loader in filter(None, (self.train_data, self.val_data)):
+            check_prepared_with(loader.files, self.tokenizer)
+        if self.val_data is not None and t.eval_every and t.eval_steps > self.val_data.batches:
+            # more would only repeat the set, each evaluation taking that much longer
+            raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
+                             f"{self.val_data.batches:,} of B={t.batch_size}, T={t.seq_len}",
+                             key="training.eval_steps")
         self.model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation)
         self.optim = AdamW(self.model, t)
@@ -156,16 +176,21 @@ class Trainer:
         self.step = 0
         self.result = Result(self.run_dir)
         if ckpt is not None:
-            self._restore(checkpoint.load(ckpt))
+            self._restore(checkpoint.load(ckpt, require=STATE_KEYS))
         elif initial is not None:   # `--init-from`: an imported model's weights
             self.model.load_state_dict(initial)
         else:
             self.model.init_weights(t.seed)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CONFIG_FILE).write_text(json.dumps(as_dict(cfg), indent=1))
-        self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
-                                        resume_step=self.step if resume else None,
-                                        tensorboard=tensorboard, progress=progress)
+        # held from the first write to the end of run(); the kernel drops it if we die
+        self.lock = run_dir.RunLock(self.run_dir).acquire()
+        try:
+            write_atomic(self.run_dir / CONFIG_FILE, json.dumps(as_dict(cfg), indent=1).encode())
+            self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
+                                            resume_step=self.step if resume else None,
+                                            tensorboard=tensorboard, progress=progress)
+        except BaseException:
+            self.lock.release()
+            raise
         a = self.model.arch
         matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
         self.flops_per_token = metrics.flops_per_token(matmul_params, a.layers, a.heads,
@@ -180,15 +205,29 @@ class Trainer:
         self.optim.load_state_dict(ck.optim)
         s = ck.state
         self.step = ck.step
-        self.optim.updates = int(s["adam_updates"])
-        self.guard = SpikeGuard(self.cfg.training.spike_factor, **s["spike_guard"])
-        self.train_data.restore(s["data"])
+        try:
+            self.optim.updates = int(s["adam_updates"])
+            self.guard = SpikeGuard(self.cfg.training.spike_factor, **s["spike_guard"])
+            self.train_data.restore(s["data"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise EulerError(f"corrupt state: {type(err).__name__} {err} reading adam_updates, "
+                             "spike_guard and data", file=str(ck.path / checkpoint.STATE_FILE)) \
+                from None
 
     def save(self) -> Path:
+        """Checkpoint this step; refused when a weight or moment is NaN or Inf (an update
+        that overflowed), so that every checkpoint is one a resume or `sample` can use."""
         state = {"adam_updates": self.optim.updates, "spike_guard": self.guard.to_dict(),
                  "data": self.train_data.state(), "config": as_dict(self.cfg)}
-        return checkpoint.save(self.run_dir, self.step, self.model.state_dict(),
-                               self.optim.state_dict(), state, self.cfg.training.keep_checkpoints)
+        params, optim = self.model.state_dict(), self.optim.state_dict()
+        for name, value in (*params.items(), *optim.items()):
+            if not np.isfinite(value).all():
+                kept = checkpoint.latest(self.run_dir)
+                raise EulerError(f"{name} is not finite after step {self.step}: stopped without "
+                                 f"saving it, last good checkpoint: {kept or 'none yet'}",
+                                 key="training")
+        return checkpoint.save(self.run_dir, self.step, params, optim, state,
+                               self.cfg.training.keep_checkpoints)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -265,10 +304,11 @@ class Trainer:
             if self.step == t.total_steps and t.sample_tokens:
                 self.result.sample = self.sample(t.sample_tokens)
                 self.logger.print(f"sample:\n{self.result.sample}")
+            if self.result.losses and importlib.util.find_spec("matplotlib") is not None:
+                metrics.plot_run(self.run_dir)   # a convenience: no matplotlib, no PNG
         finally:
             self.logger.close()
-        if self.result.losses and importlib.util.find_spec("matplotlib") is not None:
-            metrics.plot_run(self.run_dir)   # the curve is a convenience: no matplotlib, no PNG
+            self.lock.release()
         return self.result
 
     def sample(self, n: int) -> str:

@@ -75,7 +75,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 def test_duplicate_key_is_an_error(tmp_path):
     path = write(tmp_path, GOOD + "params: {eps: 2.0}\n")
-    assert error_of(path) == f"{path}:7: params: duplicate key"
+    assert error_of(path) == f"{path}:7: params: given twice, on lines 4 and 7"
 
 
 def test_row_max_that_is_not_a_stabilizer_is_not_supported(tmp_path):
