@@ -927,7 +927,7 @@ __device__ __forceinline__ void attention_backward_dq(
 // A block owns RC query rows of one kv head: row r = t·G + g is query t (position pos0 + t)
 // of query head kvh·G + g (G = H / KVH). RC = G would load each key once for a whole GQA
 // group, but every row costs registers (q and the output sum): the planner's RC is 1, and
-// a group's blocks share its keys through L2 (render_attention.plan_attention). The
+// a group's blocks share its keys through L2 (plan_attention.plan_tiles). The
 // block's keys [split·split_keys, …) stream in tiles of KT: L = D / 16 lanes share a key
 // (16 dims each, 16-byte loads), so the block covers KG = 32·WARPS / L keys a step; every K
 // and V load of a tile is issued before any math (decoding is latency bound). Per tile: the
