@@ -123,10 +123,10 @@ def plan_tiles(head_dim: int, dtype: str) -> TilePlan:
     if dtype not in CTYPES:
         raise EulerError(f"unknown storage dtype {dtype!r} (expected one of {sorted(CTYPES)})")
     return TilePlan(head_dim, dtype, fwd_warps=4, fwd_block_n=64, dkv_warps=4,
-                         dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
-                         fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
-                         dkv_paired=(head_dim, dtype) == (64, "bf16"),
-                         dec_warps=4 if head_dim == 64 else 8)
+                    dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
+                    fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
+                    dkv_paired=(head_dim, dtype) == (64, "bf16"),
+                    dec_warps=4 if head_dim == 64 else 8)
 
 
 def mask_mode(mask: sp.Basic | None) -> str:
@@ -261,8 +261,9 @@ class AttentionPlan:
         return tuple(k.sig for k in self.kernels)
 
 
-def _kernel(op: str, role: str, dtype: str, tiles: TilePlan | None, mode: str,
+def _kernel(op: str, role: str, dtype: str, t: TilePlan | None, mode: str,
             params: tuple[str, ...]) -> AttentionKernel:
+    """`t`: the tiles of the kernel's (head dim, dtype); rowdot, which takes any D, has none."""
     args = kernel_args(role, dtype, params)
     call = tuple(a for a, _ in args if a not in params)
     stage = role if role in ("forward", "decode") else "backward"
@@ -270,7 +271,6 @@ def _kernel(op: str, role: str, dtype: str, tiles: TilePlan | None, mode: str,
         sig = ir.KernelSig(f"{op}_backward_rowdot_{dtype}", tuple(args), dtype, stage,
                            launch.AttentionRowdot(32 * ROWDOT_WARPS, ROWDOT_WARPS))
         return AttentionKernel(sig, call)
-    t = tiles
     warps, block_rows, targ, tile, rows = {
         "forward": (t.fwd_warps, 16 * t.fwd_warps * t.fwd_mtiles, t.fwd_mtiles, t.fwd_block_n,
                     "query"),
@@ -309,8 +309,8 @@ def plan_attention(derived: ir.DerivedOp, *,
         if not dims:
             continue
         for d in dims:
-            plan = (tiles or {}).get((d, dtype)) or plan_tiles(d, dtype)
-            kernels += [_kernel(derived.name, role, dtype, plan, mode, params)
+            dim_tiles = (tiles or {}).get((d, dtype)) or plan_tiles(d, dtype)
+            kernels += [_kernel(derived.name, role, dtype, dim_tiles, mode, params)
                         for role in ("forward", "backward_dkv", "backward_dq", "decode")
                         if role in roles]
         if "rowdot" in roles:
