@@ -28,8 +28,9 @@ from common import say, time_ms  # noqa: E402
 
 from eulergen import OPS_DIR, TEMPLATES_DIR  # noqa: E402
 from eulergen.generator import derive, spec  # noqa: E402
-from eulergen.generator.render_attention import (ROLES, AttentionPlan,  # noqa: E402
-                                                 plan_attention, render_attention)
+from eulergen.generator.plan_attention import (ROLES, TilePlan, plan_attention,  # noqa: E402
+                                               plan_tiles)
+from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_decode, attention_forward)
 from eulergen.runtime.compile import compile_file  # noqa: E402
@@ -42,7 +43,7 @@ H, KVH, D = 12, 4, 64
 PRELUDE_HEADER = "eulergen_common.cuh, rendered for the attention tests and benchmark"
 
 
-def kernels(plans=None, configs=None, roles=ROLES) -> AttentionKernels:
+def kernels(tiles=None, configs=None, roles=ROLES) -> AttentionKernels:
     """causal_attention rendered (with optional tiles, some kernels), written beside the
     prelude, compiled."""
     folder = Path(tempfile.mkdtemp(prefix="eg-attn-bench-"))
@@ -50,7 +51,8 @@ def kernels(plans=None, configs=None, roles=ROLES) -> AttentionKernels:
     (folder / "eulergen_common.cuh").write_text(
         env.get_template("common.cuh.j2").render(header=PRELUDE_HEADER))
     derived = derive.derive(spec.load_spec(OPS_DIR / "causal_attention.yaml"))
-    rendered = render_attention(derived, plans=plans, configs=configs, roles=roles)
+    rendered = render_attention(derived, plan_attention(derived, tiles=tiles, configs=configs,
+                                                        roles=roles))
     cu = folder / "causal_attention.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
@@ -155,8 +157,8 @@ def torch_sdpa(B, T, dtype):
 def sweep() -> None:
     """Forward and backward times of bf16 d=64 under other tilings, one kernel family
     changed at a time, at both sizes (the backward also kernel by kernel): the data for
-    choosing plan_attention's defaults."""
-    base = plan_attention(D, "bf16")
+    choosing plan_tiles' defaults."""
+    base = plan_tiles(D, "bf16")
     variants = [("default", {})]
     variants += [(f"fwd warps={w} slabs={mt} n={n}",
                   {"fwd_warps": w, "fwd_mtiles": mt, "fwd_block_n": n})
@@ -173,7 +175,7 @@ def sweep() -> None:
     for label, change in variants:
         fields = {**base.__dict__, **change}
         try:
-            ak = kernels(plans={(D, "bf16"): AttentionPlan(**fields)}, configs=((D, "bf16"),))
+            ak = kernels(tiles={(D, "bf16"): TilePlan(**fields)}, configs=((D, "bf16"),))
             for B, T in CASES:
                 (f, fb), parts = ours(ak, B, T, "bf16", split=True)
                 print(f"{label:<24} {f'B={B} T={T}':<11} {f:6.3f} {fb - f:6.3f} {fb:6.3f}   "
@@ -291,9 +293,9 @@ def _torch_graph_us(calls, rounds: int = 8) -> float:
 
 def decode_kernels(**change) -> AttentionKernels:
     """causal_attention's decode kernels alone at d=D (fp32 and bf16), plan fields changed."""
-    plans = {(D, dt): AttentionPlan(**{**plan_attention(D, dt).__dict__, **change})
+    tiles = {(D, dt): TilePlan(**{**plan_tiles(D, dt).__dict__, **change})
              for dt in ("f32", "bf16")}
-    return kernels(plans=plans, configs=tuple(plans), roles=("decode",))
+    return kernels(tiles=tiles, configs=tuple(tiles), roles=("decode",))
 
 
 def decode() -> None:
@@ -322,7 +324,7 @@ def decode() -> None:
 def decode_sweep() -> None:
     """Device time a call (us, CUDA graphs) of the decode kernel under other plans (key
     tile, rows a block) and split targets (blocks a launch aims for per SM): the data for
-    plan_attention's and attention.DECODE_BLOCKS_PER_SM's defaults."""
+    plan_tiles' and attention.DECODE_BLOCKS_PER_SM's defaults."""
     from eulergen.runtime import attention
     targets = (1, 2, 4, 8)
     print(f"decode d={D} T={DECODE_CACHE}: gpu us a call by plan and blocks per SM")

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, suggest
 from eulergen.generator.derive import derive
-from eulergen.generator.formula import suggest
 from eulergen.generator.numeric import compile_exprs
 from eulergen.generator.numpy_module import load_module_from_source, render_numpy_module
 from eulergen.generator.spec import OpSpec, find_ops, load_spec

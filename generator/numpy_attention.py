@@ -13,7 +13,7 @@ import sympy as sp
 from eulergen.generator import ir
 from eulergen.generator.emit import numpy_header
 from eulergen.generator.printer import numpy_expr, numpy_helpers, numpy_imports
-from eulergen.generator.render_attention import check_symbols
+from eulergen.generator.plan_attention import check_symbols
 
 _TEMPLATE = '''\
 {header}

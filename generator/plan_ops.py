@@ -1,6 +1,7 @@
 """The plans of pointwise, pair, update and embedding ops: every per-kernel choice (stages,
 pointer operands, signatures, launch geometry) as frozen values, made before anything is
-rendered (generator/render.py only prints them). The numbers come from generator/plan.py."""
+rendered (generator/render.py only prints them). The numbers come from generator/plan.py;
+row and attention ops are planned by generator/plan_row.py and plan_attention.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from eulergen.generator.plan import (CTYPE, DTYPES, EMBEDDING_FETCH, EMBEDDING_L
                                      EMBEDDING_WTE_WARP_ROWS, arithmetic_light,
                                      embedding_launch, pair_launch, pointwise_launch,
                                      update_launch)
+from eulergen.generator.plan_attention import AttentionPlan, plan_attention
 from eulergen.generator.plan_row import RowPlan, plan_row
 from eulergen.kinds import KINDS
 
@@ -38,10 +40,10 @@ class OpPlan:
         return tuple(sig for st in self.stages for sig in st.sigs)
 
 
-def plan_op(op: ir.DerivedOp) -> RowPlan | OpPlan:
-    """The plan of an op of kind pointwise, row, pair or update."""
+def plan_op(op: ir.DerivedOp) -> RowPlan | OpPlan | AttentionPlan:
+    """The plan of an op of kind pointwise, row, pair, update or attention."""
     planners = {"pointwise": plan_pointwise, "row": plan_row, "pair": plan_pair,
-                "update": plan_update}
+                "update": plan_update, "attention": plan_attention}
     if op.kind not in planners:
         raise EulerError(f"no CUDA template for kind {op.kind!r}", file=op.where.file,
                          line=op.where.line, key="kind")

@@ -31,9 +31,9 @@ class Ptr:
 
 def render_op(op: ir.DerivedOp, header_line: str) -> ir.RenderedCuda:
     """The .cu text of one op and its kernel signatures (the manifest's `kernels`)."""
-    if op.kind == "attention":
-        return render_attention(op)
     plan = plan_ops.plan_op(op)
+    if op.kind == "attention":   # prints its own header line
+        return render_attention(op, plan)
     render = {"row": render_row, "pointwise": _pointwise, "pair": _pair, "update": _update}
     return render[op.kind](op, plan, header_line)
 

@@ -1,271 +1,30 @@
-"""Attention ops → one .cu file of flash-attention kernels (forward, and backward in three).
-
-The templates hold the tiling; this module hands them the score, its derivative ∂score/∂s
-and the mask as printed CUDA, a plan (tile sizes per head dim and dtype) and the argument
-lists, which it also records in the KernelSig so that the runtime launches what was built.
-
-Kernels per op, for each storage dtype and head dim D ∈ HEAD_DIMS:
-  <op>_forward_d<D>_<dt>       q, k, v → o, lse           grid (query tiles, H, B)
-  <op>_backward_dkv_d<D>_<dt>  → dk, dv                    grid (key tiles, KVH, B)
-  <op>_backward_dq_d<D>_<dt>   → dq                        grid (query tiles, H, B)
-and one <op>_backward_rowdot_<dt> (delta = rowsum(dO ∘ O), any D) run before the other two;
-  <op>_decode_d<D>_<dt>        q, k/v cache → o            grid (row chunks · splits, KVH, B)
-for new queries at positions pos0 … against a KV cache (split-K over the cache, merged by
-the last block of each chunk: templates/attention_decode.cu.j2).
-"""
+"""An attention op's plan (generator/plan_attention.py) → one .cu file of flash-attention
+kernels. This module prints: the score, its derivative ∂score/∂s and the mask as CUDA, and
+each kernel's entry point, whose parameter list is its KernelSig's."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import jinja2
 import sympy as sp
 
-from eulergen import TEMPLATES_DIR, launch
-from eulergen.errors import EulerError
+from eulergen import TEMPLATES_DIR
 from eulergen.generator import ir
 from eulergen.generator.emit import header, spec_label, wrap_lines
+from eulergen.generator.plan_attention import CTYPES, AttentionKernel, AttentionPlan
 from eulergen.generator.printer import cuda_expr
 
-HEAD_DIMS = (64, 128)
-CTYPES = {"f32": "float", "bf16": "__nv_bfloat16"}
 
-# The symbols an attention formula may use besides its declared params.
-S, I, J, H, N_HEADS, SCALE = sp.symbols("s i j h n_heads scale", real=True)
-SCORE_SYMBOLS = frozenset({S, I, J, H, N_HEADS, SCALE})
-MASK_SYMBOLS = frozenset({I, J, H, N_HEADS})
-# What is fixed for a whole (head, launch): such subexpressions are computed once per head.
-_HEAD_SYMBOLS = frozenset({H, N_HEADS, SCALE})
-
-ROWDOT_WARPS = 8  # rows per block of the rowdot kernel (one warp a row)
-ROLES = ("forward", "backward_dkv", "backward_dq", "rowdot", "decode")
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """Tiles for one (head dim, dtype). Warps own 16 rows each; `*_tile` is the other side.
-
-    forward: a block is 16·fwd_warps queries, streaming fwd_block_n keys at a time.
-    decode:  a block is dec_rows query rows of one kv head, streaming dec_tile keys a step.
-    dkv:     a block is 16·dkv_warps keys, streaming dkv_block_m queries at a time;
-             dkv_paired computes Sᵀ with dPᵀ, then dV with dK, in shared loops (two
-             independent mma chains each), else one product after another.
-    dq:      a block is 16·dq_warps queries, streaming dq_block_n keys at a time.
-    fp32 storage splits every operand in two bf16 planes and loads synchronously (one
-    stage); bf16 double-buffers its streamed tiles with cp.async."""
-    head_dim: int
-    dtype: str
-    fwd_warps: int
-    fwd_block_n: int
-    dkv_warps: int
-    dkv_block_m: int
-    dq_warps: int
-    dq_block_n: int
-    fwd_mtiles: int = 1   # 16-row slabs a warp owns (2: each K/V fragment feeds two mma)
-    dq_mtiles: int = 1
-    dkv_paired: bool = False
-    dec_warps: int = 4    # decode: threads 32·dec_warps, D/16 lanes a key
-    dec_rows: int = 1     # query rows (t, head of the kv head's group) a decode block owns
-    dec_tile: int = 64    # keys a decode block loads at once
-
-    def __post_init__(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise EulerError(f"head dim {self.head_dim} is not supported (expected one of "
-                             f"{HEAD_DIMS})", key="head_dim")
-        for name in ("fwd_warps", "dkv_warps", "dq_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8):
-                raise EulerError(f"{name} = {getattr(self, name)}: expected 1, 2, 4 or 8",
-                                 key=name)
-        for name in ("fwd_mtiles", "dq_mtiles"):
-            if getattr(self, name) not in (1, 2):
-                raise EulerError(f"{name} = {getattr(self, name)}: expected 1 or 2", key=name)
-        key_slots = 32 * self.dec_warps // (self.head_dim // 16)   # keys a decode block reads a step
-        if not (self.dec_warps in (1, 2, 4, 8) and 1 <= self.dec_rows <= min(
-                self.dec_warps, self.head_dim // 16) and self.dec_tile % max(key_slots, 32) == 0):
-            raise EulerError(f"decode plan warps {self.dec_warps}, rows {self.dec_rows}, tile "
-                             f"{self.dec_tile}: want rows <= warps and <= D/16, and a tile of "
-                             f"whole steps of {key_slots} keys and of 32", key="dec_tile")
-        for name in ("fwd_block_n", "dkv_block_m", "dq_block_n"):
-            if getattr(self, name) not in (16, 32, 64, 128):
-                raise EulerError(f"{name} = {getattr(self, name)}: expected 16, 32, 64 or 128",
-                                 key=name)
-
-    @property
-    def planes(self) -> int:
-        return 2 if self.dtype == "f32" else 1
-
-    @property
-    def stages(self) -> int:
-        return 1 if self.dtype == "f32" else 2
-
-    def _tile_bytes(self, rows: int) -> int:
-        return rows * (self.head_dim + 8) * 2 * self.planes  # bf16 rows padded by 8 (16 bytes)
-
-    def smem_bytes(self, role: str) -> int:
-        """Dynamic shared memory of each kernel; must match the carving in the templates."""
-        if role == "forward":
-            bm, bn = 16 * self.fwd_warps * self.fwd_mtiles, self.fwd_block_n
-            return self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
-        if role == "backward_dkv":
-            bn, bm = 16 * self.dkv_warps, self.dkv_block_m
-            return (2 * self._tile_bytes(bn) + 2 * self.stages * self._tile_bytes(bm)
-                    + 2 * self.stages * bm * 4)
-        if role == "backward_dq":
-            bm, bn = 16 * self.dq_warps * self.dq_mtiles, self.dq_block_n
-            return 2 * self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
-        if role == "decode":  # scores [rows][tile], 4 per-row values, per-warp sums [warps][rows][D]
-            rows = self.dec_rows
-            return 4 * (rows * self.dec_tile + 4 * rows + self.dec_warps * rows * self.head_dim)
-        raise ValueError(role)
-
-
-def plan_attention(head_dim: int, dtype: str) -> AttentionPlan:
-    """Tile sizes: 64-row blocks of 4 warps, except where registers run short: dkv streams
-    32 queries at D = 128, dQ 32 keys; bf16 at D = 64 gives a forward warp two slabs and
-    pairs dkv's products; decode blocks own one query row and load 64 keys a step (the
-    measurements: benchmarks/RESULTS.md, "plan_attention's tiles")."""
-    if head_dim not in HEAD_DIMS:
-        raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
-                         key="head_dim")
-    if dtype not in CTYPES:
-        raise EulerError(f"unknown storage dtype {dtype!r} (expected one of {sorted(CTYPES)})")
-    return AttentionPlan(head_dim, dtype, fwd_warps=4, fwd_block_n=64, dkv_warps=4,
-                         dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
-                         fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
-                         dkv_paired=(head_dim, dtype) == (64, "bf16"),
-                         dec_warps=4 if head_dim == 64 else 8)
-
-
-def mask_mode(mask: sp.Basic | None) -> str:
-    """'causal' only for the predicate j <= i (tiles above the diagonal are skipped);
-    any other predicate is evaluated per element ('generic'); None is 'none'."""
-    if mask is None or mask is sp.true:
-        return "none"
-    if isinstance(mask, sp.LessThan):
-        gap = mask.rhs - mask.lhs
-    elif isinstance(mask, sp.GreaterThan):
-        gap = mask.lhs - mask.rhs
-    else:
-        return "generic"
-    return "causal" if sp.expand(gap - (I - J)) == 0 else "generic"
-
-
-def check_symbols(derived: ir.DerivedOp) -> None:
-    """Score and mask may use only s, i, j, h, n_heads, scale (mask: no s, no scale) and
-    the op's params; anything else is a spec error, reported before any CUDA is written."""
-    body = derived.body
-    params = {sp.Symbol(p.name, real=True) for p in derived.params}
-    where = derived.where
-    for key, expr, allowed in (("score", body.score, SCORE_SYMBOLS),
-                               ("mask", body.mask, MASK_SYMBOLS)):
-        if expr is None:
-            continue
-        unknown = sorted(str(x) for x in expr.free_symbols - allowed - params)
-        if unknown:
-            names = ", ".join(sorted(str(x) for x in allowed | params))
-            raise EulerError(f"unknown symbol {unknown[0]!r} (an attention {key} may use {names})",
-                             file=where.file, line=where.line, key=key)
-
-
-class _HeadConstants:
-    """Replaces every subexpression that depends only on per-head symbols and params by a
-    named constant (hc0, hc1, …), which the kernel computes once per head."""
-
-    def __init__(self, fixed: frozenset):
-        self.fixed = fixed
-        self.consts: dict[sp.Expr, sp.Symbol] = {}
-
-    def __call__(self, e: sp.Basic) -> sp.Basic:
-        if e.is_Atom or e.is_number:
-            return e
-        if self._fixed(e):
-            return self._name(e)
-        if isinstance(e, (sp.Add, sp.Mul)):
-            fixed = [a for a in e.args if self._fixed(a)]
-            rest = [self(a) for a in e.args if not self._fixed(a)]
-            if len(fixed) > 1 or (fixed and not fixed[0].is_Atom and not fixed[0].is_number):
-                fixed = [self._name(e.func(*fixed))]  # scale·log2(e) → one constant
-            return e.func(*fixed, *rest, evaluate=False)
-        if e.args:
-            return e.func(*(self(a) for a in e.args))
-        return e
-
-    def _fixed(self, e: sp.Basic) -> bool:
-        return e.free_symbols <= self.fixed
-
-    def _name(self, e: sp.Expr) -> sp.Symbol:
-        if e not in self.consts:
-            self.consts[e] = sp.Symbol(f"hc{len(self.consts)}", real=True)
-        return self.consts[e]
-
-
-def _strides(*tensors: str) -> list[tuple[str, str]]:
-    return [(f"{t}_{s}", "long long") for t in tensors for s in ("sb", "st", "sh")]
-
-
-def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(name, C type) of each kernel argument in launch order. Strides are in elements:
-    sb (batch), st (sequence), sh (head); the head dim is contiguous."""
-    t = CTYPES[dtype]
-    src, dst, flt = f"const {t}*", f"{t}*", [(p, "float") for p in params]
-    sizes = [("n", "int"), ("n_heads", "int"), ("n_kv_heads", "int")]
-    if role == "forward":
-        return ([("q", src), ("k", src), ("v", src), ("o", dst), ("lse", "float*")] + sizes
-                + _strides("q", "k", "v", "o") + flt)
-    if role == "decode":
-        return ([("q", src), ("k", src), ("v", src), ("o", dst), ("part", "float*"),
-                 ("counts", "int*"), ("tq", "int"), ("pos0", "int"), ("n_heads", "int"),
-                 ("n_kv_heads", "int"), ("splits", "int"), ("split_keys", "int")]
-                + _strides("q", "k", "v", "o") + flt)
-    if role == "rowdot":
-        return ([("o", src), ("dout", src), ("delta", "float*"), ("batch", "int"), ("n", "int"),
-                 ("n_heads", "int"), ("head_dim", "int")] + _strides("o", "do"))
-    inputs = [("q", src), ("k", src), ("v", src), ("dout", src), ("lse", "const float*"),
-              ("delta", "const float*")]
-    if role == "backward_dkv":
-        return (inputs + [("dk", dst), ("dv", dst)] + sizes
-                + _strides("q", "k", "v", "do", "dk", "dv") + flt)
-    if role == "backward_dq":
-        return inputs + [("dq", dst)] + sizes + _strides("q", "k", "v", "do", "dq") + flt
-    raise ValueError(role)
-
-
-def _kernel(op: str, role: str, dtype: str, plan: AttentionPlan | None, mode: str,
-            params: tuple[str, ...]) -> tuple[dict, ir.KernelSig]:
-    args = kernel_args(role, dtype, params)
-    call = [a for a, _ in args if a not in params]
-    if role == "rowdot":
-        name = f"{op}_backward_rowdot_{dtype}"
-        geometry = launch.AttentionRowdot(32 * ROWDOT_WARPS, ROWDOT_WARPS)
-        ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * ROWDOT_WARPS,
-               "comment": "delta = rowsum(dO ∘ O), one warp per (batch, head, row)"}
-    else:
-        d = plan.head_dim
-        # warps, rows a block owns, the template argument after the warps (slabs a warp;
-        # dkv: pairing; decode: rows), streamed tile, what the rows are
-        warps, block_rows, targ, tile, rows = {
-            "forward": (plan.fwd_warps, 16 * plan.fwd_warps * plan.fwd_mtiles, plan.fwd_mtiles,
-                        plan.fwd_block_n, "query"),
-            "backward_dkv": (plan.dkv_warps, 16 * plan.dkv_warps, int(plan.dkv_paired),
-                             plan.dkv_block_m, "key"),
-            "backward_dq": (plan.dq_warps, 16 * plan.dq_warps * plan.dq_mtiles, plan.dq_mtiles,
-                            plan.dq_block_n, "query"),
-            "decode": (plan.dec_warps, plan.dec_rows, plan.dec_rows, plan.dec_tile, "query"),
-        }[role]
-        name = f"{op}_{role}_d{d}_{dtype}"
-        flash = dict(head_dim=d, threads=32 * warps, block_rows=block_rows, tile=tile,
-                     smem_bytes=plan.smem_bytes(role), mask=mode)
-        geometry = (launch.AttentionDecode(**flash) if role == "decode"
-                    else launch.AttentionTiles(**flash, role=role))
-        ctx = {"role": role, "name": name, "ctype": CTYPES[dtype], "threads": 32 * warps,
-               "head_dim": d, "warps": warps, "tile": tile, "mtiles": f"{targ}, ",
-               "mask": f"MASK_{mode.upper()}", "scale": cuda_expr(1 / sp.sqrt(d)),
-               "comment": f"{role}, D = {d}: {block_rows} {rows} rows a block, "
-                          f"tiles of {tile}"}
-    stage = role if role in ("forward", "decode") else "backward"
-    sig = ir.KernelSig(name=name, args=tuple(args), dtype=dtype, stage=stage, geometry=geometry)
-    ctx["args"] = wrap_lines(sig.c_params)   # the template prints the signature's list
-    ctx["call"] = call
-    return ctx, sig
+def _kernel(k: AttentionKernel) -> dict:
+    """One entry point's template values."""
+    ctx = {"role": k.role, "name": k.sig.name, "ctype": CTYPES[k.sig.dtype],
+           "threads": k.sig.geometry.threads, "args": wrap_lines(k.sig.c_params),
+           "call": list(k.call)}
+    if k.role == "rowdot":
+        return dict(ctx, comment="delta = rowsum(dO ∘ O), one warp per (batch, head, row)")
+    g = k.sig.geometry
+    return dict(ctx, head_dim=g.head_dim, warps=k.warps, tile=g.tile, mtiles=f"{k.targ}, ",
+                mask=f"MASK_{g.mask.upper()}", scale=cuda_expr(1 / sp.sqrt(g.head_dim)),
+                comment=f"{k.role}, D = {g.head_dim}: {g.block_rows} {k.rows} rows a block, "
+                        f"tiles of {g.tile}")
 
 
 def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
@@ -277,50 +36,20 @@ def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
                               lstrip_blocks=True, keep_trailing_newline=True)
 
 
-def render_attention(derived: ir.DerivedOp, *,
-                     templates: jinja2.BaseLoader | None = None,
-                     plans: dict[tuple[int, str], AttentionPlan] | None = None,
-                     configs: tuple[tuple[int, str], ...] | None = None,
-                     roles: tuple[str, ...] = ROLES) -> ir.RenderedCuda:
-    """The .cu text of one attention op and its kernels (both dtypes, every head dim).
-    `templates` may override template files by name (the CPU emulation test replaces
-    attention_ptx.cuh.j2); `plans` may replace the planner's tiles for some
-    (head_dim, dtype), and `configs` limit the file to some (head_dim, dtype) (both for
-    the emulation test and `benchmarks/attention.py --sweep`); `roles` to some kernels
-    (decode alone compiles in a fraction of the time: its tests and sweep)."""
-    check_symbols(derived)
+def render_attention(derived: ir.DerivedOp, plan: AttentionPlan, *,
+                     templates: jinja2.BaseLoader | None = None) -> ir.RenderedCuda:
+    """The .cu text of one attention op's planned kernels. `templates` may override template
+    files by name (the CPU emulation tests replace attention_ptx.cuh.j2)."""
     body: ir.AttentionDerived = derived.body
-    params = tuple(p.name for p in derived.params)
-    hoist = _HeadConstants(_HEAD_SYMBOLS | {sp.Symbol(p, real=True) for p in params})
-    score2 = hoist(body.score / sp.log(2))
-    dscore = hoist(body.dscore)
-    mode = mask_mode(body.mask)
-
-    kernels, sigs = [], []
-    for dtype in CTYPES:
-        dims = [d for d in HEAD_DIMS if configs is None or (d, dtype) in configs]
-        if not dims:
-            continue
-        for d in dims:
-            plan = (plans or {}).get((d, dtype)) or plan_attention(d, dtype)
-            for role in ("forward", "backward_dkv", "backward_dq", "decode"):
-                if role in roles:
-                    ctx, sig = _kernel(derived.name, role, dtype, plan, mode, params)
-                    kernels.append(ctx)
-                    sigs.append(sig)
-        if "rowdot" in roles:
-            ctx, sig = _kernel(derived.name, "rowdot", dtype, None, mode, params)
-            kernels.append(ctx)
-            sigs.append(sig)
-
     # The same header as every other generated kernel file, with the spec path relative to
     # the package, so that generated/ is byte-identical on every machine.
     label = spec_label(derived)
     source = _env(templates).get_template("attention.cu.j2").render(
-        header=header(label, derived.spec_sha256), op=derived.name, spec=label,
-        doc=f"{derived.name}: flash attention, forward and backward",
-        score_text=str(body.score), mask_text=cuda_expr(body.mask) if mode != "none" else "",
-        params=params,
-        head_consts=[{"name": s.name, "text": cuda_expr(e)} for e, s in hoist.consts.items()],
-        score2_text=cuda_expr(score2), dscore_text=cuda_expr(dscore), kernels=kernels)
-    return ir.RenderedCuda(source=source, kernels=tuple(sigs))
+        header=header(label, derived.spec_sha256), op=plan.op, spec=label,
+        doc=f"{plan.op}: flash attention, forward and backward",
+        score_text=str(body.score),
+        mask_text=cuda_expr(body.mask) if plan.mask != "none" else "", params=plan.params,
+        head_consts=[{"name": n, "text": cuda_expr(e)} for n, e in plan.head_consts],
+        score2_text=cuda_expr(plan.score2), dscore_text=cuda_expr(plan.dscore),
+        kernels=[_kernel(k) for k in plan.kernels])
+    return ir.RenderedCuda(source=source, kernels=plan.sigs)

@@ -16,9 +16,9 @@ from pathlib import Path
 import sympy as sp
 
 from eulergen import OPS_DIR
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, suggest
 from eulergen.generator import formula
-from eulergen.generator.formula import Where, suggest
+from eulergen.generator.formula import Where
 from eulergen.generator.ir import Location, Param
 from eulergen.generator.yaml_doc import YamlDoc
 from eulergen.kinds import SPEC_KINDS as KINDS

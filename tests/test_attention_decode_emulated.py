@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eulergen.generator.render_attention import AttentionPlan, plan_attention
+from eulergen.generator.plan_attention import TilePlan, plan_tiles
 from eulergen.runtime.ops import from_bf16, to_bf16
 
 import test_attention_runtime_emulated as emu
@@ -32,11 +32,11 @@ def decode(monkeypatch_module):
     def run(name, q, k_cache, v_cache, pos0, *, sms, out=None, rows=None, **params):
         """`rows`: a decode plan with that many rows a block instead of the planner's."""
         if (name, rows) not in built:
-            plans = None if rows is None else {
-                cfg: AttentionPlan(**{**plan_attention(*cfg).__dict__, "dec_rows": rows})
+            tiles = None if rows is None else {
+                cfg: TilePlan(**{**plan_tiles(*cfg).__dict__, "dec_rows": rows})
                 for cfg in emu.CONFIGS}
             rendered, derived, lib, mod = emu._library(
-                name, Path(tempfile.mkdtemp(prefix="eg-attn-dec-")), plans=plans,
+                name, Path(tempfile.mkdtemp(prefix="eg-attn-dec-")), tiles=tiles,
                 roles=("decode",))
             sigs = {k.name: k for k in rendered.kernels}
             ak = attention.AttentionKernels(

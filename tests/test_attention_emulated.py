@@ -18,7 +18,8 @@ import pytest
 
 from eulergen import TEMPLATES_DIR
 from eulergen.generator.numpy_attention import render_attention_module
-from eulergen.generator.render_attention import HEAD_DIMS, AttentionPlan, render_attention
+from eulergen.generator.plan_attention import HEAD_DIMS, TilePlan, plan_attention
+from eulergen.generator.render_attention import render_attention
 from eulergen.runtime.ops import from_bf16, to_bf16
 
 import attention_ops
@@ -103,9 +104,9 @@ def _prelude() -> str:
 # Other tilings than the planner's (D = 64): 8 and 1 warps a block, two 16-row slabs a
 # warp, tiles of 16 to 128, so that every loop bound and causal skip is exercised off the
 # 64 x 64 default; dK/dV unpaired (the planner pairs bf16 at D = 64), so both orders run.
-ODD_PLANS = {(64, dt): AttentionPlan(64, dt, fwd_warps=8, fwd_block_n=32, dkv_warps=2,
-                                     dkv_block_m=16, dq_warps=1, dq_block_n=128,
-                                     fwd_mtiles=2, dq_mtiles=2)
+ODD_PLANS = {(64, dt): TilePlan(64, dt, fwd_warps=8, fwd_block_n=32, dkv_warps=2,
+                                dkv_block_m=16, dq_warps=1, dq_block_n=128,
+                                fwd_mtiles=2, dq_mtiles=2)
              for dt in ("f32", "bf16")}
 
 
@@ -115,8 +116,8 @@ def _build(name: str, odd: bool = False):
     folder = _FOLDER / (name + ("_odd" if odd else ""))
     folder.mkdir(parents=True, exist_ok=True)
     derived = attention_ops.load(name, folder)
-    rendered = render_attention(derived, templates=jinja2.FileSystemLoader(str(EMULATOR)),
-                                plans=ODD_PLANS if odd else None)
+    rendered = render_attention(derived, plan_attention(derived, tiles=ODD_PLANS if odd else None),
+                                templates=jinja2.FileSystemLoader(str(EMULATOR)))
     (folder / "eulergen_common.cuh").write_text(_prelude())
     (folder / f"{name}.cu").write_text(rendered.source)
     sigs = {k.name: k for k in rendered.kernels}

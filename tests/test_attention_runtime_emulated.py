@@ -20,6 +20,7 @@ import pytest
 from eulergen import TEMPLATES_DIR
 from eulergen.errors import EulerError
 from eulergen.generator.numpy_attention import render_attention_module
+from eulergen.generator.plan_attention import plan_attention
 from eulergen.generator.render_attention import render_attention
 from eulergen.launch import AttentionRowdot
 from eulergen.runtime.ops import from_bf16, to_bf16
@@ -77,11 +78,11 @@ class FakeKernel:
                 ctypes.c_uint(block[0]), *cargs)
 
 
-def _library(name: str, folder: Path, **render):
-    """`render`: more keywords of render_attention (plans, roles)."""
+def _library(name: str, folder: Path, **plan):
+    """`plan`: more keywords of plan_attention (tiles, roles)."""
     derived = attention_ops.load(name, folder)
-    rendered = render_attention(derived, templates=jinja2.FileSystemLoader(str(EMULATOR)),
-                                configs=CONFIGS, **render)
+    rendered = render_attention(derived, plan_attention(derived, configs=CONFIGS, **plan),
+                                templates=jinja2.FileSystemLoader(str(EMULATOR)))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (folder / "eulergen_common.cuh").write_text(
         env.get_template("common.cuh.j2").render(header="prelude (CPU emulation)"))

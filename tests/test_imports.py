@@ -74,3 +74,11 @@ def test_generator_and_runtime_do_not_import_each_other(package, other):
 def test_the_shared_leaves_import_no_package():
     for leaf in ("launch.py", "errors.py"):
         assert not _imports(PACKAGE_DIR / leaf), f"{leaf} imports {sorted(_imports(PACKAGE_DIR / leaf))}"
+
+
+def test_suggest_is_imported_from_errors_only():
+    """One "did you mean": every module takes `suggest` from eulergen.errors, not through
+    another module that happens to import it."""
+    for path in sorted(PACKAGE_DIR.glob("*/*.py")) + sorted(PACKAGE_DIR.glob("*.py")):
+        via = sorted(m[:-len(".suggest")] for m in _imports(path) if m.endswith(".suggest"))
+        assert via in ([], ["eulergen.errors"]), f"{path.name} imports suggest from {via}"

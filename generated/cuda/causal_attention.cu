@@ -222,7 +222,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // tile vary slowest: every head's and batch's tile of rank 0 (the most causal work) starts
 // before any of rank 1, and the light tiles fill the last wave. Taking the tiles of one
 // (head, batch) first instead leaves the heavy tiles of the last heads to start late and
-// finish alone (a tail of ~25% at 512 blocks).
+// finish alone (benchmarks/RESULTS.md, "attention_common.cuh.j2: block_job's order").
 struct BlockJob {
   int rank, head, batch;
 };
@@ -483,8 +483,8 @@ __device__ __forceinline__ void attention_backward_dkv(
   constexpr int LD = D + 8, BN = 16 * WARPS, NTHR = 32 * WARPS;
   constexpr int KPLANE = BN * LD, QPLANE = BM * LD;
   static_assert(BM % 16 == 0 && D % 16 == 0, "query tiles and head dims come in 16s");
-  // This warp's K and V fragments are the same at every step: with bf16 at D = 64 they
-  // fit in registers (32 more, no loss of occupancy) and are read from shared memory once.
+  // This warp's K and V fragments are the same at every step: with bf16 at D = 64 they fit
+  // in registers, read from shared memory once (benchmarks/RESULTS.md, "KV_IN_REGS").
   constexpr bool KV_IN_REGS = !SPLIT && D == 64;
   constexpr int KV_FRAGS = KV_IN_REGS ? D / 16 : 1;
   extern __shared__ __align__(16) unsigned char eg_smem[];
@@ -927,7 +927,7 @@ __device__ __forceinline__ void attention_backward_dq(
 // A block owns RC query rows of one kv head: row r = t·G + g is query t (position pos0 + t)
 // of query head kvh·G + g (G = H / KVH). RC = G would load each key once for a whole GQA
 // group, but every row costs registers (q and the output sum): the planner's RC is 1, and
-// a group's blocks share its keys through L2 (render_attention.plan_attention). The
+// a group's blocks share its keys through L2 (plan_attention.plan_tiles). The
 // block's keys [split·split_keys, …) stream in tiles of KT: L = D / 16 lanes share a key
 // (16 dims each, 16-byte loads), so the block covers KG = 32·WARPS / L keys a step; every K
 // and V load of a tile is issued before any math (decoding is latency bound). Per tile: the

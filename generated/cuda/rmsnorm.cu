@@ -15,11 +15,8 @@
 // operands at one offset from a 16-byte boundary; with weights or weight gradients, every
 // row on a boundary), which the runtime launches where they do, and an `_unaligned` one for
 // any other.
-// Compiled as one, the scalar path of every group access was if-converted into the 16-byte
-// one, issued with it, predicated off (H200, ncu: layernorm bf16 warp backward, 1190
-// instructions a row of 768, 108 of them loads for 12; 0.459 -> 0.387 ms at 262144 x 768,
-// its forward 0.229 -> 0.214); one entry point dispatching to both took the registers of the
-// larger, and the 64-register kernels spilled.
+// Two entry points, not one: compiled as one, the scalar path was if-converted into the
+// 16-byte one (benchmarks/RESULTS.md, "row.cu.j2: an entry point per alignment").
 // A row is split for 16-byte access (EgSplit in the prelude: a scalar head up to the first
 // 16-byte boundary, a body of whole vectors, a scalar tail); the body is cut into groups
 // of lanes·VEC columns (eg_col says which a thread owns), the head and tail are one
@@ -35,11 +32,9 @@
 // block's warps, a lane a warp), so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `rmsnorm_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
-// A block per row stores its element outputs evict-first, and its element sweep (a row's
-// last) re-reads evict-first too: its rows are long, and what it is done with would
-// otherwise push out of L2 the rows in flight that are still to be re-read (H200,
-// cross-entropy 8192 x 50257, fused: fp32 1.262 -> 1.123 ms for the stores; bf16 0.532
-// -> 0.506 for the loads).
+// A block per row stores its element outputs, and re-reads its last sweep, evict-first:
+// what it is done with would otherwise push out of L2 the rows still to be re-read
+// (benchmarks/RESULTS.md, "row.cu.j2: evict-first in a block's last sweep").
 #include "eulergen_common.cuh"
 
 // forward: y from x, w

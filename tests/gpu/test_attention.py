@@ -32,6 +32,7 @@ import attention_ops  # noqa: E402
 from eulergen import TEMPLATES_DIR  # noqa: E402
 from eulergen.errors import EulerError  # noqa: E402
 from eulergen.generator.numpy_attention import render_attention_module  # noqa: E402
+from eulergen.generator.plan_attention import plan_attention  # noqa: E402
 from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_forward)
@@ -50,7 +51,7 @@ def _op(name: str):
         env.get_template("common.cuh.j2").render(
             header="eulergen_common.cuh, rendered for the attention tests and benchmark"))
     derived = attention_ops.load(name, _FOLDER)
-    rendered = render_attention(derived)
+    rendered = render_attention(derived, plan_attention(derived))
     cu = _FOLDER / f"{name}.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)

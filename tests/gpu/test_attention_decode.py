@@ -23,8 +23,8 @@ import attention_ops  # noqa: E402
 
 from eulergen import TEMPLATES_DIR  # noqa: E402
 from eulergen.errors import EulerError  # noqa: E402
-from eulergen.generator.render_attention import (AttentionPlan, plan_attention,  # noqa: E402
-                                                 render_attention)
+from eulergen.generator.plan_attention import TilePlan, plan_attention, plan_tiles  # noqa: E402
+from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.attention import AttentionKernels, attention_decode  # noqa: E402
 from eulergen.runtime.compile import compile_file  # noqa: E402
 from eulergen.runtime.ops import from_bf16, to_bf16  # noqa: E402
@@ -125,10 +125,10 @@ def _variant(change: tuple) -> AttentionKernels:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (folder / "eulergen_common.cuh").write_text(
         env.get_template("common.cuh.j2").render(header="prelude for the decode tests"))
-    plans = {(d, dt): AttentionPlan(**{**plan_attention(d, dt).__dict__, **dict(change)})
+    tiles = {(d, dt): TilePlan(**{**plan_tiles(d, dt).__dict__, **dict(change)})
              for d in (64, 128) for dt in ("f32", "bf16")}
-    rendered = render_attention(attention_ops.load("causal_attention"), plans=plans,
-                                roles=("decode",))
+    derived = attention_ops.load("causal_attention")
+    rendered = render_attention(derived, plan_attention(derived, tiles=tiles, roles=("decode",)))
     (folder / "causal_attention.cu").write_text(rendered.source)
     return AttentionKernels("causal_attention", {k.name: k.geometry for k in rendered.kernels},
                             {}, compile_file(folder / "causal_attention.cu").function)
@@ -164,8 +164,8 @@ def test_decode_row_that_sees_no_key_is_zero(cp, tmp_path):
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)))
     (tmp_path / "eulergen_common.cuh").write_text(
         env.get_template("common.cuh.j2").render(header="prelude for the decode test"))
-    rendered = render_attention(attention_ops.load("strict_attention", tmp_path),
-                                configs=((64, "f32"),))
+    derived = attention_ops.load("strict_attention", tmp_path)
+    rendered = render_attention(derived, plan_attention(derived, configs=((64, "f32"),)))
     (tmp_path / "strict_attention.cu").write_text(rendered.source)
     ak = AttentionKernels("strict_attention", {k.name: k.geometry for k in rendered.kernels},
                           {}, compile_file(tmp_path / "strict_attention.cu").function)
