@@ -85,7 +85,8 @@ def to_bf16(a, out=None):
         import cupy
         a = cupy.ascontiguousarray(a, dtype=cupy.float32)
         out = cupy.empty(a.shape, cupy.uint16) if out is None else out
-        return _kernel("to_bf16")(a, out)
+        _kernel("to_bf16")(a, out)
+        return out
     bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
     # A NaN's payload may sit in the low half only; keep it a (quiet) NaN, not infinity.

@@ -116,7 +116,8 @@ class CublasGemm:
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
         kind = self.TYPES.get(out.dtype)
         for x in (a, b, out):
-            if x.ndim != 2 or x.dtype != out.dtype or kind is None or x.strides[1] != x.itemsize:
+            if (x.ndim != 2 or x.dtype != out.dtype or kind is None
+                    or x.strides[1] != x.dtype.itemsize):
                 raise ValueError(f"gemm wants 2-D float32 or bf16 (uint16) arrays of one dtype "
                                  f"with unit column stride, got {x.shape} {x.dtype} strides "
                                  f"{x.strides} (out: {out.dtype})")
@@ -124,7 +125,7 @@ class CublasGemm:
         k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
         if k != k2 or out.shape != (m, n):
             raise ValueError(f"gemm shapes: op(a) {m}x{k}, op(b) {k2}x{n}, out {out.shape}")
-        size = out.itemsize
+        size = out.dtype.itemsize
         self.gemm_ex(
             self.handle, self.OP_T if tb else self.OP_N, self.OP_T if ta else self.OP_N, n, m, k,
             self.one.ctypes.data, b.data.ptr, kind, b.strides[0] // size,

@@ -47,6 +47,13 @@ def learning_rate(t: TrainingConfig, step: int) -> float:
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_lr)
 
 
+def flops_per_token(a, seq_len: int) -> float:
+    """Training FLOPs per token of an Arch (runtime/metrics.py's count; the learned
+    position table is a lookup, no matmul)."""
+    matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
+    return metrics.flops_per_token(matmul_params, a.layers, a.heads, a.head_dim, seq_len)
+
+
 @dataclass
 class SpikeGuard:
     """Skips an update whose loss or grad norm exceeds `factor` × its running mean."""
@@ -196,10 +203,7 @@ class Trainer:
         except BaseException:
             self.lock.release()
             raise
-        a = self.model.arch
-        matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
-        self.flops_per_token = metrics.flops_per_token(matmul_params, a.layers, a.heads,
-                                                       a.head_dim, t.seq_len)
+        self.flops_per_token = flops_per_token(self.model.arch, t.seq_len)
         precision = "bf16" if dtype == "bf16" else "tf32" if t.tf32 else "fp32"
         self.peak = metrics.peak_flops(lib.backend.device, precision) \
             if lib.backend.is_gpu else None

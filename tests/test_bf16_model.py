@@ -1,7 +1,7 @@
 """bf16 mixed precision without a GPU: the dtype bookkeeping of a bf16 model (its plan,
 which arrays are bf16 and which float32, the bf16 weight copy, the padded logits' -inf,
-the gradient norm and clipping, AdamW from bf16 gradients) run on the CPU, and the GEMM
-calls a bf16 tape makes checked against a column-major emulation of cublasGemmEx.
+the gradient norm and clipping, AdamW from bf16 gradients) run on the CPU. (The bf16
+GEMM calls against a cublasGemmEx stand-in: tests/test_model_gemm.py.)
 
 The CPU model runs the numpy backend behind a library that rounds as the bf16 kernels do:
 every op reads its bf16 operands widened to float32, computes in float32 and rounds its
@@ -18,8 +18,6 @@ order 1.
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -30,7 +28,7 @@ from eulergen.runtime.config import load_config
 from eulergen.runtime.memory import Memory, storage
 from eulergen.runtime.model import GPT, arch_of, build, plan_model
 from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
-from eulergen.runtime.tape import CublasGemm, Linear
+from eulergen.runtime.tape import Linear
 from eulergen.runtime.train import AdamW
 
 GRAD_TOLERANCE = 2e-2
@@ -278,92 +276,6 @@ def test_clipping_accumulation_and_adamw_in_bf16(lib):
     assert master.dtype == np.float32 and not np.array_equal(master, before)
     np.testing.assert_array_equal(model.mem.arenas["params_bf16"], to_bf16(master))
     assert model.mem.arenas["adam_m"].dtype == np.float32 and model.mem.arenas["adam_m"].any()
-
-
-# -- CublasGemm's calls, against a column-major emulation of cublasGemmEx -------------------
-
-class _Device:
-    """A numpy array posing as a device array: shape, strides and dtype, and a fake
-    address (`data.ptr`) that _FakeGemmEx resolves back to it."""
-
-    class _Data:
-        def __init__(self, ptr):
-            self.ptr = ptr
-
-    arrays: dict = {}
-    next_ptr = 1 << 20
-
-    def __init__(self, host):
-        self.host = host
-        self.shape, self.strides, self.dtype = host.shape, host.strides, host.dtype
-        self.ndim, self.itemsize = host.ndim, host.itemsize
-        self.data = self._Data(_Device.next_ptr)
-        _Device.arrays[_Device.next_ptr] = host
-        _Device.next_ptr += 1 << 20
-
-
-class _FakeGemmEx:
-    """cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,
-    beta, C, Ctype, ldc, compute, algo), column-major, with cuBLAS's argument checks
-    (ld ≥ the stored rows, one type for A, B and C in the combinations used here)."""
-
-    TYPES = {0: np.float32, 14: np.uint16}
-
-    def __init__(self):
-        self.computes = []
-
-    def _matrix(self, ptr, kind, rows, cols, ld):
-        host = _Device.arrays[ptr]
-        assert host.dtype == self.TYPES[kind] and host.flags.c_contiguous
-        assert ld >= max(1, rows), f"ld {ld} < rows {rows}"
-        flat = host.reshape(-1)
-        index = np.arange(rows)[:, None] + ld * np.arange(cols)[None, :]
-        wide = from_bf16(flat) if kind == 14 else flat
-        return wide[index].astype(np.float32), flat, index
-
-    def __call__(self, handle, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct,
-                 ldc, compute, algo):
-        assert at == bt == ct and algo == -1
-        self.computes.append((at, compute))
-        a, _, _ = self._matrix(A, at, *((m, k) if ta == 0 else (k, m)), lda)
-        b, _, _ = self._matrix(B, bt, *((k, n) if tb == 0 else (n, k)), ldb)
-        c, flat, index = self._matrix(C, ct, m, n, ldc)
-        al, be = (ctypes.c_float.from_address(p).value for p in (alpha, beta))
-        got = al * ((a if ta == 0 else a.T) @ (b if tb == 0 else b.T)) + be * c
-        flat[index] = to_bf16(got) if ct == 14 else got
-
-
-@pytest.mark.parametrize("kind", ["bf16", "f32"])
-def test_cublas_gemm_arguments_compute_row_major_products(kind):
-    rng = np.random.default_rng(7)
-    store = (lambda x: to_bf16(x)) if kind == "bf16" else (lambda x: x.astype(np.float32))
-    wide = (lambda x: from_bf16(x)) if kind == "bf16" else (lambda x: x)
-    fake = _FakeGemmEx()
-    gemm = CublasGemm(fake, None, tf32=True)
-    N, d, out = 12, 8, 16
-    cases = [  # (a shape, b shape, ta, tb): forward, dx, dW, the bias 1ᵀ·dy and 1·b
-        ((N, d), (out, d), False, True), ((N, out), (out, d), False, False),
-        ((N, out), (N, d), True, False), ((1, N), (N, out), False, False),
-        ((1, N), (1, out), True, False)]
-    for sa, sb, ta, tb in cases:
-        for add in (False, True):
-            a, b = (store(rng.standard_normal(s)) for s in (sa, sb))
-            m = sa[1] if ta else sa[0]
-            n = sb[0] if tb else sb[1]
-            c = store(rng.standard_normal((m, n)))
-            want = (wide(a).T if ta else wide(a)) @ (wide(b).T if tb else wide(b)) \
-                + (wide(c) if add else 0)
-            gemm(_Device(a), _Device(b), _Device(c), ta=ta, tb=tb, add=add)
-            np.testing.assert_allclose(wide(c), want, rtol=2 ** -8, atol=1e-6)
-    # bf16 sums in float32 (CUBLAS_COMPUTE_32F) whatever training.tf32 says
-    assert {c for _, c in fake.computes} == ({68} if kind == "bf16" else {77})
-
-
-def test_cublas_gemm_refuses_mixed_dtypes():
-    gemm = CublasGemm(_FakeGemmEx(), None, tf32=False)
-    a = _Device(np.zeros((2, 2), np.float32))
-    with pytest.raises(ValueError, match="one dtype"):
-        gemm(a, _Device(np.zeros((2, 2), np.uint16)), _Device(np.zeros((2, 2), np.float32)))
 
 
 def test_storage_of_a_bf16_buffer_is_uint16():
