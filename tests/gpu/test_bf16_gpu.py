@@ -26,27 +26,9 @@ pytestmark = pytest.mark.gpu
 
 GRAD_TOLERANCE = 2e-2
 LOSS_TOLERANCE = 1e-2
-# head dim 64 (a size the flash kernels take); vocab 300 pads to 320: padded -inf logits
-STRUCTURES = {
-    "gpt2": ["model.preset=gpt2", "model.hidden_dim=128", "model.num_heads=2",
-             "model.num_kv_heads=2"],
-    "nanoeuler": ["model.preset=nanoeuler", "model.hidden_dim=256", "model.num_heads=4",
-                  "model.num_kv_heads=2"],
-}
-COMMON = ["model.num_layers=2", "model.vocab_size=300", "model.max_seq_len=128",
-          "model.mlp_hidden=320", "training.seq_len=128", "training.batch_size=2"]
-
-
-def _cfg(structure):
-    return load_config(None, STRUCTURES[structure] + COMMON)
-
-
-def _batch(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    t = cfg.training
-    x = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
-    x[0, :8] = 7     # repeated ids: the embedding scatter sums them
-    return x, rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
+# the structures of test_model_gpu.py (head dim 64, vocab 300 padded to 320: the padded
+# logits' -inf in bf16), its batch (repeated ids)
+from test_model_gpu import STRUCTURES, _batch, _cfg  # noqa: E402  (tests/gpu is on the path)
 
 
 def test_the_bf16_kernels_give_the_numpy_forms_bits(cp):
