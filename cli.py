@@ -259,7 +259,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
                       initial=imported.params if imported else None)
     t = cfg.training
     click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
-               f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, memory plan "
+               f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, {t.dtype}, memory plan "
                f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
                + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
     result = trainer.run()
