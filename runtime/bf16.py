@@ -8,7 +8,9 @@ refuses bf16 where it cannot run.
 
 Each helper has a numpy form, which is the reference (the CPU tests compile the CUDA text
 below with g++ and compare it with it), and a CuPy form: one elementwise or row-reduction
-kernel that writes into the caller's arrays and allocates nothing. Arithmetic is float32,
+kernel that writes into the caller's arrays and allocates nothing (but to_bf16's result
+when no `out=` is given). CuPy copies an input that overlaps an output unless it is the
+very same array, so in-place calls pass that array twice. Arithmetic is float32,
 rounded once to nearest even (ties to even; a NaN stays a quiet NaN), like the generated
 kernels' __float2bfloat16_rn.
 """
