@@ -259,7 +259,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
                       initial=imported.params if imported else None)
     t = cfg.training
     click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
-               f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, memory plan "
+               f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, {t.dtype}, memory plan "
                f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
                + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
     result = trainer.run()
@@ -301,10 +301,12 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
     t = cfg.training
     # a GPU run's plan, the kernels' workspace included, whatever this machine runs on
+    # (sampling decodes in fp32 whatever the training dtype)
     p = (plan_decoder(arch, t.batch_size, t.seq_len) if inference
-         else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements))
+         else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
+                         dtype="bf16" if t.dtype == "bf16" else "float32"))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
-             f"{'inference (KV cache)' if inference else 'training'}")
+             f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")
     console = Console()
     if not console.is_terminal:   # piped or captured: never cut a buffer name short
         console = Console(width=120)

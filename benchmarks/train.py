@@ -1,15 +1,23 @@
 """Training throughput and peak memory: eulergen against PyTorch (eager and torch.compile)
 with the same architecture, in one run on one GPU.
 
-    python benchmarks/train.py            # gpt2 and nanoeuler presets, B=8, T=1024
-    python benchmarks/train.py --quick    # fewer steps, no torch.compile (< 3 minutes)
+    python benchmarks/train.py              # gpt2 and nanoeuler presets, B=8, T=1024
+    python benchmarks/train.py --quick      # fewer steps, no torch.compile (< 3 minutes)
+    python benchmarks/train.py --dtype bf16 [--batch 16]
 
-fp32 storage with TF32 GEMMs on both sides (eulergen: cublasGemmEx with TF32 compute;
-torch: allow_tf32). A step is what a training loop does: forward, loss, backward, the
-loss read to the host, global grad-norm clipping at 1.0, AdamW (betas 0.9/0.95, weight
-decay 0.1 on matrices). Random tokens, fixed per run (ANCHORS.md's setup). tokens/s is
-B·T over the median step time. Peak memory: eulergen's CuPy pool after the steps (the
-pool keeps every block it ever held, so that is its peak); torch's max_memory_allocated.
+--dtype fp32 (the default): fp32 storage with TF32 GEMMs on both sides (eulergen:
+cublasGemmEx with TF32 compute; torch: allow_tf32); ratios against torch eager.
+--dtype bf16: eulergen's training.dtype=bf16 (bf16 activations and GEMM operands, fp32
+accumulation, fp32 master weights and AdamW moments) against torch's bf16 autocast (fp32
+parameters, bf16 matmuls, SDPA's flash kernel with enable_gqa), eager and torch.compile;
+ratios against torch.compile, the bar a PyTorch user reaches in two lines.
+A step is what a training loop does: forward, loss, backward, the loss read to the host,
+global grad-norm clipping at 1.0, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices;
+torch: fused=True). Random tokens, fixed per run (ANCHORS.md's setup). tokens/s is B·T
+over the median step time; MFU is tokens/s × FLOPs per token (runtime/metrics.py) over the
+GPU's dense peak at the precision (TF32 or bf16). Peak memory: eulergen's CuPy pool after
+the steps (the pool keeps every block it ever held, so that is its peak); torch's
+max_memory_allocated.
 """
 from __future__ import annotations
 
@@ -32,11 +40,29 @@ PRESETS = ("gpt2", "nanoeuler")
 LR = 6e-4
 
 
-def _config(preset: str, batch: int, seq: int):
+def _config(preset: str, batch: int, seq: int, dtype: str):
     from eulergen.runtime.config import load_config
     return load_config(None, [f"model.preset={preset}", f"training.batch_size={batch}",
                               f"training.seq_len={seq}", "training.device=cuda",
-                              "training.weight_decay=0.1", "training.grad_clip=1.0"])
+                              "training.weight_decay=0.1", "training.grad_clip=1.0",
+                              f"training.dtype={dtype}"])
+
+
+def _mfu(cfg, seconds: float) -> float | None:
+    """Model FLOPs utilisation of one step, counted as the trainer counts it."""
+    import cupy
+
+    from eulergen.runtime import metrics
+    from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.model import arch_of
+    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.train import flops_per_token
+    t = cfg.training
+    flops = flops_per_token(arch_of(cfg.model, OpLibrary(NUMPY)), t.seq_len)
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    peak = metrics.peak_flops(name, "bf16" if t.dtype == "bf16" else "tf32")
+    return t.batch_size * t.seq_len / seconds * flops / peak if peak else None
 
 
 def _tokens(cfg, seed=0):
@@ -72,32 +98,34 @@ def run_eulergen(cfg, warmup: int, iters: int) -> dict:
     base = pool.total_bytes()
     t = cfg.training
     lib = OpLibrary(get_backend("cuda"))
-    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True)
+    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True,
+                  dtype="bf16" if t.dtype == "bf16" else "float32")
     model.init_weights(0)
     model.set_accumulation(1)
     optim = AdamW(model, t)
     x, y = _tokens(cfg)
-    grads = model.mem.arenas["grads"]
 
     def step():
         model.load_tokens(x, y)
         loss = float(model.loss_and_grad()[0])
         norm = model.grad_norm()   # cuBLAS into a host scalar: cupy.dot would allocate
         if norm > t.grad_clip:
-            cupy.multiply(grads, t.grad_clip / norm, out=grads)
+            model.scale_grads(t.grad_clip / norm)
         optim.step(LR)
         return loss
 
     seconds = _median_step(step, warmup, iters, cupy.cuda.get_current_stream().synchronize)
     result = dict(seconds=seconds, peak=pool.total_bytes() - base,
                   plan=model.mem.plan.total_bytes, loss=step())
-    del model, optim, grads
+    del model, optim
     gc.collect()
     pool.free_all_blocks()
     return result
 
 
 def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
+    import contextlib
+
     import torch
 
     import torch_gpt
@@ -106,8 +134,10 @@ def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     t = cfg.training
-    # fp32 SDPA has no fused GQA path: repeat the KV heads (torch_gpt.py's fastest fp32 form)
-    model = torch_gpt.TorchGPT(cfg.model, repeat_kv=True).cuda()
+    bf16 = t.dtype == "bf16"
+    # fp32 SDPA has no fused GQA path: repeat the KV heads (torch_gpt.py's fastest fp32
+    # form); in bf16 the flash kernel takes enable_gqa
+    model = torch_gpt.TorchGPT(cfg.model, repeat_kv=not bf16).cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
@@ -119,7 +149,8 @@ def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
     torch.cuda.reset_peak_memory_stats()
 
     def step():
-        _, loss = forward(x, y)
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()):
+            _, loss = forward(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optim.step()
@@ -158,13 +189,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="fp32 (TF32 GEMMs) or bf16 mixed precision on every side")
     args = ap.parse_args()
     warmup, iters = (2, 5) if args.quick else (3, 10)
+    eager = "torch eager autocast" if args.dtype == "bf16" else "torch eager"
+    # the bar: torch eager in fp32; torch.compile in bf16 (eager with --quick)
+    base = "torch.compile" if args.dtype == "bf16" and not args.quick else eager
     rows = []
     for preset in args.presets.split(","):
-        cfg = _config(preset, args.batch, args.seq)
+        cfg = _config(preset, args.batch, args.seq, args.dtype)
         systems = [("eulergen", lambda: run_eulergen(cfg, warmup, iters)),
-                   ("torch eager", lambda: run_torch(cfg, warmup, iters, compiled=False))]
+                   (eager, lambda: run_torch(cfg, warmup, iters, compiled=False))]
         if not args.quick:
             systems.append(("torch.compile", lambda: run_torch(cfg, warmup, iters, compiled=True)))
         results = {}
@@ -172,25 +208,34 @@ def main() -> None:
             say(f"{preset}: {system}")
             results[system] = _attempt(fn)
             if "seconds" in results[system]:
+                results[system]["mfu"] = _mfu(cfg, results[system]["seconds"])
                 say(f"{preset}: {system} {args.batch * args.seq / results[system]['seconds']:,.0f} tok/s")
-        rows += [(preset, system, r, results["torch eager"]) for system, r in results.items()]
+        rows += [(preset, system, r, results[base]) for system, r in results.items()]
     gib = 1024 ** 3
-    head = (f"{'preset':<10} {'system':<14} {'tok/s':>9} {'ms/step':>8} {'peak GiB':>9} "
-            f"{'plan GiB':>9} {'tok/s vs eager':>15} {'mem vs eager':>13} {'loss':>7}")
-    print(f"training step, B={args.batch} T={args.seq}, fp32 storage, TF32 GEMMs")
+    short = "compile" if base == "torch.compile" else "eager"
+    head = (f"{'preset':<10} {'system':<20} {'tok/s':>9} {'ms/step':>8} {'MFU':>6} "
+            f"{'peak GiB':>9} {'plan GiB':>9} {f'tok/s vs {short}':>17} "
+            f"{f'mem vs {short}':>15} {'loss':>7}")
+    precision = ("bf16 mixed precision (bf16 activations and GEMMs, fp32 accumulation, "
+                 "fp32 master weights)" if args.dtype == "bf16" else "fp32 storage, TF32 GEMMs")
+    print(f"training step, B={args.batch} T={args.seq}, {precision}")
     print(head)
     print("-" * len(head))
-    for preset, system, r, eager in rows:
+    for preset, system, r, ref in rows:
         if "error" in r:
-            print(f"{preset:<10} {system:<14} failed: {r['error']}")
+            print(f"{preset:<10} {system:<20} failed: {r['error']}")
             continue
         plan = f"{r['plan'] / gib:9.2f}" if "plan" in r else f"{'-':>9}"
-        speed, mem = (f"{eager['seconds'] / r['seconds']:15.2f}", f"{r['peak'] / eager['peak']:13.2f}") \
-            if "seconds" in eager else (f"{'-':>15}", f"{'-':>13}")
-        print(f"{preset:<10} {system:<14} {args.batch * args.seq / r['seconds']:9,.0f} "
-              f"{1e3 * r['seconds']:8.1f} {r['peak'] / gib:9.2f} {plan} {speed} {mem} "
+        mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else f"{'-':>6}"
+        speed, mem = (f"{ref['seconds'] / r['seconds']:17.2f}", f"{r['peak'] / ref['peak']:15.2f}") \
+            if "seconds" in ref else (f"{'-':>17}", f"{'-':>15}")
+        print(f"{preset:<10} {system:<20} {args.batch * args.seq / r['seconds']:9,.0f} "
+              f"{1e3 * r['seconds']:8.1f} {mfu} {r['peak'] / gib:9.2f} {plan} {speed} {mem} "
               f"{r['loss']:7.3f}")
-    print("targets: eulergen tok/s vs eager >= 1.00, mem vs eager <= 0.90")
+    if args.dtype == "bf16":
+        print(f"targets: eulergen tok/s vs {short} >= 1.00 (goal 1.25), mem vs {short} <= 1.00")
+    else:
+        print("targets: eulergen tok/s vs eager >= 1.00, mem vs eager <= 0.90")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class Backend:
     xp: ModuleType     # numpy or cupy
     is_gpu: bool
     device: str        # a short description for logs ("cpu", "NVIDIA H200 (sm_90)")
+    sm: int = 0        # compute capability as major·10 + minor (90); 0: none or unknown
 
     def synchronize(self) -> None:
         """Wait for queued GPU work; timing and host reads need it, numpy does not."""
@@ -52,7 +53,8 @@ def _cuda_backend() -> Backend:
     dev = cupy.cuda.Device()
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    return Backend("cuda", cupy, True, f"{name} (sm_{dev.compute_capability})")
+    return Backend("cuda", cupy, True, f"{name} (sm_{dev.compute_capability})",
+                   int(dev.compute_capability))
 
 
 NUMPY = Backend("numpy", np, False, "cpu")

@@ -73,7 +73,7 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     seed: int = 1337
-    dtype: str = "fp32"
+    dtype: str = "fp32"              # "fp32" | "bf16" (mixed precision: runtime/model.py)
     tf32: bool = True
     device: str = "auto"             # "auto" | "cuda" | "numpy"
     sample_tokens: int = 200
@@ -112,7 +112,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rope"),
     "training.schedule": ("cosine", "linear", "constant"),
-    "training.dtype": ("fp32",),
+    "training.dtype": ("fp32", "bf16"),
     "training.device": ("auto", "cuda", "numpy"),
 }
 

@@ -34,6 +34,8 @@ class Value:
     shape: Shape
     slot: str = ""              # "" : its own name
     grad: str | None = None     # None: no gradient flows into it
+    per_row: bool = False       # a per-row statistic the kernels keep in float32 in every
+                                # storage dtype (attention's lse)
 
     @property
     def buffer(self) -> str:
@@ -128,7 +130,7 @@ def model_graph(a) -> Graph:
         Value("q_rope", heads, grad="d.q_rope"),
         Value("k_rope", kv, grad="d.k_rope"),
         Value("attn", heads, grad="d.attn"),
-        Value("lse", lambda lead: (lead[0], a.heads, *lead[1:])),
+        Value("lse", lambda lead: (lead[0], a.heads, *lead[1:]), per_row=True),
         Value("attn_proj", stream, "proj", "d.x"),
         Value("x_mid", stream, "x", "d.x"),
         Value("ln_2", stream, "ln", "d.ln"),

@@ -3,10 +3,13 @@
 A plan is a list of named buffers placed in a few big arenas (one allocation each):
 
     params       every weight, flat; matrices (weight-decayed) first, so AdamW runs
-                 over two contiguous ranges
-    grads        the same layout as params
-    adam_m/v     the same layout again (training only)
+                 over two contiguous ranges (in bf16 runs: the float32 master weights)
+    params_bf16  bf16 runs: the same layout in bf16, the copy the kernels read
+    grads        the same layout as params (in the storage dtype)
+    adam_m/v     the same layout again (training only; float32 in bf16 runs)
     activations  what the forward pass keeps for the backward pass
+    stats        bf16 runs: the float32 per-row values (attention's lse, the losses and
+                 their seed, the gradient norm's row sums); fp32 runs keep them with the rest
     workspace    temporaries the backward pass reuses from layer to layer
     kernels      float32 workspace of the generated backward kernels (row ops' weight-
                  gradient partials, attention's row dots, the embedding's sort keys and
@@ -26,10 +29,19 @@ import numpy as np
 
 from eulergen.errors import EulerError
 
-ALIGN = 64  # elements: every buffer starts on a 256-byte boundary, so 128-bit loads line up
+ALIGN = 64  # elements: every buffer starts on a 256-byte (bf16: 128-byte) boundary, so
+            # 128-bit loads line up
 
-ARENA_ORDER = ("params", "grads", "adam_m", "adam_v", "activations", "workspace", "kernels",
-               "tokens")
+ARENA_ORDER = ("params", "params_bf16", "grads", "adam_m", "adam_v", "activations", "stats",
+               "workspace", "kernels", "tokens")
+
+# CuPy has no bfloat16: a "bf16" buffer holds the bits in uint16 (runtime/ops.py to_bf16)
+_STORAGE = {"bf16": "uint16"}
+
+
+def storage(dtype: str) -> np.dtype:
+    """The array dtype that holds a plan dtype ("float32", "bf16", "int32", …)."""
+    return np.dtype(_STORAGE.get(dtype, dtype))
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * storage(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,7 @@ class Arena:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * storage(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -125,14 +137,14 @@ class Memory:
         for a in plan.arenas:
             given = (shared or {}).get(a.name)
             if given is not None:
-                if given.size != a.size or str(given.dtype) != a.dtype:
+                if given.size != a.size or given.dtype != storage(a.dtype):
                     raise EulerError(f"shared arena {a.name!r} has {given.size} {given.dtype}, "
                                      f"the plan wants {a.size} {a.dtype}", key="plan")
                 self.arenas[a.name] = given
             else:
                 # zeros, not empty: padding and rows a run never writes (wpe beyond T)
                 # must read as zero in norms and checkpoints
-                self.arenas[a.name] = xp.zeros(a.size, dtype=a.dtype)
+                self.arenas[a.name] = xp.zeros(a.size, dtype=storage(a.dtype))
         self._views = {b.name: self.arenas[b.arena][b.offset:b.offset + b.size].reshape(b.shape)
                        for b in plan.buffers}
 

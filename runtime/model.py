@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.runtime import bf16
 from eulergen.runtime.attention import head_dims
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
@@ -143,8 +144,11 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                dtype: str = "float32", workspace=None) -> Plan:
     """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
-    every gradient (graph.py). `workspace(op, stage, shape, table_rows=)`: the float32
-    elements a backward call needs from the kernels' workspace, as
+    every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
+    numpy) or "bf16" (mixed precision: float32 master weights and AdamW moments beside a
+    bf16 copy the kernels read, bf16 gradients, activations and workspace, the per-row
+    float32 values in `stats`). `workspace(op, stage, shape, dtype=, table_rows=)`: the
+    float32 elements a backward call needs from the kernels' workspace, as
     OpLibrary.workspace_elements answers it (what `build` passes;
     cuda_ops.workspace_elements for the GPU's plan on any machine); None: none."""
     if seq > a.max_seq:
@@ -153,49 +157,71 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     B, T, N, d = batch, seq, batch * seq, a.d
     g, lead = model_graph(a), (batch, seq)
     kept = g.kept()
+    master = "float32" if dtype == "bf16" else dtype   # weights, moments, per-row values
     p = Planner()
-    plan_params(p, a, dtype)
+
+    def add(arena: str, name: str, shape, per_row: bool = False) -> None:
+        """A buffer of the storage dtype, or a float32 per-row one (bf16: in `stats`)."""
+        if per_row:
+            p.add("stats" if master != dtype else arena, name, shape, master)
+        else:
+            p.add(arena, name, shape, dtype)
+
+    plan_params(p, a, master)
     total = p.plan().arena("params").size
+    if master != dtype:
+        p.add("params_bf16", "params_bf16", (total,), dtype)   # refreshed after every update
     if training:
         # same layout as params: a parameter's gradient / moments sit at its offset
-        for arena in ("grads", "adam_m", "adam_v"):
-            p.add(arena, arena, (total,), dtype)
+        p.add("grads", "grads", (total,), dtype)
+        for arena in ("adam_m", "adam_v"):
+            p.add(arena, arena, (total,), master)
 
     block = [g.values[n] for n in g.order(g.block) if n != "next"]   # next: the next x
     for layer in range(a.layers):
         for v in block:
             if v.name in kept:
-                p.add("activations", f"h.{layer}.{v.name}", v.shape(lead), dtype)
+                add("activations", f"h.{layer}.{v.name}", v.shape(lead), v.per_row)
     for name in g.order(g.head):
-        p.add("activations", name, g.values[name].shape(lead), dtype)
-    p.add("activations", "losses", (N,), dtype)    # the fused cross-entropy writes dlogits
-    p.add("activations", "loss", (1,), dtype)      # over the logits
+        add("activations", name, g.values[name].shape(lead))
+    add("activations", "losses", (N,), per_row=True)   # the fused cross-entropy writes dlogits
+    add("activations", "loss", (1,), per_row=True)     # over the logits
 
     for slot, v in _first((v.buffer, v) for v in block if v.name not in kept).items():
-        p.add("workspace", slot, v.shape(lead), dtype)
-    p.add("workspace", "dloss", (N,), dtype)            # d(mean loss)/d(row loss), constant
+        add("workspace", slot, v.shape(lead), v.per_row)
+    add("workspace", "dloss", (N,), per_row=True)      # d(mean loss)/d(row loss), constant
     if a.bias:
-        p.add("workspace", "ones", (1, N), dtype)       # bias gradients as a GEMM: 1ᵀ·dy
+        add("workspace", "ones", (1, N))                # bias gradients as a GEMM: 1ᵀ·dy
     if training:
         values = [g.values[n] for n in g.order(g.stem + g.block + g.head)]
         # one buffer per gradient, shared by every block; the logits hold their own
         for name, v in _first((v.grad, v) for v in values
                               if v.grad and v.grad not in g.values).items():
-            p.add("workspace", name, v.shape(lead), dtype)
+            add("workspace", name, v.shape(lead))
         # gradients that are added rather than written (a norm's dx into the stream, and
         # its weights on later micro-steps) pass through here: dx plus two weight rows
-        p.add("workspace", "scratch", (N * d + 2 * d,), dtype)
+        add("workspace", "scratch", (N * d + 2 * d,))
+        if master != dtype:
+            add("stats", "grad_rows", (total // _norm_row(total),), per_row=True)
         # float32 workspace of the generated backward kernels, reused call after call
         # (one stream: a call's kernels have read it before the next call writes it)
+        kdt = "bf16" if dtype == "bf16" else "f32"
         kernel_ws = 0 if workspace is None else max(
-            workspace(a.ops.norm, "backward", (B, T, d)),
-            workspace(a.ops.attention, "backward", (B, T, a.heads, a.head_dim)),
-            workspace(a.ops.embedding, "backward", (B, T), table_rows=a.vocab_rows))
+            workspace(a.ops.norm, "backward", (B, T, d), dtype=kdt),
+            workspace(a.ops.attention, "backward", (B, T, a.heads, a.head_dim), dtype=kdt),
+            workspace(a.ops.embedding, "backward", (B, T), dtype=kdt,
+                      table_rows=a.vocab_rows))
         if kernel_ws:
             p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
     p.add("tokens", "idx", (B, T), "int32")
     p.add("tokens", "targets", (B, T), "int32")
     return p.plan()
+
+
+def _norm_row(total: int) -> int:
+    """The row length of the bf16 gradient norm: the gradients as a [rows, K] matrix whose
+    row norms one reduction writes (K divides the arena: a multiple of memory.ALIGN)."""
+    return math.gcd(total, 4096)
 
 
 def _first(pairs) -> dict:
@@ -211,7 +237,12 @@ class GPT:
 
     `loss_and_grad()` runs forward, the fused cross-entropy (loss and dlogits in one pass)
     and the reversed tape, leaving the gradients in the grads arena; `loss()` runs forward
-    and the loss only; `logits()` runs forward over the whole window."""
+    and the loss only; `logits()` runs forward over the whole window.
+
+    `master` are the weights a checkpoint holds and AdamW updates, `params` the ones the
+    tape reads: the same arrays, except in a bf16 plan, where `params` is the bf16 copy
+    (`params_bf16`) that `sync_weights()` rounds from the float32 master after every
+    change."""
 
     def __init__(self, arch: Arch, lib, memory: Memory, batch: int, seq: int, *,
                  tf32: bool = False):
@@ -220,23 +251,25 @@ class GPT:
         self.xp = lib.backend.xp
         self.batch, self.seq = batch, seq
         self.training = "grads" in memory.arenas
+        self.bf16 = "params_bf16" in memory.arenas
         self.specs = parameters(arch)
         self.param_total = param_count(arch)
-        plan = memory.plan
-        self.params = {s.name: memory[s.name] for s in self.specs}
-        self.grads = {}
-        if self.training:
-            flat = memory.arenas["grads"]
-            for s in self.specs:
-                b = plan.buffer(s.name)
-                self.grads[s.name] = flat[b.offset:b.offset + b.size].reshape(b.shape)
+        self.master = {s.name: memory[s.name] for s in self.specs}
+        self.params = self._views("params_bf16") if self.bf16 else self.master
+        self.grads = self._views("grads") if self.training else {}
         if arch.bias:
-            memory["ones"][...] = 1
+            memory["ones"][...] = bf16.bits(1.0) if self.bf16 else 1
         self.set_accumulation(1)
         self.tape = Tape(self.backend, lib, memory["scratch"] if self.training else None,
                          memory["kernel_ws"] if "kernel_ws" in memory else None, tf32=tf32)
         self.graph = model_graph(arch)
         record_training(self)
+
+    def _views(self, arena: str) -> dict:
+        """Each parameter's view into an arena laid out as params (grads, the bf16 copy)."""
+        flat, plan = self.mem.arenas[arena], self.mem.plan
+        return {s.name: flat[b.offset:b.offset + b.size].reshape(b.shape)
+                for s in self.specs for b in (plan.buffer(s.name),)}
 
     # -- running it -------------------------------------------------------------------
 
@@ -269,7 +302,7 @@ class GPT:
         trained model's logits may all sit below 0.)"""
         a = self.arch
         if a.vocab_rows > a.vocab:
-            self.mem["logits"][:, a.vocab:] = -np.inf
+            self.mem["logits"][:, a.vocab:] = bf16.bits(-np.inf) if self.bf16 else -np.inf
 
     def loss(self):
         """Mean cross-entropy of the loaded batch, as a 1-element device array."""
@@ -297,11 +330,31 @@ class GPT:
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients, read to the host. On the GPU it is cuBLAS's
         snrm2 straight into a host scalar: `cupy.dot(g, g)` would allocate a temporary the
-        size of every gradient (CuPy multiplies, then sums), outside the plan."""
+        size of every gradient (CuPy multiplies, then sums), outside the plan. bf16
+        gradients: float32 norms of rows of the arena into the planned `grad_rows`, then
+        snrm2 of those (cuBLAS has no bf16 norm with a float32 result)."""
         g = self.mem.arenas["grads"]
+        if self.bf16:
+            rows = self.mem["grad_rows"]
+            bf16.row_norms(g.reshape(rows.size, -1), rows)
+            g = rows
         if self.backend.is_gpu:
             return cublas_nrm2(g)
         return math.sqrt(float(np.dot(g, g)))
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient by `factor` in place (clipping)."""
+        g = self.mem.arenas["grads"]
+        if self.bf16:
+            bf16.scale(g, factor)
+        else:
+            self.xp.multiply(g, factor, out=g)
+
+    def sync_weights(self) -> None:
+        """Round the float32 master weights into the bf16 copy the kernels read (one pass
+        over the arena, into planned memory); nothing to do in fp32."""
+        if self.bf16:
+            bf16.to_bf16(self.mem.arenas["params"], out=self.mem.arenas["params_bf16"])
 
     # -- weights ----------------------------------------------------------------------
 
@@ -311,19 +364,21 @@ class GPT:
         rng = np.random.Generator(np.random.PCG64(seed))
         std = {"normal": 0.02, "residual": 0.02 / math.sqrt(2 * self.arch.layers)}
         for s in self.specs:
-            view = self.params[s.name]
+            view = self.master[s.name]
             if s.init in std:
                 host = rng.standard_normal(s.shape, dtype=np.float64) * std[s.init]
             else:
                 host = np.full(s.shape, 1.0 if s.init == "ones" else 0.0)
             upload(view, host)
+        self.sync_weights()
 
     def state_dict(self) -> dict:
-        """Parameter name -> host array (a copy), in model order."""
-        return {s.name: self.backend.asnumpy(self.params[s.name]).copy() for s in self.specs}
+        """Parameter name -> host array (a copy of the master weights), in model order."""
+        return {s.name: self.backend.asnumpy(self.master[s.name]).copy() for s in self.specs}
 
     def load_state_dict(self, state: dict) -> None:
-        load_params(self.params, state)
+        load_params(self.master, state)
+        self.sync_weights()
 
 
 
@@ -335,8 +390,11 @@ def ops_used(cfg) -> tuple[str, ...]:
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
           shared: dict | None = None, tf32: bool = False) -> GPT:
-    """Plan, allocate and record a model: the one call the trainer and sampler make."""
+    """Plan, allocate and record a model: the one call the trainer and sampler make.
+    `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy)."""
     arch = arch_of(cfg, lib)
+    if dtype == "bf16":
+        bf16.plan_dtype("bf16", lib.backend)
     plan = plan_model(arch, batch, seq, training=training, dtype=dtype,
                       workspace=lib.workspace_elements)
     check_fits(plan, lib.backend, shared)

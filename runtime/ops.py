@@ -21,7 +21,8 @@ outputs followed by the gradients; with `out=` the given arrays come back.
 
 bf16 on the GPU: CuPy has no bfloat16 dtype, so a bf16 tensor is a uint16 array holding
 the bf16 bit patterns (the top half of the float32 bits). `to_bf16` rounds float32 to
-nearest-even into that form and `from_bf16` widens it back exactly; a kernel's dtype
+nearest-even into that form and `from_bf16` widens it back exactly (runtime/bf16.py,
+with the runtime's other steps on bf16 arrays); a kernel's dtype
 (f32 or bf16) follows its first floating input. Compute inside kernels is fp32; per-row
 scalar outputs such as a loss stay float32 whatever the storage dtype. The numpy
 backend computes in float32 or float64 and has no bf16.
@@ -35,32 +36,10 @@ import numpy as np
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.backend import Backend
+from eulergen.runtime.bf16 import from_bf16, to_bf16  # noqa: F401  (part of this API)
 from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
 
 BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
-
-
-def _xp(a):
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-        return cupy
-    return np
-
-
-def to_bf16(a):
-    """float32 → bf16 bits (uint16), rounding to nearest, ties to even; NaN stays NaN."""
-    xp = _xp(a)
-    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
-    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16
-    # A NaN's payload may sit in the low half only; keep it a (quiet) NaN, not infinity.
-    nan = (bits & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
-    return xp.where(nan, (bits >> 16) | xp.uint32(0x40), rounded).astype(xp.uint16)
-
-
-def from_bf16(a):
-    """bf16 bits (uint16) → float32, exactly."""
-    xp = _xp(a)
-    return (xp.asarray(a, dtype=xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
 
 
 class OpLibrary:
@@ -91,14 +70,16 @@ class OpLibrary:
             hint += f"; {BUILTIN_MANIFEST} is missing: run `eulergen build`"
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
 
-    def workspace_elements(self, op: OpEntry, stage: str, shape, *, table_rows: int = 0) -> int:
-        """The float32 elements a `stage` call of `op` over inputs of `shape` needs from the
-        caller's `workspace=` on this backend (a memory plan asks): the CUDA kernels'
-        temporaries (cuda_ops.workspace_elements); numpy needs none."""
+    def workspace_elements(self, op: OpEntry, stage: str, shape, *, dtype: str = "f32",
+                           table_rows: int = 0) -> int:
+        """The float32 elements a `stage` call of `op` over `dtype` ("f32" | "bf16")
+        inputs of `shape` needs from the caller's `workspace=` on this backend (a memory
+        plan asks): the CUDA kernels' temporaries (cuda_ops.workspace_elements); numpy
+        needs none."""
         if not self._cuda:
             return 0
         from eulergen.runtime.cuda_ops import workspace_elements
-        return workspace_elements(op, stage, shape, table_rows=table_rows)
+        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows)
 
     def _entry(self, op: str | OpEntry) -> OpEntry:
         """A call's op: its name, looked up here, or its entry, resolved once by the caller."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eulergen.runtime import bf16
+
 
 @dataclass(frozen=True)
 class Grad:
@@ -53,6 +55,13 @@ class Tape:
     def adds(self, g: Grad) -> bool:
         return g.add or (g.param and self.accumulating)
 
+    def add(self, a, b, out) -> None:
+        """out = a + b in the storage dtype (bf16: widened, added in float32, rounded once)."""
+        if out.dtype == np.uint16:
+            bf16.add(a, b, out)
+        else:
+            self.xp.add(a, b, out=out)
+
     def scratch(self, shapes) -> list:
         """Consecutive views of the scratch workspace, one per shape, valid until the next call."""
         views, at = [], 0
@@ -81,13 +90,17 @@ def numpy_gemm(a, b, out, *, ta=False, tb=False, add=False) -> None:
 
 class CublasGemm:
     """out (+)= op(a) @ op(b) through cublasGemmEx, so that accumulation is cuBLAS's beta=1
-    (no temporary), with fp32 or TF32 tensor-core compute (training.tf32).
+    (no temporary). float32 arrays: fp32 or TF32 tensor-core compute (training.tf32);
+    bf16 arrays (uint16 bits, all three): bf16 operands, float32 accumulation and scaling
+    (CUBLAS_COMPUTE_32F), the result rounded once to bf16, as torch's autocast matmul.
 
     cuBLAS is column-major: a row-major [r, c] array is its column-major transpose, so
     C = A·B row-major is computed as Cᵀ = Bᵀ·Aᵀ with the operands swapped."""
 
     # cublas_api.h / library_types.h values, stable since CUDA 11
-    OP_N, OP_T, R_32F, COMPUTE_32F, COMPUTE_32F_FAST_TF32, GEMM_DEFAULT = 0, 1, 0, 68, 77, -1
+    OP_N, OP_T, R_32F, R_16BF, COMPUTE_32F, COMPUTE_32F_FAST_TF32, GEMM_DEFAULT = \
+        0, 1, 0, 14, 68, 77, -1
+    TYPES = {np.dtype(np.float32): R_32F, np.dtype(np.uint16): R_16BF}
 
     def __init__(self, gemm_ex, handle, tf32: bool):
         self.gemm_ex, self.handle = gemm_ex, handle
@@ -101,20 +114,25 @@ class CublasGemm:
         return cls(cublas.gemmEx, cupy.cuda.device.get_cublas_handle(), tf32)
 
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
+        kind = self.TYPES.get(out.dtype)
         for x in (a, b, out):
-            if x.ndim != 2 or x.strides[1] != 4 or x.dtype != np.float32:
-                raise ValueError(f"gemm wants 2-D float32 arrays with unit column stride, got "
-                                 f"{x.shape} {x.dtype} strides {x.strides}")
+            if (x.ndim != 2 or x.dtype != out.dtype or kind is None
+                    or x.strides[1] != x.dtype.itemsize):
+                raise ValueError(f"gemm wants 2-D float32 or bf16 (uint16) arrays of one dtype "
+                                 f"with unit column stride, got {x.shape} {x.dtype} strides "
+                                 f"{x.strides} (out: {out.dtype})")
         m, k = (a.shape[1], a.shape[0]) if ta else a.shape
         k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
         if k != k2 or out.shape != (m, n):
             raise ValueError(f"gemm shapes: op(a) {m}x{k}, op(b) {k2}x{n}, out {out.shape}")
+        size = out.dtype.itemsize
         self.gemm_ex(
             self.handle, self.OP_T if tb else self.OP_N, self.OP_T if ta else self.OP_N, n, m, k,
-            self.one.ctypes.data, b.data.ptr, self.R_32F, b.strides[0] // 4,
-            a.data.ptr, self.R_32F, a.strides[0] // 4,
-            (self.one if add else self.zero).ctypes.data, out.data.ptr, self.R_32F,
-            out.strides[0] // 4, self.compute, self.GEMM_DEFAULT)
+            self.one.ctypes.data, b.data.ptr, kind, b.strides[0] // size,
+            a.data.ptr, kind, a.strides[0] // size,
+            (self.one if add else self.zero).ctypes.data, out.data.ptr, kind,
+            out.strides[0] // size, self.compute if kind == self.R_32F else self.COMPUTE_32F,
+            self.GEMM_DEFAULT)
 
 
 def cublas_nrm2(x) -> float:
@@ -136,7 +154,10 @@ def cublas_nrm2(x) -> float:
 
 class Linear:
     """y = x @ w.T (+ b), torch's nn.Linear orientation. Backward: dx = dy @ w, dw = dy.T @ x,
-    db = 1ᵀ·dy (as a GEMM against a ones vector, so it is deterministic on cuBLAS too)."""
+    db = 1ᵀ·dy (as a GEMM against a ones vector, so it is deterministic on cuBLAS too).
+
+    In bf16 the bias is written first, as the rank-1 GEMM 1·b, and the product added to it
+    by the GEMM's beta = 1: x·wᵀ + b is summed in float32 and rounded once."""
 
     def __init__(self, x, w, y, dy, dx: Grad | None, dw: Grad, b=None, db: Grad | None = None,
                  ones=None):
@@ -145,6 +166,10 @@ class Linear:
         self.ones = ones    # [1, rows] of 1.0, planned
 
     def forward(self, tape: Tape) -> None:
+        if self.b is not None and self.y.dtype == np.uint16:
+            tape.gemm(self.ones, self.b.reshape(1, -1), self.y, ta=True)
+            tape.gemm(self.x, self.w, self.y, tb=True, add=True)
+            return
         tape.gemm(self.x, self.w, self.y, tb=True)
         if self.b is not None:
             tape.xp.add(self.y, self.b, out=self.y)
@@ -179,7 +204,7 @@ class Op:
                           workspace=tape.kernel_ws, **self.params)
         for g, t in zip(self.dins, targets):
             if t is not g.buf:
-                tape.xp.add(g.buf, t, out=g.buf)
+                tape.add(g.buf, t, g.buf)
 
 
 class Add:
@@ -191,7 +216,7 @@ class Add:
         self.a, self.b, self.out = a, b, out
 
     def forward(self, tape: Tape) -> None:
-        tape.xp.add(self.a, self.b, out=self.out)
+        tape.add(self.a, self.b, self.out)
 
     def backward(self, tape: Tape) -> None:
         pass

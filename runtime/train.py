@@ -19,7 +19,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
-from eulergen.runtime import budget, checkpoint, metrics, run_dir
+from eulergen.runtime import bf16, budget, checkpoint, metrics, run_dir
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
 from eulergen.runtime.memory import upload
@@ -45,6 +45,13 @@ def learning_rate(t: TrainingConfig, step: int) -> float:
     if t.schedule == "linear":
         return t.learning_rate - progress * (t.learning_rate - t.min_lr)
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.learning_rate - t.min_lr)
+
+
+def flops_per_token(a, seq_len: int) -> float:
+    """Training FLOPs per token of an Arch (runtime/metrics.py's count; the learned
+    position table is a lookup, no matmul)."""
+    matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
+    return metrics.flops_per_token(matmul_params, a.layers, a.heads, a.head_dim, seq_len)
 
 
 @dataclass
@@ -79,7 +86,9 @@ class SpikeGuard:
 
 class AdamW:
     """`lib.step("adamw", …)` over the flat parameter buffer: one launch over the decayed
-    matrices (laid out first by the planner), one over the rest with weight_decay 0."""
+    matrices (laid out first by the planner), one over the rest with weight_decay 0. The
+    float32 master weights and moments are updated (from bf16 gradients in a bf16 run:
+    the op's bf16 kernel), then the model's bf16 copy is refreshed from them."""
 
     def __init__(self, model: GPT, t: TrainingConfig):
         self.model, self.t = model, t
@@ -101,6 +110,7 @@ class AdamW:
         for (p, g, m, v), wd in self.groups:
             self.model.lib.step(self.op, p, g, m, v, lr=lr, step=self.updates, beta1=t.beta1,
                                 beta2=t.beta2, eps=t.adam_eps, weight_decay=wd)
+        self.model.sync_weights()
 
     def state_dict(self) -> dict:
         mem, out = self.model.mem, {}
@@ -141,7 +151,9 @@ class Trainer:
         t = cfg.training
         budget.check_config(cfg)
         arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
-        budget.check_fits(cfg, arch, lib.backend, lambda a: plan_model(a, t.batch_size, t.seq_len),
+        dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run
+        budget.check_fits(cfg, arch, lib.backend,
+                          lambda a: plan_model(a, t.batch_size, t.seq_len, dtype=dtype),
                           what="training", batch=("training.batch_size", t.batch_size,
                                                   TrainingConfig.batch_size))
         self.run_dir = Path(cfg.run_dir)
@@ -169,7 +181,7 @@ class Trainer:
             raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
                              f"{self.val_data.batches:,} of B={t.batch_size}, T={t.seq_len}",
                              key="training.eval_steps")
-        self.model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=t.tf32)
+        self.model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation)
         self.optim = AdamW(self.model, t)
         self.guard = SpikeGuard(t.spike_factor)
@@ -191,11 +203,9 @@ class Trainer:
         except BaseException:
             self.lock.release()
             raise
-        a = self.model.arch
-        matmul_params = param_count(a) - (0 if a.rope else a.max_seq * a.d)
-        self.flops_per_token = metrics.flops_per_token(matmul_params, a.layers, a.heads,
-                                                       a.head_dim, t.seq_len)
-        self.peak = metrics.peak_flops(lib.backend.device, "tf32" if t.tf32 else "fp32") \
+        self.flops_per_token = flops_per_token(self.model.arch, t.seq_len)
+        precision = "bf16" if dtype == "bf16" else "tf32" if t.tf32 else "fp32"
+        self.peak = metrics.peak_flops(lib.backend.device, precision) \
             if lib.backend.is_gpu else None
 
     # -- checkpoints -------------------------------------------------------------------
@@ -253,8 +263,7 @@ class Trainer:
         skip = self.guard.check(loss, norm)
         if skip is None:
             if t.grad_clip > 0 and norm > t.grad_clip:
-                g = model.mem.arenas["grads"]
-                model.xp.multiply(g, t.grad_clip / norm, out=g)
+                model.scale_grads(t.grad_clip / norm)
             self.optim.step(learning_rate(t, step))
         return loss, norm, skip
 

@@ -1,7 +1,9 @@
 """Resume on the GPU (`pytest -m gpu tests/gpu`): a run stopped after its checkpoint and
-resumed repeats the uninterrupted run's losses bit for bit. This holds only because every
-kernel on the path is deterministic (no float atomics: weight gradients, embedding and
-attention backward reduce in a fixed order) and cuBLAS runs the same algorithms."""
+resumed repeats the uninterrupted run's losses bit for bit, in fp32 and in bf16. This
+holds only because every kernel on the path is deterministic (no float atomics: weight
+gradients, embedding and attention backward reduce in a fixed order) and cuBLAS runs the
+same algorithms; in bf16 also because the checkpoint holds the float32 master weights and
+the bf16 copy is rounded from them, on resume as after every update."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +15,7 @@ from eulergen.runtime.train import Trainer, resume_config
 pytestmark = pytest.mark.gpu
 
 
-def _trainer(lib, shard, run_dir, preset, resume=False):
+def _trainer(lib, shard, run_dir, preset, dtype, resume=False):
     # head dim 64 (a size the flash kernels take); TF32 stays on, as a real run has it
     sets = [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
             f"model.preset={preset}", "model.vocab_size=256", "model.hidden_dim=128",
@@ -21,23 +23,69 @@ def _trainer(lib, shard, run_dir, preset, resume=False):
             "model.max_seq_len=128", "model.mlp_hidden=256", "training.batch_size=4",
             "training.seq_len=128", "training.total_steps=8", "training.warmup_steps=2",
             "training.eval_every=4", "training.eval_steps=2", "training.checkpoint_every=3",
-            "training.log_every=1", "training.sample_tokens=0", "training.device=cuda"]
+            "training.log_every=1", "training.sample_tokens=0", "training.device=cuda",
+            f"training.dtype={dtype}"]
     cfg = resume_config(run_dir) if resume else load_config(None, sets)
     return Trainer(cfg, lib, resume=resume, progress=False, tensorboard=False)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("preset", ["gpt2", "nanoeuler"])
-def test_gpu_resume_repeats_the_uninterrupted_losses_bitwise(libs, shard, tmp_path, preset):
+def test_gpu_resume_repeats_the_uninterrupted_losses_bitwise(libs, shard, tmp_path, preset,
+                                                             dtype):
     lib = libs[0]
-    straight = _trainer(lib, shard, tmp_path / "a", preset).run()
-    first = _trainer(lib, shard, tmp_path / "b", preset)
+    straight = _trainer(lib, shard, tmp_path / "a", preset, dtype).run()
+    first = _trainer(lib, shard, tmp_path / "b", preset, dtype)
     first.run(stop_after=5)                       # checkpoints at 3; steps 4-5 are lost
     assert first.result.losses == {s: straight.losses[s] for s in range(1, 6)}, \
         "two GPU runs with one seed must agree bit for bit"
     assert checkpoint.latest(tmp_path / "b").name == "ckpt_00000003"
-    resumed = _trainer(lib, shard, tmp_path / "b", preset, resume=True)
+    resumed = _trainer(lib, shard, tmp_path / "b", preset, dtype, resume=True)
     assert resumed.step == 3
     rest = resumed.run()
     assert list(rest.losses) == list(range(4, 9))
     assert {s: rest.losses[s] for s in range(4, 9)} == {s: straight.losses[s] for s in range(4, 9)}
     assert rest.val_losses[8] == straight.val_losses[8]
+
+
+def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard, tmp_path):
+    """`eulergen train --set training.dtype=bf16` killed by SIGKILL after a checkpoint and
+    resumed with --resume: its metrics equal an uninterrupted run's, step for step."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def sets(run_dir):
+        return [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
+                "model.vocab_size=256", "model.hidden_dim=128", "model.num_layers=2",
+                "model.num_heads=2", "model.max_seq_len=128", "model.mlp_hidden=256",
+                "training.batch_size=16", "training.seq_len=128", "training.total_steps=600",
+                "training.warmup_steps=10", "training.eval_every=0",
+                "training.checkpoint_every=20", "training.log_every=1",
+                "training.sample_tokens=0", "training.dtype=bf16"]
+
+    args = [sys.executable, "-c", "from eulergen.cli import main; main()", "train",
+            "--device", "cuda"]
+    straight = subprocess.run(args + [a for s in sets(tmp_path / "straight") for a in ("--set", s)],
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    proc = subprocess.Popen(args + [a for s in sets(tmp_path / "killed") for a in ("--set", s)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while checkpoint.latest(tmp_path / "killed") is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert checkpoint.latest(tmp_path / "killed") is not None and proc.poll() is None, \
+        "the run ended before it could be killed mid-way: give it more steps"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(args[:-2] + ["--resume", str(tmp_path / "killed")],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def losses(run):
+        return {r["step"]: r["train_loss"] for r in
+                map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
