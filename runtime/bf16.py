@@ -40,8 +40,11 @@ ELEMENTWISE = {
     "scale": ("uint16 a, float32 s", "uint16 y", "y = eg_round(eg_widen(a) * s)"),
 }
 # out[r] = ‖g[r, :]‖₂, summed in float32: (in, out, map, reduce, post map, identity) as
-# cupy.ReductionKernel takes them
-ROW_NORMS = ("uint16 g", "float32 s", "eg_widen(g) * eg_widen(g)", "a + b", "s = sqrtf(a)", "0")
+# cupy.ReductionKernel takes them. Its parameter names must not occur inside any other
+# identifier of the expressions: CuPy substitutes them as text (`g` in `eg_widen` and `s`
+# in `sqrtf` were rewritten, and NVRTC refused the result on the H200).
+ROW_NORMS = ("uint16 grad_bits", "float32 row_norm", "eg_widen(grad_bits) * eg_widen(grad_bits)",
+             "a + b", "row_norm = sqrtf(a)", "0")
 
 
 def plan_dtype(training_dtype: str, backend) -> str:

@@ -141,3 +141,18 @@ def test_the_cuda_row_norms_are_the_numpy_forms(snippets):
 def test_bits_are_the_patterns_a_fill_needs():
     from eulergen.runtime import bf16
     assert bf16.bits(1.0) == 0x3F80 and bf16.bits(-np.inf) == 0xFF80 and bf16.bits(0.0) == 0
+
+
+def test_no_kernel_parameter_name_occurs_inside_another_identifier():
+    """CuPy substitutes a ReductionKernel's parameter names into its expressions as text: a
+    name inside another identifier (`g` in `eg_widen`, `s` in `sqrtf`) is rewritten too, and
+    NVRTC refuses the kernel (seen on the H200). Every name occurs only as a whole word."""
+    import re
+
+    from eulergen.runtime import bf16
+    kernels = [(ins + ", " + outs, op) for ins, outs, op in bf16.ELEMENTWISE.values()]
+    kernels.append((bf16.ROW_NORMS[0] + ", " + bf16.ROW_NORMS[1], " ".join(bf16.ROW_NORMS[2:5])))
+    for params, code in kernels:
+        for name in (p.split()[-1] for p in params.split(",")):
+            identifiers = re.findall(r"[A-Za-z_]\w*", code)
+            assert not [w for w in identifiers if name in w and w != name], (name, code)
