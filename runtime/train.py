@@ -156,9 +156,7 @@ class Trainer:
                              file=str(self.run_dir))
         self.tokenizer = load_tokenizer(cfg.data)
         check_fits(self.tokenizer, cfg.model.vocab_size)
-        # as prepare refuses it: documents and samples end in it (an imported model's own
-        # tokenizer is taken as it is: eulergen's byte-level export names no end of text)
-        if self.tokenizer.eot is None and initial is None:
+        if self.tokenizer.eot is None:   # as prepare refuses it: documents and samples end in it
             raise EulerError(f"tokenizer {self.tokenizer.name} has no end-of-text token; the data "
                              "and the sampler end each document with one", key="data.tokenizer")
         self.train_data, self.val_data = make_loaders(cfg, cache_dir)

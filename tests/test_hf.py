@@ -254,6 +254,7 @@ def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib
                                               "tokenizer_config.json"}
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("héllo")["input_ids"] == list("héllo".encode())
+    assert (tok.eos_token, tok.eos_token_id) == (T.ENDOFTEXT, T.BYTE_EOT)
 
     result = cli.invoke(main, ["eval", str(run), "--data", "builtin:stdlib", "--batch-size", "2",
                                "--max-batches", "2", "--device", "numpy"])
