@@ -214,6 +214,18 @@ def _limit_blas_threads() -> None:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def _resume_import(run: Path):
+    """(imported weights, their record) for a resume of an --init-from run that has no
+    checkpoint yet (it restarts from those weights, not from its seed), else (None, None)."""
+    from eulergen.runtime import checkpoint, hf
+    from eulergen.runtime.train import recorded_init
+    source = recorded_init(run)
+    if source is None or checkpoint.latest(run) is not None:
+        return None, None
+    folder = Path(source["folder"])
+    return hf.load_folder(folder if folder.is_dir() else hf.locate(source["init_from"])), source
+
+
 @main.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path),
               help="NanoEuler JSON or YAML config (default: the built-in small model).")
@@ -235,7 +247,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer, resume_config
 
-    imported = None
+    imported = source = None
     if resume is not None:
         if config_path is not None or run_dir is not None or init_from is not None:
             raise EulerError("--resume continues a run with its saved config and weights: give "
@@ -243,10 +255,12 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
                              key="--resume")
         extra = [f"training.device={device}"] if device else []
         cfg = resume_config(resume, [*overrides, *extra])
+        imported, source = _resume_import(resume)
     elif init_from is not None:
         # read and checked in full before the run folder is touched
         from eulergen.runtime import hf
         imported = hf.load_folder(hf.locate(init_from))
+        source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
         given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device)
         sets = hf.run_overrides(imported, given, overrides)
         cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=True)
@@ -256,7 +270,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
         cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     lib = _library(cfg, ops_dirs, build=True)
     trainer = Trainer(cfg, lib, resume=resume is not None,
-                      initial=imported.params if imported else None)
+                      initial=imported.params if imported else None, init_from=source)
     t = cfg.training
     click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
                f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, memory plan "

@@ -29,6 +29,7 @@ from eulergen.runtime.sample import Sampler
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
 CONFIG_FILE = "config.json"
+INIT_FILE = "init_from.json"   # an --init-from run's weights: a resume before its first checkpoint
 STATE_KEYS = ("adam_updates", "spike_guard", "data", "config")   # what save() adds to state.json
 SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
@@ -136,7 +137,8 @@ class Trainer:
     total_steps (or `stop_after`, for tests that stop a run part way)."""
 
     def __init__(self, cfg: RunConfig, lib, *, resume: bool = False, progress: bool = True,
-                 tensorboard: bool = True, cache_dir=None, initial: dict | None = None):
+                 tensorboard: bool = True, cache_dir=None, initial: dict | None = None,
+                 init_from: dict | None = None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
         budget.check_config(cfg)
@@ -182,6 +184,8 @@ class Trainer:
         # held from the first write to the end of run(); the kernel drops it if we die
         self.lock = run_dir.RunLock(self.run_dir).acquire()
         try:
+            if init_from is not None:   # where `initial` came from (recorded_init reads it)
+                write_atomic(self.run_dir / INIT_FILE, json.dumps(init_from).encode())
             write_atomic(self.run_dir / CONFIG_FILE, json.dumps(as_dict(cfg), indent=1).encode())
             self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
                                             resume_step=self.step if resume else None,
@@ -329,3 +333,19 @@ def resume_config(run_dir: str | Path, overrides=()) -> RunConfig:
     if not path.is_file():
         raise EulerError(f"no {CONFIG_FILE}: not a run folder", file=str(run_dir))
     return load_config(path, [*overrides, f"run_dir={run_dir}"])
+
+
+def recorded_init(run_dir: str | Path) -> dict | None:
+    """What an --init-from run recorded of its weights' source (`init_from=` above), or None
+    for a run that started from its seed."""
+    path = Path(run_dir) / INIT_FILE
+    try:
+        record = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise EulerError(f"unreadable: {err}", file=str(path)) from None
+    if not (isinstance(record, dict) and all(isinstance(record.get(k), str)
+                                             for k in ("init_from", "folder"))):
+        raise EulerError("want {\"init_from\": …, \"folder\": …}", file=str(path))
+    return record
