@@ -193,7 +193,9 @@ def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_
 
 def _library(cfg, ops_dirs, *, build: bool):
     """The OpLibrary for a run: its ops regenerated first where stale (`build`), then the
-    built-in manifest and the user ops' manifests loaded over the chosen backend."""
+    built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
+    the kernels the disk cache lacks start compiling now, side by side, while the run
+    starts (runtime/compile.py prefetch): the first launches then find them compiled."""
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import ops_used
     from eulergen.runtime.ops import OpLibrary
@@ -202,7 +204,12 @@ def _library(cfg, ops_dirs, *, build: bool):
     if build:
         from eulergen.generator.build import ensure_built
         manifests = ensure_built(ops_used(cfg.model), ops_dirs) or []
-    return OpLibrary(get_backend(cfg.training.device), manifests)
+    lib = OpLibrary(get_backend(cfg.training.device), manifests)
+    if lib.backend.is_gpu:
+        from eulergen.runtime.compile import prefetch
+        # a name that is no op is left to arch_of, which names the config key at fault
+        prefetch(lib.ops[n] for n in (*ops_used(cfg.model), "embedding") if n in lib.ops)
+    return lib
 
 
 def _limit_blas_threads() -> None:
@@ -212,6 +219,18 @@ def _limit_blas_threads() -> None:
     import os
     if "numpy" not in sys.modules:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def _resume_import(run: Path):
+    """(imported weights, their record) for a resume of an --init-from run that has no
+    checkpoint yet (it restarts from those weights, not from its seed), else (None, None)."""
+    from eulergen.runtime import checkpoint, hf
+    from eulergen.runtime.train import recorded_init
+    source = recorded_init(run)
+    if source is None or checkpoint.latest(run) is not None:
+        return None, None
+    folder = Path(source["folder"])
+    return hf.load_folder(folder if folder.is_dir() else hf.locate(source["init_from"])), source
 
 
 @main.command()
@@ -235,7 +254,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer, resume_config
 
-    imported = None
+    imported = source = None
     if resume is not None:
         if config_path is not None or run_dir is not None or init_from is not None:
             raise EulerError("--resume continues a run with its saved config and weights: give "
@@ -243,10 +262,12 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
                              key="--resume")
         extra = [f"training.device={device}"] if device else []
         cfg = resume_config(resume, [*overrides, *extra])
+        imported, source = _resume_import(resume)
     elif init_from is not None:
         # read and checked in full before the run folder is touched
         from eulergen.runtime import hf
         imported = hf.load_folder(hf.locate(init_from))
+        source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
         given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device)
         sets = hf.run_overrides(imported, given, overrides)
         cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=True)
@@ -256,7 +277,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
         cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     lib = _library(cfg, ops_dirs, build=True)
     trainer = Trainer(cfg, lib, resume=resume is not None,
-                      initial=imported.params if imported else None)
+                      initial=imported.params if imported else None, init_from=source)
     t = cfg.training
     click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
                f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, {t.dtype}, memory plan "

@@ -263,8 +263,11 @@ def build_sets(ops_dirs=()) -> list[tuple[Path, dict[str, Path], bool]]:
     """(root, specs, with embedding) for generated/ and, when there are user ops, theirs."""
     from eulergen.generator import spec as spec_mod
     found = spec_mod.find_ops(ops_dirs)
-    builtin = {n: p for n, p in found.items() if _is_builtin(p)}
     user = {n: p for n, p in found.items() if not _is_builtin(p)}
+    # A user op with `override: true` wins at run time only (its manifest loads after the
+    # built-in one): generated/ keeps the built-in op it replaces, files and manifest entry.
+    builtin = {n: p for n, p in found.items() if _is_builtin(p)}
+    builtin |= {n: OPS_DIR / f"{n}.yaml" for n in user if (OPS_DIR / f"{n}.yaml").is_file()}
     sets = [(GENERATED_DIR, builtin, True)]
     if user:
         sets.append((user_build_dir(ops_dirs), user, False))

@@ -42,12 +42,12 @@ class AttentionKernels:
     @classmethod
     def from_op(cls, op) -> "AttentionKernels":
         """From a manifest OpEntry; the .cu is compiled (and cached) on first use."""
-        from eulergen.runtime.compile import compile_file
+        from eulergen.runtime.compile import compile_file, op_options
         compiled = []
 
         def function(name: str):
-            if not compiled:
-                compiled.append(compile_file(op.cuda))
+            if not compiled:   # with the key compile.prefetch computes for it
+                compiled.append(compile_file(op.cuda, op_options(op), op.template))
             return compiled[0].function(name)
         return cls(op.name, {k.name: k.geometry for k in op.kernels.values()}, dict(op.params),
                    function)

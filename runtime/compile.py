@@ -8,13 +8,23 @@ sha256(source, options, arch, NVRTC version), written to a temp file and renamed
 two processes compiling the same kernel at once each write a whole file and the last
 rename wins with identical bytes. CuPy is imported inside functions: this module
 imports, and its source handling is tested, on machines without CuPy.
+
+A cold cache costs one NVRTC compile per file, seconds each (an attention or row op's file
+holds a kernel per layout, dtype and head dim). `prefetch` starts those a run needs at once,
+on threads, before the first step, and `compile_file` waits for the one it is asked for:
+cupy_backends' nvrtc.compileProgram releases the GIL (`with nogil`) and NVRTC may be called
+from several threads at once, so the files compile side by side while the run starts.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import re
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from eulergen import cache_dir
@@ -119,6 +129,7 @@ def compile_error(src: Source, log: str) -> EulerError:
     return EulerError(f"NVRTC failed: {first} ({_origin(src)})", file=str(src.path))
 
 
+@lru_cache(maxsize=1)
 def _include_dirs() -> tuple[str, ...]:
     """The include folders for NVRTC: CuPy's own (its headers, the CCCL it bundles, and the
     CUDA headers it found), plus a folder holding cuda_bf16.h, which NVRTC does not carry
@@ -179,6 +190,7 @@ def compile_cubin(src: Source, arch: str, options: tuple[str, ...] = ()) -> byte
 
 
 _MODULES: dict[str, object] = {}
+_PENDING: dict[str, Future] = {}   # cache key -> its compile on a prefetch thread
 
 
 @dataclass(frozen=True)
@@ -202,12 +214,15 @@ def compile_file(path: str | Path, options: tuple[str, ...] = (), template: str 
     import cupy
     src = read_source(path, template)
     arch = device_arch()
-    key = cache_key(src.text, BASE_OPTIONS + tuple(options), arch, nvrtc_version())
-    cubin = kernel_cache_dir() / f"{src.path.stem}-sm{arch}-{key[:32]}.cubin"
+    key, cubin = cubin_path(src, options, arch)
     if key in _MODULES:
         return Compiled(_MODULES[key], key, cubin, "memory")
     how = "disk"
-    if not cubin.is_file():
+    pending = _PENDING.pop(key, None)
+    if pending is not None:
+        pending.result()   # its NVRTC error, if any, raises here as it would below
+        how = "compiled"
+    elif not cubin.is_file():
         write_atomic(cubin, compile_cubin(src, arch, options))
         how = "compiled"
     try:
@@ -225,6 +240,52 @@ def compile_file(path: str | Path, options: tuple[str, ...] = (), template: str 
     return Compiled(module, key, cubin, how)
 
 
+def cubin_path(src: Source, options: tuple[str, ...], arch: str) -> tuple[str, Path]:
+    """(cache key, cached cubin) of a source compiled with these options for sm_<arch>."""
+    key = cache_key(src.text, BASE_OPTIONS + tuple(options), arch, nvrtc_version())
+    return key, kernel_cache_dir() / f"{src.path.stem}-sm{arch}-{key[:32]}.cubin"
+
+
+def prefetch(ops, *, arch: str | None = None, workers: int | None = None) -> int:
+    """Start compiling, on background threads, the .cu of each op (manifest entries) that
+    neither this process nor the disk cache has; returns how many files. The largest go
+    first (they bound the wait). A compile_file of one of them waits for it; the threads
+    are daemons, so a run that stops before its first launch does not wait for them."""
+    arch = arch or device_arch()
+    jobs = {}
+    for op in ops:
+        if op.cuda is None:
+            continue
+        src = read_source(op.cuda, op.template)
+        options = op_options(op)
+        key, cubin = cubin_path(src, options, arch)
+        if key not in _MODULES and key not in _PENDING and not cubin.is_file():
+            jobs[key] = (src, options, cubin)
+    if not jobs:
+        return 0
+    _include_dirs()   # found (or refused) once, here, before any compile_file may wait
+    todo = queue.SimpleQueue()
+    for key, job in sorted(jobs.items(), key=lambda kj: -len(kj[1][0].text)):
+        _PENDING[key] = Future()
+        todo.put((*job, _PENDING[key]))
+
+    def work():
+        while True:
+            try:
+                src, options, cubin, done = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                write_atomic(cubin, compile_cubin(src, arch, options))
+                done.set_result(cubin)
+            except BaseException as err:   # handed to the compile_file that waits for it
+                done.set_exception(err)
+
+    for _ in range(min(len(jobs), workers or len(os.sched_getaffinity(0)))):
+        threading.Thread(target=work, name="eulergen-nvrtc", daemon=True).start()
+    return len(jobs)
+
+
 def op_options(op) -> tuple[str, ...]:
     """NVRTC options an op's manifest entry asks for: fast math only where its spec opted in
     (DESIGN.md: fast-math is off unless an op opts in)."""
@@ -234,8 +295,10 @@ def op_options(op) -> tuple[str, ...]:
 def compile_manifest(path: str | Path, progress=None) -> list[tuple[str, str]]:
     """Warm the cache for every op with CUDA in a manifest: [(op, 'memory'|'disk'|'compiled')]."""
     from eulergen.runtime.manifest import load_manifest
+    ops = sorted(load_manifest(path).ops.items())
+    prefetch(op for _, op in ops)
     done = []
-    for name, op in sorted(load_manifest(path).ops.items()):
+    for name, op in ops:
         if op.cuda is None:
             continue
         how = compile_file(op.cuda, op_options(op), op.template).from_cache

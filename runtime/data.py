@@ -15,6 +15,7 @@ import re
 import sys
 import sysconfig
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
@@ -242,13 +243,30 @@ class DataLoader:
 
 # -- builtin:stdlib -------------------------------------------------------------------------
 
-def stdlib_files() -> list[Path]:
+@lru_cache(maxsize=1)
+def stdlib_files() -> tuple[Path, ...]:
     """The standard library's own .py files, sorted by path relative to the stdlib root
-    (installed packages excluded), so the text is the same wherever this Python is."""
+    (installed packages excluded), so the text is the same wherever this Python is.
+    Installed packages are pruned, not walked: under a pyenv or system Python they hold
+    most of the tree, and every run's start walked them (benchmarks/RESULTS.md, Start-up)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    files = []
+    for folder, dirs, names in os.walk(root):   # like rglob: symlinked folders not entered
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+@lru_cache(maxsize=1)
+def _stdlib_key() -> str:
+    """What identifies the stdlib text: the Python version and every file's path and size
+    (once a process: a run asks for its train and val split)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256()
+    key.update(f"{sys.version}\nval every {STDLIB_VAL_EVERY}\n".encode())
+    for p in stdlib_files():
+        key.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
+    return key.hexdigest()
 
 
 def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
@@ -259,12 +277,7 @@ def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
     if len(files) < STDLIB_VAL_EVERY:
         raise EulerError(f"the Python standard library here has {len(files)} .py files, too few "
                          f"for builtin:stdlib", key="data.dataset")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    key = hashlib.sha256()
-    key.update(f"{sys.version}\nval every {STDLIB_VAL_EVERY}\n".encode())
-    for p in files:
-        key.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
-    folder = Path(cache_dir or eulergen.cache_dir()) / "data" / f"stdlib-{key.hexdigest()[:16]}"
+    folder = Path(cache_dir or eulergen.cache_dir()) / "data" / f"stdlib-{_stdlib_key()[:16]}"
     paths = {"train": folder / "train.bin", "val": folder / "val.bin"}
     if all(p.is_file() for p in paths.values()):
         return paths

@@ -168,9 +168,24 @@ def _tb_tag(key: str) -> str:
     return f"{group}/{key}"
 
 
-def _tb_writer(folder: Path, resume_step: int | None):
+def _import_summary_writer():
+    """tensorboardX's SummaryWriter, imported without torch: its writer module imports torch
+    when it can, only to accept torch tensors (we log floats), and that import was most of
+    a run's start (benchmarks/RESULTS.md, Start-up). A torch already loaded is used."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None   # `import torch` raises ImportError while this is here
     try:
         from tensorboardX import SummaryWriter
+        return SummaryWriter
+    finally:
+        del sys.modules["torch"]
+
+
+def _tb_writer(folder: Path, resume_step: int | None):
+    try:
+        SummaryWriter = _import_summary_writer()
     except ImportError:
         print("note: tensorboardX is not installed; no TensorBoard events (pip install tensorboardX)",
               file=sys.stderr)

@@ -273,12 +273,15 @@ def hf_tokenizer_json(tok: Tokenizer) -> bytes:
         return tok.to_json()
     if isinstance(tok, TiktokenTokenizer):
         return byte_level_bpe_json(tok.ranks(), {ENDOFTEXT: tok.eot})
-    # every byte its own id, no merges, no regex split: ids are the UTF-8 bytes
+    # every byte its own id, no merges, no regex split: ids are the UTF-8 bytes, but for
+    # byte 0, which never occurs in text: it is the end of text, named as GPT-2 names its own
     lib = _tokenizers("export")
     chars = _byte_chars()
-    hf = lib.Tokenizer(lib.models.BPE({chars[b]: b for b in range(256)}, []))
+    vocab = {chars[b]: b for b in range(256) if b != BYTE_EOT} | {ENDOFTEXT: BYTE_EOT}
+    hf = lib.Tokenizer(lib.models.BPE(vocab, []))
     hf.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = lib.decoders.ByteLevel()
+    hf.add_special_tokens([ENDOFTEXT])   # at its id in the vocab; decode leaves it out
     return hf.to_str(pretty=True).encode("utf-8")
 
 

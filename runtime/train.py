@@ -29,6 +29,7 @@ from eulergen.runtime.sample import Sampler
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
 CONFIG_FILE = "config.json"
+INIT_FILE = "init_from.json"   # an --init-from run's weights: a resume before its first checkpoint
 STATE_KEYS = ("adam_updates", "spike_guard", "data", "config")   # what save() adds to state.json
 SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
@@ -146,7 +147,8 @@ class Trainer:
     total_steps (or `stop_after`, for tests that stop a run part way)."""
 
     def __init__(self, cfg: RunConfig, lib, *, resume: bool = False, progress: bool = True,
-                 tensorboard: bool = True, cache_dir=None, initial: dict | None = None):
+                 tensorboard: bool = True, cache_dir=None, initial: dict | None = None,
+                 init_from: dict | None = None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
         budget.check_config(cfg)
@@ -168,9 +170,7 @@ class Trainer:
                              file=str(self.run_dir))
         self.tokenizer = load_tokenizer(cfg.data)
         check_fits(self.tokenizer, cfg.model.vocab_size)
-        # as prepare refuses it: documents and samples end in it (an imported model's own
-        # tokenizer is taken as it is: eulergen's byte-level export names no end of text)
-        if self.tokenizer.eot is None and initial is None:
+        if self.tokenizer.eot is None:   # as prepare refuses it: documents and samples end in it
             raise EulerError(f"tokenizer {self.tokenizer.name} has no end-of-text token; the data "
                              "and the sampler end each document with one", key="data.tokenizer")
         self.train_data, self.val_data = make_loaders(cfg, cache_dir)
@@ -196,6 +196,8 @@ class Trainer:
         # held from the first write to the end of run(); the kernel drops it if we die
         self.lock = run_dir.RunLock(self.run_dir).acquire()
         try:
+            if init_from is not None:   # where `initial` came from (recorded_init reads it)
+                write_atomic(self.run_dir / INIT_FILE, json.dumps(init_from).encode())
             write_atomic(self.run_dir / CONFIG_FILE, json.dumps(as_dict(cfg), indent=1).encode())
             self.logger = metrics.RunLogger(self.run_dir, t.total_steps,
                                             resume_step=self.step if resume else None,
@@ -340,3 +342,19 @@ def resume_config(run_dir: str | Path, overrides=()) -> RunConfig:
     if not path.is_file():
         raise EulerError(f"no {CONFIG_FILE}: not a run folder", file=str(run_dir))
     return load_config(path, [*overrides, f"run_dir={run_dir}"])
+
+
+def recorded_init(run_dir: str | Path) -> dict | None:
+    """What an --init-from run recorded of its weights' source (`init_from=` above), or None
+    for a run that started from its seed."""
+    path = Path(run_dir) / INIT_FILE
+    try:
+        record = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise EulerError(f"unreadable: {err}", file=str(path)) from None
+    if not (isinstance(record, dict) and all(isinstance(record.get(k), str)
+                                             for k in ("init_from", "folder"))):
+        raise EulerError("want {\"init_from\": …, \"folder\": …}", file=str(path))
+    return record

@@ -132,6 +132,17 @@ def test_user_ops_build_outside_the_package_and_only_the_edited_op_is_rederived(
     assert said == ["deriving mish"]
 
 
+def test_an_override_builds_into_the_user_set_and_the_builtin_set_keeps_its_op(
+        generated, tmp_path):
+    folder = tmp_path / "myops"
+    folder.mkdir()
+    (folder / "gelu.yaml").write_text((OPS_DIR / "gelu.yaml").read_text() + "override: true\n")
+    (builtin, in_package, _), (user, in_cache, embedding) = build.build_sets([folder])
+    assert builtin == generated and in_package["gelu"] == OPS_DIR / "gelu.yaml"
+    assert user.is_relative_to(tmp_path / "cache") and in_cache == {"gelu": folder / "gelu.yaml"}
+    assert not embedding
+
+
 def test_ensure_built_of_builtin_ops_needs_no_extra_manifest(generated, few_ops):
     assert build.ensure_built(["gelu"], ()) == []
     assert (generated / "manifest.json").exists()

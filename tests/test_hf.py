@@ -254,6 +254,7 @@ def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib
                                               "tokenizer_config.json"}
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("héllo")["input_ids"] == list("héllo".encode())
+    assert (tok.eos_token, tok.eos_token_id) == (T.ENDOFTEXT, T.BYTE_EOT)
 
     result = cli.invoke(main, ["eval", str(run), "--data", "builtin:stdlib", "--batch-size", "2",
                                "--max-batches", "2", "--device", "numpy"])
@@ -264,6 +265,38 @@ def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib
     result = cli.invoke(main, ["sample", str(out), "--prompt", "ab", "--max-new-tokens", "3",
                                "--device", "numpy"])
     assert result.exit_code == 0 and result.output.startswith("ab"), result.output
+
+
+def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_weights(
+        tmp_path_factory, tmp_path, monkeypatch):
+    from eulergen.runtime.train import Trainer
+    folder, _ = saved(tmp_path_factory, "gpt2", 256)
+    short = ["--device", "numpy", "--set", "training.total_steps=2", "--set",
+             "training.warmup_steps=1", "--set", "training.batch_size=2", "--set",
+             "training.eval_every=0", "--set", "training.sample_tokens=0"]
+    cli = CliRunner()
+
+    def first_loss(run):
+        return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["train_loss"]
+
+    whole = tmp_path / "whole"
+    assert cli.invoke(main, ["train", "--init-from", str(folder), "--run-dir", str(whole),
+                             *short]).exit_code == 0
+    killed = tmp_path / "killed"
+
+    def killed_at_the_first_step(self):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", killed_at_the_first_step)
+        cli.invoke(main, ["train", "--init-from", str(folder), "--run-dir", str(killed), *short])
+    assert (killed / "config.json").is_file() and not list(killed.glob("ckpt_*"))
+    result = cli.invoke(main, ["train", "--resume", str(killed), "--device", "numpy"])
+    assert result.exit_code == 0, result.output
+    assert first_loss(killed) == first_loss(whole)
+    fresh = tmp_path / "fresh"   # the same model from its seed: another first loss
+    keys = [f"--set=model.{k}={v}" for k, v in hf.load_folder(folder).model.items()]
+    assert cli.invoke(main, ["train", "--run-dir", str(fresh), *keys, *short]).exit_code == 0
+    assert first_loss(fresh) != first_loss(whole)
 
 
 def test_eval_is_the_mean_loss_transformers_gives(tmp_path_factory, tmp_path, lib):

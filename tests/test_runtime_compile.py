@@ -191,3 +191,123 @@ def test_a_damaged_cache_file_is_compiled_again_and_replaced(fake_compiler, tmp_
     again = cc.compile_file(path)
     assert again.from_cache == "compiled" and cubin.read_bytes()[:4] == b"\x7fELF"
     assert len(fake_compiler) == 2
+
+
+# -- prefetch: the files a run needs compile side by side, before the first launch ----------
+
+def test_prefetch_compiles_each_missing_file_once_and_compile_file_waits_for_it(
+        fake_compiler, tmp_path):
+    path = write(tmp_path)
+    other = tmp_path / "thrice.cu"
+    other.write_text(KERNEL.replace("twice", "thrice"))
+    ops = [_Op(path), _Op(other), _Op(path), _Op(other, fast_math=True), _Op(None)]
+    assert cc.prefetch(ops, arch="90") == 3         # twice, thrice, thrice with fast math
+    assert cc.prefetch(ops, arch="90") == 0         # in flight or done: not again
+    for op in ops[:4]:
+        assert cc.compile_file(op.cuda, cc.op_options(op)).from_cache in ("compiled", "memory")
+    assert sorted(fake_compiler) == [("thrice.cu", "90", ()), ("thrice.cu", "90", ("--use_fast_math",)),
+                                     ("twice.cu", "90", ())]
+    assert not cc._PENDING
+    cc._MODULES.clear()                             # the next run: all on disk
+    assert cc.prefetch(ops, arch="90") == 0
+    assert cc.compile_file(path).from_cache == "disk"
+
+
+class _Op:
+    """The fields of a manifest OpEntry that compiling reads."""
+
+    def __init__(self, cuda, fast_math=False):
+        self.cuda, self.fast_math, self.template = cuda, fast_math, ""
+
+
+def _ctypes_nvrtc(lib):
+    """cupy_backends.cuda.libs.nvrtc over the NVRTC library that ctypes loaded (as CuPy's
+    binding, ctypes lets go of the GIL during each call), counting the compiles in flight."""
+    import ctypes
+    import threading
+    import types
+
+    class NVRTCError(Exception):
+        pass
+
+    def check(status):
+        if status:
+            raise NVRTCError(status)
+
+    def create(src, name, headers, names):
+        prog = ctypes.c_void_p()
+        check(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None))
+        return prog
+
+    mod = types.SimpleNamespace(NVRTCError=NVRTCError, in_flight=0, most=0, lock=threading.Lock())
+
+    def compile_program(prog, options):
+        with mod.lock:
+            mod.in_flight += 1
+            mod.most = max(mod.most, mod.in_flight)
+        try:
+            opts = [o.encode() for o in options]
+            check(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)))
+        finally:
+            with mod.lock:
+                mod.in_flight -= 1
+
+    def read(size_fn, get_fn, prog):
+        size = ctypes.c_size_t()
+        check(size_fn(prog, ctypes.byref(size)))
+        buf = ctypes.create_string_buffer(size.value)
+        check(get_fn(prog, buf))
+        return buf.raw
+
+    mod.createProgram = create
+    mod.compileProgram = compile_program
+    mod.getProgramLog = lambda p: read(lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog,
+                                       p).rstrip(b"\0").decode()
+    mod.getCUBIN = lambda p: read(lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN, p)
+    mod.destroyProgram = lambda p: check(lib.nvrtcDestroyProgram(ctypes.byref(p)))
+    mod.getVersion = lambda: (13, 0)
+    return mod
+
+
+def test_prefetch_runs_real_nvrtc_side_by_side_for_a_runs_kernels(monkeypatch, tmp_path):
+    """The generated files of a small model's ops through the nvidia-cuda-nvrtc wheel's
+    NVRTC, two threads at once; then the lazy loads read every cubin from the disk cache."""
+    import sys
+    import types
+    from test_cuda_compile import nvrtc_library   # the wheel's or a toolkit's libnvrtc
+    lib = nvrtc_library()
+    if lib is None:
+        pytest.skip("no NVRTC library: pip install nvidia-cuda-nvrtc")
+    nvrtc = _ctypes_nvrtc(lib)
+    for name in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", nvrtc)
+    sys.modules["cupy_backends.cuda.libs"].nvrtc = nvrtc
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=_FakeRawModule))
+    monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cc, "device_arch", lambda: "90")
+    monkeypatch.setattr(cc, "_MODULES", {})
+    monkeypatch.setattr(cc, "_PENDING", {})
+    cc._include_dirs.cache_clear()
+
+    from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.ops import OpLibrary
+    ops = [OpLibrary(NUMPY).op(n) for n in ("gelu", "adamw", "silu")]   # silu: fast math
+    assert cc.prefetch(ops, arch="90", workers=2) == 3
+    got = [cc.compile_file(op.cuda, cc.op_options(op), op.template) for op in ops]
+    assert [c.from_cache for c in got] == ["compiled"] * 3
+    assert all(c.cubin.read_bytes()[:4] == b"\x7fELF" for c in got)
+    assert nvrtc.most == 2, "the compiles ran one after another"
+    cc._MODULES.clear()
+    assert cc.prefetch(ops, arch="90") == 0
+    assert [cc.compile_file(op.cuda, cc.op_options(op), op.template).from_cache
+            for op in ops] == ["disk"] * 3
+
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / cc.COMMON_HEADER).write_text(HEADER)
+    (bad / "twice.cu").write_text(KERNEL.replace("y[i] = eg_twice(x[i]);", "y[i] = eg_thrice(x[i]);"))
+    assert cc.prefetch([_Op(bad / "twice.cu")], arch="90") == 1
+    with pytest.raises(EulerError) as info:   # raised where the kernel is first wanted
+        cc.compile_file(bad / "twice.cu")
+    assert info.value.line == 6 and "eg_thrice" in str(info.value)

@@ -13,8 +13,9 @@ from eulergen.errors import EulerError
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.tokenizer import (ENDOFTEXT, ByteTokenizer, check_fits, load_tokenizer,
-                                        tokenizer_named, train_bpe)
+from eulergen.runtime.tokenizer import (ENDOFTEXT, ByteTokenizer, HFTokenizer, check_fits,
+                                        hf_tokenizer_json, load_tokenizer, tokenizer_named,
+                                        train_bpe)
 from eulergen.runtime.train import Trainer
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -39,6 +40,15 @@ def test_byte_tokenizer_round_trips_utf8_and_ends_documents_with_byte_0():
     tok = load_tokenizer(_data())
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256 and tok.eot == 0
     assert tok.decode(tok.encode(TEXT)) == TEXT
+
+
+def test_the_byte_tokenizer_exports_with_its_end_of_text_named(tmp_path):
+    (tmp_path / "tok.json").write_bytes(hf_tokenizer_json(ByteTokenizer()))
+    byte, back = ByteTokenizer(), HFTokenizer(tmp_path / "tok.json")
+    assert (back.vocab_size, back.eot) == (byte.vocab_size, byte.eot) == (256, 0)
+    assert back.encode(TEXT) == byte.encode(TEXT)
+    ids = byte.encode(TEXT) + [byte.eot] + byte.encode("end")
+    assert back.decode(ids) == byte.decode(ids) == TEXT + "end"
 
 
 def test_hf_tokenizer_json_with_its_end_of_text_id(tmp_path):

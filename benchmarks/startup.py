@@ -1,0 +1,90 @@
+"""Seconds from `eulergen train` to the end of its first step (issue 23's start-up target:
+≤ 5 s on a GPU with the other kernels cached and one op just edited, ≤ 15 s from a cold
+cache). Each measurement is a fresh process, timed from its launch.
+
+    python benchmarks/startup.py                      # warm cache, as a second run finds it
+    python benchmarks/startup.py --edit               # one op's YAML just edited
+    python benchmarks/startup.py --cold               # a fresh install: empty $EULERGEN_CACHE
+    python benchmarks/startup.py --device numpy --repeat 3
+
+--edit copies ops/gelu.yaml into a folder of its own with one constant changed (a new value
+each time, so it is always stale) and trains with `--ops DIR --set model.activation=<it>`:
+the generator derives it and the runtime compiles its kernels, every other op comes from
+the caches. --cold points EULERGEN_CACHE at a new empty folder (kernels, tokenized data).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from eulergen import OPS_DIR
+
+MARK = "eulergen-startup: first step done"
+# The child: `eulergen train`, with a print when the first train_step has finished.
+CHILD = f"""
+import sys
+from eulergen.runtime import train
+step = train.Trainer.train_step
+def first(self):
+    out = step(self)
+    self.lib.backend.synchronize()
+    if not getattr(self, "_startup_said", False):
+        self._startup_said = True
+        print({MARK!r}, file=sys.stderr, flush=True)
+    return out
+train.Trainer.train_step = first
+from eulergen.cli import main
+sys.argv = ["eulergen", "train", *sys.argv[1:]]
+main()
+"""
+
+
+def measure(args: list[str], env: dict) -> float:
+    started = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seconds, tail = None, []
+    for line in child.stderr:
+        if seconds is None and MARK in line:
+            seconds = time.perf_counter() - started
+        tail = (tail + [line])[-5:]
+    if child.wait() != 0 or seconds is None:
+        sys.exit("eulergen train failed:\n" + "".join(tail))
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "numpy"])
+    ap.add_argument("--edit", action="store_true", help="train on a just-edited copy of gelu")
+    ap.add_argument("--cold", action="store_true", help="an empty EULERGEN_CACHE")
+    ap.add_argument("--repeat", type=int, default=1)
+    opts = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="eulergen-startup-"))
+    for n in range(opts.repeat):
+        env = dict(os.environ)
+        args = ["--device", opts.device, "--run-dir", str(work / f"run{n}"),
+                "--set", "training.total_steps=1", "--set", "training.warmup_steps=1",
+                "--set", "training.eval_every=0", "--set", "training.sample_tokens=0"]
+        if opts.cold:
+            env["EULERGEN_CACHE"] = str(work / f"cache{n}")
+        if opts.edit:
+            ops = work / f"ops{n}"
+            ops.mkdir()
+            text = (OPS_DIR / "gelu.yaml").read_text().replace("name: gelu", "name: gelu_edit")
+            text = text.replace("0.044715", f"0.0447{random.randrange(10**6):06d}")
+            (ops / "gelu_edit.yaml").write_text(text)
+            args += ["--ops", str(ops), "--set", "model.activation=gelu_edit"]
+        what = ", ".join(w for w, on in (("cold cache", opts.cold), ("edited op", opts.edit)) if on)
+        print(f"{opts.device}{', ' + what if what else ', warm cache'}: "
+              f"first step done after {measure(args, env):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
