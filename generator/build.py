@@ -95,11 +95,11 @@ def _kernels(rendered: ir.RenderedCuda) -> dict:
 
 
 def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]:
-    from eulergen.generator import emit, numpy_module, render
+    from eulergen.generator import emit, numpy_module, plan_ops, render
     label = emit.spec_label(derived)
     template = render.template_of(derived)
     head = emit.header(label, derived.spec_sha256, template)
-    rendered = render.render_op(derived, head)
+    rendered = render.render_op(derived, plan_ops.plan_op(derived), head)
     cuda = rendered.source.encode()
     py = numpy_module.render_numpy_module(derived).encode()
     outputs = _operands(derived.outputs)
@@ -121,10 +121,11 @@ def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]
 
 
 def _render_embedding() -> tuple[dict, dict[str, bytes]]:
-    from eulergen.generator import emit, render
+    from eulergen.generator import emit, plan_ops, render
     src = TEMPLATES_DIR / "embedding.cu.j2"
     sha = _sha(src.read_bytes())
-    rendered = render.render_embedding(emit.header("templates/embedding.cu.j2", sha))
+    rendered = render.render_embedding(plan_ops.plan_embedding(),
+                                       emit.header("templates/embedding.cu.j2", sha))
     cuda = rendered.source.encode()
     entry = {
         "kind": "embedding", "spec": "templates/embedding.cu.j2", "spec_sha256": sha,

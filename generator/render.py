@@ -29,9 +29,9 @@ class Ptr:
     const: str   # "const " or ""
 
 
-def render_op(op: ir.DerivedOp, header_line: str) -> ir.RenderedCuda:
-    """The .cu text of one op and its kernel signatures (the manifest's `kernels`)."""
-    plan = plan_ops.plan_op(op)
+def render_op(op: ir.DerivedOp, plan, header_line: str) -> ir.RenderedCuda:
+    """The .cu text of one op, printed from its plan (plan_ops.plan_op), and the plan's kernel
+    signatures (the manifest's `kernels`)."""
     if op.kind == "attention":   # prints its own header line
         return render_attention(op, plan)
     render = {"row": render_row, "pointwise": _pointwise, "pair": _pair, "update": _update}
@@ -112,9 +112,9 @@ def _update(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCu
 
 # ---- embedding (a template with no spec) ---------------------------------------------
 
-def render_embedding(header_line: str) -> ir.RenderedCuda:
-    """Token/position embedding kernels; `{"kind": "embedding"}` in the manifest."""
-    plan = plan_ops.plan_embedding()
+def render_embedding(plan: plan_ops.EmbeddingPlan, header_line: str) -> ir.RenderedCuda:
+    """Token/position embedding kernels, printed from plan_ops.plan_embedding();
+    `{"kind": "embedding"}` in the manifest."""
     sig = lambda stage: plan.sig(stage, DTYPES[0])  # noqa: E731  (alike in each dtype)
     dtypes = [dict(d, sigs={k.stage: k for k in plan.sigs if k.dtype == d["name"]})
               for d in dtype_values(DTYPES)]

@@ -15,6 +15,8 @@ from eulergen.cli import main
 from eulergen.generator import build, plan, render, spec
 from eulergen.generator.derive import derive
 
+from rendering import planned
+
 MISH = """\
 name: mish
 kind: pointwise
@@ -150,7 +152,7 @@ def test_ensure_built_of_builtin_ops_needs_no_extra_manifest(generated, few_ops)
 
 def test_every_kernel_signature_carries_its_launch_geometry():
     for name in FEW:
-        rendered = render.render_op(derive(spec.load_op(name)), "header")
+        rendered = render.render_op(*planned(derive(spec.load_op(name))), "header")
         for k in rendered.kernels:
             assert launch.from_json(k.geometry.to_json()) == k.geometry, k.name
             assert k.geometry.threads % 32 == 0 and k.geometry.threads <= 1024, k.name
@@ -159,7 +161,7 @@ def test_every_kernel_signature_carries_its_launch_geometry():
 
 
 def test_row_op_has_its_layouts_fwdbwd_and_a_deterministic_weight_reduce():
-    ce = render.render_op(derive(spec.load_op("cross_entropy")), "header")
+    ce = render.render_op(*planned(derive(spec.load_op("cross_entropy"))), "header")
     stages = {(k.stage, k.geometry.shape, k.dtype) for k in ce.kernels}
     for dt in plan.DTYPES:
         layouts = ("warp_per_row", "block_per_row") + (("block_held",) if dt in plan.HELD_SLOTS
@@ -170,7 +172,7 @@ def test_row_op_has_its_layouts_fwdbwd_and_a_deterministic_weight_reduce():
     assert fused.geometry.dx_may_alias_x is True
     assert "atomicAdd" not in ce.source
 
-    norm = render.render_op(derive(spec.load_op("rmsnorm")), "header")
+    norm = render.render_op(*planned(derive(spec.load_op("rmsnorm"))), "header")
     reduce = next(k for k in norm.kernels if k.name == "rmsnorm_wgrad_reduce_f32")
     assert [a for a, _ in reduce.args] == ["partials", "dw", "num_partials", "cols", "accumulate"]
     bwd = next(k for k in norm.kernels if k.name == "rmsnorm_backward_f32")

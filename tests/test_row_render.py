@@ -20,6 +20,8 @@ from eulergen.generator.spec import load_spec
 from eulergen.runtime.compile import op_options
 from eulergen.runtime.manifest import load_manifest
 
+from rendering import planned
+
 MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
 ROW_KERNELS = [(op, k) for op in sorted(OPS) if OPS[op].kind == "row"
@@ -176,7 +178,7 @@ def _sweeps(source: str) -> list[tuple[str, str]]:
 def center_sweeps(tmp_path_factory) -> list[tuple[str, str]]:
     path = tmp_path_factory.mktemp("ops") / "center_scale.yaml"
     path.write_text(CENTER)
-    sweeps = _sweeps(render_op(derive(load_spec(path)), "header").source)
+    sweeps = _sweeps(render_op(*planned(derive(load_spec(path))), "header").source)
     kinds = [k for k, _ in sweeps]
     # forward, backward, and the split backward's rows kernel (plan.WGRAD_SPLIT_COLS)
     assert kinds.count("pass") >= 3 and kinds.count("per element") == 3, kinds
@@ -313,7 +315,7 @@ def test_a_stage_that_reads_no_online_sum_has_one_impl_for_both_layouts(tmp_path
           s: z * exp(m)
         domain: {x: [-10, 10]}
         """))
-    rendered = render_op(derive(load_spec(tmp_path / "sumexp.yaml")), "header")
+    rendered = render_op(*planned(derive(load_spec(tmp_path / "sumexp.yaml"))), "header")
     impls = re.findall(r"__device__ __forceinline__ void (\w+)\(", rendered.source)
     assert impls == ["sumexp_forward", "sumexp_forward_online", "sumexp_backward",
                      "sumexp_fwdbwd", "sumexp_fwdbwd_online"], impls
