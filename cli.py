@@ -263,9 +263,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, init_from,
                      ops_dirs)
         return
-    if rv is not None and resume is None and run_dir is None:
-        raise EulerError(f"{rv.world_size} ranks must share one run folder: give --run-dir "
-                         "(or --resume)", key="--run-dir")
+    # under a launcher every rank must name the same folder: the config's, not a fresh one
+    fresh = rv is None
 
     imported = source = None
     if resume is not None:
@@ -283,11 +282,11 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
         given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device)
         sets = hf.run_overrides(imported, given, overrides)
-        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=True)
+        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=fresh)
     else:
         # no run folder named: a new one per run, so running the same command twice works;
         # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
-        cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
+        cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=fresh)
     if rv is not None and cfg.training.device != "numpy":
         try:   # GPU LOCAL_RANK, before any kernel touches a device; no CuPy: numpy
             coll.select_gpu(rv)

@@ -186,3 +186,68 @@ def test_ranks_with_different_configs_stop_before_training(shard, tmp_path):
     assert all(isinstance(o, EulerError) for o in out), out
     assert "rank 1's config differs from rank 0's" in str(out[0])
     assert not (tmp_path / "r").exists()
+
+
+# -- processes: `train --nproc`, torchrun's variables, a killed rank ----------------------
+
+CLI = [sys.executable, "-m", "eulergen", "train", "--device", "numpy"]
+
+
+def _sets(shard, run_dir, batch, **training):
+    return [a for s in _cfg(shard, run_dir, batch, **training) for a in ("--set", s)]
+
+
+def _metrics_losses(run):
+    return {r["step"]: r["train_loss"] for r in
+            map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _env(**extra):
+    return {**os.environ, "PYTHONPATH": str(ROOT.parent), **extra}
+
+
+def _nproc_2(*args):
+    run = subprocess.run([*CLI, "--nproc", "2", *args], env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def test_train_nproc_2_matches_the_in_process_ranks(shard, tmp_path):
+    run = _nproc_2(*_sets(shard, tmp_path / "cli", 4))
+    assert "2 ranks x B=4" in run.stderr and run.stderr.count("eulergen train:") == 1
+    cli, threads = _metrics_losses(tmp_path / "cli"), _two_ranks(shard, tmp_path / "threads")
+    # not bits: the CLI's workers run OpenBLAS on one thread (cli.py), pytest may not
+    assert cli.keys() == threads.keys()
+    assert all(abs(cli[k] - threads[k]) <= 1e-6 * threads[k] for k in cli), (cli, threads)
+
+
+def test_a_killed_rank_stops_the_other_naming_it_and_resume_continues_the_run(shard, tmp_path):
+    steps = dict(total_steps=40, checkpoint_every=2)
+    _nproc_2(*_sets(shard, tmp_path / "straight", 4, **steps))
+    run, port = tmp_path / "killed", str(free_port())
+    procs = [subprocess.Popen([*CLI, *_sets(shard, run, 4, **steps)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                       EULERGEN_COLLECTIVE_TIMEOUT="20"))
+             for r in range(2)]
+    deadline = time.time() + 60
+    while not (run / "ckpt_00000002").is_dir() and time.time() < deadline:
+        time.sleep(0.02)
+    assert (run / "ckpt_00000002").is_dir() and procs[0].poll() is None
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].wait()
+    _, err = procs[0].communicate(timeout=30)   # well inside the collective's timeout
+    assert procs[0].returncode == 2, err   # the CLI's status for an EulerError
+    assert "rank 0: rank 1 left (connection closed) during all_reduce_sum" in err.splitlines()[-1]
+    _nproc_2("--resume", str(run))
+    assert _metrics_losses(run) == _metrics_losses(tmp_path / "straight")
+
+
+def test_nproc_under_a_launcher_is_one_line(shard, tmp_path):
+    env = _env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_PORT=str(free_port()))
+    run = subprocess.run([*CLI, "--nproc", "2", *_sets(shard, tmp_path / "a", 4)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "leave --nproc out" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
