@@ -288,10 +288,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
         cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=fresh)
     if rv is not None and cfg.training.device != "numpy":
-        try:   # GPU LOCAL_RANK, before any kernel touches a device; no CuPy: numpy
-            coll.select_gpu(rv)
-        except ImportError:
-            pass
+        coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
     lib = _library(cfg, ops_dirs, build=True)
     collective = coll.connect(rv, lib.backend) if rv is not None else None
     try:

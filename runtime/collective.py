@@ -59,7 +59,11 @@ class Rendezvous:
         port = _int_env(env, "MASTER_PORT", 0)
         if not 0 < port < 65536:
             raise EulerError(f"{port} is not a TCP port", key="MASTER_PORT")
-        timeout = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+        try:
+            timeout = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+        except ValueError:
+            raise EulerError(f"{env[TIMEOUT_ENV]!r} is not a number of seconds",
+                             key=TIMEOUT_ENV) from None
         return Rendezvous(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port, timeout)
 
 
@@ -92,6 +96,9 @@ class CpuCollective:
 
     def _serve(self, rv: Rendezvous) -> None:
         server = socket.socket()
+        # a rerun on the same port must not meet the last run's TIME_WAIT connections; a
+        # port another process listens on is still refused
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             server.bind(("", rv.master_port))
         except OSError as err:
@@ -303,10 +310,14 @@ class NcclCollective:
 
 def select_gpu(rv: Rendezvous) -> None:
     """Make GPU LOCAL_RANK current, before the backend or any kernel touches a device
-    (else every rank would open a context on GPU 0)."""
-    import cupy
-    visible = cupy.cuda.runtime.getDeviceCount()
-    if rv.local_rank >= visible:
+    (else every rank would open a context on GPU 0). No CuPy or no GPU: nothing to select
+    (get_backend then says so, or falls back to numpy)."""
+    try:
+        import cupy
+        visible = cupy.cuda.runtime.getDeviceCount()
+    except Exception:   # ImportError, or CUDARuntimeError without a driver
+        return
+    if 0 < visible <= rv.local_rank:
         raise EulerError(f"LOCAL_RANK {rv.local_rank} needs GPU {rv.local_rank}, but {visible} "
                          f"are visible: more ranks on this node than GPUs", key="WORLD_SIZE")
     cupy.cuda.Device(rv.local_rank).use()
