@@ -329,7 +329,8 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
                          f"{rv.rank} of {rv.world_size} (torchrun, srun): leave --nproc out",
                          key="--nproc")
     from eulergen.runtime.train import resume_config
-    cfg = resume_config(resume, [f"training.device={device}"] if device else []) if resume \
+    cfg = resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])]) \
+        if resume \
         else _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     run_dir = None if resume else cfg.run_dir
     check_gpus(nproc, cfg.training.device)
