@@ -13,6 +13,7 @@ double for the logic, and the store through which NCCL's unique id travels.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 import struct
@@ -209,12 +210,16 @@ class CpuCollective:
     def broadcast_bytes(self, data: bytes) -> bytes:
         return self._exchange(data, "broadcast", lambda ps: [ps[0]] * self.world_size)
 
-    def check_same(self, data: bytes, what: str) -> None:
-        """Every rank must hold the same `data` (its config): else one line naming a rank."""
+    def check_same(self, value: dict, what: str) -> None:
+        """Every rank must hold the same JSON-ready `value` (its config): else one line
+        naming a rank and the first key that differs."""
         def compare(ps):
             odd = next((r for r, p in enumerate(ps) if p != ps[0]), None)
-            verdict = b"" if odd is None else f"rank {odd}'s {what} differs from rank 0's".encode()
+            verdict = b"" if odd is None else (
+                f"rank {odd}'s {what} differs from rank 0's at "
+                f"{_difference(json.loads(ps[odd]), json.loads(ps[0]))}").encode()
             return [verdict] * self.world_size
+        data = json.dumps(value, sort_keys=True).encode()
         verdict = self._exchange(data, f"the {what} check", compare)
         if verdict:
             self.close()
@@ -228,6 +233,15 @@ class CpuCollective:
             if conn is not None:
                 conn.close()
         self._peers, self._hub = {}, None
+
+
+def _difference(theirs, ours, path: str = "") -> str:
+    """'key.path: theirs (rank 0: ours)' for the first key, in sorted order, that differs."""
+    if isinstance(theirs, dict) and isinstance(ours, dict):
+        for key in sorted(set(theirs) | set(ours)):
+            if theirs.get(key) != ours.get(key):
+                return _difference(theirs.get(key), ours.get(key), f"{path}{key}.")
+    return f"{path.rstrip('.')}: {theirs!r} (rank 0: {ours!r})"
 
 
 def _sum(payloads: list[bytes], dtype) -> np.ndarray:
@@ -296,8 +310,8 @@ class NcclCollective:
     def broadcast_bytes(self, data: bytes) -> bytes:
         return self.store.broadcast_bytes(data)
 
-    def check_same(self, data: bytes, what: str) -> None:
-        self.store.check_same(data, what)
+    def check_same(self, value: dict, what: str) -> None:
+        self.store.check_same(value, what)
 
     def barrier(self) -> None:
         self._cupy.cuda.get_current_stream().synchronize()

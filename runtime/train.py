@@ -159,7 +159,7 @@ class Trainer:
         self.writer = collective is None or collective.rank == 0   # owns the run folder
         ranks = collective.world_size if collective is not None else 1
         if collective is not None:   # before any work: every rank must train the same run
-            collective.check_same(json.dumps(as_dict(cfg), sort_keys=True).encode(), "config")
+            collective.check_same(as_dict(cfg), "config")
         budget.check_config(cfg)
         arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run

@@ -17,7 +17,8 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.collective import CpuCollective, Rendezvous, free_port
+from eulergen.runtime.collective import (CpuCollective, NcclCollective, Rendezvous, free_port,
+                                         select_gpu)
 from eulergen.runtime.config import load_config
 from eulergen.runtime.data import DataLoader
 from eulergen.runtime.ops import OpLibrary
@@ -103,6 +104,23 @@ def test_a_rank_that_never_starts_times_out_naming_it():
     assert "rank 1 did not arrive at the rendezvous within 0.5s" in str(out[0].value)
 
 
+def test_more_ranks_on_a_node_than_gpus_is_one_line(monkeypatch):
+    class Runtime:
+        @staticmethod
+        def getDeviceCount():
+            return 2
+    fake = type(sys)("cupy")
+    fake.cuda = type("cuda", (), {"runtime": Runtime})
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    with pytest.raises(EulerError, match="WORLD_SIZE: LOCAL_RANK 2 needs GPU 2, but 2 are visible"):
+        select_gpu(Rendezvous(2, 3, 2, "127.0.0.1", 1))
+
+
+def test_the_nccl_collective_offers_the_cpu_one_s_interface():
+    public = {n for n in vars(CpuCollective) if not n.startswith("_")}
+    assert public <= {n for n in vars(NcclCollective) if not n.startswith("_")}
+
+
 def test_a_busy_master_port_is_one_line():
     with __import__("socket").socket() as s:
         s.bind(("", 0))
@@ -184,7 +202,8 @@ def test_two_ranks_of_b_match_one_process_of_2b_and_repeat_bitwise(shard, tmp_pa
 def test_ranks_with_different_configs_stop_before_training(shard, tmp_path):
     out = _on_ranks(2, lambda c: _train(shard, tmp_path / "r", 4, c, seed=c.rank), timeout=20)
     assert all(isinstance(o, EulerError) for o in out), out
-    assert "rank 1's config differs from rank 0's" in str(out[0])
+    for err in out:
+        assert "rank 1's config differs from rank 0's at training.seed: 1 (rank 0: 0)" in str(err)
     assert not (tmp_path / "r").exists()
 
 
