@@ -246,13 +246,25 @@ def _resume_import(run: Path):
 @click.option("--init-from", metavar="PATH",
               help="Start from a transformers save_pretrained folder (GPT2LMHeadModel or "
                    "LlamaForCausalLM) or a Hub id such as gpt2; the model config is its config.json.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel ranks on this machine, one per GPU on CuPy (training.batch_size "
+                   "is each rank's); under torchrun or srun leave it out.")
 @ops_option
-def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) -> None:
+def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, nproc) -> None:
     """Train a GPT on generated kernels (no arguments: a small byte-level model on the
     standard library's source, a few minutes on a CPU)."""
     _limit_blas_threads()
+    from eulergen.runtime import collective as coll
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer, resume_config
+
+    rv = coll.Rendezvous.from_env()
+    if nproc > 1:
+        _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, init_from,
+                     ops_dirs)
+        return
+    # under a launcher every rank must name the same folder: the config's, not a fresh one
+    fresh = rv is None
 
     imported = source = None
     if resume is not None:
@@ -270,20 +282,33 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
         source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
         given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device)
         sets = hf.run_overrides(imported, given, overrides)
-        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=True)
+        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=fresh)
     else:
         # no run folder named: a new one per run, so running the same command twice works;
         # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
-        cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
+        cfg = _run_config(config_path, overrides, run_dir, device, fresh_run_dir=fresh)
+    if rv is not None and cfg.training.device != "numpy":
+        coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
     lib = _library(cfg, ops_dirs, build=True)
-    trainer = Trainer(cfg, lib, resume=resume is not None,
-                      initial=imported.params if imported else None, init_from=source)
-    t = cfg.training
-    click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} parameters, "
-               f"B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, {t.dtype}, memory plan "
-               f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
-               + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
-    result = trainer.run()
+    collective = coll.connect(rv, lib.backend) if rv is not None else None
+    try:
+        trainer = Trainer(cfg, lib, resume=resume is not None,
+                          initial=imported.params if imported else None, init_from=source,
+                          collective=collective)
+        if rv is not None and rv.rank:
+            trainer.run()   # rank 0 reports
+            return
+        t = cfg.training
+        ranks = f"{rv.world_size} ranks x " if rv is not None else ""
+        click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} "
+                   f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
+                   f"{t.dtype}, memory plan {format_bytes(trainer.model.mem.plan.total_bytes)}, "
+                   f"run {cfg.run_dir}"
+                   + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
+        result = trainer.run()
+    finally:
+        if collective is not None:
+            collective.close()
     if result.val_losses:
         steps = sorted(result.val_losses)
         click.echo(f"val loss {result.val_losses[steps[0]]:.4f} (step {steps[0]}) -> "
@@ -292,6 +317,33 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs) 
         click.echo(f"updates skipped by the spike guard at steps {result.skipped}")
     click.echo(f"run folder {cfg.run_dir} (continue it: eulergen train --resume {cfg.run_dir} "
                "--set training.total_steps=N)")
+
+
+def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, init_from,
+                 ops_dirs) -> None:
+    """--nproc: one run folder named here (each rank would otherwise pick its own), the GPU
+    count checked, then the ranks as `python -m eulergen train` (runtime/workers.py)."""
+    from eulergen.runtime.workers import check_gpus, run_workers
+    if rv is not None:
+        raise EulerError(f"--nproc starts its own ranks, but this process is already rank "
+                         f"{rv.rank} of {rv.world_size} (torchrun, srun): leave --nproc out",
+                         key="--nproc")
+    from eulergen.runtime.train import resume_config
+    cfg = resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])]) \
+        if resume \
+        else _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
+    run_dir = None if resume else cfg.run_dir
+    check_gpus(nproc, cfg.training.device)
+    args = [*(["--config", str(config_path)] if config_path else []),
+            *(a for o in overrides for a in ("--set", o)),
+            *(["--resume", str(resume)] if resume else []),
+            *(["--run-dir", str(run_dir)] if run_dir else []),
+            *(["--device", device] if device else []),
+            *(["--init-from", init_from] if init_from else []),
+            *(a for d in ops_dirs for a in ("--ops", str(d)))]
+    status = run_workers(nproc, args)
+    if status:
+        raise SystemExit(status)
 
 
 @main.command()

@@ -141,26 +141,34 @@ class DataLoader:
     (seed, epoch, shard), so a batch's rows come from all over the shard and a saved
     `state()` restores the exact stream without storing any generator state. Without
     shuffle (validation), shards and rows go in file order: B·T contiguous tokens a batch.
-    The rows left over at the end of a shard (fewer than B) are skipped."""
+    The rows left over at the end of a shard (fewer than B) are skipped.
+
+    Data-parallel (`world_size` N > 1): the stream is that of one loader of batch N·B, and
+    rank r takes rows r·B..(r+1)·B of each of its batches, so N ranks see together exactly
+    what one process of batch N·B sees, and the position (the same on every rank) is the
+    global one, from which each rank's follows."""
 
     def __init__(self, pattern: str, batch_size: int, seq_len: int, seed: int = 0,
                  position: dict | None = None, *, shuffle: bool = True,
                  cache_dir: str | Path | None = None, split: str = "train",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, rank: int = 0, world_size: int = 1):
         self.pattern = pattern
         self.vocab_size = vocab_size
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
+        self.rank, self.world_size = rank, world_size
         self.files = resolve_files(pattern, cache_dir, split)
         self.shards = [open_tokens(f) for f in self.files]
         self._rows = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
-        self._batches = [rows // batch_size for rows in self._rows]
+        self._batches = [rows // (batch_size * world_size) for rows in self._rows]
         if not any(self._batches):
             raise EulerError(f"too few tokens for one batch: the largest file holds "
                              f"{max(len(s) for s in self.shards)}, a batch needs "
-                             f"B*T+1 = {batch_size * seq_len + 1}", file=pattern)
+                             f"B*T+1 = {batch_size * world_size * seq_len + 1}"
+                             + (f" (B = {world_size} ranks x {batch_size})" if world_size > 1 else ""),
+                             file=pattern)
         self._position = DataPosition()
         self._shard_order: np.ndarray | None = None
         self._row_order: tuple[tuple[int, int], np.ndarray] | None = None  # ((epoch, shard), rows)
@@ -178,12 +186,17 @@ class DataLoader:
 
     def state(self) -> dict[str, int]:
         """JSON-ready position of the next batch; restore() continues from it exactly."""
-        return {**self._position.to_dict(), "seed": self.seed}
+        ranks = {"world_size": self.world_size} if self.world_size > 1 else {}
+        return {**self._position.to_dict(), "seed": self.seed, **ranks}
 
     def restore(self, state: dict) -> None:
         if state.get("seed", self.seed) != self.seed:
             raise EulerError(f"data position was saved with seed {state['seed']}, "
                              f"this loader has seed {self.seed}", key="data")
+        if state.get("world_size", 1) != self.world_size:
+            # the position counts global batches of world_size x B rows
+            raise EulerError(f"data position was saved by {state['world_size']} ranks, this run "
+                             f"has {self.world_size}: resume with as many", key="data")
         position = DataPosition(int(state["epoch"]), int(state["shard"]), int(state["batch"]))
         if position.shard >= len(self.shards):
             raise EulerError(f"data position names shard {position.shard}, but {self.pattern} "
@@ -207,7 +220,8 @@ class DataLoader:
             self._move(pos)
         shard = self._shard(pos)
         B, T = self.batch_size, self.seq_len
-        rows = self._rows_of(pos)[pos.batch * B:(pos.batch + 1) * B]
+        first = (pos.batch * self.world_size + self.rank) * B
+        rows = self._rows_of(pos)[first:first + B]
         tokens = self.shards[shard]
         chunk = np.stack([np.asarray(tokens[r * T:r * T + T + 1], dtype=np.int32) for r in rows])
         if self.vocab_size is not None and int(chunk.max()) >= self.vocab_size:
@@ -292,12 +306,14 @@ def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:
     return paths
 
 
-def make_loaders(cfg, cache_dir: str | Path | None = None) -> tuple[DataLoader, DataLoader | None]:
-    """The run's train loader (shuffled by the seed) and val loader (file order, or None
-    when the config names no validation set) for a RunConfig."""
+def make_loaders(cfg, cache_dir: str | Path | None = None, *, rank: int = 0,
+                 world_size: int = 1) -> tuple[DataLoader, DataLoader | None]:
+    """The run's train loader (shuffled by the seed; rank `rank`'s slice of each global
+    batch) and val loader (file order, or None when the config names no validation set)
+    for a RunConfig."""
     t, vocab = cfg.training, cfg.model.vocab_size
-    train = DataLoader(cfg.data.dataset, t.batch_size, t.seq_len, t.seed,
-                       cache_dir=cache_dir, split="train", vocab_size=vocab)
+    train = DataLoader(cfg.data.dataset, t.batch_size, t.seq_len, t.seed, cache_dir=cache_dir,
+                       split="train", vocab_size=vocab, rank=rank, world_size=world_size)
     val = None
     if cfg.data.val_dataset is not None:
         val = DataLoader(cfg.data.val_dataset, t.batch_size, t.seq_len, t.seed, shuffle=False,

@@ -5,6 +5,10 @@ Determinism: the weights come from the seed, batches from the seed and the data
 position, and nothing else draws a random number, so a run resumed from a checkpoint
 (weights, AdamW moments, data position, spike-guard state, step) repeats the
 uninterrupted run's losses bit for bit on numpy.
+
+Data-parallel (a `collective` of N ranks, runtime/collective.py): each rank reads its
+slice of the global batch, the grads arena is summed over ranks and divided by N after
+backward, the loss is averaged for logging; rank 0 alone writes the run folder.
 """
 from __future__ import annotations
 
@@ -148,18 +152,27 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, lib, *, resume: bool = False, progress: bool = True,
                  tensorboard: bool = True, cache_dir=None, initial: dict | None = None,
-                 init_from: dict | None = None):
+                 init_from: dict | None = None, collective=None):
         self.cfg, self.lib = cfg, lib
         t = cfg.training
+        self.collective = collective
+        self.writer = collective is None or collective.rank == 0   # owns the run folder
+        ranks = collective.world_size if collective is not None else 1
+        if collective is not None:   # before any work: every rank must train the same run
+            collective.check_same(as_dict(cfg), "config")
         budget.check_config(cfg)
         arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run
+        if ranks > 1 and dtype == "bf16":
+            raise EulerError("data-parallel training reduces float32 gradients; bf16 over "
+                             f"{ranks} ranks is not implemented yet", key="training.dtype")
         budget.check_fits(cfg, arch, lib.backend,
                           lambda a: plan_model(a, t.batch_size, t.seq_len, dtype=dtype),
                           what="training", batch=("training.batch_size", t.batch_size,
                                                   TrainingConfig.batch_size))
         self.run_dir = Path(cfg.run_dir)
-        run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
+        if self.writer:   # the other ranks only read it (rank 0 may hold its lock already)
+            run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
         ckpt = checkpoint.latest(self.run_dir) if resume else None
         if resume and ckpt is None and not (self.run_dir / CONFIG_FILE).is_file():
             raise EulerError("nothing to resume: no config.json or checkpoint here",
@@ -173,7 +186,8 @@ class Trainer:
         if self.tokenizer.eot is None:   # as prepare refuses it: documents and samples end in it
             raise EulerError(f"tokenizer {self.tokenizer.name} has no end-of-text token; the data "
                              "and the sampler end each document with one", key="data.tokenizer")
-        self.train_data, self.val_data = make_loaders(cfg, cache_dir)
+        self.train_data, self.val_data = make_loaders(
+            cfg, cache_dir, rank=collective.rank if collective else 0, world_size=ranks)
         for loader in filter(None, (self.train_data, self.val_data)):
             check_prepared_with(loader.files, self.tokenizer)
         if self.val_data is not None and t.eval_every and t.eval_steps > self.val_data.batches:
@@ -193,6 +207,17 @@ class Trainer:
             self.model.load_state_dict(initial)
         else:
             self.model.init_weights(t.seed)
+        if not self.writer:
+            self.lock, self.logger = None, _Quiet()
+        else:
+            self._open_run_folder(resume, tensorboard, progress, init_from)
+        self.flops_per_token = flops_per_token(self.model.arch, t.seq_len)
+        precision = "bf16" if dtype == "bf16" else "tf32" if t.tf32 else "fp32"
+        self.peak = metrics.peak_flops(lib.backend.device, precision) \
+            if lib.backend.is_gpu else None
+
+    def _open_run_folder(self, resume, tensorboard, progress, init_from) -> None:
+        cfg, t = self.cfg, self.cfg.training
         # held from the first write to the end of run(); the kernel drops it if we die
         self.lock = run_dir.RunLock(self.run_dir).acquire()
         try:
@@ -205,10 +230,6 @@ class Trainer:
         except BaseException:
             self.lock.release()
             raise
-        self.flops_per_token = flops_per_token(self.model.arch, t.seq_len)
-        precision = "bf16" if dtype == "bf16" else "tf32" if t.tf32 else "fp32"
-        self.peak = metrics.peak_flops(lib.backend.device, precision) \
-            if lib.backend.is_gpu else None
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -254,6 +275,8 @@ class Trainer:
             # the host read of the loss is the one synchronisation of a micro-step
             total += float(model.loss_and_grad(accumulate=micro > 0)[0])
         loss = total / t.gradient_accumulation
+        if self.collective is not None:
+            loss = self._average_over_ranks(loss)
         norm = self.model.grad_norm()
         step = self.step + 1
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -269,8 +292,18 @@ class Trainer:
             self.optim.step(learning_rate(t, step))
         return loss, norm, skip
 
+    def _average_over_ranks(self, loss: float) -> float:
+        """The global batch's gradient and loss: each rank's summed over ranks (in rank
+        order on the CPU), then divided by N, the same bits on every rank."""
+        n = self.collective.world_size
+        self.collective.all_reduce_sum(self.model.mem.arenas["grads"])
+        self.model.scale_grads(1.0 / n)
+        losses = self.lib.backend.asarray(np.array([loss], dtype=np.float32))
+        self.collective.all_reduce_sum(losses)
+        return float(self.lib.backend.asnumpy(losses)[0]) / n
+
     def evaluate(self) -> float | None:
-        if self.val_data is None:
+        if self.val_data is None or not self.writer:   # only rank 0 logs it
             return None
         self.val_data.reset()
         losses = []
@@ -309,17 +342,18 @@ class Trainer:
                         record["val_loss"] = val
                 if record:
                     self.logger.log(self.step, **record)
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) \
-                        or self.step == t.total_steps:
+                if self.writer and ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
+                                    or self.step == t.total_steps):
                     self.save()
-            if self.step == t.total_steps and t.sample_tokens:
+            if self.step == t.total_steps and t.sample_tokens and self.writer:
                 self.result.sample = self.sample(t.sample_tokens)
                 self.logger.print(f"sample:\n{self.result.sample}")
-            if self.result.losses and importlib.util.find_spec("matplotlib") is not None:
+            if self.writer and self.result.losses and importlib.util.find_spec("matplotlib"):
                 metrics.plot_run(self.run_dir)   # a convenience: no matplotlib, no PNG
         finally:
             self.logger.close()
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
         return self.result
 
     def sample(self, n: int) -> str:
@@ -333,6 +367,19 @@ class Trainer:
         if self.tokenizer.vocab_size < self.cfg.model.vocab_size:
             return " ".join(map(str, ids))
         return self.tokenizer.decode(list(prompt) + list(ids))
+
+
+class _Quiet:
+    """The logger of a rank other than 0: rank 0 alone writes metrics and progress."""
+
+    def log(self, step: int, **values) -> dict:
+        return values
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def resume_config(run_dir: str | Path, overrides=()) -> RunConfig:
