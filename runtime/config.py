@@ -21,6 +21,7 @@ import yaml
 
 from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError, suggest
+from eulergen.runtime.tokenizer import tokenizer_file
 from eulergen.userfiles import compose_yaml, construct_yaml, load_json, load_yaml, read_text
 
 
@@ -212,19 +213,14 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     file = str(path)
     root = None
     if path.suffix == ".json":
+        # read as YAML too, for positions (where that fails, none) and so that a key
+        # given twice is named with both its lines
         try:
-            data = load_json(text, file)
-        except EulerError as err:
-            try:   # a key given twice: read as YAML, the message names both lines
-                compose_yaml(text, file)
-            except EulerError as twice:
-                if "given twice" in twice.message:
-                    raise twice from None
-            raise err from None
-        try:   # JSON is read again as YAML just for positions (where that fails, none)
             root = compose_yaml(text, file)
-        except EulerError:
-            pass
+        except EulerError as err:
+            if "given twice" in err.message:
+                raise
+        data = load_json(text, file)
     else:
         root = compose_yaml(text, file)
         data = None if root is None else construct_yaml(root, file)
@@ -366,7 +362,7 @@ def _resolve_data(given: dict[str, Any], fail) -> dict[str, Any]:
                  "name different tokenizers: give one of them")
         data["tokenizer"] = path
     if data["tokenizer"] not in TOKENIZER_KINDS and Path(data["tokenizer"]).is_dir():
-        data["tokenizer"] = str(Path(data["tokenizer"]) / "tokenizer.json")   # an HF folder
+        data["tokenizer"] = str(tokenizer_file(data["tokenizer"]))   # an HF folder
     if "val_dataset" not in given:
         data["val_dataset"] = derive_val_dataset(data["dataset"])
     return data
