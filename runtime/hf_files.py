@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.runtime.tokenizer import HF_TOKENIZER_FILE
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.json"
+TOKENIZER = HF_TOKENIZER_FILE
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
            "F64": np.dtype("<f8")}
 _MAX_HEADER = 100 << 20   # the format's own limit on the JSON header
