@@ -188,8 +188,9 @@ class Trainer:
                              "and the sampler end each document with one", key="data.tokenizer")
         self.train_data, self.val_data = make_loaders(
             cfg, cache_dir, rank=collective.rank if collective else 0, world_size=ranks)
-        for loader in filter(None, (self.train_data, self.val_data)):
-            check_prepared_with(loader.files, self.tokenizer)
+        # one pass over the folders of both splits: they are mostly one prepared folder
+        check_prepared_with([*self.train_data.files, *(self.val_data.files if self.val_data
+                                                       else ())], self.tokenizer)
         if self.val_data is not None and t.eval_every and t.eval_steps > self.val_data.batches:
             # more would only repeat the set, each evaluation taking that much longer
             raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
