@@ -191,6 +191,12 @@ def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_
     return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir)
 
 
+def _resume_config(resume, overrides, device):
+    """A resumed run's saved config, with the --set overrides and --device."""
+    from eulergen.runtime.train import resume_config
+    return resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])])
+
+
 def _library(cfg, ops_dirs, *, build: bool):
     """The OpLibrary for a run: its ops regenerated first where stale (`build`), then the
     built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
@@ -256,7 +262,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     _limit_blas_threads()
     from eulergen.runtime import collective as coll
     from eulergen.runtime.memory import format_bytes
-    from eulergen.runtime.train import Trainer, resume_config
+    from eulergen.runtime.train import Trainer
 
     rv = coll.Rendezvous.from_env()
     if nproc > 1:
@@ -272,8 +278,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
             raise EulerError("--resume continues a run with its saved config and weights: give "
                              "--set overrides, not --config, --run-dir or --init-from",
                              key="--resume")
-        extra = [f"training.device={device}"] if device else []
-        cfg = resume_config(resume, [*overrides, *extra])
+        cfg = _resume_config(resume, overrides, device)
         imported, source = _resume_import(resume)
     elif init_from is not None:
         # read and checked in full before the run folder is touched
@@ -328,9 +333,7 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
         raise EulerError(f"--nproc starts its own ranks, but this process is already rank "
                          f"{rv.rank} of {rv.world_size} (torchrun, srun): leave --nproc out",
                          key="--nproc")
-    from eulergen.runtime.train import resume_config
-    cfg = resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])]) \
-        if resume \
+    cfg = _resume_config(resume, overrides, device) if resume \
         else _run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     run_dir = None if resume else cfg.run_dir
     check_gpus(nproc, cfg.training.device)
