@@ -23,6 +23,7 @@ from eulergen.runtime.config import load_config
 from eulergen.runtime.data import DataLoader
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.train import Trainer
+from runs import losses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,11 +217,6 @@ def _sets(shard, run_dir, batch, **training):
     return [a for s in _cfg(shard, run_dir, batch, **training) for a in ("--set", s)]
 
 
-def _metrics_losses(run):
-    return {r["step"]: r["train_loss"] for r in
-            map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-
-
 def _env(**extra):
     return {**os.environ, "PYTHONPATH": str(ROOT.parent), **extra}
 
@@ -235,7 +231,7 @@ def _nproc_2(*args):
 def test_train_nproc_2_matches_the_in_process_ranks(shard, tmp_path):
     run = _nproc_2(*_sets(shard, tmp_path / "cli", 4))
     assert "2 ranks x B=4" in run.stderr and run.stderr.count("eulergen train:") == 1
-    cli, threads = _metrics_losses(tmp_path / "cli"), _two_ranks(shard, tmp_path / "threads")
+    cli, threads = losses(tmp_path / "cli"), _two_ranks(shard, tmp_path / "threads")
     # not bits: the CLI's workers run OpenBLAS on one thread (cli.py), pytest may not
     assert cli.keys() == threads.keys()
     assert all(abs(cli[k] - threads[k]) <= 1e-6 * threads[k] for k in cli), (cli, threads)
@@ -261,7 +257,7 @@ def test_a_killed_rank_stops_the_other_naming_it_and_resume_continues_the_run(sh
     assert procs[0].returncode == 2, err   # the CLI's status for an EulerError
     assert "rank 0: rank 1 left (connection closed) during all_reduce_sum" in err.splitlines()[-1]
     _nproc_2("--resume", str(run))
-    assert _metrics_losses(run) == _metrics_losses(tmp_path / "straight")
+    assert losses(run) == losses(tmp_path / "straight")
 
 
 def test_nproc_under_a_launcher_is_one_line(shard, tmp_path):

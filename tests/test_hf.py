@@ -22,9 +22,10 @@ from eulergen.errors import EulerError
 from eulergen.runtime import hf, tokenizer as T
 from eulergen.runtime.backend import get_backend
 from eulergen.runtime.config import config_from_dict
-from eulergen.runtime.evaluate import Weights, evaluate, open_model
+from eulergen.runtime.evaluate import evaluate, open_model
 from eulergen.runtime.model import build
 from eulergen.runtime.ops import OpLibrary
+from runs import first_loss
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -275,9 +276,6 @@ def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_wei
              "training.warmup_steps=1", "--set", "training.batch_size=2", "--set",
              "training.eval_every=0", "--set", "training.sample_tokens=0"]
     cli = CliRunner()
-
-    def first_loss(run):
-        return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["train_loss"]
 
     whole = tmp_path / "whole"
     assert cli.invoke(main, ["train", "--init-from", str(folder), "--run-dir", str(whole),

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from bad_inputs.cases import bomb
 from eulergen.errors import EulerError
 from eulergen.generator.formula import FORMULA_MAX_DEPTH, parse, Where
 from eulergen.generator.spec import load_spec, symbol
@@ -16,13 +17,6 @@ from eulergen.runtime.config import load_config
 from eulergen.runtime.model import arch_of, plan_model
 from eulergen.runtime.ops import OpLibrary
 from eulergen.userfiles import YAML_MAX_DEPTH, load_json, load_yaml
-
-
-def bomb(levels: int = 8) -> str:
-    """The billion laughs: 10**levels values from a few hundred bytes."""
-    items = ["&a0 [x, x, x, x, x, x, x, x, x, x]"]
-    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
-    return "[" + ", ".join(items) + "]"
 
 
 def error(fn, *args) -> str:

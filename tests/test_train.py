@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +17,7 @@ from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.train import SpikeGuard, Trainer, learning_rate, resume_config
+from runs import kill_minus_nine_then_resume, losses
 
 
 @pytest.fixture(scope="module")
@@ -115,28 +112,9 @@ def test_resume_repeats_the_uninterrupted_losses_bitwise(lib, shard, tmp_path):
 def test_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard, tmp_path):
     args = [sys.executable, "-c", "from eulergen.cli import main; main()", "train",
             "--device", "numpy"]
-    sets = _overrides(shard, tmp_path / "straight", total_steps=40, checkpoint_every=2)
-    straight = subprocess.run(args + [a for s in sets for a in ("--set", s)],
-                              capture_output=True, text=True, timeout=600)
-    assert straight.returncode == 0, straight.stderr
-    sets = _overrides(shard, tmp_path / "killed", total_steps=40, checkpoint_every=2)
-    proc = subprocess.Popen(args + [a for s in sets for a in ("--set", s)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while checkpoint.latest(tmp_path / "killed") is None and time.time() < deadline:
-        time.sleep(0.05)
-    # killed mid-run, with a checkpoint to resume from (else the resume below starts over
-    # and matches trivially)
-    assert checkpoint.latest(tmp_path / "killed") is not None and proc.poll() is None
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(args[:-2] + ["--resume", str(tmp_path / "killed")],
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr
-
-    def losses(run):
-        return {r["step"]: r["train_loss"] for r in
-                map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    kill_minus_nine_then_resume(
+        args, lambda run: _overrides(shard, run, total_steps=40, checkpoint_every=2), tmp_path,
+        timeout=600, wait=300, poll=0.05)
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
 
 

@@ -17,6 +17,7 @@ from eulergen.generator.numpy_module import load_module_from_source, render_nump
 from eulergen.generator.spec import find_ops, load_spec
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.ops import OpLibrary
+from runs import first_loss
 
 MISH = """\
 name: mish
@@ -67,10 +68,6 @@ def _tree_hash(root) -> dict:
             for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
 
 
-def _first_loss(run) -> float:
-    return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["train_loss"]
-
-
 def test_a_user_override_of_gelu_never_touches_the_package(tmp_path, monkeypatch):
     """build and train with a user's gelu leave generated/ byte-identical; the run uses the
     user's gelu (built into the cache), a later run without --ops the built-in one."""
@@ -102,9 +99,9 @@ def test_a_user_override_of_gelu_never_touches_the_package(tmp_path, monkeypatch
     lib_user = OpLibrary(NUMPY, ensure_built(("gelu",), (ops,)))
     np.testing.assert_allclose(lib_user.forward("gelu", x), x / (1 + np.exp(-1.702 * x)),
                                rtol=1e-12)
-    assert _first_loss(tmp_path / "mine") != _first_loss(tmp_path / "builtin")
+    assert first_loss(tmp_path / "mine") != first_loss(tmp_path / "builtin")
     again = runner.invoke(main, ["train", "--ops", str(ops), "--run-dir", "again", *SHORT])
     assert again.exit_code == 0, again.output
-    assert _first_loss(tmp_path / "again") == _first_loss(tmp_path / "mine")
+    assert first_loss(tmp_path / "again") == first_loss(tmp_path / "mine")
     assert OpLibrary(NUMPY).op("gelu").numpy == GENERATED_DIR / "numpy" / "gelu.py"
     assert _tree_hash(GENERATED_DIR) == before

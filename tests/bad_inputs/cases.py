@@ -29,6 +29,7 @@ class Case:
 
 
 def bomb(levels: int = 8) -> str:
+    """The billion laughs: 10**levels values from a few hundred bytes."""
     items = ["&a0 [x, x, x, x, x, x, x, x, x, x]"]
     items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
     return "[" + ", ".join(items) + "]"

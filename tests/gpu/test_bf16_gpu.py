@@ -28,7 +28,8 @@ GRAD_TOLERANCE = 2e-2
 LOSS_TOLERANCE = 1e-2
 # the structures of test_model_gpu.py (head dim 64, vocab 300 padded to 320: the padded
 # logits' -inf in bf16), its batch (repeated ids)
-from test_model_gpu import STRUCTURES, _batch, _cfg  # noqa: E402  (tests/gpu is on the path)
+from test_model_gpu import (  # noqa: E402  (tests/gpu is on the path)
+    STRUCTURES, _batch, _cfg, _three_planned_steps)
 
 
 def test_the_bf16_kernels_give_the_numpy_forms_bits(cp):
@@ -94,27 +95,11 @@ def test_bf16_training_steps_stay_within_the_plan(libs, cp):
     """As test_model_gpu's fp32 test: building allocates the plan, and bf16 steps (the
     bf16 GEMMs, residual adds, the norm's row sums, clipping, AdamW and the bf16 copy)
     grow the pool by nothing but a few scalars: within 5 % of the plan, none after step 1."""
-    from eulergen.runtime.model import build
-    from eulergen.runtime.train import AdamW
     cuda, _ = libs
-    cfg = _cfg("nanoeuler")
-    t = cfg.training
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     before = pool.total_bytes()
-    model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype="bf16")
-    model.init_weights(0)
-    optim = AdamW(model, t)
-    x, y = _batch(cfg)
-    sizes = []
-    for _ in range(3):
-        model.load_tokens(x, y)
-        model.loss_and_grad()
-        norm = model.grad_norm()
-        model.scale_grads(min(1.0, 1.0 / norm))
-        optim.step(1e-3)
-        cp.cuda.get_current_stream().synchronize()
-        sizes.append(pool.total_bytes())
+    model, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"), dtype="bf16")
     used = pool.total_bytes() - before
     planned = model.mem.plan.total_bytes
     assert used <= 1.05 * planned, f"pool grew to {used:,} bytes, the plan is {planned:,}"

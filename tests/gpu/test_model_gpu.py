@@ -132,36 +132,41 @@ def _growth_hook():
     return Growth()
 
 
+def _three_planned_steps(cuda, cp, cfg, dtype="float32"):
+    """Builds the model and runs three training steps on one batch (clipped to norm 1, as
+    the trainer clips); the model and the pool's size after each step."""
+    from eulergen.runtime.model import build
+    from eulergen.runtime.train import AdamW
+    t = cfg.training
+    model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype)
+    model.init_weights(0)
+    optim = AdamW(model, t)
+    x, y = _batch(cfg)
+    sizes = []
+    for _ in range(3):
+        model.load_tokens(x, y)
+        model.loss_and_grad()
+        model.scale_grads(min(1.0, 1.0 / model.grad_norm()))
+        optim.step(1e-3)
+        cp.cuda.get_current_stream().synchronize()
+        sizes.append(cp.get_default_memory_pool().total_bytes())
+    return model, sizes
+
+
 def test_training_steps_stay_within_the_plan(libs, cp):
     """Everything a training step touches is planned: building the model allocates the
     plan's arenas, the weights and tokens arrive by host copies, and steps (forward, fused
     loss, backward with the kernels' planned workspace, grad norm by cuBLAS into a host
     scalar, clipping, AdamW) grow the pool by nothing but a few scalars: within 5 % of the
     plan in all, and not at all after the first step."""
-    from eulergen.runtime.model import build
-    from eulergen.runtime.train import AdamW
     cuda, _ = libs
-    cfg = _cfg("nanoeuler")
-    t = cfg.training
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     before = pool.total_bytes()
     hook = _growth_hook()
     with hook:
-        model = build(cfg.model, cuda, t.batch_size, t.seq_len)
-        model.init_weights(0)
-        optim = AdamW(model, t)
-        grads = model.mem.arenas["grads"]
-        x, y = _batch(cfg)
-        sizes = []
-        for _ in range(3):
-            model.load_tokens(x, y)
-            model.loss_and_grad()
-            norm = model.grad_norm()
-            cp.multiply(grads, min(1.0, 1.0 / norm), out=grads)
-            optim.step(1e-3)
-            cp.cuda.get_current_stream().synchronize()
-            sizes.append(pool.total_bytes())
+        model, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"))
+    grads = model.mem.arenas["grads"]
     used = pool.total_bytes() - before
     planned = model.mem.plan.total_bytes
     assert used <= 1.05 * planned, (f"pool grew to {used:,} bytes, the plan is {planned:,}; "

@@ -11,6 +11,7 @@ import pytest
 from eulergen.runtime import checkpoint
 from eulergen.runtime.config import load_config
 from eulergen.runtime.train import Trainer, resume_config
+from runs import kill_minus_nine_then_resume, losses  # tests/ is on the path
 
 pytestmark = pytest.mark.gpu
 
@@ -51,12 +52,7 @@ def test_gpu_resume_repeats_the_uninterrupted_losses_bitwise(libs, shard, tmp_pa
 def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard, tmp_path):
     """`eulergen train --set training.dtype=bf16` killed by SIGKILL after a checkpoint and
     resumed with --resume: its metrics equal an uninterrupted run's, step for step."""
-    import json
-    import os
-    import signal
-    import subprocess
     import sys
-    import time
 
     def sets(run_dir):
         return [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
@@ -69,23 +65,5 @@ def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard
 
     args = [sys.executable, "-c", "from eulergen.cli import main; main()", "train",
             "--device", "cuda"]
-    straight = subprocess.run(args + [a for s in sets(tmp_path / "straight") for a in ("--set", s)],
-                              capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stderr
-    proc = subprocess.Popen(args + [a for s in sets(tmp_path / "killed") for a in ("--set", s)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while checkpoint.latest(tmp_path / "killed") is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert checkpoint.latest(tmp_path / "killed") is not None and proc.poll() is None, \
-        "the run ended before it could be killed mid-way: give it more steps"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(args[:-2] + ["--resume", str(tmp_path / "killed")],
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-
-    def losses(run):
-        return {r["step"]: r["train_loss"] for r in
-                map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    kill_minus_nine_then_resume(args, sets, tmp_path, timeout=300, wait=120, poll=0.02)
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
