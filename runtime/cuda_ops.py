@@ -325,8 +325,8 @@ class CudaOps:
             at = cols_kernel.geometry.launch(rows, cols)
             launcher.launch(cols_kernel, at, values)
         partials = at.partials
+        red = op.kernel("wgrad_reduce", dtype) if sig.wgrads else None
         for g in sig.wgrads:
-            red = op.kernel("wgrad_reduce", dtype)
             launcher.launch(red, red.geometry.launch(cols), {
                 "partials": values[f"{g}_partials"], "dw": values[g],
                 "num_partials": partials, "cols": cols, "accumulate": 0})

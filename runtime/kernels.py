@@ -5,7 +5,7 @@ callers in runtime/ops.py name their arrays and scalars the same way (operand na
 `d<name>` for gradients, `rows`/`cols`/`n` for sizes, params by name). Everything a
 launch depends on is checked here before the launch: every argument present, pointer
 arguments CuPy arrays on the current device with the dtype the C type stores (bf16 is
-stored in uint16 arrays, see ops.py), contiguous, and scalars converted to the exact
+stored in uint16 arrays, see bf16.py), contiguous, and scalars converted to the exact
 width the kernel reads. The grid and block come from the kernel's geometry
 (eulergen/launch.py), as the planner made it.
 """

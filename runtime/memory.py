@@ -35,7 +35,7 @@ ALIGN = 64  # elements: every buffer starts on a 256-byte (bf16: 128-byte) bound
 ARENA_ORDER = ("params", "params_bf16", "grads", "adam_m", "adam_v", "activations", "stats",
                "workspace", "kernels", "tokens")
 
-# CuPy has no bfloat16: a "bf16" buffer holds the bits in uint16 (runtime/ops.py to_bf16)
+# CuPy has no bfloat16: a "bf16" buffer holds the bits in uint16 (runtime/bf16.py)
 _STORAGE = {"bf16": "uint16"}
 
 

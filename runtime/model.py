@@ -31,6 +31,8 @@ from eulergen.runtime.training_tape import record_training
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
 _NORM_PARAM_NAMES = ("weight", "bias")
+# the padded vocab rows' logit in bf16 storage, rounded once here, not at every step
+_NEG_INF_BF16 = bf16.bits(-np.inf)
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,7 @@ class GPT:
         trained model's logits may all sit below 0.)"""
         a = self.arch
         if a.vocab_rows > a.vocab:
-            self.mem["logits"][:, a.vocab:] = bf16.bits(-np.inf) if self.bf16 else -np.inf
+            self.mem["logits"][:, a.vocab:] = _NEG_INF_BF16 if self.bf16 else -np.inf
 
     def loss(self):
         """Mean cross-entropy of the loaded batch, as a 1-element device array."""
@@ -381,7 +383,6 @@ class GPT:
         self.sync_weights()
 
 
-
 def ops_used(cfg) -> tuple[str, ...]:
     """The ops a run of this ModelConfig calls: what `eulergen train` builds before it starts."""
     return tuple(dict.fromkeys((cfg.norm, cfg.activation, cfg.attention, "cross_entropy", "adamw")
@@ -399,4 +400,3 @@ def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str =
                       workspace=lib.workspace_elements)
     check_fits(plan, lib.backend, shared)
     return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)
-

@@ -197,9 +197,9 @@ class Op:
         tape.lib.forward(self.op, *self.inputs, out=tuple(self.outputs), **self.params)
 
     def backward(self, tape: Tape) -> None:
-        adding = [g for g in self.dins if tape.adds(g)]
-        temps = iter(tape.scratch([g.buf.shape for g in adding]))
-        targets = tuple(next(temps) if tape.adds(g) else g.buf for g in self.dins)
+        adds = [tape.adds(g) for g in self.dins]
+        temps = iter(tape.scratch([g.buf.shape for g, a in zip(self.dins, adds) if a]))
+        targets = tuple(next(temps) if a else g.buf for g, a in zip(self.dins, adds))
         tape.lib.backward(self.op, *self.inputs, *self.saved, *self.douts, out=targets,
                           workspace=tape.kernel_ws, **self.params)
         for g, t in zip(self.dins, targets):
