@@ -9,13 +9,14 @@ import sympy as sp
 from eulergen import TEMPLATES_DIR
 from eulergen.generator import ir
 from eulergen.generator.emit import header, spec_label, wrap_lines
-from eulergen.generator.plan_attention import CTYPES, AttentionKernel, AttentionPlan
+from eulergen.generator.plan import CTYPE
+from eulergen.generator.plan_attention import AttentionKernel, AttentionPlan
 from eulergen.generator.printer import cuda_expr
 
 
 def _kernel(k: AttentionKernel) -> dict:
     """One entry point's template values."""
-    ctx = {"role": k.role, "name": k.sig.name, "ctype": CTYPES[k.sig.dtype],
+    ctx = {"role": k.role, "name": k.sig.name, "ctype": CTYPE[k.sig.dtype],
            "threads": k.sig.geometry.threads, "args": wrap_lines(k.sig.c_params),
            "call": list(k.call)}
     if k.role == "rowdot":
