@@ -3,6 +3,8 @@ kernels. This module prints: the score, its derivative ∂score/∂s and the mas
 each kernel's entry point, whose parameter list is its KernelSig's."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import jinja2
 import sympy as sp
 
@@ -28,6 +30,7 @@ def _kernel(k: AttentionKernel) -> dict:
                         f"tiles of {g.tile}")
 
 
+@lru_cache(maxsize=4)   # one Environment a loader: its compiled templates are reused
 def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(str(TEMPLATES_DIR))
     if override is not None:
