@@ -276,7 +276,7 @@ PAIR_MIN_BLOCKS = 6
 
 # Pair blocks loop over tokens: four times the blocks that fit at once ran fastest in
 # bf16, within 2% of a block a token in fp32 (RESULTS.md, _PAIR_GRID_MAX).
-_PAIR_GRID_MAX = 132 * PAIR_MIN_BLOCKS * 4
+_PAIR_GRID_MAX = _SMS * PAIR_MIN_BLOCKS * 4
 
 
 def pair_launch(dtype: str) -> launch.Pair:

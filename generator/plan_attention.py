@@ -19,9 +19,9 @@ import sympy as sp
 from eulergen import launch
 from eulergen.errors import EulerError
 from eulergen.generator import ir
+from eulergen.generator.plan import CTYPE, DTYPES
 
 HEAD_DIMS = (64, 128)
-CTYPES = {"f32": "float", "bf16": "__nv_bfloat16"}
 
 # The symbols an attention formula may use besides its declared params.
 S, I, J, H, N_HEADS, SCALE = sp.symbols("s i j h n_heads scale", real=True)
@@ -120,8 +120,8 @@ def plan_tiles(head_dim: int, dtype: str) -> TilePlan:
     if head_dim not in HEAD_DIMS:
         raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
                          key="head_dim")
-    if dtype not in CTYPES:
-        raise EulerError(f"unknown storage dtype {dtype!r} (expected one of {sorted(CTYPES)})")
+    if dtype not in CTYPE:
+        raise EulerError(f"unknown storage dtype {dtype!r} (expected one of {sorted(CTYPE)})")
     return TilePlan(head_dim, dtype, fwd_warps=4, fwd_block_n=64, dkv_warps=4,
                     dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
                     fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
@@ -199,7 +199,7 @@ def _strides(*tensors: str) -> list[tuple[str, str]]:
 def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[str, str]]:
     """(name, C type) of each kernel argument in launch order. Strides are in elements:
     sb (batch), st (sequence), sh (head); the head dim is contiguous."""
-    t = CTYPES[dtype]
+    t = CTYPE[dtype]
     src, dst, flt = f"const {t}*", f"{t}*", [(p, "float") for p in params]
     sizes = [("n", "int"), ("n_heads", "int"), ("n_kv_heads", "int")]
     if role == "forward":
@@ -304,7 +304,7 @@ def plan_attention(derived: ir.DerivedOp, *,
     dscore = hoist(body.dscore)
     mode = mask_mode(body.mask)
     kernels = []
-    for dtype in CTYPES:
+    for dtype in DTYPES:
         dims = [d for d in HEAD_DIMS if configs is None or (d, dtype) in configs]
         if not dims:
             continue

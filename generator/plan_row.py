@@ -220,6 +220,13 @@ def _wgrad_cols(o: RowNames, step: Sweep, stats: tuple[str, ...]) -> WgradCols:
                      _impl_params(ptrs, o.op))
 
 
+def _entry_args(op: ir.DerivedOp, ptrs, dt: str) -> tuple[tuple[str, str], ...]:
+    """An entry point's parameters over storage `dt`: its pointers, the op's params, the sizes."""
+    return (tuple((a.name, dict(a.ctypes)[dt]) for a in ptrs)
+            + tuple((q, "float") for q in param_names(op))
+            + (("rows", "long long"), ("cols", "int")))
+
+
 def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel, ...],
                split: WgradCols | None) -> tuple[list[tuple[Entry, ...]], tuple[Entry, ...],
                                                  tuple[Entry, ...]]:
@@ -230,13 +237,11 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
     for k in kernels:
         entries = []
         for dt in p.dtypes:
+            args = _entry_args(op, k.ptrs, dt)
             for lay in k.layouts:
                 shape = k.shape(lay.name, dt)
                 if shape is None:
                     continue
-                args = tuple((a.name, dict(a.ctypes)[dt]) for a in k.ptrs)
-                args += tuple((q, "float") for q in param_names(op)) + (("rows", "long long"),
-                                                                    ("cols", "int"))
                 for aligned in (True, False):
                     name = f"{k.kernel}{lay.suffix}{'' if aligned else '_unaligned'}_{dt}"
                     geometry = planner.row_launch(dt, lay.name, wgrad=bool(k.wgrads), shape=shape,
@@ -248,9 +253,7 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
     cols = []
     if split:
         for dt in p.dtypes:
-            args = tuple((a.name, dict(a.ctypes)[dt]) for a in split.ptrs)
-            args += tuple((q, "float") for q in param_names(op)) + (("rows", "long long"),
-                                                                ("cols", "int"))
+            args = _entry_args(op, split.ptrs, dt)
             for aligned in (True, False):
                 name = f"{op.name}_wgrad_cols{'' if aligned else '_unaligned'}_{dt}"
                 cols.append(Entry(ir.KernelSig(name, args, dt, "wgrad_cols",

@@ -38,8 +38,12 @@ def render_op(op: ir.DerivedOp, plan, header_line: str) -> ir.RenderedCuda:
     return render[op.kind](op, plan, header_line)
 
 
-def _ptrs(st: plan_ops.StagePlan) -> list[Ptr]:
-    return [Ptr(a, "const ") for a in st.loads] + [Ptr(a, "") for a in st.stores]
+def _ptrs(loads, stores) -> list[Ptr]:
+    return [Ptr(a, "const ") for a in loads] + [Ptr(a, "") for a in stores]
+
+
+def _title(stage: str, loads, stores) -> str:
+    return f"{stage}: {', '.join(stores)} from {', '.join(loads)}"
 
 
 def _entries(st: plan_ops.StagePlan) -> list[dict]:
@@ -52,9 +56,8 @@ def _entries(st: plan_ops.StagePlan) -> list[dict]:
 def _pointwise(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCuda:
     body: ir.PointwiseDerived = op.body
     code = {"forward": body.forward, "backward": body.backward}
-    kernels = [{"impl": st.name, "title": f"{st.stage}: {', '.join(st.stores)} from "
-                                          f"{', '.join(st.loads)}",
-                "loads": st.loads, "stores": st.stores, "ptrs": _ptrs(st),
+    kernels = [{"impl": st.name, "title": _title(st.stage, st.loads, st.stores),
+                "loads": st.loads, "stores": st.stores, "ptrs": _ptrs(st.loads, st.stores),
                 "code": block(code[st.stage]), "entries": _entries(st)} for st in plan.stages]
     source = render_template(plan.template, header=head, op=op.name, kernels=kernels,
                              params=param_names(op))
@@ -78,9 +81,8 @@ def _pair_kernel(kernel: str, stage: str, loads: list[str], stores: list[str], c
     table, (elem,) = hoist([code], varying, row_constant_names("c"))
     table_b, elem_b = block(table), block(elem)
     values = lambda uses: [(n, plan_ops.PAIR_INDEX[r]) for n, r in index if n in uses]  # noqa: E731
-    return {"kernel": kernel, "impl": kernel, "stage": stage, "loads": loads, "stores": stores,
-            "ptrs": [Ptr(a, "const ") for a in loads] + [Ptr(a, "") for a in stores],
-            "title": f"{stage}: {', '.join(stores)} from {', '.join(loads)}",
+    return {"impl": kernel, "stage": stage, "loads": loads, "stores": stores,
+            "ptrs": _ptrs(loads, stores), "title": _title(stage, loads, stores),
             "table": table_b, "table_index": values(table_b.uses),
             "cached": [n for n in table_b.results if n in elem_b.uses],
             "code": elem_b, "elem_index": values(elem_b.uses),

@@ -3,19 +3,22 @@ kernels. This module prints: the score, its derivative ∂score/∂s and the mas
 each kernel's entry point, whose parameter list is its KernelSig's."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import jinja2
 import sympy as sp
 
 from eulergen import TEMPLATES_DIR
 from eulergen.generator import ir
 from eulergen.generator.emit import header, spec_label, wrap_lines
-from eulergen.generator.plan_attention import CTYPES, AttentionKernel, AttentionPlan
+from eulergen.generator.plan import CTYPE
+from eulergen.generator.plan_attention import AttentionKernel, AttentionPlan
 from eulergen.generator.printer import cuda_expr
 
 
 def _kernel(k: AttentionKernel) -> dict:
     """One entry point's template values."""
-    ctx = {"role": k.role, "name": k.sig.name, "ctype": CTYPES[k.sig.dtype],
+    ctx = {"role": k.role, "name": k.sig.name, "ctype": CTYPE[k.sig.dtype],
            "threads": k.sig.geometry.threads, "args": wrap_lines(k.sig.c_params),
            "call": list(k.call)}
     if k.role == "rowdot":
@@ -27,6 +30,7 @@ def _kernel(k: AttentionKernel) -> dict:
                         f"tiles of {g.tile}")
 
 
+@lru_cache(maxsize=4)   # one Environment a loader: its compiled templates are reused
 def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(str(TEMPLATES_DIR))
     if override is not None:

@@ -231,7 +231,7 @@ def _sweep(o: RowNames, names: Iterator[str], code: ir.Code, with_outputs: bool,
 
 
 def _reads_outputs(o: RowNames, code: ir.Code) -> bool:
-    return bool(block(code).uses & set(o.elem_out))
+    return bool(code.uses & set(o.elem_out))
 
 
 def _pass(o: RowNames, names: Iterator[str], ps: ir.Pass, online: tuple[ir.Online, ...] = ()) -> Sweep:
@@ -318,7 +318,7 @@ def stages(o: RowNames, names: Iterator[str], fwdbwd: bool) -> tuple[list[Stage]
     grad_elems = _elements(o, names, grads, [g for g in grads.names if g in o.d_rows],
                            [g for g in grads.names if g in o.d_weights])
     grad_steps = (adjoints, grad_elems)
-    adjoint_sums = block(body.adjoint_pass.body) if body.adjoint_pass else None
+    adjoint_sums = body.adjoint_pass.body if body.adjoint_pass else None
     needs_row_out = _uses(adjoint_sums, adjoints.block, grad_elems.block,
                           grad_elems.consts) & set(o.row_out)
 
