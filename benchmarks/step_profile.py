@@ -4,8 +4,9 @@ and the loss, grad norm, clipping, AdamW and bf16 weight sync, each between two 
     python benchmarks/step_profile.py --preset gpt2,nanoeuler --dtype bf16 --batch 8,16
     python benchmarks/step_profile.py --json profile.json   # the tables as JSON too
 
-The step is benchmarks/train.py's (forward, loss read to the host, grad norm, clip at
-1.0, AdamW), on random tokens. The instrumentation lives here: the tape's nodes are
+The step is benchmarks/train.py's (`eulergen_step`: forward, loss read to the host, grad
+norm, clip at 1.0, AdamW), on random tokens; plain steps, timed for the wall time, alternate
+with instrumented ones. The instrumentation lives here: the tape's nodes are
 wrapped in timed stand-ins and a few of the model's and the tape's methods are shadowed
 on their instances (GEMMs, the gradient adds inside a node, the loss between forward
 and backward), so the runtime runs unchanged and pays nothing when nobody profiles it.
@@ -42,10 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from common import copy_gbps, say  # noqa: E402
+from train import config, eulergen_step  # noqa: E402
 
 KINDS = ("gemm", "attention fwd", "attention bwd", "norm", "activation", "add", "embedding",
          "loss", "optimizer", "other")
-LR = 6e-4
 
 
 @dataclass(frozen=True)
@@ -188,47 +189,33 @@ def _embedding_bytes(node, backward: bool) -> int:
     return sort + merge + table + (0 if pos is None else n * C * s + pos.nbytes)
 
 
-def _kind(node) -> str:
-    from eulergen.runtime import tape
-    if isinstance(node, tape.Linear):
-        return "gemm"
-    if isinstance(node, tape.Add):
-        return "add"
-    if isinstance(node, tape.Embedding):
-        return "embedding"
-    if isinstance(node, tape.Op):
-        return {"row": "norm", "pointwise": "activation", "attention": "attention"}.get(
-            node.op.kind, "other")
-    return "other"
-
-
 class Timed:
     """A tape node in a stand-in that times its forward and backward."""
 
     def __init__(self, node, spans: Spans, names: Names):
         from eulergen.runtime import tape
-        self.node, self.spans, self.kind = node, spans, _kind(node)
-        n = node
-        if isinstance(n, tape.Linear):
-            self.name, fwd, bwd = f"{names(n.w)}→{names(n.y)}", 0, 0   # bytes: GEMM lines
+        self.node, self.spans, n = node, spans, node
+        flops = (0.0, 0.0)
+        if isinstance(n, tape.Linear):   # its bytes and FLOPs: its GEMMs' lines
+            self.kind, self.name, nbytes = "gemm", f"{names(n.w)}→{names(n.y)}", (0, 0)
         elif isinstance(n, tape.Op):
-            outs = ",".join(names(o) for o in n.outputs)
-            self.name = f"{n.op.name}→{outs}"
-            fwd = _nbytes(n.inputs) + _nbytes(n.outputs)
-            bwd = _nbytes(n.inputs) + _nbytes(n.saved) + _nbytes(n.douts) \
-                + _nbytes(g.buf for g in n.dins)
-        elif isinstance(n, tape.Add):
-            self.name, fwd, bwd = f"add→{names(n.out)}", 3 * n.out.nbytes, 0
+            self.kind = {"row": "norm", "pointwise": "activation",
+                         "attention": "attention"}.get(n.op.kind, "other")
+            self.name = f"{n.op.name}→{','.join(names(o) for o in n.outputs)}"
+            nbytes = (_nbytes(n.inputs) + _nbytes(n.outputs),
+                      _nbytes(n.inputs) + _nbytes(n.saved) + _nbytes(n.douts)
+                      + _nbytes(g.buf for g in n.dins))
+            if self.kind == "attention":
+                f = _attention_flops(n.inputs[0])
+                flops, nbytes = (f, 2.5 * f), (0, 0)
+        elif isinstance(n, tape.Add):   # its backward is the fan-in others add: no kernel
+            self.kind, self.name, nbytes = "add", f"add→{names(n.out)}", (3 * n.out.nbytes, 0)
         elif isinstance(n, tape.Embedding):
-            self.name = f"embedding→{names(n.out)}"
-            fwd, bwd = _embedding_bytes(n, False), _embedding_bytes(n, True) if n.dtable else 0
+            self.kind, self.name = "embedding", f"embedding→{names(n.out)}"
+            nbytes = (_embedding_bytes(n, False), _embedding_bytes(n, True) if n.dtable else 0)
         else:
-            self.name, fwd, bwd = type(n).__name__, 0, 0
-        self.flops = (0.0, 0.0)
-        if self.kind == "attention":
-            f = _attention_flops(n.inputs[0])
-            self.flops, fwd, bwd = (f, 2.5 * f), 0, 0
-        self.nbytes = (fwd, bwd)
+            self.kind, self.name, nbytes = "other", type(n).__name__, (0, 0)
+        self.flops, self.nbytes = flops, nbytes
 
     def _kind_of(self, phase: int) -> str:
         return f"attention {('fwd', 'bwd')[phase]}" if self.kind == "attention" else self.kind
@@ -238,14 +225,9 @@ class Timed:
                          flops=self.flops[0], nbytes=self.nbytes[0])
 
     def backward(self, tape) -> None:
-        if not isinstance(self.node, _no_backward()):
+        if self.kind != "add":
             self.spans.timed(f"{self.name} bwd", self._kind_of(1), self.node.backward, tape,
                              flops=self.flops[1], nbytes=self.nbytes[1])
-
-
-def _no_backward():
-    from eulergen.runtime import tape
-    return (tape.Add,)   # its backward is the fan-in other nodes add: nothing runs
 
 
 def _gemm_role(m: int, n: int, k: int, ta: bool, backward: bool) -> str:
@@ -258,12 +240,18 @@ def _gemm_role(m: int, n: int, k: int, ta: bool, backward: bool) -> str:
     return "gemm"
 
 
-def instrument(model, spans: Spans) -> None:
-    """Shadow the model's step on its instances with timed stand-ins (see the module doc)."""
-    tp, names = model.tape, Names(model)
-    tp.nodes[:] = [Timed(n, spans, names) for n in tp.nodes]
+def instrument(model, spans: Spans):
+    """Shadow the model's step on its instances with timed stand-ins (see the module doc);
+    returns the call that takes them away again."""
+    tp, names, saved = model.tape, Names(model), []
+    nodes = list(tp.nodes)
+    tp.nodes[:] = [Timed(n, spans, names) for n in nodes]
     phase = {"backward": False}
-    gemm, add = tp.gemm, tp.add
+    gemm, add, forward, backward = tp.gemm, tp.add, tp.forward, tp.backward
+
+    def shadow(obj, name: str, stand_in) -> None:
+        saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, stand_in)
 
     def timed_gemm(a, b, out, *, ta=False, tb=False, add=False):
         m, k = (a.shape[1], a.shape[0]) if ta else a.shape
@@ -279,64 +267,53 @@ def instrument(model, spans: Spans) -> None:
             return add(a, b, out)
         return spans.timed("grad add", "add", add, a, b, out, nbytes=3 * out.nbytes)
 
-    forward, backward = tp.forward, tp.backward
-
     def timed_forward():
         phase["backward"] = False
         forward()
-        logits = model.mem["logits"]
         spans.begin("cross-entropy (mask, fused loss+dlogits, mean)", "loss",
-                    nbytes=2 * logits.nbytes)
+                    nbytes=2 * model.mem["logits"].nbytes)
 
     def timed_backward():
         spans.end()
         phase["backward"] = True
         backward()
 
-    tp.gemm, tp.add, tp.forward, tp.backward = timed_gemm, timed_add, timed_forward, timed_backward
-    load = model.load_tokens
-    model.load_tokens = lambda *a: spans.timed("tokens upload", "other", load, *a)
-
-    grads = model.mem.arenas["grads"]
-    grad_norm, scale, sync, step = model.grad_norm, model.scale_grads, model.sync_weights, \
-        model.lib.step
-    model.grad_norm = lambda: spans.timed("grad norm", "optimizer", grad_norm,
-                                          nbytes=grads.nbytes)
-    model.scale_grads = lambda f: spans.timed("clip (scale grads)", "optimizer", scale, f,
-                                              nbytes=2 * grads.nbytes)
+    for name, stand_in in (("gemm", timed_gemm), ("add", timed_add),
+                           ("forward", timed_forward), ("backward", timed_backward)):
+        shadow(tp, name, stand_in)
+    grads = model.mem.arenas["grads"].nbytes
+    timed = [("load_tokens", "tokens upload", "other", 0),
+             ("grad_norm", "grad norm", "optimizer", grads),
+             ("scale_grads", "clip (scale grads)", "optimizer", 2 * grads)]
     if model.bf16:
-        master = model.mem.arenas["params"]
-        model.sync_weights = lambda: spans.timed(
-            "bf16 weight sync", "optimizer", sync,
-            nbytes=master.nbytes + model.mem.arenas["params_bf16"].nbytes)
+        weights = model.mem.arenas["params"].nbytes + model.mem.arenas["params_bf16"].nbytes
+        timed.append(("sync_weights", "bf16 weight sync", "optimizer", weights))
+    for attr, line, kind, nbytes in timed:
+        call = getattr(model, attr)
+        shadow(model, attr, lambda *a, _c=call, _l=line, _k=kind, _b=nbytes:
+               spans.timed(_l, _k, _c, *a, nbytes=_b))
+    step = model.lib.step
 
     def timed_step(op, p, g, m, v, **kw):
         # reads p, g, m, v and writes p, m, v
         spans.timed("adamw", "optimizer", step, op, p, g, m, v, **kw,
                     nbytes=2 * (p.nbytes + m.nbytes + v.nbytes) + g.nbytes)
-    model.lib.step = timed_step
+    shadow(model.lib, "step", timed_step)
+
+    def undo() -> None:
+        tp.nodes[:] = nodes
+        for obj, name, before in reversed(saved):
+            if before is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+    return undo
+
+
+_MISSING = object()
 
 
 # -- one configuration -------------------------------------------------------------------
-
-
-def _config(preset: str, batch: int, seq: int, dtype: str, device: str, overrides):
-    from eulergen.runtime.config import load_config
-    return load_config(None, [f"model.preset={preset}", f"training.batch_size={batch}",
-                              f"training.seq_len={seq}", f"training.device={device}",
-                              "training.weight_decay=0.1", "training.grad_clip=1.0",
-                              f"training.dtype={dtype}", *overrides])
-
-
-def train_step(model, optim, x, y, clip: float) -> float:
-    """benchmarks/train.py's step: forward, loss read to the host, grad norm, clip, AdamW."""
-    model.load_tokens(x, y)
-    loss = float(model.loss_and_grad()[0])
-    norm = model.grad_norm()
-    if norm > clip:
-        model.scale_grads(clip / norm)
-    optim.step(LR)
-    return loss
 
 
 def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
@@ -358,24 +335,24 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     x, y = (rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len)) for _ in "xy")
 
     def step():
-        train_step(model, optim, x, y, t.grad_clip)
+        eulergen_step(model, optim, x, y, t.grad_clip)
 
-    for _ in range(warmup):
+    start, done = time.perf_counter(), 0
+    while done < warmup or time.perf_counter() - start < 1.0:   # clocks settle after compiling
         step()
-    backend.synchronize()
-    walls = []
+        backend.synchronize()
+        done += 1
+    spans, walls, per_step = Spans(backend), [], []
     for _ in range(steps):
+        # plain and timed steps alternate, so both meet the same clocks and temperature
         start = time.perf_counter()
         step()
         backend.synchronize()
         walls.append(1e3 * (time.perf_counter() - start))
-
-    spans = Spans(backend)
-    instrument(model, spans)
-    per_step = []
-    for _ in range(steps):   # the same step, now through the stand-ins
+        undo = instrument(model, spans)
         step()
         per_step.append(spans.collect())
+        undo()
     keys = list(dict.fromkeys(k for s in per_step for k in s))
     lines = []
     for name, kind in keys:
@@ -398,12 +375,10 @@ def table(p: dict) -> str:
     lines = [Line(**r) for r in p["lines"]]
     gpu = sum(r.ms for r in lines)
     wall, peak, copy = p["wall_ms"], p["peak_flops"], p["copy_gbps"]
-    out = [f"step profile: {p['preset']}, B={p['batch']} T={p['seq']}, {p['dtype']} "
-           f"on {p['device']}; GEMM peak {peak / 1e12:.1f} TFLOP/s ({p['precision']})"
-           if peak else f"step profile: {p['preset']}, B={p['batch']} T={p['seq']}, "
-           f"{p['dtype']} on {p['device']}",
-           f"copy bandwidth (device-to-device, read+write): "
-           f"{copy:,.0f} GB/s" if copy else "copy bandwidth: - (no GPU)"]
+    title = f"step profile: {p['preset']}, B={p['batch']} T={p['seq']}, {p['dtype']} on {p['device']}"
+    out = [title + (f"; GEMM peak {peak / 1e12:.1f} TFLOP/s ({p['precision']})" if peak else ""),
+           f"copy bandwidth (device-to-device, read+write): {copy:,.0f} GB/s" if copy
+           else "copy bandwidth: - (no GPU)"]
     head = (f"{'line':<52} {'kind':<13} {'n':>3} {'ms':>8} {'share':>6} {'TFLOP/s':>8} "
             f"{'of peak':>7} {'GB/s':>7} {'of copy':>7}")
     out += [head, "-" * len(head)]
@@ -431,8 +406,7 @@ def table(p: dict) -> str:
                 f"host share {1 - gpu / wall:.1%} (the GPU idle, waiting for launches and "
                 f"host reads)" if gpu <= wall else
                 f"host share: none seen; the lines add up to {gpu - wall:.3f} ms more than "
-                f"the uninstrumented step (the cost of timing them): read them as upper "
-                f"bounds")]
+                f"the uninstrumented step: read them as upper bounds")]
     return "\n".join(out)
 
 
@@ -455,7 +429,8 @@ def main() -> None:
         for dtype in args.dtype.split(","):
             for batch in (int(b) for b in args.batch.split(",")):
                 say(f"profiling {preset} {dtype} B={batch}")
-                cfg = _config(preset, batch, args.seq, dtype, args.device, args.overrides)
+                cfg = config(preset, batch, args.seq, dtype, f"training.device={args.device}",
+                             *args.overrides)
                 p = profile(cfg, args.steps, args.warmup, copy)
                 print(table(p), "\n", flush=True)
                 profiles.append(p)

@@ -43,12 +43,13 @@ PRESETS = ("gpt2", "nanoeuler")
 LR = 6e-4
 
 
-def _config(preset: str, batch: int, seq: int, dtype: str):
+def config(preset: str, batch: int, seq: int, dtype: str, *overrides: str):
+    """The benchmarked run's config; `overrides` come last (a device, a smaller model)."""
     from eulergen.runtime.config import load_config
     return load_config(None, [f"model.preset={preset}", f"training.batch_size={batch}",
                               f"training.seq_len={seq}", "training.device=cuda",
                               "training.weight_decay=0.1", "training.grad_clip=1.0",
-                              f"training.dtype={dtype}"])
+                              f"training.dtype={dtype}", *overrides])
 
 
 def _mfu(cfg, seconds: float) -> float | None:
@@ -88,6 +89,17 @@ def _median_step(step, warmup: int, iters: int, sync) -> float:
     return statistics.median(times)
 
 
+def eulergen_step(model, optim, x, y, clip: float) -> float:
+    """One eulergen training step as a loop runs it; the loss."""
+    model.load_tokens(x, y)
+    loss = float(model.loss_and_grad()[0])
+    norm = model.grad_norm()   # cuBLAS into a host scalar: cupy.dot would allocate
+    if norm > clip:
+        model.scale_grads(clip / norm)
+    optim.step(LR)
+    return loss
+
+
 def _device_used() -> int:
     """Bytes in use on the GPU, by anyone: what the driver reports, beyond CuPy's pool (the
     cuBLAS workspace, loaded kernel modules)."""
@@ -118,13 +130,7 @@ def run_eulergen(cfg, warmup: int, iters: int) -> dict:
     x, y = _tokens(cfg)
 
     def step():
-        model.load_tokens(x, y)
-        loss = float(model.loss_and_grad()[0])
-        norm = model.grad_norm()   # cuBLAS into a host scalar: cupy.dot would allocate
-        if norm > t.grad_clip:
-            model.scale_grads(t.grad_clip / norm)
-        optim.step(LR)
-        return loss
+        return eulergen_step(model, optim, x, y, t.grad_clip)
 
     seconds = _median_step(step, warmup, iters, cupy.cuda.get_current_stream().synchronize)
     result = dict(seconds=seconds, peak=pool.total_bytes() - base,
@@ -211,7 +217,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batch.split(",")):
         rows = []
         for preset in args.presets.split(","):
-            cfg = _config(preset, batch, args.seq, args.dtype)
+            cfg = config(preset, batch, args.seq, args.dtype)
             systems = [("eulergen", lambda: run_eulergen(cfg, warmup, iters)),
                        (eager, lambda: run_torch(cfg, warmup, iters, compiled=False))]
             if not args.quick:

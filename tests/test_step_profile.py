@@ -35,9 +35,9 @@ def lib():
 
 
 def _cfg(preset: str):
-    return sp._config(preset, B, T, "fp32", "numpy",
-                      ["model.num_layers=2", "model.hidden_dim=32", "model.num_heads=2",
-                       "model.num_kv_heads=2", "model.vocab_size=100", "model.max_seq_len=16"])
+    return sp.config(preset, B, T, "fp32", "training.device=numpy", "model.num_layers=2",
+                     "model.hidden_dim=32", "model.num_heads=2", "model.num_kv_heads=2",
+                     "model.vocab_size=100", "model.max_seq_len=16")
 
 
 def _model(lib, cfg):
@@ -52,15 +52,21 @@ def test_a_timed_step_computes_what_the_plain_step_does_and_times_every_node(lib
     plain, timed = _model(lib, cfg), _model(lib, cfg)
     nodes = list(timed[0].tape.nodes)
     spans = sp.Spans(NUMPY)
-    sp.instrument(timed[0], spans)
+    shadows = {id(o): set(vars(o)) for o in (timed[0], timed[0].tape, timed[0].lib)}
+    undo = sp.instrument(timed[0], spans)
     rng = np.random.default_rng(1)
     x, y = (rng.integers(0, 100, (B, T)) for _ in "xy")
     for _ in range(2):
-        losses = [sp.train_step(m, o, x, y, 1.0) for m, o in (plain, timed)]
+        losses = [sp.eulergen_step(m, o, x, y, 1.0) for m, o in (plain, timed)]
         assert losses[0] == losses[1]
         lines = spans.collect()
     for arena in ("params", "grads", "adam_m", "adam_v"):
         np.testing.assert_array_equal(plain[0].mem.arenas[arena], timed[0].mem.arenas[arena])
+    undo()   # the plain step again: its own nodes and methods, nothing timed
+    assert timed[0].tape.nodes == nodes
+    assert {id(o): set(vars(o)) for o in (timed[0], timed[0].tape, timed[0].lib)} == shadows
+    assert sp.eulergen_step(*timed, x, y, 1.0) == sp.eulergen_step(*plain, x, y, 1.0)
+    assert spans.collect() == {}
 
     names = {name for name, _ in lines}
     kinds = {kind for _, kind in lines}
@@ -82,7 +88,7 @@ def test_the_gemm_lines_count_six_flops_per_weight_and_token(lib):
     model, optim = _model(lib, cfg)
     spans = sp.Spans(NUMPY)
     sp.instrument(model, spans)
-    sp.train_step(model, optim, np.zeros((B, T)), np.ones((B, T)), 1.0)
+    sp.eulergen_step(model, optim, np.zeros((B, T)), np.ones((B, T)), 1.0)
     lines = spans.collect()
     weights = sum(v.size for name, v in model.params.items()
                   if name == "wte.weight" or (name.endswith(".weight") and ".c_" in name))
