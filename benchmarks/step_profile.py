@@ -175,14 +175,16 @@ def _embedding_bytes(node, backward: bool) -> int:
     row per token (and its position's), the output. The deterministic backward: the sort
     reads the ids and writes int64 keys per token and an int32 first-rank per table row,
     the merge reads and writes the keys, the table kernel reads keys, first-ranks and
-    dout and writes every row of dtable (reading it too: the tied LM head wrote it
-    first), the positions kernel reads dout again and writes dwpe."""
+    dout and writes every row of dtable, or, adding to it (the tied LM head wrote it
+    first), reads and writes the rows of the ids that occur; the positions kernel reads
+    dout again and writes dwpe. The ids are read to the host here, outside the timing."""
     n, (V, C) = node.ids.size, node.table.shape
     s = node.table.dtype.itemsize
     pos = node.positions
     if not backward:
         return 4 * n + 2 * n * C * s + (0 if pos is None else n * C * s)
-    dtable = V * C * s * (2 if node.dtable.add else 1)
+    ids = node.ids.get() if hasattr(node.ids, "get") else node.ids   # CuPy, numpy
+    dtable = 2 * np.unique(ids).size * C * s if node.dtable.add else V * C * s
     sort = 4 * n + 8 * n + 4 * V
     merge = 16 * n
     table = 8 * n + 4 * V + n * C * s + dtable

@@ -106,9 +106,11 @@ def test_the_embedding_backward_bytes_follow_its_kernels(lib):
     model, _ = _model(lib, cfg)
     from eulergen.runtime.tape import Embedding
     (emb,) = [n for n in model.tape.nodes if isinstance(n, Embedding)]
+    ids = np.arange(B * T) % 5
+    model.load_tokens(ids.reshape(B, T))
     n, (V, C) = B * T, emb.table.shape
-    # sort 4n + 8n + 4V, merge 16n, table 8n + 4V + n·C·4 + dtable read and written
-    # (the tied head wrote it first), positions n·C·4 + T·C·4 (all of wpe's rows)
-    want = 36 * n + 8 * V + 4 * n * C + 2 * 4 * V * C + 4 * n * C + emb.positions.nbytes
+    # sort 4n + 8n + 4V, merge 16n, table 8n + 4V + n·C·4 + the 5 ids' rows of dtable read
+    # and written (the tied head wrote it first), positions n·C·4 + T·C·4 (wpe's rows)
+    want = 36 * n + 8 * V + 4 * n * C + 2 * 5 * C * 4 + 4 * n * C + emb.positions.nbytes
     assert emb.dtable.add
     assert sp._embedding_bytes(emb, backward=True) == want
