@@ -44,7 +44,10 @@ static void run_{key}(int B, int T, int H, int KVH, const float* params) {{
   const S* k = q + (long long)H * D;
   const S* v = k + (long long)KVH * D;
   const S* dout = do_v.data();
-  S* o = o_v.data(); S* dq = dqkv_v.data(); S* dk = dq + (long long)H * D; S* dv = dk + (long long)KVH * D;
+  S* o = o_v.data();
+  S* dq = dqkv_v.data();
+  S* dk = dq + (long long)H * D;
+  S* dv = dk + (long long)KVH * D;
   float* lse = lse_v.data();
   float* delta = delta_v.data();
   const int n = T, n_heads = H, n_kv_heads = KVH, batch = B, head_dim = D;
