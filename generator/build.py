@@ -115,6 +115,8 @@ def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]
         "cuda": f"cuda/{derived.name}.cu", "cuda_sha256": _sha(cuda), "template": template,
         "kernels": _kernels(rendered), "build_key": key,
     }
+    if derived.kind == "pair":  # index symbol -> role: whether the op varies over heads
+        entry["index"] = dict(derived.body.index)
     if derived.fast_math:  # the runtime compiles this op's kernels with --use_fast_math
         entry["fast_math"] = True
     return entry, {entry["cuda"]: cuda, entry["numpy"]: py}

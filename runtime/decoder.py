@@ -9,9 +9,8 @@ values, so that a new token costs one position's work instead of the whole windo
 A step over Tq new tokens at absolute positions pos0 … pos0+Tq-1 makes the training
 graph's op library calls at Tq rows (both are built from runtime/graph.py): the
 embedding (learned positions from wpe[pos0]), then per block the norm, one GEMM over
-all of c_attn.weight (q, k and v are strided
-views of its output: fewer launches than training's three dense GEMMs, which the
-backward wants), rope on q and k at pos0, k and v copied into the cache at pos0, the new
+all of c_attn.weight (q, k and v are strided views of its output, graph.py's parts of
+qkv), rope on q and k at pos0, k and v copied into the cache at pos0, the new
 queries' attention over the cache through `lib.decode`, c_proj and the residual add, the
 norm, the MLP GEMMs, the activation, c_proj and the add. The final norm and the tied head
 run on the last position only: sampling reads nothing else.
@@ -34,7 +33,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
-from eulergen.runtime.graph import fused_shape, model_graph, parameter_names
+from eulergen.runtime.graph import model_graph, parameter_names
 from eulergen.runtime.model import arch_of
 from eulergen.runtime.params import load_params, parameters, plan_params
 from eulergen.runtime.tape import Add, Linear, Op, Tape
@@ -68,25 +67,21 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32") -> Plan:
 
 
 def _block_slots(g) -> dict[str, str]:
-    """Each block value the decoder makes -> its buffer: its slot, or the `fused` buffer
-    of a linear's outputs. Attention through lib.decode makes o alone (lse is for a
-    backward)."""
+    """Each block value the decoder makes -> its buffer: its slot, or its root's (a part
+    of qkv). Attention through lib.decode makes o alone (lse is for a backward)."""
     slots = {}
     for node in g.block:
         outputs = node.outputs[:1] if node.kind == "attention" else node.outputs
         for name in node.inputs + outputs:
-            fused = node.fused and name in node.outputs
-            slots.setdefault(name, node.fused if fused else g.values[name].buffer)
+            slots.setdefault(name, g.values[g.root(name)].buffer)
     return slots
 
 
 def _block_buffers(g, lead) -> dict[str, tuple]:
     """The shape of each buffer of _block_slots at leading dims `lead`, in order of first use."""
-    fused = {n.fused: fused_shape([g.values[o].shape(lead) for o in n.outputs])
-             for n in g.block if n.fused}
     shapes = {}
     for name, buffer in _block_slots(g).items():
-        shapes.setdefault(buffer, fused.get(buffer) or g.values[name].shape(lead))
+        shapes.setdefault(buffer, g.values[g.root(name)].shape(lead))
     return shapes
 
 
@@ -176,35 +171,28 @@ class Decoder:
         decode tape), then the head at the last position."""
         g, m = self.graph, self.mem
         tape = Tape(self.backend, self.lib, None, tf32=self.tf32)
-        views, buffers = self._views(rows)
+        views = self._views(rows)
         for node in g.stem:
-            self._node(tape, node, "", views, buffers, rows)
+            self._node(tape, node, "", views, rows)
         for layer in range(self.arch.layers):
             for node in g.block:
-                self._node(tape, node, f"h.{layer}.", views, buffers, rows)
+                self._node(tape, node, f"h.{layer}.", views, rows)
         tape.record(TakeLast(views["x"], m["last"]))
         head = {name: m[_HEAD.get(name, name)] for name in g.order(g.head)}
         for node in g.head:
-            self._node(tape, node, "", head, {}, 1)
+            self._node(tape, node, "", head, 1)
         return tape
 
-    def _views(self, rows: int) -> tuple[dict, dict]:
-        """Each block value at `rows` positions -> its array, and each buffer -> its array:
-        a fused linear's outputs are strided views of its buffer (q, k, v of qkv)."""
+    def _views(self, rows: int) -> dict:
+        """Each block value at `rows` positions -> its array: parts are strided views of
+        their root's buffer (q, k, v of qkv)."""
         g, slots = self.graph, _block_slots(self.graph)
         buffers = {b: self._at(b, rows) for b in dict.fromkeys(slots.values())}
-        views = {name: buffers[b] for name, b in slots.items()}
-        for node in g.block:
-            if node.fused:
-                at = 0
-                for name in node.outputs:
-                    heads = g.values[name].shape((1, 1))[2]
-                    views[name] = buffers[node.fused][:, :, at:at + heads]
-                    at += heads
+        views = {name: g.view(name, buffers[b]) for name, b in slots.items()}
         views["idx"] = self._at("idx", rows)
-        return views, buffers
+        return views
 
-    def _node(self, tape: Tape, node, prefix: str, views: dict, buffers: dict, rows: int):
+    def _node(self, tape: Tape, node, prefix: str, views: dict, rows: int):
         """Record one graph node, forward only, over `views`; `rows` positions a sequence."""
         P, cur = self.params, self.cursor
         names = parameter_names(node, prefix, P)
@@ -216,9 +204,7 @@ class Decoder:
             def flat(t):
                 return t.reshape(self.batch * rows, -1)
             w, b = names[0], names[1] if len(names) > 1 else None
-            outputs = ([(buffers[node.fused], slice(None))] if node.fused else
-                       zip((views[n] for n in node.outputs), self.graph.row_blocks(node)))
-            for y, block in outputs:
+            for y, block in zip((views[n] for n in node.outputs), self.graph.row_blocks(node)):
                 tape.record(Linear(flat(views[node.inputs[0]]), P[w][block], flat(y), None,
                                    None, None, P[b][block] if b else None))
         elif node.kind == "rope":

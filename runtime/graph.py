@@ -3,7 +3,7 @@ a tuple of Nodes over named Values. runtime/model.py builds the training memory 
 tape from it, runtime/decoder.py the KV-cache decoder's plan and tape.
 
     stem   idx -> embedding -> x
-    block  x -> norm -> ln_1 -> c_attn -> q, k, v [-> rope -> q_rope, k_rope]
+    block  x -> norm -> ln_1 -> c_attn -> qkv (q, k, v: its parts) [-> rope -> q_rope, k_rope]
              -> attention -> attn, lse -> c_proj -> attn_proj;  x + attn_proj -> x_mid
            x_mid -> norm -> ln_2 -> c_fc -> fc (fc_a, fc_b: gated) -> activation -> act
              -> c_proj -> mlp_proj;  x_mid + mlp_proj -> next
@@ -17,6 +17,12 @@ activations; training keeps the values no backward reads there, in its workspace
 its `grad` the training workspace buffer that holds its gradient, which every block
 shares too. The values a residual add joins share one gradient (`d.x`): the add's
 backward is the fan-in of writers adding into it.
+
+A value with a `part` is a view of some heads (axis 2) of another value, its root, and
+its gradient the same view of the root's: q, k and v are parts of `qkv`, which c_attn
+writes in one GEMM. Where the rope op allows it (model.rope_in_place) q_rope and k_rope
+are parts too, at q's and k's heads: rope rotates `qk` (q and k side by side) in place,
+in one call, into `qk_rope`.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class Value:
     grad: str | None = None     # None: no gradient flows into it
     per_row: bool = False       # a per-row statistic the kernels keep in float32 in every
                                 # storage dtype (attention's lse)
+    part: tuple[str, int] | None = None   # (root value, first head): a view of its heads
 
     @property
     def buffer(self) -> str:
@@ -53,17 +60,15 @@ class Node:
     'activation' (a manifest op: `op` is its entry, `params` its call parameters), or
     'linear' (a GEMM) or 'add' (the residual add). `weights`: the prefixes of the
     parameters it reads, in the order it takes them (`parameter_names`). A linear with
-    several outputs makes them from consecutive row blocks of its weight: one GEMM each
-    in training (dense outputs, one gradient each), one GEMM into the buffer `fused`, the
-    outputs views of it, where only the forward runs. `saved`: outputs its backward
-    reads besides its inputs (attention's o and lse)."""
+    several outputs makes them from consecutive row blocks of its weight, one GEMM each
+    (dense outputs, one gradient each). `saved`: outputs its backward reads besides its
+    inputs (attention's o and lse)."""
     kind: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     weights: tuple[str, ...] = ()
     op: object = None                                 # manifest.OpEntry
     params: dict = field(default_factory=dict, hash=False)
-    fused: str = ""
     saved: tuple[str, ...] = ()
 
 
@@ -80,18 +85,31 @@ class Graph:
 
     def row_blocks(self, node: Node) -> list[slice]:
         """The weight rows each output of a linear is made from: all of them for one output,
-        consecutive blocks of each output's features for several (c_attn's q, k, v)."""
+        consecutive blocks of each output's features for several (a gated MLP's fc_a, fc_b)."""
         if len(node.outputs) == 1:
             return [slice(None)]
         sizes = [self.values[n].features for n in node.outputs]
         return [slice(lo, lo + n) for lo, n in zip(accumulate([0] + sizes), sizes)]
 
+    def root(self, name: str) -> str:
+        """The value whose buffer holds `name`: its part's root, or itself."""
+        part = self.values[name].part
+        return part[0] if part else name
+
+    def view(self, name: str, root):
+        """The array of value `name` given its root's array (or its root's gradient)."""
+        part = self.values[name].part
+        if not part:
+            return root
+        return root[:, :, part[1]:part[1] + self.values[name].shape((1, 1))[2]]
+
     def kept(self) -> frozenset[str]:
         """The values a backward reads (every node's inputs but an add's, the outputs a node
-        saves) and the model's output: what training keeps from forward to backward."""
+        saves) and the model's output, each as its root: what training keeps from forward
+        to backward."""
         nodes = self.stem + self.block + self.head
         read = {n for node in nodes if node.kind != "add" for n in node.inputs}
-        return frozenset(read | {n for node in nodes for n in node.saved}
+        return frozenset(self.root(n) for n in read | {n for node in nodes for n in node.saved}
                          | {self.head[-1].outputs[-1]})
 
 
@@ -102,15 +120,6 @@ def parameter_names(node: Node, prefix: str, params) -> list[str]:
             if name in params]
 
 
-def fused_shape(shapes) -> tuple:
-    """The shape of one buffer holding arrays of `shapes` side by side along axis 2 (q, k
-    and v: [B, T, H + 2·KVH, D]), each of them a view of its part."""
-    first = shapes[0]
-    if any(len(s) != len(first) or s[:2] != first[:2] or s[3:] != first[3:] for s in shapes):
-        raise ValueError(f"cannot fuse shapes {shapes} along axis 2")
-    return (*first[:2], sum(s[2] for s in shapes), *first[3:])
-
-
 def model_graph(a) -> Graph:
     """The graph of an Arch (runtime/model.py): rope nodes with rope positions, two fc
     outputs for a gated activation, the ops and parameters arch_of resolved."""
@@ -118,17 +127,23 @@ def model_graph(a) -> Graph:
         return lambda lead: (*lead, *tail)
 
     stream = per_token(a.d)
-    heads, kv = per_token(a.heads, a.head_dim), per_token(a.kv_heads, a.head_dim)
+    H, KVH, D = a.heads, a.kv_heads, a.head_dim
+    heads, kv, qk = per_token(H, D), per_token(KVH, D), per_token(H + KVH, D)
     fc = ("fc_a", "fc_b") if a.gated else ("fc",)
+    in_place = a.rope_in_place
+
+    def of_qkv(name, shape, head):
+        return Value(name, shape, grad="d.qkv", part=("qkv", head))
+
     values = [
         Value("idx", per_token()),
         Value("x", stream, grad="d.x"),
         Value("ln_1", stream, "ln", "d.ln"),
-        Value("q", heads, grad="d.q"),
-        Value("k", kv, grad="d.k"),
-        Value("v", kv, grad="d.v"),
-        Value("q_rope", heads, grad="d.q_rope"),
-        Value("k_rope", kv, grad="d.k_rope"),
+        Value("qkv", per_token(H + 2 * KVH, D), grad="d.qkv"),
+        of_qkv("q", heads, 0), of_qkv("k", kv, H), of_qkv("v", kv, H + KVH),
+        of_qkv("qk", qk, 0), of_qkv("qk_rope", qk, 0),
+        *((of_qkv("q_rope", heads, 0), of_qkv("k_rope", kv, H)) if in_place else
+          (Value("q_rope", heads, grad="d.q_rope"), Value("k_rope", kv, grad="d.k_rope"))),
         Value("attn", heads, grad="d.attn"),
         Value("lse", lambda lead: (lead[0], a.heads, *lead[1:]), per_row=True),
         Value("attn_proj", stream, "proj", "d.x"),
@@ -146,13 +161,15 @@ def model_graph(a) -> Graph:
     def norm(x, y, param):
         return Node("norm", (x,), (y,), (param,), a.ops.norm, a.norm_params)
 
+    def rope(x, y):
+        return Node("rope", (x,), (y,), op=a.ops.rope, params=a.rope_params)
+
     q, k = ("q_rope", "k_rope") if a.rope else ("q", "k")
     block = (
         norm("x", "ln_1", "ln_1"),
-        Node("linear", ("ln_1",), ("q", "k", "v"), ("attn.c_attn",), fused="qkv"),
-        *((Node("rope", ("q",), ("q_rope",), op=a.ops.rope, params=a.rope_params),
-           Node("rope", ("k",), ("k_rope",), op=a.ops.rope, params=a.rope_params))
-          if a.rope else ()),
+        Node("linear", ("ln_1",), ("qkv",), ("attn.c_attn",)),
+        *((rope("qk", "qk_rope"),) if in_place else
+          (rope("q", "q_rope"), rope("k", "k_rope")) if a.rope else ()),
         Node("attention", (q, k, "v"), ("attn", "lse"), op=a.ops.attention,
              saved=("attn", "lse")),
         Node("linear", ("attn",), ("attn_proj",), ("attn.c_proj",)),

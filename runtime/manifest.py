@@ -52,6 +52,7 @@ class OpEntry:
     manifest: Path = Path()
     fast_math: bool = False              # the spec opted in (`fast_math: true`)
     template: str = ""                   # templates/<x>.cu.j2, where the manifest names it
+    index: dict = field(default_factory=dict, hash=False)   # pair ops: index symbol -> role
 
     @property
     def grads(self) -> tuple[str, ...]:
@@ -127,6 +128,10 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
     if not isinstance(params, dict):
         raise EulerError("params should be an object name -> default", file=str(file),
                          key=f"{where}.params")
+    index = o.get("index") or {}
+    if not isinstance(index, dict) or not all(isinstance(r, str) for r in index.values()):
+        raise EulerError("index should be an object symbol -> role", file=str(file),
+                         key=f"{where}.index")
     kernels = o.get("kernels") or {}
     if not isinstance(kernels, dict):
         raise EulerError("kernels should be an object name -> kernel", file=str(file),
@@ -141,7 +146,7 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         cuda_sha256=str(o.get("cuda_sha256", "")),
         kernels={kn: _kernel(kn, k, file, f"{where}.kernels.{kn}") for kn, k in kernels.items()},
         manifest=file, fast_math=bool(o.get("fast_math", False)),
-        template=str(o.get("template", "")))
+        template=str(o.get("template", "")), index=dict(index))
 
 
 def load_manifest(path: str | Path) -> Manifest:

@@ -8,9 +8,12 @@ input, rows F..2F-1 its second. Token embedding tied to the LM head, learned pos
 or RoPE (the `rope` op on q and k), grouped-query attention, final norm, cross-entropy
 averaged over tokens. The graph is runtime/graph.py's; the parameters runtime/params.py's.
 
-Every GEMM writes into its own contiguous buffer (q, k and v are three GEMMs over row
-blocks of c_attn.weight; a gated MLP's two inputs are two GEMMs) so that every op a
-generated kernel sees is dense.
+c_attn is one GEMM into `qkv` [B, T, H + 2·KVH, D] (bias included); q, k and v are views of
+its heads, which RoPE (in place, one call over q and k where the rope op allows it) and
+the attention kernels read through their strides; their gradients are the same views of
+one `d.qkv`, so c_attn's backward is one GEMM for dx, one for dW and one for the bias. A
+gated MLP's two inputs are two GEMMs over row blocks of c_fc.weight (dense: pointwise
+kernels read them as flat arrays).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ class Arch:
     ffn: int                          # F: the activation's width
     gated: bool
     rope: bool
+    rope_in_place: bool               # rope_in_place(ops.rope): q_rope, k_rope over q, k
     bias: bool
     norm_weights: tuple[str, ...]     # 'weight'[, 'bias'] per norm, from the op's weight inputs
     norm_params: dict = field(hash=False)
@@ -123,10 +127,21 @@ def arch_of(cfg, lib) -> Arch:
                    loss=_need_op(lib, "cross_entropy", "model", ("row",)))
     return Arch(d=d, layers=cfg.num_layers, heads=H, kv_heads=KVH, head_dim=d // H,
                 vocab=cfg.vocab_size, max_seq=cfg.max_seq_len, ffn=cfg.mlp_hidden,
-                gated=len(act.inputs) == 2, rope=cfg.positions == "rope", bias=bool(cfg.bias),
+                gated=len(act.inputs) == 2, rope=rope is not None,
+                rope_in_place=rope is not None and rope_in_place(rope), bias=bool(cfg.bias),
                 norm_weights=_NORM_PARAM_NAMES[:len(weights)],
                 norm_params=_op_params(norm, {"eps": float(cfg.norm_eps)}),
                 rope_params=rope_params, ops=ops)
+
+
+def rope_in_place(rope) -> bool:
+    """Whether a pair op may rotate q and k where they lie in `qkv`, in one call over both:
+    its backward reads only the output gradients (so q and k need not outlive q_rope and
+    k_rope) and its formula has no head index (which would count k's heads on from q's)."""
+    backward = {name for k in rope.kernels.values() if k.stage == "backward"
+                for name, _ in k.args}
+    reads = backward & {o.name for o in rope.inputs + rope.outputs}
+    return not reads and "head" not in rope.index.values()
 
 
 def _check_head_dim(attention, d: int, heads: int) -> None:
@@ -179,7 +194,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         for arena in ("adam_m", "adam_v"):
             p.add(arena, arena, (total,), master)
 
-    block = [g.values[n] for n in g.order(g.block) if n != "next"]   # next: the next x
+    # next: the next x; parts (q, k, v of qkv) are views of their root's buffers
+    block = [g.values[n] for n in g.order(g.block) if n != "next" and not g.values[n].part]
     for layer in range(a.layers):
         for v in block:
             if v.name in kept:
@@ -195,7 +211,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     if a.bias:
         add("workspace", "ones", (1, N))                # bias gradients as a GEMM: 1ᵀ·dy
     if training:
-        values = [g.values[n] for n in g.order(g.stem + g.block + g.head)]
+        values = [g.values[n] for n in g.order(g.stem + g.block + g.head)
+                  if not g.values[n].part]
         # one buffer per gradient, shared by every block; the logits hold their own
         for name, v in _first((v.grad, v) for v in values
                               if v.grad and v.grad not in g.values).items():

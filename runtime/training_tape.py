@@ -1,6 +1,8 @@
 """The training tape, recorded from the model graph (runtime/graph.py) over a GPT's
 planned buffers: graph nodes become tape nodes (runtime/tape.py), a linear of several
-outputs one GEMM per output (dense outputs, one gradient each).
+outputs one GEMM per output (dense outputs, one gradient each). A value that is a part
+of another (q, k, v of qkv) is a view of its root's buffer, its gradient a view of the
+root's gradient.
 
 Backward order decides how each gradient lands: the first node in backward order to put
 a gradient into a value writes it, every later one adds (a parameter's first writer
@@ -62,6 +64,8 @@ class _Recorder:
         return key
 
     def _buf(self, layer, name: str):
+        if self.g.values[name].part:
+            return self.g.view(name, self._buf(layer, self.g.root(name)))
         block, name = self._key(layer, name)
         if block is None:
             return self.model.mem[name]
@@ -83,7 +87,7 @@ class _Recorder:
         return Grad(buf, add=not first)
 
     def _dbuf(self, name: str):
-        return self.model.mem[self.g.values[name].grad]
+        return self.g.view(name, self.model.mem[self.g.values[name].grad])
 
     def _dvalue(self, layer, name: str, *, rows=False) -> Grad:
         d = self._dbuf(name)

@@ -1,6 +1,7 @@
 """The generated flash-attention kernels, run on the CPU: the .cu is compiled by g++ against
 tests/attention_emulator/ (CUDA threads as fibers; ldmatrix and mma.sync emulated from
-the PTX ISA tables) and checked against the generated numpy reference. This catches
+the PTX ISA tables) and checked against the generated numpy reference. q, k, v and dq, dk,
+dv are views of one [B, T, H + 2·KVH, D] buffer each, as training lays them out. This catches
 indexing, tiling, masking and fragment-layout mistakes without a GPU; speed and the real
 PTX are for tests/gpu/test_attention.py."""
 from __future__ import annotations
@@ -37,30 +38,30 @@ static void run_{key}(int B, int T, int H, int KVH, const float* params) {{
   const long long W = (long long)(H + 2 * KVH) * D;  // q, k, v: views of one fused buffer
   std::vector<S> qkv_v = load<S>("qkv.bin", (size_t)B * T * W);
   std::vector<S> do_v = load<S>("do.bin", (size_t)B * T * H * D);
-  std::vector<S> o_v((size_t)B * T * H * D), dq_v(o_v.size());
-  std::vector<S> dk_v((size_t)B * T * KVH * D), dv_v(dk_v.size());
+  std::vector<S> o_v((size_t)B * T * H * D), dqkv_v(qkv_v.size());  // dq, dk, dv: views too
   std::vector<float> lse_v((size_t)B * H * T), delta_v(lse_v.size());
   const S* q = qkv_v.data();
   const S* k = q + (long long)H * D;
   const S* v = k + (long long)KVH * D;
   const S* dout = do_v.data();
-  S* o = o_v.data(); S* dq = dq_v.data(); S* dk = dk_v.data(); S* dv = dv_v.data();
+  S* o = o_v.data();
+  S* dq = dqkv_v.data();
+  S* dk = dq + (long long)H * D;
+  S* dv = dk + (long long)KVH * D;
   float* lse = lse_v.data();
   float* delta = delta_v.data();
   const int n = T, n_heads = H, n_kv_heads = KVH, batch = B, head_dim = D;
   const long long q_sb = T * W, q_st = W, q_sh = D, k_sb = T * W, k_st = W, k_sh = D;
   const long long v_sb = T * W, v_st = W, v_sh = D;
   const long long o_sb = (long long)T * H * D, o_st = (long long)H * D, o_sh = D;
-  const long long do_sb = o_sb, do_st = o_st, do_sh = D, dq_sb = o_sb, dq_st = o_st, dq_sh = D;
-  const long long dk_sb = (long long)T * KVH * D, dk_st = (long long)KVH * D, dk_sh = D;
-  const long long dv_sb = dk_sb, dv_st = dk_st, dv_sh = D;
+  const long long do_sb = o_sb, do_st = o_st, do_sh = D, dq_sb = T * W, dq_st = W, dq_sh = D;
+  const long long dk_sb = T * W, dk_st = W, dk_sh = D, dv_sb = T * W, dv_st = W, dv_sh = D;
 {params}
   emu_launch(dim3(cdiv(T, {fwd_rows}), H, B), dim3({fwd_threads}), [&] {{ {fwd}({fwd_args}); }});
   emu_launch(dim3(cdiv(B * H * T, {rd_rows})), dim3({rd_threads}), [&] {{ {rd}({rd_args}); }});
   emu_launch(dim3(cdiv(T, {dkv_rows}), KVH, B), dim3({dkv_threads}), [&] {{ {dkv}({dkv_args}); }});
   emu_launch(dim3(cdiv(T, {dq_rows}), H, B), dim3({dq_threads}), [&] {{ {dq}({dq_args}); }});
-  save("o.bin", o_v); save("lse.bin", lse_v);
-  save("dq.bin", dq_v); save("dk.bin", dk_v); save("dv.bin", dv_v);
+  save("o.bin", o_v); save("lse.bin", lse_v); save("dqkv.bin", dqkv_v);
 }}
 """
 
@@ -177,12 +178,12 @@ def _emulate(name, dtype, D, B, T, H, KVH, seed=0, odd=False, **params):
     def read(file, shape, stored=True):
         raw = np.fromfile(folder / file, np.uint16 if stored and dtype == "bf16" else np.float32)
         return (from_bf16(raw) if stored and dtype == "bf16" else raw).reshape(shape)
+    def split(buf):
+        return (buf[:, :, :H], buf[:, :, H:H + KVH], buf[:, :, H + KVH:])
+    dqkv = read("dqkv.bin", (B, T, H + 2 * KVH, D))
     ours = {"o": read("o.bin", (B, T, H, D)), "lse": read("lse.bin", (B, H, T), stored=False),
-            "dq": read("dq.bin", (B, T, H, D)), "dk": read("dk.bin", (B, T, KVH, D)),
-            "dv": read("dv.bin", (B, T, KVH, D))}
-    q = qkv[..., :H * D].reshape(B, T, H, D).astype(np.float64)
-    k = qkv[..., H * D:(H + KVH) * D].reshape(B, T, KVH, D).astype(np.float64)
-    v = qkv[..., (H + KVH) * D:].reshape(B, T, KVH, D).astype(np.float64)
+            **dict(zip(("dq", "dk", "dv"), split(dqkv)))}
+    q, k, v = split(qkv.reshape(B, T, H + 2 * KVH, D).astype(np.float64))
     o, lse = mod.forward(q, k, v, **params)
     dq, dk, dv = mod.backward(q, k, v, o, lse, do.astype(np.float64), **params)
     ref = {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}

@@ -432,6 +432,7 @@ class PairCase:
     shape: tuple[int, int, int, int]
     pos0: int = 0
     in_pad: int = 0
+    in_heads: int = 1
     out_heads: int = 1
     in_place: bool = False
 
@@ -444,6 +445,9 @@ PAIR_CASES = {
     "head stride D + 2, no multiple of the vector: scalar path": PairCase((2, 3, 3, 16), in_pad=2,
                                                                          out_heads=2),
     "vector path in place": PairCase((2, 5, 3, 16), pos0=1, in_place=True),
+    # training's rope: q and k, the first heads of qkv, rotated where they lie
+    "vector path in place on heads of a wider buffer": PairCase((2, 5, 3, 16), in_heads=2,
+                                                                in_place=True),
     "scalar path in place": PairCase((2, 3, 3, 12), in_place=True),
     "more vectors than threads": PairCase((1, 2, 40, 128), pos0=3),
     # 6 (fp32) or 3 (bf16) vectors a head, 256 threads: a thread's steps cross heads mid-way
@@ -483,7 +487,7 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
     for stage, ins, out, want in stages:
         k = f"{name}_{stage}_{dtype}"
         sig = [a for a, _ in op["kernels"][k]["args"]]
-        bufs = {n: _pair_buffer(v, 1, c.in_pad, 0.5) for n, v in ({"x": x} | ins).items()
+        bufs = {n: _pair_buffer(v, c.in_heads, c.in_pad, 0.5) for n, v in ({"x": x} | ins).items()
                 if n in sig}
         args = {n: stored(b, dtype) for n, b in bufs.items()}
         for n, b in bufs.items():

@@ -1,7 +1,10 @@
 """The model graph as data (runtime/graph.py) and what the training tape and the decoder
 build from it: node order, the values training keeps, the gradient wiring of the
-residual stream and the tied table, and the decoder's fused q/k/v buffer."""
+residual stream and the tied table, q, k and v as parts of one qkv buffer in training and
+in the decoder, and rope in place over them where the op allows it."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -9,11 +12,11 @@ import pytest
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.decoder import build_decoder
-from eulergen.runtime.graph import fused_shape, model_graph, parameter_names
-from eulergen.runtime.model import arch_of, build
+from eulergen.runtime.graph import model_graph, parameter_names
+from eulergen.runtime.model import arch_of, build, rope_in_place
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.tape import Embedding, Linear, Op
-from test_model import STRUCTURES   # gpt2 and nanoeuler at a tiny size
+from test_model import STRUCTURES, _model, _tokens   # gpt2 and nanoeuler at a tiny size
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def test_the_block_is_a_pre_norm_block_with_the_configured_ops(lib):
     assert g.block[0].inputs == ("x",) and g.block[-1].outputs == ("next",)
     nano = model_graph(arch_of(_cfg("nanoeuler"), lib))
     rope = [n for n in nano.block if n.kind == "rope"]
-    assert [(n.inputs, n.outputs) for n in rope] == [(("q",), ("q_rope",)), (("k",), ("k_rope",))]
+    assert [(n.inputs, n.outputs) for n in rope] == [(("qk",), ("qk_rope",))]   # one call
     attention = next(n for n in nano.block if n.kind == "attention")
     assert attention.inputs == ("q_rope", "k_rope", "v")
     assert next(n for n in nano.block if n.kind == "activation").inputs == ("fc_a", "fc_b")
@@ -44,8 +47,9 @@ def test_the_block_is_a_pre_norm_block_with_the_configured_ops(lib):
 def test_training_keeps_what_a_backward_reads_and_not_the_branch_outputs(lib):
     g = model_graph(arch_of(_cfg("gpt2"), lib))
     kept = g.kept()
-    assert {"x", "ln_1", "q", "k", "v", "attn", "lse", "x_mid", "ln_2", "fc", "act",
+    assert {"x", "ln_1", "qkv", "attn", "lse", "x_mid", "ln_2", "fc", "act",
             "x_final", "ln_f", "logits"} <= kept
+    assert not {"q", "k", "v"} & kept           # parts: kept as their root, qkv
     # the c_proj outputs only feed residual adds, whose backward reads nothing
     assert not {"attn_proj", "mlp_proj"} & kept
     assert g.values["attn_proj"].buffer == g.values["mlp_proj"].buffer == "proj"
@@ -56,12 +60,22 @@ def test_a_linear_of_several_outputs_reads_consecutive_row_blocks(lib):
     g = model_graph(a)
     c_attn, c_fc = (next(n for n in g.block if n.weights == (w,))
                     for w in ("attn.c_attn", "mlp.c_fc"))
-    assert g.row_blocks(c_attn) == [slice(0, 8), slice(8, 12), slice(12, 16)]
+    assert c_attn.outputs == ("qkv",) and g.row_blocks(c_attn) == [slice(None)]
     assert g.row_blocks(c_fc) == [slice(0, 12), slice(12, 24)]
     assert g.row_blocks(g.head[-1]) == [slice(None)]
-    assert fused_shape([g.values[n].shape((3, 5)) for n in c_attn.outputs]) == (3, 5, 8, 2)
-    with pytest.raises(ValueError):
-        fused_shape([(3, 5, 4, 2), (3, 5, 4, 3)])
+
+
+def test_q_k_v_and_the_rotated_q_k_are_heads_of_qkv(lib):
+    g = model_graph(arch_of(_cfg("nanoeuler"), lib))   # 4 q heads, 2 kv heads of 2
+    assert g.values["qkv"].shape((3, 5)) == (3, 5, 4 + 2 * 2, 2)
+    qkv = np.arange(3 * 5 * 8 * 2).reshape(3, 5, 8, 2)
+    for name, heads in (("q", slice(0, 4)), ("k", slice(4, 6)), ("v", slice(6, 8)),
+                        ("qk", slice(0, 6)), ("qk_rope", slice(0, 6)),
+                        ("q_rope", slice(0, 4)), ("k_rope", slice(4, 6))):
+        assert g.root(name) == "qkv" and g.values[name].grad == "d.qkv"
+        view = g.view(name, qkv)
+        assert np.shares_memory(view, qkv) and view.shape == g.values[name].shape((3, 5))
+        np.testing.assert_array_equal(view, qkv[:, :, heads])
 
 
 def test_a_linear_reads_a_bias_only_where_the_model_has_one(lib):
@@ -81,11 +95,14 @@ def test_the_first_gradient_writer_in_backward_order_writes_and_later_ones_add(l
     # the stream's gradient: the final norm writes d.x, every block's norms add to it
     assert all(np.shares_memory(n.dins[0].buf, mem["d.x"]) for n in norms)
     assert [n.dins[0].add for n in norms] == [True, True, True, True, False]
-    # q, k, v GEMMs: backward runs v, k, q; v writes d.ln, k and q add
-    c_attn = [n for n in nodes if isinstance(n, Linear)
-              and np.shares_memory(n.w, model.params["h.0.attn.c_attn.weight"])]
-    assert [n.dx.add for n in c_attn] == [True, True, False]
-    assert all(n.dw.param and not n.dw.add for n in c_attn)
+    # c_attn: one GEMM a block, over all of its weight, from and into the whole of qkv
+    (c_attn,) = [n for n in nodes if isinstance(n, Linear)
+                 and np.shares_memory(n.w, model.params["h.0.attn.c_attn.weight"])]
+    assert c_attn.w.shape == model.params["h.0.attn.c_attn.weight"].shape
+    assert c_attn.y.shape == (2 * 5, (2 + 2 * 2) * 4) and np.shares_memory(c_attn.y, mem["h.0.qkv"])
+    assert np.shares_memory(c_attn.dy, mem["d.qkv"]) and c_attn.dy.shape == c_attn.y.shape
+    assert not c_attn.dx.add and c_attn.dw.param and not c_attn.dw.add
+    assert c_attn.db.buf.shape == model.params["h.0.attn.c_attn.bias"].shape
     # the tied table: the head writes its gradient (per micro-step), the embedding adds
     head, (embedding,) = nodes[-1], [n for n in nodes if isinstance(n, Embedding)]
     assert head.dw.param and not head.dw.add
@@ -96,22 +113,77 @@ def test_the_first_gradient_writer_in_backward_order_writes_and_later_ones_add(l
 def test_training_plans_each_kept_value_per_block_and_each_gradient_once(lib):
     model = build(_cfg("nanoeuler"), lib, 2, 5)
     index = model.mem.plan.index
-    assert "h.1.q_rope" in index and "h.1.attn_proj" not in index and "proj" in index
+    assert "h.1.qkv" in index and "h.1.attn_proj" not in index and "proj" in index
+    assert not {"h.1.q", "h.1.q_rope", "q", "q_rope", "qk"} & set(index)   # views of qkv
+    assert model.mem.plan.buffer("h.1.qkv").shape == (2, 5, 4 + 2 * 2, 2)
     grads = [b.name for b in model.mem.plan.buffers if b.name.startswith("d.")]
-    assert grads == ["d.x", "d.ln", "d.q", "d.k", "d.v", "d.q_rope", "d.k_rope", "d.attn",
-                     "d.fc_a", "d.fc_b", "d.act"]
+    assert grads == ["d.x", "d.ln", "d.qkv", "d.attn", "d.fc_a", "d.fc_b", "d.act"]
+
+
+def test_rope_runs_once_in_place_over_q_and_k_and_attention_reads_qkv(lib):
+    model = build(_cfg("nanoeuler"), lib, 2, 5)
+    qkv, dqkv = model.mem["h.0.qkv"], model.mem["d.qkv"]
+    ropes = [n for n in model.tape.nodes if isinstance(n, Op) and n.op.name == "rope"]
+    assert len(ropes) == 2                                  # one a block
+    rope = ropes[0]
+    assert rope.inputs[0].shape == rope.outputs[0].shape == (2, 5, 4 + 2, 2)
+    assert all(np.shares_memory(a, qkv) for a in (rope.inputs[0], rope.outputs[0]))
+    assert all(np.shares_memory(a, dqkv) for a in (rope.douts[0], rope.dins[0].buf))
+    attention = next(n for n in model.tape.nodes if isinstance(n, Op) and n.op.kind == "attention")
+    assert all(np.shares_memory(a, qkv) for a in attention.inputs)
+    assert all(np.shares_memory(g.buf, dqkv) and not g.add for g in attention.dins)
+
+
+def _rope_with_a_head_index(lib):
+    """A library whose rope declares a head index: its numbers are the built-in rope's, but
+    k's heads may not be counted on from q's, so it cannot run once over both."""
+    other = OpLibrary(NUMPY)
+    rope = other.ops["rope"]
+    other.ops["rope"] = dataclasses.replace(rope, index={**rope.index, "h": "head"})
+    return other
+
+
+def test_rope_stays_out_of_place_where_the_op_reads_the_head_or_its_input(lib):
+    assert rope_in_place(lib.op("rope"))
+    assert not rope_in_place(_rope_with_a_head_index(lib).op("rope"))
+    rope = lib.op("rope")
+    kernels = {n: dataclasses.replace(k, args=(("x", "const float*"),) + k.args)
+               if k.stage == "backward" else k for n, k in rope.kernels.items()}
+    assert not rope_in_place(dataclasses.replace(rope, kernels=kernels))
+    g = model_graph(arch_of(_cfg("nanoeuler"), _rope_with_a_head_index(lib)))
+    rope_nodes = [(n.inputs, n.outputs) for n in g.block if n.kind == "rope"]
+    assert rope_nodes == [(("q",), ("q_rope",)), (("k",), ("k_rope",))]
+    assert not g.values["q_rope"].part and g.root("q") == "qkv"
+
+
+def test_rope_in_place_gives_the_loss_and_gradients_of_rope_out_of_place(lib):
+    x, y = _tokens(2, 5)
+    losses, grads = [], []
+    for library in (lib, _rope_with_a_head_index(lib)):
+        model = _model(library, "nanoeuler")
+        model.load_tokens(x, y)
+        losses.append(float(model.loss_and_grad()[0]))
+        grads.append({k: g.copy() for k, g in model.grads.items()})
+    assert "h.0.q_rope" in model.mem.plan.index          # the second: out of place
+    assert losses[0] == pytest.approx(losses[1], rel=1e-13)
+    for name in grads[0]:
+        np.testing.assert_allclose(grads[0][name], grads[1][name], rtol=1e-11, atol=1e-14,
+                                   err_msg=name)
 
 
 def test_the_decoder_runs_c_attn_as_one_gemm_with_q_k_v_as_views(lib):
     dec = build_decoder(_cfg("nanoeuler"), lib, 2, 6)
     assert dec.mem.plan.buffer("qkv").shape == (2, 6, 4 + 2 * 2, 2)
     assert "lse" not in dec.mem.plan.index and "q" not in dec.mem.plan.index
-    views, buffers = dec._views(3)
-    qkv = buffers["qkv"]
+    views = dec._views(3)
+    qkv = views["qkv"]
     qkv[...] = np.arange(qkv.size).reshape(qkv.shape)
-    for name, heads in (("q", slice(0, 4)), ("k", slice(4, 6)), ("v", slice(6, 8))):
+    for name, heads in (("qk", slice(0, 6)), ("q_rope", slice(0, 4)), ("k_rope", slice(4, 6)),
+                        ("v", slice(6, 8))):
         assert np.shares_memory(views[name], qkv)
         np.testing.assert_array_equal(views[name], qkv[:, :, heads])
+    rope, qk = views["qk_rope"], views["qk"]                # rope in place
+    assert rope.__array_interface__ == qk.__array_interface__
     assert views["x_mid"] is views["x"] and views["ln_2"] is views["ln_1"]
     gemms = [n for n in dec._decode_tape.nodes if isinstance(n, Linear)]
     assert len(gemms) == 2 * (1 + 1 + 2 + 1) + 1         # qkv, c_proj, fc_a, fc_b, c_proj; head

@@ -86,3 +86,14 @@ def test_an_operand_without_a_role_names_the_key(tmp_path):
     del data["ops"]["gelu"]["inputs"][0]["role"]
     with pytest.raises(EulerError, match=r"ops\.gelu\.inputs\[0\]: missing key 'role'"):
         load_manifest(write(tmp_path, data))
+
+
+def test_a_pair_op_lists_its_index_roles_and_a_bad_list_names_the_key(tmp_path):
+    from eulergen.runtime.ops import BUILTIN_MANIFEST
+    rope = load_manifest(BUILTIN_MANIFEST).ops["rope"]
+    assert rope.index == {"pos": "position", "k": "pair", "D": "head_dim"}
+    assert load_manifest(write(tmp_path, GOOD)).ops["gelu"].index == {}
+    data = json.loads(json.dumps(GOOD))
+    data["ops"]["gelu"]["index"] = ["pos"]
+    with pytest.raises(EulerError, match=r"ops\.gelu\.index: index should be an object"):
+        load_manifest(write(tmp_path, data))
