@@ -105,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(NT) eg_draw(
   const float* x = logits + row * row_stride;
 
   // the largest logit and its lowest id
-  float best = -INFINITY;
+  float best = __int_as_float(0xff800000);
   int arg = vocab;
   for (int i = tid; i < vocab; i += NT) {
     const float v = x[i];
