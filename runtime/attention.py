@@ -243,6 +243,9 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     return dq, dk, dv
 
 
+# The SMs a memory plan made without a GPU (`eulergen plan --inference`) assumes: an H200's.
+PLAN_SMS = 132
+
 # Blocks a decode launch aims for per SM, splitting the cache across blocks until it has them:
 # decoding reads a few MB with little math, so what bounds it is loads in flight.
 DECODE_BLOCKS_PER_SM = 4

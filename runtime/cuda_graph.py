@@ -135,7 +135,7 @@ class _LiveNode:
             ctypes.memmove(base + int(offsets[i]), given[i], n)
         self.pointers = (c_void_p * len(args))(*(base + int(o) for o in offsets[:-1]))
         self.params = _NodeParams.from_buffer_copy(params)
-        self.params.kernelParams = ctypes.cast(self.pointers, c_void_p)
+        self.params.kernelParams = ctypes.addressof(self.pointers)
         self.params.extra = None
         self.node = node
         self.slots = {name: _CTYPE[sizes[i][1]].from_address(base + int(offsets[i]))
