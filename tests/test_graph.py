@@ -113,5 +113,5 @@ def test_the_decoder_runs_c_attn_as_one_gemm_with_q_k_v_as_views(lib):
         assert np.shares_memory(views[name], qkv)
         np.testing.assert_array_equal(views[name], qkv[:, :, heads])
     assert views["x_mid"] is views["x"] and views["ln_2"] is views["ln_1"]
-    gemms = [n for n in dec._decode_tape.nodes if isinstance(n, Linear)]
+    gemms = [n for n in dec._tape(1).nodes if isinstance(n, Linear)]
     assert len(gemms) == 2 * (1 + 1 + 2 + 1) + 1         # qkv, c_proj, fc_a, fc_b, c_proj; head

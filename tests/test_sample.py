@@ -182,6 +182,35 @@ def test_seeded_samples_repeat_and_rows_differ(lib):
     assert len({tuple(r) for r in first}) > 1, "one batch, three different samples"
 
 
+def test_streaming_and_reading_every_drawn_steps_give_the_same_tokens(lib):
+    cfg, dec, _ = _models(lib, "nanoeuler", 2)
+    sampler = Sampler(cfg, lib, batch=2, seq_len=SEQ, params=dec.mem.arenas["params"],
+                      dtype="float64")
+    seen = []
+    settings = dict(temperature=1.0, top_k=20, seed=4)
+    streamed = sampler.samples([5, 6], 70, on_step=seen.append, **settings)   # > DRAWN, crops
+    assert np.array_equal(np.asarray(seen).T, streamed)
+    assert sampler.samples([5, 6], 70, **settings) == streamed
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_one_error():
+    from eulergen.cli import _prompt_ids
+
+    class Words:   # a word-level tokenizer that knows "a" and "b"
+        name = "words.json"
+
+        def unknown(self, text):
+            return next((i for i, c in enumerate(text) if c not in "ab "), None)
+
+        def encode(self, text):
+            return [1 if c == "a" else 2 for c in text if c != " "]
+
+    assert _prompt_ids(Words(), "a b", "--prompt") == [1, 2]
+    with pytest.raises(EulerError, match=r"character 2 \('z'\) is not in the tokenizer's "
+                                         r"vocabulary \(words.json"):
+        _prompt_ids(Words(), "a z", "--prompt")
+
+
 def test_a_row_ends_at_the_stop_token(lib):
     cfg, dec, _ = _models(lib, "gpt2", 1)
     sampler = Sampler(cfg, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
