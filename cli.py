@@ -353,7 +353,8 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
 @click.option("--config", "config_path", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 @click.option("--inference", is_flag=True,
-              help="Plan the sampler's KV-cache model (no grads, no AdamW; k and v per layer).")
+              help="Plan the sampler's KV-cache model (no grads, no AdamW; k and v per layer; "
+                   "bf16 with training.dtype=bf16, the default on a bf16 GPU).")
 @ops_option
 def plan(config_path, overrides, inference, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
@@ -361,8 +362,9 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
 
     from eulergen.runtime.backend import NUMPY
     from eulergen.runtime.cuda_ops import workspace_elements
-    from eulergen.runtime.memory import plan_table
+    from eulergen.runtime.attention import PLAN_SMS
     from eulergen.runtime.decoder import plan_decoder
+    from eulergen.runtime.memory import plan_table
     from eulergen.runtime.model import arch_of, param_count, plan_model
     from eulergen.runtime.ops import OpLibrary
 
@@ -377,10 +379,10 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
     t = cfg.training
     # a GPU run's plan, the kernels' workspace included, whatever this machine runs on
-    # (sampling decodes in fp32 whatever the training dtype)
-    p = (plan_decoder(arch, t.batch_size, t.seq_len) if inference
+    dtype = "bf16" if t.dtype == "bf16" else "float32"
+    p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
-                         dtype="bf16" if t.dtype == "bf16" else "float32"))
+                         dtype=dtype))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")
     console = Console()
@@ -389,14 +391,14 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     console.print(plan_table(p, title))
 
 
-def _checkpoint_sampler(run, device, ops_dirs, num_samples: int):
+def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     """The tokenizer and a KV-cache Sampler over a run folder's latest checkpoint (or one
     checkpoint folder, or a transformers folder or Hub id), with the config it was trained
     with. Weights that do not fit the config's model (another architecture, an unpadded
     vocab) are one error naming the weights file and the tensor."""
     _limit_blas_threads()
     from eulergen.runtime.evaluate import load_into, open_model
-    from eulergen.runtime.sample import Sampler
+    from eulergen.runtime.sample import Sampler, sampling_dtype
     from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
@@ -409,18 +411,20 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int):
     tok = load_tokenizer(cfg.data)
     check_fits(tok, cfg.model.vocab_size)
     lib = _library(cfg, ops_dirs, build=True)
-    _check_sampler_fits(cfg, lib, num_samples)
+    dtype = sampling_dtype(dtype, lib.backend)
+    _check_sampler_fits(cfg, lib, num_samples, dtype)
     # the context it was trained on: learned positions past training.seq_len never moved
-    sampler = Sampler(cfg.model, lib, batch=num_samples,
-                      seq_len=cfg.training.seq_len, notify=lambda m: click.echo(m, err=True))
+    sampler = Sampler(cfg.model, lib, batch=num_samples, seq_len=cfg.training.seq_len,
+                      dtype=dtype, notify=lambda m: click.echo(m, err=True))
     load_into(sampler.decoder, weights)
     return tok, sampler
 
 
-def _check_sampler_fits(cfg, lib, num_samples: int) -> None:
+def _check_sampler_fits(cfg, lib, num_samples: int, dtype: str) -> None:
     """--num-samples is the KV cache's batch: refused before the cache is planned in full
     or allocated when it cannot fit."""
     from eulergen.runtime import budget
+    from eulergen.runtime.attention import PLAN_SMS
     from eulergen.runtime.decoder import plan_decoder
     from eulergen.runtime.model import arch_of
 
@@ -429,7 +433,9 @@ def _check_sampler_fits(cfg, lib, num_samples: int) -> None:
         raise EulerError(f"{num_samples:,} samples of {seq} tokens: at most "
                          f"{budget.MAX_INDEX:,} tokens in one batch", key="--num-samples")
     budget.check_fits(cfg, arch_of(cfg.model, lib), lib.backend,
-                      lambda a: plan_decoder(a, num_samples, seq), what="sampling",
+                      lambda a: plan_decoder(a, num_samples, seq, dtype=dtype,
+                                             sms=PLAN_SMS if lib.backend.is_gpu else 0),
+                      what="sampling",
                       batch=("--num-samples", num_samples, 1))
 
 
@@ -444,6 +450,9 @@ def _sampling_options(f):
                          help="Nucleus: the fewest tokens whose probability reaches p (1: all)."),
             click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
             click.option("--device", type=click.Choice(["auto", "cuda", "numpy"])),
+            click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
+                         show_default=True,
+                         help="Weights and KV cache: auto is bf16 on a GPU with bf16 (sm_80+)."),
             ops_option]):
         f = option(f)
     return f
@@ -456,6 +465,15 @@ def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
                     top_p=None if top_p == 1 else top_p, seed=seed)
     check_settings(settings["temperature"], settings["top_k"], settings["top_p"], max_new_tokens)
     return settings
+
+
+def _prompt_ids(tok, text: str, key: str) -> list[int]:
+    """`text` as ids, refusing text the tokenizer can only encode as its unknown token."""
+    at = getattr(tok, "unknown", lambda _: None)(text)
+    if at is not None:
+        raise EulerError(f"character {at} ({text[at]!r}) is not in the tokenizer's vocabulary "
+                         f"({tok.name} would encode it as its unknown token)", key=key)
+    return tok.encode(text)
 
 
 def _utf8(text: str, key: str) -> str:
@@ -490,14 +508,14 @@ def _printer(tok):
               help="Samples of the prompt, generated as one batch.")
 @_sampling_options
 def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, seed, device,
-           ops_dirs) -> None:
+           dtype, ops_dirs) -> None:
     """Continue a prompt with a run folder's latest checkpoint (or one checkpoint folder),
     printing the text as it comes (one sample), or each sample in turn (several); a sample
     ends at the tokenizer's end of text or after --max-new-tokens."""
     settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
     _utf8(prompt, "--prompt")
-    tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples)
-    ids = tok.encode(prompt)
+    tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples, dtype)
+    ids = _prompt_ids(tok, prompt, "--prompt")
     stream, show = _printer(tok)
     live = num_samples == 1
     if live:
@@ -519,13 +537,13 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
 @main.command()
 @click.argument("run", type=click.Path(path_type=Path))
 @_sampling_options
-def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs) -> None:
+def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, ops_dirs) -> None:
     """Talk with a checkpoint: each line you type joins the conversation and the model
     continues it until its end of text or --max-new-tokens. Ctrl-D or /quit ends."""
     import itertools
 
     settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
-    tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1)
+    tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1, dtype)
     for turn in itertools.count():
         click.echo("> ", nl=False)
         raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline()
@@ -537,10 +555,14 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, ops_dirs)
         if not line or line.strip() == "/quit":
             click.echo()
             return
+        try:
+            ids = _prompt_ids(tok, line if line.endswith("\n") else line + "\n", "stdin")
+        except EulerError as err:
+            _warn(f"{err.message}: that line is left out")
+            continue
         stream, show = _printer(tok)
         # the conversation so far stays in the KV cache: each turn appends to it
-        sampler.samples(tok.encode(line if line.endswith("\n") else line + "\n"),
-                        max_new_tokens, stop=tok.eot, on_step=show, append=turn > 0,
+        sampler.samples(ids, max_new_tokens, stop=tok.eot, on_step=show, append=turn > 0,
                         **{**settings, "seed": seed + turn})
         click.echo(stream.flush())
 

@@ -1,17 +1,23 @@
-"""Generation speed: eulergen's KV-cache sampler against Hugging Face transformers'
-`GPT2LMHeadModel.generate`, with the same GPT-2 124M weights, in one run on one GPU.
+"""Generation speed: eulergen's sampler (CUDA-graph decode steps over a static KV cache,
+the draw on the device) against Hugging Face transformers' `GPT2LMHeadModel.generate`,
+the same GPT-2 124M weights, in one run on one GPU.
 
-    python benchmarks/sample.py              # batch 1 and 16, 16 prompt tokens, 256 new
-    python benchmarks/sample.py --quick      # 64 new tokens, one timed run each
+    python benchmarks/sample.py                 # batch 1, 16, 64; 16 prompt tokens, 256 new
+    python benchmarks/sample.py --quick         # 64 new tokens, one timed run each
+    python benchmarks/sample.py --compiled 1    # static cache + torch.compile at batch 1 only
 
-Both sides: fp32 with TF32 off, greedy, the KV cache, a 16-token random prompt (the same
-prompt in every row), random-init weights (eulergen's GPT-2 init, copied into
-transformers' model: its Conv1D stores weight [in, out], the transpose of ours; gelu_new
-is our `gelu`, the tanh form). tokens/s is batch x new tokens over the median wall time
-of a whole generate call (the prompt's prefill included), after a warm-up call. The
-first 32 greedy tokens of every row are compared with transformers' (fp32 rounding can
-break a near-tie between two logits differently; a random-init model's logits are well
-apart).
+Systems, each greedy with a KV cache: eulergen fp32 (TF32 off) and bf16 (bf16 weights and
+cache, fp32 logits); transformers fp32 eager (dynamic cache), and with its static cache
+and torch.compile (generate's own compile of the forward for a static cache:
+mode reduce-overhead, CUDA graphs), where that runs. Weights: eulergen's GPT-2 init,
+copied into transformers' model (its Conv1D stores weight [in, out], the transpose of
+ours; gelu_new is our `gelu`, the tanh form). A 16-token random prompt, the same in
+every row. tok/s: batch × new tokens over the median wall time of a whole generate call
+(the prompt's prefill included), after a warm-up call; TTFT: the median wall time of a
+call for one new token (prompt in, first token on the host). Agreement: the first 32
+greedy positions where every row's token is transformers eager's (fp32 rounding can
+break a near-tie differently; bf16 parts from fp32 sooner on these random weights, whose
+logits are close together: tests/gpu/test_sample_gpu.py checks bf16 on a trained model).
 """
 from __future__ import annotations
 
@@ -80,13 +86,23 @@ def timed(fn, runs: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def agreement(tokens, reference) -> int:
+    return int((np.asarray(tokens)[:, :AGREE] == reference[:, :AGREE]).all(axis=0).sum())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--compiled", default=None,
+                        help="batches to run transformers' static cache + compile at "
+                             "[default: all]; 'none' for none")
     parser.add_argument("--runs", type=int, default=3, help="timed calls (after a warm-up)")
     args = parser.parse_args()
     new, runs = (64, 1) if args.quick else (256, args.runs)
+    batches = [int(b) for b in args.batches.split(",")]
+    compiled = (batches if args.compiled is None else [] if args.compiled == "none"
+                else [int(b) for b in args.compiled.split(",")])
 
     import cupy
     import torch
@@ -104,43 +120,68 @@ def main() -> None:
     weights = eulergen_weights(cfg, lib)
     hf = hf_model(cfg, weights)
     prompt = np.random.default_rng(1).integers(0, cfg.model.vocab_size, PROMPT).tolist()
-    rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    rows = []   # (batch, system, tok/s, ttft ms, agreement or None)
+    for batch in batches:
         ids = torch.tensor([prompt] * batch, device="cuda")
 
-        def hf_generate():
+        def hf_generate(n, **extra):
             with torch.no_grad():
                 out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=new, use_cache=True)
+                                  max_new_tokens=n, use_cache=True, **extra)
             torch.cuda.synchronize()
             return out[:, PROMPT:].cpu().numpy()
 
-        hf_s, hf_tokens = timed(hf_generate, runs)
-        say(f"B={batch} transformers: {batch * new / hf_s:,.0f} tok/s")
-        sampler = Sampler(cfg.model, lib, batch=batch, seq_len=cfg.model.max_seq_len)
-        sampler.decoder.load_state_dict(weights)
-        our_s, tokens = timed(lambda: sampler.samples(prompt, new, temperature=0), runs)
-        tokens = np.asarray(tokens)
-        agree = int((tokens[:, :AGREE] == hf_tokens[:, :AGREE]).all(axis=0).sum())
-        say(f"B={batch} eulergen: {batch * new / our_s:,.0f} tok/s, first {AGREE} agree "
-            f"{agree}/{AGREE}")
-        sampler = None   # frees its planned memory before the next batch size
-        cupy.get_default_memory_pool().free_all_blocks()
-        rows.append((batch, our_s, hf_s, agree))
+        systems = [("transformers eager", {})]
+        if batch in compiled:
+            systems.append(("transformers static+compile", {"cache_implementation": "static"}))
+        reference = None
+        for name, extra in systems:
+            try:
+                seconds, tokens = timed(lambda: hf_generate(new, **extra), runs)
+                ttft, _ = timed(lambda: hf_generate(1, **extra), runs)
+            except Exception as err:   # torch.compile that does not run here: say so, go on
+                say(f"B={batch} {name}: {type(err).__name__}: {str(err)[:200]}")
+                rows.append((batch, name, None, None, None))
+                continue
+            reference = tokens if reference is None else reference
+            rows.append((batch, name, batch * new / seconds, ttft * 1e3,
+                         agreement(tokens, reference)))
+            say(f"B={batch} {name}: {batch * new / seconds:,.0f} tok/s")
+        for dtype in ("float32", "bf16"):
+            sampler = Sampler(cfg.model, lib, batch=batch, seq_len=cfg.model.max_seq_len,
+                              dtype=dtype)
+            sampler.decoder.load_state_dict(weights)
+            seconds, tokens = timed(lambda: sampler.samples(prompt, new, temperature=0), runs)
+            ttft, _ = timed(lambda: sampler.samples(prompt, 1, temperature=0), runs)
+            name = f"eulergen {'fp32' if dtype == 'float32' else 'bf16'}"
+            rows.append((batch, name, batch * new / seconds, ttft * 1e3,
+                         agreement(tokens, reference)))
+            say(f"B={batch} {name}: {batch * new / seconds:,.0f} tok/s"
+                + ("" if sampler.decoder.graphs else " (CUDA graphs off)"))
+            sampler = None   # frees its planned memory before the next one
+            cupy.get_default_memory_pool().free_all_blocks()
 
-    print(f"\ngeneration, GPT-2 124M fp32 (TF32 off), greedy, prompt {PROMPT}, {new} new "
-          f"tokens, median of {runs}")
-    head = (f"{'batch':>5} {'eulergen tok/s':>15} {'transformers tok/s':>19} {'ratio':>6} "
-            f"{'first 32 agree':>15}")
+    print(f"\ngeneration, GPT-2 124M (TF32 off), greedy, prompt {PROMPT}, {new} new tokens, "
+          f"median of {runs}")
+    head = (f"{'batch':>5}  {'system':<28} {'tok/s':>9} {'vs eager':>9} {'vs compile':>11} "
+            f"{'TTFT ms':>8} {'first 32 agree':>15}")
     print(head)
     print("-" * len(head))
-    for batch, our_s, hf_s, agree in rows:
-        ours, theirs = batch * new / our_s, batch * new / hf_s
-        print(f"{batch:>5} {ours:>15,.0f} {theirs:>19,.0f} {ours / theirs:>6.2f} "
+    base = {(b, n): t for b, n, t, _, _ in rows}
+    for batch, name, tps, ttft, agree in rows:
+        if tps is None:
+            print(f"{batch:>5}  {name:<28} {'did not run':>9}")
+            continue
+        eager = base.get((batch, "transformers eager"))
+        comp = base.get((batch, "transformers static+compile"))
+        print(f"{batch:>5}  {name:<28} {tps:>9,.0f} {tps / eager:>9.2f} "
+              f"{(f'{tps / comp:.2f}' if comp else '-'):>11} {ttft:>8.1f} "
               f"{f'{agree}/{AGREE}':>15}")
-    print("tokens/s: batch x new tokens / wall time of one generate call; ratio: eulergen "
-          "over transformers (above 1: faster); agree: positions where every row's greedy "
-          "token is transformers'")
+    print("tok/s: batch x new tokens / wall time of one generate call; vs: over transformers "
+          "eager / static cache + torch.compile at that batch (above 1: faster); TTFT: one "
+          "call for one new token; agree: positions where every row's greedy token is "
+          "transformers eager's. Targets (issue 25): batch 1 >= 10x eager and >= 1.5x "
+          "compile, batch 16 >= 3x eager, TTFT <= 50 ms")
 
 
 if __name__ == "__main__":

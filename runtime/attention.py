@@ -22,7 +22,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.launch import AttentionDecode, FlashKernel, Launch, cdiv
-from eulergen.runtime.kernels import DTYPE_OF, storage_dtype_name
+from eulergen.runtime.kernels import DTYPE_OF, launch, storage_dtype_name
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class AttentionKernels:
     geometry: dict
     params: dict
     function: Callable[[str], object]
+    signatures: dict = field(default_factory=dict, compare=False)  # name -> argument names
     _ready: dict = field(default_factory=dict, compare=False, repr=False)  # name -> kernel
     # decode's split-K records and per-chunk counters (zero between launches), grown on demand,
     # and its checked launches by array layout
@@ -50,7 +51,7 @@ class AttentionKernels:
                 compiled.append(compile_file(op.cuda, op_options(op), op.template))
             return compiled[0].function(name)
         return cls(op.name, {k.name: k.geometry for k in op.kernels.values()}, dict(op.params),
-                   function)
+                   function, {k.name: tuple(n for n, _ in k.args) for k in op.kernels.values()})
 
     def head_dims(self) -> list[int]:
         return _head_dims(self.geometry.values())
@@ -79,7 +80,7 @@ class AttentionKernels:
                     driver.funcSetAttribute(
                         fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             self._ready[name] = fn
-        fn(at.grid, at.block, args, shared_mem=smem)
+        launch(fn, at, args, self.signatures.get(name, ()))
 
     def decode_workspace(self, records: int, cells: int) -> tuple:
         """(part, counts) for a split decode: `records` float32 records of a block's rows and
@@ -242,6 +243,9 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     return dq, dk, dv
 
 
+# The SMs a memory plan made without a GPU (`eulergen plan --inference`) assumes: an H200's.
+PLAN_SMS = 132
+
 # Blocks a decode launch aims for per SM, splitting the cache across blocks until it has them:
 # decoding reads a few MB with little math, so what bounds it is loads in flight.
 DECODE_BLOCKS_PER_SM = 4
@@ -310,11 +314,27 @@ def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
          *_strides("v_cache", v_cache, dtype), *o_strides, *pvals))
 
 
-def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, out=None, **params):
+def decode_workspace_bound(op, head_dim: int, sms: int) -> tuple[int, int]:
+    """(float32 records, int32 counters) that cover a split decode of any shape by an
+    attention op (a manifest OpEntry) on a GPU of `sms` SMs: a launch splits only while its
+    cells are fewer than DECODE_BLOCKS_PER_SM·sms, so cells·splits < 2·DECODE_BLOCKS_PER_SM·
+    sms. What a memory plan gives `workspace=`."""
+    rows = max((k.geometry.block_rows for k in op.kernels.values()
+                if isinstance(k.geometry, AttentionDecode)), default=1)
+    cells = DECODE_BLOCKS_PER_SM * sms
+    return 2 * cells * rows * (head_dim + 2), cells
+
+
+def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, out=None,
+                     keys: int | None = None, workspace: tuple | None = None, **params):
     """o [B, Tq, H, D] in q's dtype: queries q at positions pos0 … pos0+Tq-1 over the caches
     [B, Tmax, KVH, D], of which rows pos0+Tq and later are never read (docs/internals.md).
-    `out` writes into a given array (a strided view works). The split-K workspace belongs to
-    `ak`: calls on one stream run in order, so they may share it."""
+    `out` writes into a given array (a strided view works). `keys`: plan the split over the
+    cache for this many keys (≥ pos0+Tq; default pos0+Tq), so that launches at different
+    positions have one grid (a CUDA graph replays one launch at every position).
+    `workspace`: (part float32, counts int32 zeros) for the split, planned by the caller
+    (decode_workspace_bound); default: `ak`'s own, grown on demand (calls on one stream run
+    in order, so they may share it)."""
     try:
         key = (_layout(q), _layout(k_cache), _layout(v_cache),
                None if out is None else _layout(out), tuple(params.items()))
@@ -331,11 +351,20 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
         import cupy
         out = cupy.empty(q.shape, q.dtype)
     cells = launch.cells
-    splits, split_keys = decode_splits(cells, pos0 + launch.tq, launch.geometry.tile,
+    if keys is not None and keys < pos0 + launch.tq:
+        raise EulerError(f"keys {keys}: fewer than the {pos0 + launch.tq} the queries see",
+                         key="keys")
+    splits, split_keys = decode_splits(cells, keys or pos0 + launch.tq, launch.geometry.tile,
                                        _sm_count())
     split = splits > 1
-    part, counts = ak.decode_workspace(cells * splits * launch.record if split else 0,
-                                       cells if split else 0)
+    records, cells_used = (cells * splits * launch.record, cells) if split else (0, 0)
+    if workspace is None:
+        part, counts = ak.decode_workspace(records, cells_used)
+    else:
+        part, counts = workspace
+        if part.size < records or counts.size < cells_used:
+            raise EulerError(f"workspace: {part.size} records and {counts.size} counters, "
+                             f"the split needs {records} and {cells_used}", key="workspace")
     ak.launch(launch.name, launch.geometry.launch(*launch.sizes, splits),
               (q, k_cache, v_cache, out, part, counts, np.int32(launch.tq), np.int32(pos0),
                *launch.heads, np.int32(splits), np.int32(split_keys), *launch.tail))

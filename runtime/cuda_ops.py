@@ -219,10 +219,12 @@ class CudaOps:
         raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA backward",
                          file=op.spec, key="kind")
 
-    def decode(self, op: OpEntry, q, k_cache, v_cache, pos0: int, out, params: dict):
+    def decode(self, op: OpEntry, q, k_cache, v_cache, pos0: int, out, params: dict,
+               keys: int | None = None, workspace=None):
         """New queries over a KV cache: runtime/attention.py's attention_decode."""
         from eulergen.runtime.attention import attention_decode
-        return attention_decode(self.attention(op), q, k_cache, v_cache, pos0, out=out, **params)
+        return attention_decode(self.attention(op), q, k_cache, v_cache, pos0, out=out,
+                                keys=keys, workspace=workspace, **params)
 
     def step(self, op: OpEntry, args: tuple, params: dict) -> None:
         """An update op over flat buffers: state float32, grads in the storage dtype; every

@@ -131,7 +131,26 @@ class Launcher:
 
     def launch(self, kernel: Kernel, at: Launch, values: dict, *, contiguous: bool = True) -> None:
         args = bind(self.op, kernel, values, contiguous=contiguous)
-        self.function(kernel)(at.grid, at.block, args, shared_mem=at.shared_mem)
+        launch(self.function(kernel), at, args, _arg_names(kernel.args))
+
+
+@lru_cache(maxsize=None)
+def _arg_names(args: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    return tuple(name for name, _ in args)
+
+
+# The recorders listening to launches (runtime/cuda_graph.py, while a graph is captured):
+# each gets (function, launch, args, argument names) of every launch.
+RECORDERS: list = []
+
+
+def launch(fn, at: Launch, args: tuple, names: tuple[str, ...]) -> None:
+    """Launch a CuPy kernel `fn` with `args`, whose names are the kernel's signature (the
+    manifest's): the one place every generated kernel is launched from, so that a graph
+    capture can learn which launches take a by-value argument that changes per replay."""
+    fn(at.grid, at.block, args, shared_mem=at.shared_mem)
+    for record in RECORDERS:
+        record(fn, at, args, names)
 
 
 # ---- which of a stage's kernels a call takes -----------------------------------------

@@ -119,10 +119,14 @@ class OpLibrary:
         grads = self._deliver(op, "backward", got, out, len(op.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
-    def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None, **params):
+    def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None,
+               keys: int | None = None, workspace=None, **params):
         """Attention of new queries q [B, Tq, H, D], at positions pos0 … pos0+Tq-1, over a KV
         cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 are valid (later rows are never
-        read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence."""
+        read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence.
+        On the GPU, `keys` fixes the split of the cache whatever pos0 is and `workspace`
+        is its planned (part, counts) (runtime/attention.py attention_decode); numpy needs
+        neither."""
         from eulergen.runtime.attention import decode_geometry
         op = self._entry(name)
         if op.kind != "attention":
@@ -131,7 +135,7 @@ class OpLibrary:
         p = self._params(op, params)
         pos0 = int(pos0)
         if self._cuda:   # checked there, once per layout of the arrays
-            return self._cuda.decode(op, q, k_cache, v_cache, pos0, out, p)
+            return self._cuda.decode(op, q, k_cache, v_cache, pos0, out, p, keys, workspace)
         decode_geometry(q, k_cache, v_cache, pos0)
         got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
         return self._deliver(op, "decode", got, out, 1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.runtime.bf16 import to_bf16
 from eulergen.runtime.memory import Planner, upload
 
 VOCAB_MULTIPLE = 64
@@ -89,4 +90,7 @@ def load_params(params: dict, state: dict) -> None:
             raise EulerError(f"{name} has shape {shape}, the model wants {tuple(view.shape)} "
                              "(a checkpoint of another architecture?)", key="model")
     for name, view in params.items():
-        upload(view, state[name])
+        value = state[name]
+        if view.dtype == np.uint16 and np.asarray(value).dtype != np.uint16:
+            value = to_bf16(np.asarray(value, dtype=np.float32))   # bf16 weights: rounded once
+        upload(view, value)

@@ -1,14 +1,16 @@
 """Text generation over the KV-cache model (runtime/decoder.py).
 
-    sampler = Sampler(cfg.model, lib, batch=4, seq_len=1024)
+    sampler = Sampler(cfg.model, lib, batch=4, seq_len=1024)     # bf16 on a bf16 GPU
     rows = sampler.samples(prompt_ids, 200, temperature=0.8, top_k=40, top_p=0.95, seed=1,
                            on_step=lambda tokens: ...)      # one new token per row
 
-All rows continue the same prompt (`batch` is the number of samples). Each step copies
-the last position's logits [batch, vocab_rows] to the host once and draws there: padded
-vocab rows are masked first, then temperature (0: greedy), top-k and top-p (nucleus);
-one uniform number per row and step from a generator seeded by `seed`, so a seed gives
-the same text on numpy and CUDA up to float rounding near a tie.
+All rows continue the same prompt (`batch` is the number of samples, one batch). The
+draw runs after the head of every decoder run (runtime/draw.py: on the device on a GPU,
+numpy on the CPU, one rule): the prompt's run draws the first token, and each step after
+feeds the drawn ids straight back on the device (Decoder.step: a CUDA graph replay) and
+draws the next into `drawn`. The host reads `drawn` every DRAWN steps, or at every step
+when `on_step` streams the text: that read is the only sync. A seed gives the same text
+(the draws are a hash of seed, step and row).
 """
 from __future__ import annotations
 
@@ -18,29 +20,48 @@ from typing import Callable
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.decoder import build_decoder
+from eulergen.runtime.decoder import DRAWN, build_decoder
+from eulergen.runtime.draw import MASK, Draw
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def sampling_dtype(choice: str, backend) -> str:
+    """The decoder's plan dtype for `--dtype` auto | bf16 | fp32: auto is bf16 on a GPU with
+    bf16 tensor cores (compute capability 8.0 or newer), else fp32."""
+    if choice == "auto":
+        return "bf16" if backend.is_gpu and backend.sm >= 80 else "float32"
+    if choice == "bf16" and not (backend.is_gpu and backend.sm >= 80):
+        raise EulerError(f"bf16 sampling needs a CUDA GPU of compute capability 8.0 or newer, "
+                         f"not {backend.device}; use --dtype fp32", key="--dtype")
+    return "bf16" if choice == "bf16" else "float32"
+
+
 class Sampler:
-    """`params`: an existing params arena (the training model's) to sample from without a
-    copy; `seq_len`: the context (default model.max_seq_len), which a model with learned
-    positions should keep to what it was trained on; `notify`: where one-line notices go."""
+    """`params`: an existing params arena (the training model's, in `dtype`) to sample from
+    without a copy; `seq_len`: the context (default model.max_seq_len), which a model with
+    learned positions should keep to what it was trained on; `dtype`: the decoder's plan
+    dtype (default: sampling_dtype's auto); `graphs`: CUDA graphs (default: on a GPU);
+    `notify`: where one-line notices go."""
 
     def __init__(self, model_cfg, lib, *, batch: int = 1, seq_len: int | None = None,
-                 params=None, dtype: str = "float32", tf32: bool = False,
-                 notify: Callable[[str], None] = _stderr):
+                 params=None, dtype: str | None = None, tf32: bool = False,
+                 graphs: bool | None = None, notify: Callable[[str], None] = _stderr):
         if batch < 1:
             raise EulerError(f"num_samples {batch}: want at least 1", key="num_samples")
         self.seq = seq_len or model_cfg.max_seq_len
-        self.decoder = build_decoder(model_cfg, lib, batch, self.seq, params=params, dtype=dtype,
-                                     tf32=tf32)
+        self.dtype = dtype or sampling_dtype("auto", lib.backend)
+        self.decoder = dec = build_decoder(model_cfg, lib, batch, self.seq, params=params,
+                                           dtype=self.dtype, tf32=tf32, graphs=graphs,
+                                           notify=notify)
         self.batch = batch
         self.vocab = model_cfg.vocab_size
         self.notify = notify
+        self.drawn = dec.mem["drawn"]
+        dec.live.update(temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, column=0)
+        dec.tail = Draw(lib.backend, dec.logits, self.vocab, dec.next_ids, self.drawn, dec.live)
         self._unfed = None   # [batch]: the last step's tokens, drawn but not yet in the cache
 
     def fit_prompt(self, prompt) -> list[int]:
@@ -67,27 +88,38 @@ class Sampler:
         check_settings(temperature, top_k, top_p, max_new_tokens)
         ids = np.tile(np.asarray(self.fit_prompt(prompt), dtype=np.int64), (self.batch, 1))
         dec = self.decoder
+        dec.live.update(temperature=float(temperature), top_k=int(top_k or 0),
+                        top_p=float(1.0 if top_p is None else top_p), seed=int(seed) & MASK,
+                        step=0, column=0)
         if append and self._unfed is not None:
             # the last drawn tokens were never fed: they come first
-            logits = dec.append(np.concatenate([self._unfed[:, None], ids], axis=1))
+            dec.append(np.concatenate([self._unfed[:, None], ids], axis=1))
         else:
-            logits = dec.prefill(ids)
-        rng = np.random.default_rng(seed)
+            if ids.shape[1] + max_new_tokens > self.seq:
+                self.notify(f"note: {ids.shape[1]} prompt tokens and {max_new_tokens} new ones "
+                            f"pass the context of {self.seq}: once it is full, generation "
+                            f"goes on from the last {self.seq // 2} tokens")
+            dec.prefill(ids)
         rows = [[] for _ in range(self.batch)]
         done = np.zeros(self.batch, dtype=bool)
+        read = 0                      # steps whose tokens the host has
         for step in range(max_new_tokens):
-            host = dec.backend.asnumpy(logits)           # the one copy of the step
-            tokens = pick(host, self.vocab, rng, temperature, top_k, top_p)
-            for row, token in zip(rows, tokens):
-                row.append(int(token))
-            if on_step is not None:
-                on_step([int(t) for t in tokens])
-            self._unfed = tokens
-            if stop is not None:
-                done |= tokens == stop
-            if done.all() or step == max_new_tokens - 1:
-                break
-            logits = dec.decode(tokens)
+            last = step == max_new_tokens - 1
+            if on_step is not None or last or (step + 1) % DRAWN == 0:
+                drawn = dec.backend.asnumpy(self.drawn)       # the sync of the step
+                for s in range(read, step + 1):
+                    tokens = drawn[:, s % DRAWN].astype(np.int64)
+                    for row, token in zip(rows, tokens):
+                        row.append(int(token))
+                    if on_step is not None:
+                        on_step([int(t) for t in tokens])
+                    if stop is not None:
+                        done |= tokens == stop
+                read, self._unfed = step + 1, tokens
+                if done.all() or last:
+                    break
+            dec.live.update(step=step + 1, column=(step + 1) % DRAWN)
+            dec.step()
         if stop is not None:
             rows = [row[:row.index(stop)] if stop in row else row for row in rows]
         return rows
@@ -107,51 +139,6 @@ def check_settings(temperature, top_k, top_p, max_new_tokens) -> None:
         raise EulerError(f"top_p {top_p}: want 0 < top_p ≤ 1", key="top_p")
     if max_new_tokens < 1:
         raise EulerError(f"max_new_tokens {max_new_tokens}: want ≥ 1", key="max_new_tokens")
-
-
-def pick(logits: np.ndarray, vocab: int, rng, temperature: float, top_k: int | None,
-         top_p: float | None) -> np.ndarray:
-    """One token per row of host logits [B, vocab_rows]: ids ≥ vocab (padding) never;
-    greedy at temperature 0; else from softmax(logits / temperature) restricted to the
-    top_k most likely and then to the smallest set whose probability reaches top_p.
-
-    Per step, so only the top_k survivors are scaled, exponentiated and sorted (dividing
-    by the temperature keeps the order: the cut and the max are taken on the logits). The
-    sums still run over whole rows, zeros included, as numpy's pairwise sum groups them,
-    so every probability has the bits the whole-vocab computation gives."""
-    x = logits[:, :vocab]
-    if temperature == 0:
-        return np.argmax(x, axis=1)
-    kth = (np.partition(x, -top_k, axis=1)[:, -top_k] if top_k is not None and top_k < vocab
-           else None)
-    peak = x.max(axis=1).astype(np.float64) / temperature
-    u = rng.random(len(x))
-    row = np.zeros(vocab)
-    tokens = np.empty(len(x), dtype=np.int64)
-    for r in range(len(x)):
-        kept = np.arange(vocab) if kth is None else np.flatnonzero(~(x[r] < kth[r]))
-        p = np.exp(x[r, kept].astype(np.float64) / temperature - peak[r])
-        p /= _row_sum(row, kept, p)
-        if top_p is not None and top_p < 1:
-            order = np.argsort(-p, kind="stable")
-            sorted_p = p[order]
-            # keep a token while the mass before it is short of top_p: the first always stays
-            keep = np.empty(len(p), dtype=bool)
-            keep[order] = np.cumsum(sorted_p) - sorted_p < top_p
-            p = np.where(keep, p, 0.0)
-            p /= _row_sum(row, kept, p)
-        cdf = np.cumsum(p)
-        j = int((cdf <= u[r] * cdf[-1]).sum())
-        tokens[r] = kept[j] if j < len(kept) else vocab - 1
-    return tokens
-
-
-def _row_sum(row: np.ndarray, kept: np.ndarray, p: np.ndarray) -> float:
-    """p.sum() as a whole row of zeros with p at `kept` sums (`row`: zeros, left so)."""
-    row[kept] = p
-    total = row.sum()
-    row[kept] = 0.0
-    return total
 
 
 class TextStream:

@@ -30,7 +30,8 @@ class Grad:
 
 
 class Tape:
-    def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False):
+    def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False,
+                 gemm=None):
         self.backend = backend
         self.xp = backend.xp
         self.lib = lib
@@ -38,7 +39,9 @@ class Tape:
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
         self.kernel_ws = kernel_ws  # float32 workspace the generated backward kernels share
-        self.gemm = CublasGemm.for_cupy(self.xp, tf32) if backend.is_gpu else numpy_gemm
+        # `gemm`: another GEMM (the decoder's, callable while a CUDA graph is captured)
+        self.gemm = gemm or (CublasGemm.for_cupy(self.xp, tf32) if backend.is_gpu
+                             else numpy_gemm)
 
     def record(self, node):
         self.nodes.append(node)
@@ -92,7 +95,8 @@ class CublasGemm:
     """out (+)= op(a) @ op(b) through cublasGemmEx, so that accumulation is cuBLAS's beta=1
     (no temporary). float32 arrays: fp32 or TF32 tensor-core compute (training.tf32);
     bf16 arrays (uint16 bits, all three): bf16 operands, float32 accumulation and scaling
-    (CUBLAS_COMPUTE_32F), the result rounded once to bf16, as torch's autocast matmul.
+    (CUBLAS_COMPUTE_32F), the result rounded once to bf16, as torch's autocast matmul, or
+    kept in float32 when `out` is float32 (the sampler's logits).
 
     cuBLAS is column-major: a row-major [r, c] array is its column-major transpose, so
     C = A·B row-major is computed as Cᵀ = Bᵀ·Aᵀ with the operands swapped."""
@@ -114,25 +118,25 @@ class CublasGemm:
         return cls(cublas.gemmEx, cupy.cuda.device.get_cublas_handle(), tf32)
 
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
-        kind = self.TYPES.get(out.dtype)
+        kind, out_kind = self.TYPES.get(a.dtype), self.TYPES.get(out.dtype)
         for x in (a, b, out):
-            if (x.ndim != 2 or x.dtype != out.dtype or kind is None
-                    or x.strides[1] != x.dtype.itemsize):
-                raise ValueError(f"gemm wants 2-D float32 or bf16 (uint16) arrays of one dtype "
-                                 f"with unit column stride, got {x.shape} {x.dtype} strides "
-                                 f"{x.strides} (out: {out.dtype})")
+            if (x.ndim != 2 or b.dtype != a.dtype or kind is None
+                    or out_kind not in (kind, self.R_32F) or x.strides[1] != x.dtype.itemsize):
+                raise ValueError(f"gemm wants 2-D float32 or bf16 (uint16) operands of one dtype "
+                                 f"(out: theirs or float32) with unit column stride, got "
+                                 f"{x.shape} {x.dtype} strides {x.strides} (out: {out.dtype})")
         m, k = (a.shape[1], a.shape[0]) if ta else a.shape
         k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
         if k != k2 or out.shape != (m, n):
             raise ValueError(f"gemm shapes: op(a) {m}x{k}, op(b) {k2}x{n}, out {out.shape}")
-        size = out.dtype.itemsize
+        size = a.dtype.itemsize
         self.gemm_ex(
             self.handle, self.OP_T if tb else self.OP_N, self.OP_T if ta else self.OP_N, n, m, k,
             self.one.ctypes.data, b.data.ptr, kind, b.strides[0] // size,
             a.data.ptr, kind, a.strides[0] // size,
-            (self.one if add else self.zero).ctypes.data, out.data.ptr, kind,
-            out.strides[0] // size, self.compute if kind == self.R_32F else self.COMPUTE_32F,
-            self.GEMM_DEFAULT)
+            (self.one if add else self.zero).ctypes.data, out.data.ptr, out_kind,
+            out.strides[0] // out.dtype.itemsize,
+            self.compute if kind == self.R_32F else self.COMPUTE_32F, self.GEMM_DEFAULT)
 
 
 def cublas_nrm2(x) -> float:

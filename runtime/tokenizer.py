@@ -8,6 +8,7 @@ each document, or None), `digest` (what identifies it in a prepared folder's man
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -105,6 +106,17 @@ class HFTokenizer:
         self.eot = next((i for i in map(self._tok.token_to_id, _EOT_NAMES) if i is not None), None)
         self.digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
         self._json = data
+        unk = json.loads(data).get("model", {}).get("unk_token")
+        self._unk = None if unk is None else self._tok.token_to_id(unk)
+
+    def unknown(self, text: str) -> int | None:
+        """The character offset of the first piece of `text` this tokenizer can only encode
+        as its unknown token (None: it encodes all of it)."""
+        if self._unk is None:
+            return None
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return next((start for i, (start, _) in zip(enc.ids, enc.offsets) if i == self._unk),
+                    None)
 
     def to_json(self) -> bytes:
         return self._json

@@ -362,8 +362,11 @@ class Trainer:
         data = self.val_data or self.train_data
         prompt = np.asarray(data.shards[0][:min(16, self.cfg.training.seq_len // 4)],
                             dtype=np.int64)
-        sampler = Sampler(self.cfg.model, self.lib, params=self.model.mem.arenas["params"],
-                          seq_len=self.cfg.training.seq_len)
+        # the weights the training tape reads, in their dtype: nothing is copied
+        bf16 = self.model.bf16
+        sampler = Sampler(self.cfg.model, self.lib, seq_len=self.cfg.training.seq_len,
+                          params=self.model.mem.arenas["params_bf16" if bf16 else "params"],
+                          dtype="bf16" if bf16 else "float32")
         ids = sampler.generate(prompt, n, top_k=40, temperature=0.8, seed=self.cfg.training.seed)
         if self.tokenizer.vocab_size < self.cfg.model.vocab_size:
             return " ".join(map(str, ids))

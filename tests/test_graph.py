@@ -185,5 +185,5 @@ def test_the_decoder_runs_c_attn_as_one_gemm_with_q_k_v_as_views(lib):
     rope, qk = views["qk_rope"], views["qk"]                # rope in place
     assert rope.__array_interface__ == qk.__array_interface__
     assert views["x_mid"] is views["x"] and views["ln_2"] is views["ln_1"]
-    gemms = [n for n in dec._decode_tape.nodes if isinstance(n, Linear)]
+    gemms = [n for n in dec._tape(1).nodes if isinstance(n, Linear)]
     assert len(gemms) == 2 * (1 + 1 + 2 + 1) + 1         # qkv, c_proj, fc_a, fc_b, c_proj; head

@@ -18,7 +18,8 @@ from eulergen.runtime.data import write_shard
 from eulergen.runtime.decoder import build_decoder, plan_decoder
 from eulergen.runtime.model import arch_of, build
 from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.sample import Sampler, TextStream, pick
+from eulergen.runtime.draw import pick, uniforms
+from eulergen.runtime.sample import Sampler, TextStream
 from eulergen.runtime.train import Trainer
 
 VOCAB, SEQ = 50, 12
@@ -118,32 +119,56 @@ def test_numpy_rope_at_pos0_is_those_rows_of_rope_from_zero(lib):
 
 # -- the draws ---------------------------------------------------------------------------
 
+def _u(rows, seed=0, step=0):
+    return uniforms(seed, step, rows)
+
+
 def test_padded_ids_are_never_drawn():
     logits = np.zeros((4, 64))
     logits[:, 50:] = 100.0            # padding rows of an untrained head can be anything
-    rng = np.random.default_rng(0)
     for temperature in (0, 1.0):
-        assert (pick(logits, 50, rng, temperature, None, None) < 50).all()
+        assert (pick(logits, 50, _u(4), temperature, None, None) < 50).all()
 
 
 def test_top_k_draws_only_the_k_most_likely():
     logits = np.log(np.array([[0.1, 0.4, 0.05, 0.3, 0.15]] * 4000))
-    got = pick(logits, 5, np.random.default_rng(0), 1.0, 2, None)
+    got = pick(logits, 5, _u(4000), 1.0, 2, None)
     assert set(got.tolist()) == {1, 3}
     assert 0.5 < np.mean(got == 1) < 0.64, "0.4 / (0.4 + 0.3) = 0.57"
 
 
 def test_top_p_draws_from_the_smallest_set_reaching_p():
     logits = np.log(np.array([[0.05, 0.5, 0.15, 0.3]] * 4000))
-    assert set(pick(logits, 4, np.random.default_rng(0), 1.0, None, 0.75).tolist()) == {1, 3}
-    assert set(pick(logits, 4, np.random.default_rng(0), 1.0, None, 0.85).tolist()) == {1, 2, 3}
-    assert set(pick(logits, 4, np.random.default_rng(0), 1.0, None, 1e-9).tolist()) == {1}
+    assert set(pick(logits, 4, _u(4000), 1.0, None, 0.75).tolist()) == {1, 3}
+    assert set(pick(logits, 4, _u(4000), 1.0, None, 0.85).tolist()) == {1, 2, 3}
+    assert set(pick(logits, 4, _u(4000), 1.0, None, 1e-9).tolist()) == {1}
+
+
+def test_the_nucleus_keeps_equal_logits_together():
+    # mass strictly above either 0.3 is 0.4 < 0.5: both stay, whichever id comes first
+    logits = np.log(np.array([[0.3, 0.4, 0.3]] * 2000))
+    assert set(pick(logits, 3, _u(2000), 1.0, None, 0.5).tolist()) == {0, 1, 2}
+
+
+def test_the_draw_is_the_first_id_whose_running_weight_passes_u():
+    logits = np.log(np.array([[0.25, 0.25, 0.5]] * 3))
+    u = np.array([0.0, 0.49, 0.51])    # cumulative 0.25, 0.5, 1.0
+    assert pick(logits, 3, u, 1.0, None, None).tolist() == [0, 1, 2]
+
+
+def test_uniforms_are_a_function_of_seed_step_and_row():
+    a = uniforms(7, 3, 1000)
+    assert ((a >= 0) & (a < 1)).all() and len(set(a.tolist())) == 1000
+    assert np.array_equal(a, uniforms(7, 3, 1000))
+    assert not np.array_equal(a, uniforms(7, 4, 1000))
+    assert not np.array_equal(a, uniforms(8, 3, 1000))
+    assert abs(a.mean() - 0.5) < 0.05
 
 
 def test_temperature_zero_is_argmax_and_a_seed_repeats_its_draws():
     logits = np.random.default_rng(1).normal(size=(8, 30))
-    assert np.array_equal(pick(logits, 30, None, 0, None, None), logits.argmax(axis=1))
-    a, b, c = (pick(logits, 30, np.random.default_rng(s), 1.5, 20, 0.9) for s in (4, 4, 5))
+    assert np.array_equal(pick(logits, 30, _u(8), 0, None, None), logits.argmax(axis=1))
+    a, b, c = (pick(logits, 30, _u(8, seed=s), 1.5, 20, 0.9) for s in (4, 4, 5))
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
@@ -155,6 +180,35 @@ def test_seeded_samples_repeat_and_rows_differ(lib):
     assert first == sampler.samples([1, 2], 15, temperature=1.0, seed=11)
     assert first != sampler.samples([1, 2], 15, temperature=1.0, seed=12)
     assert len({tuple(r) for r in first}) > 1, "one batch, three different samples"
+
+
+def test_streaming_and_reading_every_drawn_steps_give_the_same_tokens(lib):
+    cfg, dec, _ = _models(lib, "nanoeuler", 2)
+    sampler = Sampler(cfg, lib, batch=2, seq_len=SEQ, params=dec.mem.arenas["params"],
+                      dtype="float64")
+    seen = []
+    settings = dict(temperature=1.0, top_k=20, seed=4)
+    streamed = sampler.samples([5, 6], 70, on_step=seen.append, **settings)   # > DRAWN, crops
+    assert np.array_equal(np.asarray(seen).T, streamed)
+    assert sampler.samples([5, 6], 70, **settings) == streamed
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_one_error():
+    from eulergen.cli import _prompt_ids
+
+    class Words:   # a word-level tokenizer that knows "a" and "b"
+        name = "words.json"
+
+        def unknown(self, text):
+            return next((i for i, c in enumerate(text) if c not in "ab "), None)
+
+        def encode(self, text):
+            return [1 if c == "a" else 2 for c in text if c != " "]
+
+    assert _prompt_ids(Words(), "a b", "--prompt") == [1, 2]
+    with pytest.raises(EulerError, match=r"character 2 \('z'\) is not in the tokenizer's "
+                                         r"vocabulary \(words.json"):
+        _prompt_ids(Words(), "a z", "--prompt")
 
 
 def test_a_row_ends_at_the_stop_token(lib):
@@ -176,9 +230,14 @@ def test_a_prompt_longer_than_the_context_keeps_its_end_and_says_so(lib):
                       dtype="float64", notify=notes.append)
     long_prompt = list(range(30))
     (row,) = sampler.samples(long_prompt, 3, temperature=0)
-    assert len(notes) == 1 and "30 tokens" in notes[0] and f"last {SEQ}" in notes[0]
+    assert len(notes) == 2 and "30 tokens" in notes[0] and f"last {SEQ}" in notes[0]
+    assert f"pass the context of {SEQ}: once it is full, generation goes on from the last " \
+           f"{SEQ // 2} tokens" in notes[1], "the cache will crop: stated"
     notes.clear()
-    assert sampler.samples(long_prompt[-SEQ:], 3, temperature=0) == [row] and not notes
+    assert sampler.samples(long_prompt[-SEQ:], 3, temperature=0) == [row] and len(notes) == 1
+    notes.clear()
+    sampler.samples(long_prompt[:4], 3, temperature=0)
+    assert not notes, "a run that fits says nothing"
 
 
 @pytest.mark.parametrize("settings, key", [
@@ -206,7 +265,12 @@ def test_the_inference_plan_holds_the_kv_cache(lib):
     assert plan.buffer("h.1.k_cache").shape == (3, SEQ, 2, 8)
     assert plan.buffer("h.0.v_cache").arena == "kv_cache"
     assert plan.buffer("logits").shape == (3, 64), "the last position only, padded vocab"
-    assert {a.name for a in plan.arenas} == {"params", "kv_cache", "activations", "tokens"}
+    assert plan.buffer("logits").arena == "logits" and plan.buffer("held").shape == (3, SEQ)
+    assert {a.name for a in plan.arenas} == {"params", "kv_cache", "activations", "logits",
+                                             "tokens"}, "no GPU workspace on a plan for numpy"
+    gpu = plan_decoder(arch, 3, SEQ, dtype="bf16", sms=132)
+    assert gpu.buffer("cublas_ws").nbytes == 32 << 20
+    assert gpu.buffer("h.0.k_cache").dtype == "bf16" and gpu.buffer("logits").dtype == "float32"
 
 
 # -- the commands ------------------------------------------------------------------------

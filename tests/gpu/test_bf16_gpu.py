@@ -133,7 +133,7 @@ def test_300_bf16_steps_on_stdlib_end_within_1_percent_of_fp32(libs, tmp_path):
     assert ck.params.keys() == ref.params.keys()
     assert all(v.dtype == np.float32 for v in ck.params.values())
     assert ck.optim.keys() == ref.optim.keys()
-    # what `eulergen sample RUN` does with it: an fp32 KV-cache decoder
+    # what `eulergen sample RUN` does with it: a KV-cache decoder (bf16 on this GPU)
     from eulergen.runtime.evaluate import load_into, open_model
     from eulergen.runtime.sample import Sampler
     weights = open_model(tmp_path / "bf16")
