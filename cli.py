@@ -261,6 +261,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     standard library's source, a few minutes on a CPU)."""
     _limit_blas_threads()
     from eulergen.runtime import collective as coll
+    from eulergen.runtime import gemm
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer
 
@@ -307,8 +308,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         ranks = f"{rv.world_size} ranks x " if rv is not None else ""
         click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} "
                    f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
-                   f"{t.dtype}, memory plan {format_bytes(trainer.model.mem.plan.total_bytes)}, "
-                   f"run {cfg.run_dir}"
+                   f"{t.dtype}, GEMMs {gemm.describe(lib.backend)}, memory plan "
+                   f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
                    + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
         result = trainer.run()
     finally:
@@ -363,6 +364,7 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     from eulergen.runtime.backend import NUMPY
     from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.attention import PLAN_SMS
+    from eulergen.runtime.gemm import LT_WORKSPACE_BYTES
     from eulergen.runtime.decoder import plan_decoder
     from eulergen.runtime.memory import plan_table
     from eulergen.runtime.model import arch_of, param_count, plan_model
@@ -378,11 +380,12 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
         manifests = ensure_built((), ops_dirs) or []
     arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
     t = cfg.training
-    # a GPU run's plan, the kernels' workspace included, whatever this machine runs on
+    # a GPU run's plan, the kernels' and cuBLASLt's workspaces included, whatever this
+    # machine runs on
     dtype = "bf16" if t.dtype == "bf16" else "float32"
     p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
-                         dtype=dtype))
+                         dtype=dtype, gemm_workspace=LT_WORKSPACE_BYTES))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")
     console = Console()

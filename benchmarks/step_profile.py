@@ -3,6 +3,7 @@ and the loss, grad norm, clipping, AdamW and bf16 weight sync, each between two 
 
     python benchmarks/step_profile.py --preset gpt2,nanoeuler --dtype bf16 --batch 8,16
     python benchmarks/step_profile.py --json profile.json   # the tables as JSON too
+    EULERGEN_GEMM=cublas python benchmarks/step_profile.py  # cublasGemmEx, no bias epilogues
 
 The step is benchmarks/train.py's (`eulergen_step`: forward, loss read to the host, grad
 norm, clip at 1.0, AdamW), on random tokens; plain steps, timed for the wall time, alternate
@@ -232,14 +233,15 @@ class Timed:
                              flops=self.flops[1], nbytes=self.nbytes[1])
 
 
-def _gemm_role(m: int, n: int, k: int, ta: bool, backward: bool) -> str:
+def _gemm_role(m: int, n: int, k: int, ta: bool, backward: bool, epilogue=None) -> str:
+    """A GEMM's line in its Linear: the product, the bias written as 1·b or its gradient as
+    1ᵀ·dy, or a product with a bias epilogue (`epilogue`: "bias", "dbias")."""
     if k == 1:
         return "bias"
     if m == 1:
         return "bias grad"
-    if backward:
-        return "wgrad" if ta else "dgrad"
-    return "gemm"
+    role = ("wgrad" if ta else "dgrad") if backward else "gemm"
+    return {None: role, "bias": f"{role}+bias", "dbias": f"{role}+bias grad"}[epilogue]
 
 
 def instrument(model, spans: Spans):
@@ -255,11 +257,11 @@ def instrument(model, spans: Spans):
         saved.append((obj, name, vars(obj).get(name, _MISSING)))
         setattr(obj, name, stand_in)
 
-    def timed_gemm(a, b, out, *, ta=False, tb=False, add=False):
+    def timed_gemm(a, b, out, *, ta=False, tb=False, add=False, **epilogue):
         m, k = (a.shape[1], a.shape[0]) if ta else a.shape
         n = b.shape[0] if tb else b.shape[1]
-        role = _gemm_role(m, n, k, ta, phase["backward"])
-        spans.timed(role, "gemm", gemm, a, b, out, ta=ta, tb=tb, add=add,
+        role = _gemm_role(m, n, k, ta, phase["backward"], next(iter(epilogue), None))
+        spans.timed(role, "gemm", gemm, a, b, out, ta=ta, tb=tb, add=add, **epilogue,
                     flops=2.0 * m * n * k)
 
     def timed_add(a, b, out):
@@ -320,7 +322,7 @@ _MISSING = object()
 
 def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     """One configuration's lines and wall time; `copy`: the copy bandwidth, GB/s."""
-    from eulergen.runtime import metrics
+    from eulergen.runtime import gemm, metrics
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
@@ -365,7 +367,8 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     device = backend.device
     precision = "bf16" if dtype == "bf16" else "tf32"
     return dict(preset=cfg.model.preset, batch=t.batch_size, seq=t.seq_len, dtype=t.dtype,
-                device=device, peak_flops=metrics.peak_flops(device, precision),
+                device=device, gemm=gemm.describe(backend),
+                peak_flops=metrics.peak_flops(device, precision),
                 precision=precision, copy_gbps=copy,
                 wall_ms=statistics.median(walls), lines=[asdict(r) for r in lines])
 
@@ -379,6 +382,7 @@ def table(p: dict) -> str:
     wall, peak, copy = p["wall_ms"], p["peak_flops"], p["copy_gbps"]
     title = f"step profile: {p['preset']}, B={p['batch']} T={p['seq']}, {p['dtype']} on {p['device']}"
     out = [title + (f"; GEMM peak {peak / 1e12:.1f} TFLOP/s ({p['precision']})" if peak else ""),
+           f"GEMMs: {p['gemm']}",
            f"copy bandwidth (device-to-device, read+write): {copy:,.0f} GB/s" if copy
            else "copy bandwidth: - (no GPU)"]
     head = (f"{'line':<52} {'kind':<13} {'n':>3} {'ms':>8} {'share':>6} {'TFLOP/s':>8} "

@@ -32,7 +32,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.kernels import RECORDERS
-from eulergen.runtime.tape import CublasGemm
+from eulergen.runtime.gemm import CublasGemm
 
 CUBLAS_WORKSPACE = 32 << 20   # bytes: what cuBLAS asks for on Hopper (its docs, CUDA graphs)
 _KERNEL_NODE = 0              # CU_GRAPH_NODE_TYPE_KERNEL

@@ -14,6 +14,8 @@ A plan is a list of named buffers placed in a few big arenas (one allocation eac
     kernels      float32 workspace of the generated backward kernels (row ops' weight-
                  gradient partials, attention's row dots, the embedding's sort keys and
                  first-key ranks), shared by every call
+    gemm         bytes: the GEMM library's workspace (cuBLASLt's, runtime/gemm.py), its
+                 own allocation, so it starts on the pool's alignment
     tokens       int32 token ids and targets
 
 `Memory` turns a plan into arrays once; every tensor the model touches afterwards
@@ -33,7 +35,7 @@ ALIGN = 64  # elements: every buffer starts on a 256-byte (bf16: 128-byte) bound
             # 128-bit loads line up
 
 ARENA_ORDER = ("params", "params_bf16", "grads", "adam_m", "adam_v", "activations", "stats",
-               "workspace", "kernels", "tokens")
+               "workspace", "kernels", "gemm", "tokens")
 
 # CuPy has no bfloat16: a "bf16" buffer holds the bits in uint16 (runtime/bf16.py)
 _STORAGE = {"bf16": "uint16"}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime import bf16
+from eulergen.runtime import bf16, gemm
 from eulergen.runtime.attention import head_dims
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
@@ -158,7 +158,7 @@ def _check_head_dim(attention, d: int, heads: int) -> None:
 
 
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
-               dtype: str = "float32", workspace=None) -> Plan:
+               dtype: str = "float32", workspace=None, gemm_workspace: int = 0) -> Plan:
     """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
@@ -167,7 +167,9 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     float32 values in `stats`). `workspace(op, stage, shape, dtype=, table_rows=)`: the
     float32 elements a backward call needs from the kernels' workspace, as
     OpLibrary.workspace_elements answers it (what `build` passes;
-    cuda_ops.workspace_elements for the GPU's plan on any machine); None: none."""
+    cuda_ops.workspace_elements for the GPU's plan on any machine); None: none.
+    `gemm_workspace`: the bytes of the GEMM library's workspace (gemm.workspace_bytes), its
+    own arena `gemm`; 0: none."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -232,6 +234,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                       table_rows=a.vocab_rows))
         if kernel_ws:
             p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
+    if gemm_workspace:
+        p.add("gemm", "gemm_ws", (gemm_workspace,), "uint8")
     p.add("tokens", "idx", (B, T), "int32")
     p.add("tokens", "targets", (B, T), "int32")
     return p.plan()
@@ -280,7 +284,8 @@ class GPT:
             memory["ones"][...] = bf16.bits(1.0) if self.bf16 else 1
         self.set_accumulation(1)
         self.tape = Tape(self.backend, lib, memory["scratch"] if self.training else None,
-                         memory["kernel_ws"] if "kernel_ws" in memory else None, tf32=tf32)
+                         memory["kernel_ws"] if "kernel_ws" in memory else None, tf32=tf32,
+                         gemm_ws=memory["gemm_ws"] if "gemm_ws" in memory else None)
         self.graph = model_graph(arch)
         record_training(self)
 
@@ -414,6 +419,7 @@ def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str =
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
     plan = plan_model(arch, batch, seq, training=training, dtype=dtype,
-                      workspace=lib.workspace_elements)
+                      workspace=lib.workspace_elements,
+                      gemm_workspace=gemm.workspace_bytes(lib.backend))
     check_fits(plan, lib.backend, shared)
     return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.runtime import bf16
+from eulergen.runtime.gemm import gemm_for
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Grad:
 
 class Tape:
     def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False,
-                 gemm=None):
+                 gemm=None, gemm_ws=None):
         self.backend = backend
         self.xp = backend.xp
         self.lib = lib
@@ -39,9 +40,10 @@ class Tape:
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
         self.kernel_ws = kernel_ws  # float32 workspace the generated backward kernels share
+        # runtime/gemm.py chooses the library; `gemm_ws`: the planned cuBLASLt workspace;
         # `gemm`: another GEMM (the decoder's, callable while a CUDA graph is captured)
-        self.gemm = gemm or (CublasGemm.for_cupy(self.xp, tf32) if backend.is_gpu
-                             else numpy_gemm)
+        self.gemm = gemm or gemm_for(backend, tf32, gemm_ws)
+        self.epilogues = self.gemm.epilogues   # whether it takes bias and dbias
 
     def record(self, node):
         self.nodes.append(node)
@@ -78,70 +80,12 @@ class Tape:
         return views
 
 
-# -- GEMM -----------------------------------------------------------------------------
-
-
-def numpy_gemm(a, b, out, *, ta=False, tb=False, add=False) -> None:
-    """out (+)= op(a) @ op(b) for 2-D arrays; op transposes when ta / tb."""
-    a = a.T if ta else a
-    b = b.T if tb else b
-    if add:
-        out += a @ b
-    else:
-        np.matmul(a, b, out=out)
-
-
-class CublasGemm:
-    """out (+)= op(a) @ op(b) through cublasGemmEx, so that accumulation is cuBLAS's beta=1
-    (no temporary). float32 arrays: fp32 or TF32 tensor-core compute (training.tf32);
-    bf16 arrays (uint16 bits, all three): bf16 operands, float32 accumulation and scaling
-    (CUBLAS_COMPUTE_32F), the result rounded once to bf16, as torch's autocast matmul, or
-    kept in float32 when `out` is float32 (the sampler's logits).
-
-    cuBLAS is column-major: a row-major [r, c] array is its column-major transpose, so
-    C = A·B row-major is computed as Cᵀ = Bᵀ·Aᵀ with the operands swapped."""
-
-    # cublas_api.h / library_types.h values, stable since CUDA 11
-    OP_N, OP_T, R_32F, R_16BF, COMPUTE_32F, COMPUTE_32F_FAST_TF32, GEMM_DEFAULT = \
-        0, 1, 0, 14, 68, 77, -1
-    TYPES = {np.dtype(np.float32): R_32F, np.dtype(np.uint16): R_16BF}
-
-    def __init__(self, gemm_ex, handle, tf32: bool):
-        self.gemm_ex, self.handle = gemm_ex, handle
-        self.compute = self.COMPUTE_32F_FAST_TF32 if tf32 else self.COMPUTE_32F
-        self.one = np.array(1.0, np.float32)    # host scalars: cuBLAS's default pointer mode
-        self.zero = np.array(0.0, np.float32)
-
-    @classmethod
-    def for_cupy(cls, cupy, tf32: bool) -> CublasGemm:
-        from cupy_backends.cuda.libs import cublas
-        return cls(cublas.gemmEx, cupy.cuda.device.get_cublas_handle(), tf32)
-
-    def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
-        kind, out_kind = self.TYPES.get(a.dtype), self.TYPES.get(out.dtype)
-        for x in (a, b, out):
-            if (x.ndim != 2 or b.dtype != a.dtype or kind is None
-                    or out_kind not in (kind, self.R_32F) or x.strides[1] != x.dtype.itemsize):
-                raise ValueError(f"gemm wants 2-D float32 or bf16 (uint16) operands of one dtype "
-                                 f"(out: theirs or float32) with unit column stride, got "
-                                 f"{x.shape} {x.dtype} strides {x.strides} (out: {out.dtype})")
-        m, k = (a.shape[1], a.shape[0]) if ta else a.shape
-        k2, n = (b.shape[1], b.shape[0]) if tb else b.shape
-        if k != k2 or out.shape != (m, n):
-            raise ValueError(f"gemm shapes: op(a) {m}x{k}, op(b) {k2}x{n}, out {out.shape}")
-        size = a.dtype.itemsize
-        self.gemm_ex(
-            self.handle, self.OP_T if tb else self.OP_N, self.OP_T if ta else self.OP_N, n, m, k,
-            self.one.ctypes.data, b.data.ptr, kind, b.strides[0] // size,
-            a.data.ptr, kind, a.strides[0] // size,
-            (self.one if add else self.zero).ctypes.data, out.data.ptr, out_kind,
-            out.strides[0] // out.dtype.itemsize,
-            self.compute if kind == self.R_32F else self.COMPUTE_32F, self.GEMM_DEFAULT)
+# -- cuBLAS -------------------------------------------------------------------------
 
 
 def cublas_nrm2(x) -> float:
     """‖x‖₂ of a contiguous float32 CuPy vector by cublasSnrm2 into a host scalar (cuBLAS's
-    default host pointer mode, as CublasGemm's scalars; the call returns once the result
+    default host pointer mode, as gemm.CublasGemm's scalars; the call returns once the result
     is there). Nothing is allocated on the device."""
     import cupy
     from cupy_backends.cuda.libs import cublas
@@ -158,10 +102,14 @@ def cublas_nrm2(x) -> float:
 
 class Linear:
     """y = x @ w.T (+ b), torch's nn.Linear orientation. Backward: dx = dy @ w, dw = dy.T @ x,
-    db = 1ᵀ·dy (as a GEMM against a ones vector, so it is deterministic on cuBLAS too).
+    db = 1ᵀ·dy: a sum over the rows, deterministic.
 
-    In bf16 the bias is written first, as the rank-1 GEMM 1·b, and the product added to it
-    by the GEMM's beta = 1: x·wᵀ + b is summed in float32 and rounded once."""
+    With the GEMM's epilogues (cuBLASLt) the bias is added inside the forward GEMM and db
+    written by the dW GEMM, unless db is added to (a later micro-step: the epilogue only
+    writes), when it is the GEMM 1ᵀ·dy against the planned `ones` with beta = 1. Without
+    them db is always that GEMM, and in bf16 the bias is written first, as the rank-1
+    GEMM 1·b, and the product added to it by the GEMM's beta = 1. Either way x·wᵀ + b is
+    summed in float32 and rounded once; fp32 without epilogues adds the bias after."""
 
     def __init__(self, x, w, y, dy, dx: Grad | None, dw: Grad, b=None, db: Grad | None = None,
                  ones=None):
@@ -170,20 +118,27 @@ class Linear:
         self.ones = ones    # [1, rows] of 1.0, planned
 
     def forward(self, tape: Tape) -> None:
-        if self.b is not None and self.y.dtype == np.uint16:
+        if self.b is not None and tape.epilogues:
+            tape.gemm(self.x, self.w, self.y, tb=True, bias=self.b)
+        elif self.b is not None and self.y.dtype == np.uint16:
             tape.gemm(self.ones, self.b.reshape(1, -1), self.y, ta=True)
             tape.gemm(self.x, self.w, self.y, tb=True, add=True)
-            return
-        tape.gemm(self.x, self.w, self.y, tb=True)
-        if self.b is not None:
-            tape.xp.add(self.y, self.b, out=self.y)
+        else:
+            tape.gemm(self.x, self.w, self.y, tb=True)
+            if self.b is not None:
+                tape.xp.add(self.y, self.b, out=self.y)
 
     def backward(self, tape: Tape) -> None:
         if self.dx is not None:
             tape.gemm(self.dy, self.w, self.dx.buf, add=tape.adds(self.dx))
+        db = self.db
+        if db is not None and tape.epilogues and not tape.adds(db):
+            tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw),
+                      dbias=db.buf)
+            return
         tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw))
-        if self.db is not None:
-            tape.gemm(self.ones, self.dy, self.db.buf.reshape(1, -1), add=tape.adds(self.db))
+        if db is not None:
+            tape.gemm(self.ones, self.dy, db.buf.reshape(1, -1), add=tape.adds(db))
 
 
 class Op:

@@ -168,17 +168,19 @@ def test_the_gpu_plan_sizes_the_kernels_workspace_for_bf16(lib):
 def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     """`eulergen plan` on a machine without a GPU: every arena of the bf16 plan (the bf16
     weight copy and the float32 stats among them), each with its dtype and bytes, and the
-    total, as the GPU run plans them (the kernels' workspace included)."""
+    total, as the GPU run plans them (the kernels' and cuBLASLt's workspaces included)."""
     from click.testing import CliRunner
 
     from eulergen.cli import main
     from eulergen.runtime.cuda_ops import workspace_elements
+    from eulergen.runtime.gemm import LT_WORKSPACE_BYTES
     overrides = STRUCTURES["nanoeuler"] + COMMON + ["training.dtype=bf16"]
     result = CliRunner().invoke(main, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert result.exit_code == 0, result.output
     cfg = load_config(None, overrides)
-    plan = plan_model(arch_of(cfg.model, lib), 2, 32, dtype="bf16", workspace=workspace_elements)
-    assert {"params_bf16", "stats", "kernels"} <= {a.name for a in plan.arenas}
+    plan = plan_model(arch_of(cfg.model, lib), 2, 32, dtype="bf16", workspace=workspace_elements,
+                      gemm_workspace=LT_WORKSPACE_BYTES)
+    assert {"params_bf16", "stats", "kernels", "gemm"} <= {a.name for a in plan.arenas}
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in result.output.splitlines()
             if line.startswith("│")]
     totals = {r[0].removesuffix(" total"): r for r in rows if r[0].endswith(" total")}
@@ -190,6 +192,7 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     for name in ("h.1.lse", "grad_rows", "losses"):
         assert shown[name][2] == "float32"
     assert shown["params_bf16"][2] == "bf16" and shown["adam_v"][2] == "float32"
+    assert shown["gemm_ws"][3].startswith(f"{LT_WORKSPACE_BYTES:,}")
     assert "training, bf16" in result.output
 
 

@@ -11,6 +11,7 @@ from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
+from eulergen.runtime.gemm import numpy_gemm
 from eulergen.runtime.model import arch_of, build, param_count, parameters, plan_model
 from eulergen.runtime.ops import OpLibrary
 
@@ -178,3 +179,32 @@ def test_a_token_id_outside_the_vocab_is_one_error(lib):
     model = _model(lib, "gpt2")
     with pytest.raises(EulerError, match="token id 11 is outside .* vocabulary of 11"):
         model.load_tokens(np.full((2, 5), 11), np.zeros((2, 5), int))
+
+
+def test_linear_through_bias_epilogues_gives_the_same_gradients_over_micro_steps(lib):
+    """A tape whose GEMM takes the bias epilogues (cuBLASLt's, here numpy_gemm, their
+    reference): the forward adds each bias in its GEMM, the first micro-step's wgrad GEMMs
+    write db, the later ones add 1ᵀ·dy beside them, since the epilogue only writes."""
+    x, y = _tokens(2, 5)
+    plain, fused = _model(lib, "gpt2", batch=1), _model(lib, "gpt2", batch=1)
+    calls = []
+
+    def recording(a, b, out, **kw):
+        calls.append((a.shape, b.shape, kw))
+        numpy_gemm(a, b, out, **kw)
+    fused.tape.gemm, fused.tape.epilogues = recording, True
+    for model in (plain, fused):
+        model.set_accumulation(2)
+        for row in range(2):
+            calls.clear()
+            model.load_tokens(x[row:row + 1], y[row:row + 1])
+            loss = model.loss_and_grad(accumulate=row > 0)[0]
+            if model is fused:
+                biases = 4 * fused.arch.layers   # c_attn, c_proj, c_fc, mlp c_proj
+                assert sum("bias" in kw for *_, kw in calls) == biases
+                assert sum("dbias" in kw for *_, kw in calls) == (0 if row else biases)
+                assert sum(a == (1, 5) for a, _, _ in calls) == (biases if row else 0)  # 1ᵀ·dy
+    assert float(loss) == pytest.approx(float(plain.loss()[0]), rel=1e-12)
+    for name in plain.grads:
+        np.testing.assert_allclose(fused.grads[name], plain.grads[name], rtol=1e-10,
+                                   atol=1e-13, err_msg=name)

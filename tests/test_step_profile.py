@@ -114,3 +114,23 @@ def test_the_embedding_backward_bytes_follow_its_kernels(lib):
     want = 36 * n + 8 * V + 4 * n * C + 2 * 5 * C * 4 + 4 * n * C + emb.positions.nbytes
     assert emb.dtable.add
     assert sp._embedding_bytes(emb, backward=True) == want
+
+
+def test_with_bias_epilogues_each_linear_is_its_gemms_alone(lib):
+    """A GEMM that takes the bias epilogues (cuBLASLt's; numpy_gemm is their reference):
+    the bias is in the forward GEMM's line and its gradient in the wgrad's, no separate
+    bias or 1ᵀ·dy GEMM is timed, and the FLOPs are still 6 per weight and token."""
+    cfg = _cfg("gpt2")
+    model, optim = _model(lib, cfg)
+    model.tape.epilogues = True
+    spans = sp.Spans(NUMPY)
+    sp.instrument(model, spans)
+    sp.eulergen_step(model, optim, np.zeros((B, T)), np.ones((B, T)), 1.0)
+    lines = spans.collect()
+    roles = {name.split(" fwd ")[-1].split(" bwd ")[-1] for name, kind in lines
+             if kind == "gemm"}
+    assert roles == {"gemm", "gemm+bias", "dgrad", "wgrad", "wgrad+bias grad"}
+    weights = sum(v.size for name, v in model.params.items()
+                  if name == "wte.weight" or (name.endswith(".weight") and ".c_" in name))
+    assert sum(f for (_, kind), (_, _, f, _) in lines.items() if kind == "gemm") == \
+        6 * B * T * weights
