@@ -360,6 +360,7 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     from rich.console import Console
 
     from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.cublas import WORKSPACE_BYTES
     from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.memory import plan_table
     from eulergen.runtime.decoder import plan_decoder
@@ -380,6 +381,7 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     # (sampling decodes in fp32 whatever the training dtype)
     p = (plan_decoder(arch, t.batch_size, t.seq_len) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
+                         gemm_workspace=WORKSPACE_BYTES,
                          dtype="bf16" if t.dtype == "bf16" else "float32"))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")

@@ -30,7 +30,10 @@ class Grad:
 
 
 class Tape:
-    def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False):
+    """`gemm_ws`: the planned cuBLAS workspace of a GPU tape (runtime/cublas.py), or None."""
+
+    def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False,
+                 gemm_ws=None):
         self.backend = backend
         self.xp = backend.xp
         self.lib = lib
@@ -38,7 +41,8 @@ class Tape:
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
         self.kernel_ws = kernel_ws  # float32 workspace the generated backward kernels share
-        self.gemm = CublasGemm.for_cupy(self.xp, tf32) if backend.is_gpu else numpy_gemm
+        self.gemm = CublasGemm.for_cupy(tf32, gemm_ws) if backend.is_gpu else numpy_gemm
+        self.blas = self.gemm.handle if backend.is_gpu else None   # the tape's cublas.Cublas
 
     def record(self, node):
         self.nodes.append(node)
@@ -109,9 +113,10 @@ class CublasGemm:
         self.zero = np.array(0.0, np.float32)
 
     @classmethod
-    def for_cupy(cls, cupy, tf32: bool) -> CublasGemm:
-        from cupy_backends.cuda.libs import cublas
-        return cls(cublas.gemmEx, cupy.cuda.device.get_cublas_handle(), tf32)
+    def for_cupy(cls, tf32: bool, workspace=None) -> CublasGemm:
+        """On a cuBLAS handle of its own (runtime/cublas.py: capturable, with `workspace`)."""
+        from eulergen.runtime.cublas import Cublas
+        return cls(Cublas.gemm_ex, Cublas(workspace), tf32)
 
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
         kind = self.TYPES.get(out.dtype)
@@ -133,20 +138,6 @@ class CublasGemm:
             (self.one if add else self.zero).ctypes.data, out.data.ptr, kind,
             out.strides[0] // size, self.compute if kind == self.R_32F else self.COMPUTE_32F,
             self.GEMM_DEFAULT)
-
-
-def cublas_nrm2(x) -> float:
-    """‖x‖₂ of a contiguous float32 CuPy vector by cublasSnrm2 into a host scalar (cuBLAS's
-    default host pointer mode, as CublasGemm's scalars; the call returns once the result
-    is there). Nothing is allocated on the device."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        raise ValueError(f"nrm2 wants a contiguous float32 array, got {x.dtype} {x.strides}")
-    result = np.zeros((), np.float32)
-    cublas.snrm2(cupy.cuda.device.get_cublas_handle(), x.size, x.data.ptr, 1,
-                 result.ctypes.data)
-    return float(result)
 
 
 # -- nodes ----------------------------------------------------------------------------

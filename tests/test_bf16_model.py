@@ -81,8 +81,10 @@ class RoundingLibrary:
     def fused(self, op, *args, out, **params):
         return self._rounding("fused", op, args, out, params)
 
-    def step(self, op, *args, **params):
+    def step(self, op, *args, copy=None, **params):
         self.lib.step(op, *map(self._wide, args), **params)
+        if copy is not None:   # the bf16 kernel's copy of the updated weight (adamw's p)
+            to_bf16(args[0], out=copy)
 
 
 def rounding_gemm(a, b, out, *, ta=False, tb=False, add=False):
@@ -135,7 +137,7 @@ def test_the_bf16_plan_keeps_master_weights_and_moments_in_float32(lib):
     assert size["params"] == size["params_bf16"] == size["grads"] == size["adam_m"]
     assert plan.arena("params") == fp32.arena("params")      # the same master layout
     assert [b.name for b in plan.buffers if b.arena == "stats"] == \
-        ["h.0.lse", "h.1.lse", "losses", "loss", "dloss", "grad_rows"]
+        ["h.0.lse", "h.1.lse", "losses", "loss", "dloss", "grad_rows", "grad_norm"]
     assert plan.buffer("grad_rows").size * 4096 >= size["grads"] >= plan.buffer("grad_rows").size
     # bf16 halves the gradients, activations and workspace
     for name in ("grads", "activations", "workspace"):
@@ -271,7 +273,8 @@ def test_clipping_accumulation_and_adamw_in_bf16(lib):
     assert model.grad_norm() == pytest.approx(0.5, rel=1e-2)
     before = model.mem.arenas["params"].copy()
     optim = AdamW(model, cfg.training)
-    optim.step(1e-3)
+    optim.step(np.array([{"skip": 0.0, "grad_scale": 1.0, "lr": 1e-3, "step": 1.0}[s]
+                         for s in optim.slots]))
     master = model.mem.arenas["params"]
     assert master.dtype == np.float32 and not np.array_equal(master, before)
     np.testing.assert_array_equal(model.mem.arenas["params_bf16"], to_bf16(master))
