@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.kinds import KINDS
 
 RECORD = ("lr", "loss_sum", "loss", "norm", "why", "mean", "loss_mean", "norm_mean", "seen",
           "updates")
@@ -28,7 +29,7 @@ SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its runni
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
 # `why`: the step's update was applied (0) or skipped, and for what
 APPLIED, LOSS_SPIKE, NORM_SPIKE, BAD_LOSS, BAD_NORM = range(5)
-# the update op's control slots the trainer fills, beside kinds.py's skip and grad_scale
+# the update op's runtime params the trainer fills in its control slots (after kinds.py's)
 RUNTIME_PARAMS = ("lr", "step")
 LOSS_MEAN_THREADS = 256
 
@@ -51,7 +52,12 @@ class StepRule:
     @classmethod
     def of(cls, t, slots: tuple[str, ...], ranks: int = 1) -> StepRule:
         """The rule of a TrainingConfig for an update op with control slots `slots`."""
-        unknown = [s for s in slots[2:] if s not in RUNTIME_PARAMS]
+        first = KINDS["update"].control
+        if tuple(slots[:len(first)]) != first:
+            raise EulerError(f"the optimizer's kernels read control slots {tuple(slots)}, not "
+                             f"{', '.join(first)} first (a stale build: run `eulergen build`)",
+                             key="params")
+        unknown = [s for s in slots[len(first):] if s not in RUNTIME_PARAMS]
         if unknown:
             raise EulerError(f"the optimizer's runtime param {unknown[0]!r} is none the trainer "
                              f"sets each step ({', '.join(RUNTIME_PARAMS)})", key="params")

@@ -201,21 +201,17 @@ class _Device:
         graph.launch(self.stream)
 
     def _capture(self, work):
-        cupy = self.cupy
-        allocator = cupy.cuda.get_allocator()
-        cupy.cuda.set_allocator(_refuse)
-        self.stream.begin_capture()
-        try:
-            work()
-        except BaseException:
+        with self.cupy.cuda.using_allocator(_refuse):
+            self.stream.begin_capture()
             try:
-                self.stream.end_capture()
-            except Exception:   # an invalidated capture: the first error says why
-                pass
-            raise
-        finally:
-            cupy.cuda.set_allocator(allocator)
-        return self.stream.end_capture()
+                work()
+            except BaseException:
+                try:
+                    self.stream.end_capture()
+                except Exception:   # an invalidated capture: the first error says why
+                    pass
+                raise
+            return self.stream.end_capture()
 
 
 def _refuse(size: int):
