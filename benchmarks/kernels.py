@@ -270,7 +270,7 @@ class Bench:
         # (no host copy inside the timing); the step count stays at 1
         control = self.ours(torch.tensor(
             [{"skip": 0.0, "grad_scale": 1.0, "lr": 1e-4, "step": 1.0}[c]
-             for c in lib.control_slots("adamw")], device="cuda", dtype=torch.float64))
+             for c in lib.control_slots("adamw")], device="cuda", dtype=torch.float32))
         yield Case("adamw step", dtype,
                    lambda: lib.step("adamw", p, g, m, v, control=control, beta1=0.9,
                                     beta2=0.95, eps=1e-8, weight_decay=0.1),

@@ -124,10 +124,10 @@ def plan_pair(op: ir.DerivedOp) -> OpPlan:
 
 
 def update_control(op: ir.DerivedOp) -> tuple[str, ...]:
-    """The slots of an update op's float64 `control` array, which its kernels and its numpy
-    step read instead of scalar arguments (written on the device once a step, so that a
-    captured step replays with new values): kinds.py's skip and grad_scale, then the op's
-    runtime params in spec order."""
+    """The slots of an update op's `control` array (float32 on the device), which its
+    kernels and its numpy step read instead of scalar arguments (written on the device once
+    a step, so that a captured step replays with new values): kinds.py's skip and
+    grad_scale, then the op's runtime params in spec order."""
     return KINDS["update"].control + tuple(p.name for p in op.params if p.default is None)
 
 
@@ -168,7 +168,7 @@ def plan_update(op: ir.DerivedOp) -> OpPlan:
                          for o in op.inputs)
         if dt == "bf16":
             pointers += ((copy, f"{CTYPE[dt]}*"),)
-        return pointers + (("control", "const double*"),) + fixed + (("n", "long long"),)
+        return pointers + (("control", "const float*"),) + fixed + (("n", "long long"),)
     name = f"{op.name}_step"
     return OpPlan(KINDS["update"].template, (StagePlan(
         name, "step", tuple(o.name for o in op.inputs), tuple(state), tuple(

@@ -227,7 +227,7 @@ class CudaOps:
     def step(self, op: OpEntry, args: tuple, params: dict, control, copy=None) -> None:
         """An update op over flat buffers: state float32, grads in the storage dtype; every
         operand the same shape (the caller launches once per weight-decay range). `control`:
-        the float64 device array of the kernel's control slots; `copy`: a bf16 array the
+        the float32 device array of the kernel's control slots; `copy`: a bf16 array the
         bf16 kernel writes the updated weight into (None: not written)."""
         named = dict(zip((o.name for o in op.inputs), args))
         _same_shape(op, "step", named, args[0].shape)

@@ -21,7 +21,7 @@ from eulergen.launch import BlockHeld, BlockPerRow, Launch, WarpPerRow
 from eulergen.runtime.manifest import Kernel, OpEntry
 
 # What a pointer's pointee is stored as, and what a scalar argument is passed as.
-_STORAGE = {"float": np.float32, "double": np.float64, "__nv_bfloat16": np.uint16, "int": np.int32,
+_STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
             "int32_t": np.int32, "long long": np.int64, "int64_t": np.int64,
             "unsigned int": np.uint32, "uint32_t": np.uint32, "unsigned short": np.uint16,
             "uint16_t": np.uint16, "unsigned char": np.uint8, "uint8_t": np.uint8}

@@ -139,10 +139,11 @@ class OpLibrary:
     def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,
              **params) -> None:
         """An update op's step, in place. Its kernels read the values that change between
-        steps from `control`, a float64 array on this backend holding `control_slots(op)`
-        (skip, grad_scale, then the op's runtime params), so that a captured step replays
-        with new ones; without it the runtime params come by value (`lr=`, `step=`) and a
-        control array of them is made for this call (not skipped, grads unscaled).
+        steps from `control`, an array on this backend holding `control_slots(op)` (skip,
+        grad_scale, then the op's runtime params; float32 on the GPU, as the kernels read
+        it, float32 or float64 on numpy), so that a captured step replays with new ones;
+        without it the runtime params come by value (`lr=`, `step=`) and a control array of
+        them is made for this call (not skipped, grads unscaled).
         `copy`: a bf16 (uint16) array the bf16 kernel writes the updated weight into,
         rounded (GPU only: numpy has no bf16)."""
         op = self._entry(name)
@@ -155,15 +156,18 @@ class OpLibrary:
         if control is None:
             given = self._params(op, params)
             values = {"skip": 0.0, "grad_scale": 1.0, **given}
-            control = self.backend.xp.asarray(np.array([values[s] for s in slots], np.float64))
+            control = self.backend.xp.asarray(np.array([values[s] for s in slots],
+                                                       np.float32 if self._cuda else np.float64))
         else:
             passed = [k for k in params if k in runtime]
             if passed:
                 raise EulerError(f"{op.name}.step: {passed[0]!r} comes from control= when "
                                  "that is given", file=op.spec, key=f"params.{passed[0]}")
-            if control.dtype != np.float64 or tuple(control.shape) != (len(slots),):
-                raise EulerError(f"{op.name}.step: control= must be float64 [{len(slots)}] "
-                                 f"({', '.join(slots)}), got {control.dtype} "
+            dtypes = (np.float32,) if self._cuda else (np.float32, np.float64)
+            if control.dtype not in dtypes or tuple(control.shape) != (len(slots),):
+                raise EulerError(f"{op.name}.step: control= must be "
+                                 f"{' or '.join(np.dtype(d).name for d in dtypes)} "
+                                 f"[{len(slots)}] ({', '.join(slots)}), got {control.dtype} "
                                  f"{tuple(control.shape)}", file=op.spec, key="control")
             given = self._params(op, {**params, **dict.fromkeys(runtime, 0.0)})
         fixed = {k: v for k, v in given.items() if k not in runtime}

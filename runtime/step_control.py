@@ -4,8 +4,9 @@ means, the AdamW update count, and a flag for a loss or norm that is not finite.
 here is read by the host during a step, so a captured step (runtime/step_graph.py) replays
 it; the host reads the record a step later, and at checkpoints.
 
-They live in one float64 array, the step's `record`: RECORD's slots, then the update op's
-control slots (what its kernels read: OpLibrary.control_slots), which `decide` writes. The
+They live in the step's `record`, a float64 array of RECORD's slots; `decide` also writes
+the update op's `control` array (its kernels read it: OpLibrary.control_slots; float32 on
+the GPU, as a scalar argument was passed, float64 on numpy, as a Python float was). The
 arithmetic is float64, in the order the host used to do it, so a numpy run and a resume
 repeat the old runs' bits: each step has a numpy form (the numpy backend's, and the
 reference) and CUDA text with every rounding spelled out (__dmul_rn, __dadd_rn, __ddiv_rn:
@@ -67,10 +68,6 @@ class StepRule:
                    at.get("step", -1))
 
 
-def record_size(slots: tuple[str, ...]) -> int:
-    return len(RECORD) + len(slots)
-
-
 def guard_state(record) -> dict:
     """The spike guard's state, as checkpoints hold it (a host copy of the record)."""
     return {"loss_mean": float(record[AT["loss_mean"]]),
@@ -117,7 +114,7 @@ def _numpy_rank_loss(record, rule: StepRule, out) -> None:
     out[0] = np.float32(float(record[AT["loss_sum"]]) / rule.micro_steps)
 
 
-def _numpy_decide(record, norm, reduced, rule: StepRule) -> None:
+def _numpy_decide(record, control, norm, reduced, rule: StepRule) -> None:
     r = {k: float(record[i]) for k, i in AT.items()}
     loss = (float(reduced[0]) / rule.ranks if rule.ranks > 1
             else r["loss_sum"] / rule.micro_steps)
@@ -147,7 +144,6 @@ def _numpy_decide(record, norm, reduced, rule: StepRule) -> None:
     r.update(loss=loss, norm=norm, why=float(why), mean=mean)
     for k, i in AT.items():
         record[i] = r[k]
-    control = record[len(RECORD):]
     control[rule.skip_at] = float(why != APPLIED)
     clip = rule.grad_clip
     control[rule.scale_at] = clip / norm if clip > 0 and norm > clip else 1.0
@@ -164,7 +160,7 @@ def _numpy_decide(record, norm, reduced, rule: StepRule) -> None:
 _WHY = {"APPLIED": APPLIED, "LOSS_SPIKE": LOSS_SPIKE, "NORM_SPIKE": NORM_SPIKE,
         "BAD_LOSS": BAD_LOSS, "BAD_NORM": BAD_NORM}
 CUDA = "".join(f"#define EG_{k.upper()} {i}\n" for k, i in {
-    **AT, **_WHY, "RECORD": len(RECORD), "THREADS": LOSS_MEAN_THREADS}.items()) + r"""
+    **AT, **_WHY, "THREADS": LOSS_MEAN_THREADS}.items()) + r"""
 
 extern "C" __global__ void __launch_bounds__(EG_THREADS) eg_loss_mean(
     const float* losses, float* out, long long n) {
@@ -190,10 +186,9 @@ extern "C" __global__ void eg_step_rank_loss(const double* rec, float* out, int 
 }
 
 extern "C" __global__ void eg_step_decide(
-    double* rec, const float* norm_in, const float* reduced, double factor, double decay,
-    double warmup, double clip, int micro, int ranks, int skip_at, int scale_at, int lr_at,
-    int step_at) {
-  double* control = rec + EG_RECORD;
+    double* rec, float* control, const float* norm_in, const float* reduced, double factor,
+    double decay, double warmup, double clip, int micro, int ranks, int skip_at, int scale_at,
+    int lr_at, int step_at) {
   const double loss = ranks > 1 ? __ddiv_rn((double)reduced[0], (double)ranks)
                                 : __ddiv_rn(rec[EG_LOSS_SUM], (double)micro);
   const double norm = (double)norm_in[0];
@@ -228,10 +223,10 @@ extern "C" __global__ void eg_step_decide(
   rec[EG_NORM] = norm;
   rec[EG_WHY] = (double)why;
   rec[EG_MEAN] = mean;
-  control[skip_at] = why != EG_APPLIED ? 1.0 : 0.0;
-  control[scale_at] = clip > 0.0 && norm > clip ? __ddiv_rn(clip, norm) : 1.0;
-  if (lr_at >= 0) control[lr_at] = rec[EG_LR];
-  if (step_at >= 0) control[step_at] = rec[EG_UPDATES];
+  control[skip_at] = why != EG_APPLIED ? 1.0f : 0.0f;
+  control[scale_at] = (float)(clip > 0.0 && norm > clip ? __ddiv_rn(clip, norm) : 1.0);
+  if (lr_at >= 0) control[lr_at] = (float)rec[EG_LR];
+  if (step_at >= 0) control[step_at] = (float)rec[EG_UPDATES];
 }
 """
 
@@ -278,17 +273,18 @@ def rank_loss(record, rule: StepRule, out) -> None:
         _numpy_rank_loss(record, rule, out)
 
 
-def decide(record, norm, reduced, rule: StepRule) -> None:
+def decide(record, control, norm, reduced, rule: StepRule) -> None:
     """After backward (and, data parallel, the ranks' sums): the step's loss (the micro-steps'
     mean; over ranks: `reduced`, their float32 sum, / ranks) and gradient norm (`norm`, a
     1-element array) into the record; a non-finite one, or a spike past the running
     means, skips the update; the running means, the update count, and the update op's
-    control slots (skip, clip scale, the record's lr, the count) follow."""
+    `control` slots (skip, clip scale, the record's lr, the count) follow."""
     if _is_cupy(record):
         _kernel("eg_step_decide")((1,), (1,), (
-            record, norm, norm if reduced is None else reduced, np.float64(rule.spike_factor),
+            record, control, norm, norm if reduced is None else reduced,
+            np.float64(rule.spike_factor),
             np.float64(SPIKE_DECAY), np.float64(SPIKE_WARMUP), np.float64(rule.grad_clip),
             np.int32(rule.micro_steps), np.int32(rule.ranks), np.int32(rule.skip_at),
             np.int32(rule.scale_at), np.int32(rule.lr_at), np.int32(rule.step_at)))
     else:
-        _numpy_decide(record, norm, reduced, rule)
+        _numpy_decide(record, control, norm, reduced, rule)

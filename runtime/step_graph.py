@@ -41,19 +41,21 @@ class StepResult:
 class Stepper:
     """Launches steps over a model and its AdamW with a StepRule, and hands back their
     results in order (`result()`, a step after `launch()` on the GPU). `record` is the
-    step control's float64 array; `control` its tail, the update op's control slots."""
+    step control's float64 array, `control` the update op's control slots (float32 on the
+    GPU, as its kernels read them; float64 on numpy)."""
 
     def __init__(self, model, optim, rule: step_control.StepRule, *, cuda_graph: bool = True,
                  collective=None):
         self.model, self.optim, self.rule, self.collective = model, optim, rule, collective
         xp = model.xp
-        self.record = xp.zeros(step_control.record_size(optim.slots), np.float64)
-        self.control = self.record[len(RECORD):]
+        self.record = xp.zeros(len(RECORD), np.float64)
+        gpu = model.backend.is_gpu
+        self.control = xp.zeros(len(optim.slots), np.float32 if gpu else np.float64)
         # the norm as grad_norm writes it: float32 from cuBLAS, numpy's float64
-        self.norm = model.mem["grad_norm"] if model.backend.is_gpu else np.zeros(1)
+        self.norm = model.mem["grad_norm"] if gpu else np.zeros(1)
         self.reduced = xp.zeros(1, np.float32)   # data parallel: the ranks' summed loss
         self.pending: deque = deque()
-        self.device = _Device(self, cuda_graph) if model.backend.is_gpu else None
+        self.device = _Device(self, cuda_graph) if gpu else None
 
     # -- what a step runs, on the device, in order ------------------------------------------
 
@@ -73,7 +75,7 @@ class Stepper:
 
     def update(self) -> None:
         self.model.grad_norm(out=self.norm)
-        step_control.decide(self.record, self.norm,
+        step_control.decide(self.record, self.control, self.norm,
                             self.reduced if self.rule.ranks > 1 else None, self.rule)
         self.optim.step(self.control)
 

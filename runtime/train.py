@@ -67,7 +67,7 @@ class AdamW:
     """`lib.step("adamw", …)` over the flat parameter buffer: one launch over the decayed
     matrices (laid out first by the planner), one over the rest with weight_decay 0. The
     learning rate, the update count (bias correction counts applied updates only), whether
-    to skip and the clip scale come from a device array (`control`, in the op's
+    to skip and the clip scale come from an array on the device (`control`, in the op's
     `slots`: step_control.decide writes them). The float32 master weights and moments are
     updated (from bf16 gradients in a bf16 run: the op's bf16 kernel, which writes the
     model's bf16 copy of the weights in the same pass)."""

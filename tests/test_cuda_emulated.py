@@ -41,8 +41,7 @@ EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
 _FOLDER = Path(tempfile.mkdtemp(prefix="eg-cudagen-emu-"))
 TOL = {"f32": 1e-5, "bf16": 2.0 ** -8}
 _ELEM = {"float": ("float", np.float32), "__nv_bfloat16": ("__nv_bfloat16", np.uint16),
-         "int": ("int", np.int32), "long long": ("long long", np.int64),
-         "double": ("double", np.float64)}
+         "int": ("int", np.int32), "long long": ("long long", np.int64)}
 _SCALAR = {"float": "(float)std::atof", "int": "std::atoi", "long long": "std::atoll"}
 
 
@@ -523,7 +522,7 @@ def _update_case(name: str, dtype: str, control: dict):
                              else a.astype(np.float32).astype(np.float64))
     k = f"{name}_step_{dtype}"
     slots = {"skip": 0.0, "grad_scale": 1.0, "lr": 1e-2, "step": 3.0, **control}
-    ctl = np.array([slots[c] for c in mod.CONTROL])
+    ctl = np.array([slots[c] for c in mod.CONTROL], np.float32)   # as the device holds it
     assert tuple(op["kernels"][k]["control"]) == mod.CONTROL
     bufs = {o["name"]: stored(arrays[o["name"]], dtype) if o["role"] == "grad"
             else arrays[o["name"]].astype(np.float32) for o in op["inputs"]}

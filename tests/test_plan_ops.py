@@ -67,7 +67,7 @@ def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_w
     f32, bf16 = _plan("adamw").stages[0].sigs
     for sig in (f32, bf16):
         assert sig.control == ("skip", "grad_scale", "lr", "step")
-        assert dict(sig.args)["control"] == "const double*"
+        assert dict(sig.args)["control"] == "const float*"
         assert not {"lr", "step"} & set(dict(sig.args))
     assert dict(bf16.args)["p_bf16"] == "__nv_bfloat16*" and "p_bf16" not in dict(f32.args)
     assert MANIFEST.ops["adamw"].kernel("step", "bf16").control == bf16.control

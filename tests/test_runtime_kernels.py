@@ -442,8 +442,9 @@ def test_update_step_updates_the_given_buffers(name, libs, emu):
     (_, _, _, values), = emu.launches
     slots = gpu.control_slots(name)
     assert slots == ref.control_slots(name)
-    assert values["control"].tolist() == [{"skip": 0.0, "grad_scale": 1.0, **runtime}[s]
-                                          for s in slots]
+    assert values["control"].dtype == np.float32   # what the kernels read
+    assert values["control"].tolist() == [np.float32({"skip": 0.0, "grad_scale": 1.0,
+                                                      **runtime}[s]) for s in slots]
 
 
 @needs_manifest
@@ -455,7 +456,8 @@ def test_a_bf16_update_step_takes_its_control_array_and_writes_the_bf16_copy(nam
     arrays = [dev(to_bf16(rng.uniform(-1, 1, 40)) if o.role == "grad"
                   else rng.uniform(0, 1, 40).astype(np.float32)) for o in op.inputs]
     slots = gpu.control_slots(name)
-    control = dev(np.array([{"skip": 0.0, "grad_scale": 0.5}.get(s, 1e-2) for s in slots]))
+    control = dev(np.array([{"skip": 0.0, "grad_scale": 0.5}.get(s, 1e-2) for s in slots],
+                           np.float32))
     copy = dev(np.zeros(40, np.uint16))
     gpu.step(name, *arrays, control=control, copy=copy)
     (kernel, _, _, values), = emu.launches
@@ -464,8 +466,8 @@ def test_a_bf16_update_step_takes_its_control_array_and_writes_the_bf16_copy(nam
     np.testing.assert_array_equal(copy, to_bf16(np.asarray(weight)))
     with pytest.raises(EulerError, match="comes from control"):
         gpu.step(name, *arrays, control=control, **{slots[-1]: 1.0})
-    with pytest.raises(EulerError, match="float64"):
-        gpu.step(name, *arrays, control=dev(np.zeros(len(slots), np.float32)))
+    with pytest.raises(EulerError, match="must be float32"):
+        gpu.step(name, *arrays, control=dev(np.zeros(len(slots))))
     with pytest.raises(EulerError, match="copy= wants bf16 grads"):
         gpu.step(name, *[dev(np.asarray(a, np.float32) if a.dtype == np.uint16 else a)
                          for a in arrays], control=control, copy=copy)

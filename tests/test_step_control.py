@@ -19,7 +19,6 @@ from eulergen.runtime import step_control as sc
 from eulergen.runtime.config import load_config
 
 SLOTS = ("skip", "grad_scale", "lr", "step")   # adamw's control slots
-CONTROL = len(sc.RECORD)
 
 
 @dataclass
@@ -68,20 +67,26 @@ def _steps(n: int, seed: int = 0):
     return out
 
 
-def _numpy_step(record, rule, losses, norm, lr) -> None:
+def _arrays(control_dtype=np.float64):
+    """A step record and an update control array (float64 as numpy runs, float32 as the
+    GPU's kernels read it)."""
+    return np.zeros(len(sc.RECORD)), np.zeros(len(SLOTS), control_dtype)
+
+
+def _numpy_step(record, control, rule, losses, norm, lr) -> None:
     record[sc.AT["lr"]] = lr
     for i, loss in enumerate(losses):
         sc.accumulate(record, np.float32([loss]), first=i == 0)
-    sc.decide(record, np.float32([norm]), None, rule)
+    sc.decide(record, control, np.float32([norm]), None, rule)
 
 
 def test_decide_repeats_the_host_guard_clip_and_count_bit_for_bit():
     rule = _rule(gradient_accumulation=2, spike_factor=4.0, grad_clip=1.0)
     guard, updates = HostGuard(4.0), 0
-    record = np.zeros(sc.record_size(SLOTS))
+    record, control = _arrays()
     kinds = set()
     for losses, norm, lr in _steps(60):
-        _numpy_step(record, rule, losses, norm, lr)
+        _numpy_step(record, control, rule, losses, norm, lr)
         total = 0.0
         for loss in losses:
             total += float(loss)
@@ -89,7 +94,6 @@ def test_decide_repeats_the_host_guard_clip_and_count_bit_for_bit():
         why = guard.check(loss, host_norm)
         updates += why is None
         scale = 1.0 / host_norm if host_norm > 1.0 else 1.0
-        control = record[CONTROL:]
         assert (record[sc.AT["loss"]], record[sc.AT["norm"]]) == (loss, host_norm)
         assert sc.why_skipped(record, 4.0) == why
         assert sc.guard_state(record) == {"loss_mean": guard.loss_mean,
@@ -101,10 +105,10 @@ def test_decide_repeats_the_host_guard_clip_and_count_bit_for_bit():
 
 def test_the_guard_flags_a_spike_and_absorbs_a_lasting_shift():
     rule = _rule(spike_factor=4.0)
-    record = np.zeros(sc.record_size(SLOTS))
+    record, control = _arrays()
 
     def step(loss, norm):
-        _numpy_step(record, rule, [loss], norm, 1e-3)
+        _numpy_step(record, control, rule, [loss], norm, 1e-3)
         return sc.why_skipped(record, 4.0)
     for _ in range(20):
         assert step(2.0, 1.0) is None
@@ -116,28 +120,28 @@ def test_the_guard_flags_a_spike_and_absorbs_a_lasting_shift():
 
 
 def test_the_guard_is_off_at_factor_zero_and_a_skip_does_not_count_as_an_update():
-    record = np.zeros(sc.record_size(SLOTS))
+    record, control = _arrays()
     off = _rule(spike_factor=0.0)
     for _ in range(20):
-        _numpy_step(record, off, [2.0], 1.0, 1e-3)
-    _numpy_step(record, off, [1e6], 1e6, 1e-3)
+        _numpy_step(record, control, off, [2.0], 1.0, 1e-3)
+    _numpy_step(record, control, off, [1e6], 1e6, 1e-3)
     assert sc.why_skipped(record, 0.0) is None and record[sc.AT["updates"]] == 21
     on = _rule(spike_factor=4.0)
-    _numpy_step(record, on, [1e6], 1.0, 1e-3)
-    assert record[CONTROL] == 1.0 and record[sc.AT["updates"]] == 21
-    assert record[CONTROL + 3] == 21, "the step slot keeps the count of applied updates"
+    _numpy_step(record, control, on, [1e6], 1.0, 1e-3)
+    assert control[0] == 1.0 and record[sc.AT["updates"]] == 21
+    assert control[3] == 21, "the step slot keeps the count of applied updates"
 
 
 @pytest.mark.parametrize("loss, norm, says", [(np.nan, 1.0, "loss is nan"),
                                               (2.0, np.inf, "gradient norm is inf")])
 def test_a_loss_or_norm_that_is_not_finite_skips_and_leaves_the_guard(loss, norm, says):
     rule = _rule(spike_factor=4.0)
-    record = np.zeros(sc.record_size(SLOTS))
-    _numpy_step(record, rule, [2.0], 1.0, 1e-3)
+    record, control = _arrays()
+    _numpy_step(record, control, rule, [2.0], 1.0, 1e-3)
     before = sc.guard_state(record)
-    _numpy_step(record, rule, [loss], norm, 1e-3)
+    _numpy_step(record, control, rule, [loss], norm, 1e-3)
     assert sc.not_finite(record) and sc.why_skipped(record, 4.0) == says
-    assert sc.guard_state(record) == before and record[CONTROL] == 1.0
+    assert sc.guard_state(record) == before and control[0] == 1.0
 
 
 def test_an_optimizer_runtime_param_the_trainer_does_not_set_is_refused():
@@ -165,12 +169,12 @@ extern "C" void run_accumulate(double* rec, const float* loss, int first) {
 extern "C" void run_rank_loss(const double* rec, float* out, int micro) {
   emu_launch(dim3(1), dim3(1), [&] { eg_step_rank_loss(rec, out, micro); });
 }
-extern "C" void run_decide(double* rec, const float* norm, const float* reduced, double factor,
-                           double decay, double warmup, double clip, int micro, int ranks,
-                           int skip_at, int scale_at, int lr_at, int step_at) {
+extern "C" void run_decide(double* rec, float* control, const float* norm, const float* reduced,
+                           double factor, double decay, double warmup, double clip, int micro,
+                           int ranks, int skip_at, int scale_at, int lr_at, int step_at) {
   emu_launch(dim3(1), dim3(1), [&] {
-    eg_step_decide(rec, norm, reduced, factor, decay, warmup, clip, micro, ranks, skip_at,
-                   scale_at, lr_at, step_at);
+    eg_step_decide(rec, control, norm, reduced, factor, decay, warmup, clip, micro, ranks,
+                   skip_at, scale_at, lr_at, step_at);
   });
 }
 """
@@ -192,7 +196,7 @@ def cuda(tmp_path_factory):
     lib.run_mean.argtypes = (P, P, ctypes.c_longlong)
     lib.run_accumulate.argtypes = (P, P, I)
     lib.run_rank_loss.argtypes = (P, P, I)
-    lib.run_decide.argtypes = (P, P, P, D, D, D, D, I, I, I, I, I, I)
+    lib.run_decide.argtypes = (P, P, P, P, D, D, D, D, I, I, I, I, I, I)
     return lib
 
 
@@ -200,12 +204,12 @@ def _p(a):
     return a.ctypes.data
 
 
-def _cuda_step(lib, record, rule, losses, norm, lr, reduced=None) -> None:
+def _cuda_step(lib, record, control, rule, losses, norm, lr, reduced=None) -> None:
     record[sc.AT["lr"]] = lr
     for i, loss in enumerate(losses):
         lib.run_accumulate(_p(record), _p(np.float32([loss])), int(i == 0))
     norm = np.float32([norm])
-    lib.run_decide(_p(record), _p(norm), _p(norm if reduced is None else reduced),
+    lib.run_decide(_p(record), _p(control), _p(norm), _p(norm if reduced is None else reduced),
                    rule.spike_factor, sc.SPIKE_DECAY, sc.SPIKE_WARMUP, rule.grad_clip,
                    rule.micro_steps, rule.ranks, rule.skip_at, rule.scale_at, rule.lr_at,
                    rule.step_at)
@@ -213,14 +217,16 @@ def _cuda_step(lib, record, rule, losses, norm, lr, reduced=None) -> None:
 
 def test_the_cuda_step_kernels_give_the_numpy_forms_bits(cuda):
     rule = _rule(gradient_accumulation=2, spike_factor=4.0, grad_clip=1.0)
-    want, got = (np.zeros(sc.record_size(SLOTS)) for _ in range(2))
+    (want, want_c), (got, got_c) = _arrays(np.float32), _arrays(np.float32)
     steps = _steps(60) + [(np.float32([np.nan, 2.0]), np.float32(1.0), 1e-3),
                           (np.float32([2.0, 2.0]), np.float32(np.inf), 1e-3)]
     for n, (losses, norm, lr) in enumerate(steps, start=1):
-        _numpy_step(want, rule, losses, norm, lr)
-        _cuda_step(cuda, got, rule, losses, norm, lr)
+        _numpy_step(want, want_c, rule, losses, norm, lr)
+        _cuda_step(cuda, got, got_c, rule, losses, norm, lr)
         np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64),
                                       err_msg=f"step {n}")
+        np.testing.assert_array_equal(got_c.view(np.uint32), want_c.view(np.uint32),
+                                      err_msg=f"step {n}: control")
     # data parallel: the rank's float32 loss, and the ranks' sum divided by their count
     ranks = sc.StepRule(**{**rule.__dict__, "ranks": 3})
     mine, theirs = np.zeros(1, np.float32), np.zeros(1, np.float32)
@@ -228,9 +234,10 @@ def test_the_cuda_step_kernels_give_the_numpy_forms_bits(cuda):
     cuda.run_rank_loss(_p(want), _p(theirs), ranks.micro_steps)
     assert mine.tobytes() == theirs.tobytes()
     reduced = np.float32([3 * mine[0] + 0.25])
-    sc.decide(want, np.float32([0.5]), reduced, ranks)
-    _cuda_step(cuda, got, ranks, [], 0.5, got[sc.AT["lr"]], reduced)
+    sc.decide(want, want_c, np.float32([0.5]), reduced, ranks)
+    _cuda_step(cuda, got, got_c, ranks, [], 0.5, got[sc.AT["lr"]], reduced)
     np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+    np.testing.assert_array_equal(got_c.view(np.uint32), want_c.view(np.uint32))
     assert want[sc.AT["loss"]] == float(reduced[0]) / 3
 
 

@@ -132,7 +132,7 @@ def _run(monkeypatch, graph: bool, steps: int = 5, micro: int = 2):
     t = types.SimpleNamespace(spike_factor=0.0, grad_clip=0.0, gradient_accumulation=micro)
     stepper = Stepper(model, FakeOptim(model), step_control.StepRule.of(t, SLOTS),
                       cuda_graph=graph)
-    Capture.arrays = [stepper.record, *model.mem.values()]
+    Capture.arrays = [stepper.record, stepper.control, *model.mem.values()]
     real = stepper.device._capture
 
     def capture(work):   # the stand-in stream learns what the graph replays
@@ -172,6 +172,7 @@ def test_a_graphed_run_gives_the_eager_runs_records(monkeypatch):
     assert Capture.counts == {"captures": 0, "replays": 0}
     assert graphed[2] == eager[2]
     np.testing.assert_array_equal(graphed[0].record, eager[0].record)
+    assert graphed[0].control.dtype == np.float32   # as the GPU's kernels read it
 
 
 def test_the_record_is_read_between_steps_only(monkeypatch):

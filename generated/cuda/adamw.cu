@@ -13,11 +13,11 @@
 #include "eulergen_common.cuh"
 
 template <typename scalar_t, int VEC>
-__device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, float* m_ptr, float* v_ptr, __nv_bfloat16* copy_ptr, const double* control_, float beta1, float beta2, float eps, float weight_decay, long long n_) {
-  if (control_[0] != 0.0) return;
-  const float grad_scale_ = (float)control_[1];
-  const float lr = (float)control_[2];
-  const float step = (float)control_[3];
+__device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, float* m_ptr, float* v_ptr, __nv_bfloat16* copy_ptr, const float* control_, float beta1, float beta2, float eps, float weight_decay, long long n_) {
+  if (control_[0] != 0.0f) return;
+  const float grad_scale_ = control_[1];
+  const float lr = control_[2];
+  const float step = control_[3];
   const long long tid_ = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   const long long stride_ = (long long)gridDim.x * blockDim.x;
   const bool aligned_ = (reinterpret_cast<unsigned long long>(p_ptr) | reinterpret_cast<unsigned long long>(g_ptr) | reinterpret_cast<unsigned long long>(m_ptr) | reinterpret_cast<unsigned long long>(v_ptr) | reinterpret_cast<unsigned long long>(copy_ptr)) % 16 == 0;
@@ -70,13 +70,13 @@ __device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, 
 }
 
 extern "C" __global__ void __launch_bounds__(256) adamw_step_f32(
-    float* p, const float* g, float* m, float* v, const double* control, float beta1,
-    float beta2, float eps, float weight_decay, long long n) {
+    float* p, const float* g, float* m, float* v, const float* control, float beta1, float beta2,
+    float eps, float weight_decay, long long n) {
   adamw_step<float, 4>(p, g, m, v, nullptr, control, beta1, beta2, eps, weight_decay, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256) adamw_step_bf16(
     float* p, const __nv_bfloat16* g, float* m, float* v, __nv_bfloat16* p_bf16,
-    const double* control, float beta1, float beta2, float eps, float weight_decay, long long n) {
+    const float* control, float beta1, float beta2, float eps, float weight_decay, long long n) {
   adamw_step<__nv_bfloat16, 8>(p, g, m, v, p_bf16, control, beta1, beta2, eps, weight_decay, n);
 }
