@@ -15,6 +15,8 @@ import ctypes
 import ctypes.util
 import weakref
 
+import numpy as np
+
 from eulergen.errors import EulerError
 
 # cuBLAS's recommended workspace on Hopper (its docs: 32 MiB on sm_90, 4 MiB before)
@@ -93,7 +95,6 @@ class Cublas:
         """out[0] = ‖x‖₂ of a contiguous float32 vector, written on the device (cuBLAS's
         device pointer mode, then back to host mode for the GEMMs' host scalars): no host
         read, so it may be captured."""
-        import numpy as np
         for a in (x, out):
             if a.dtype != np.float32 or not a.flags.c_contiguous:
                 raise ValueError(f"nrm2 wants contiguous float32 arrays, got {a.dtype} {a.strides}")

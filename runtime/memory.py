@@ -13,7 +13,7 @@ A plan is a list of named buffers placed in a few big arenas (one allocation eac
     workspace    temporaries the backward pass reuses from layer to layer
     kernels      float32 workspace of the generated backward kernels (row ops' weight-
                  gradient partials, attention's row dots, the embedding's sort keys and
-                 first-key ranks), shared by every call
+                 first-key ranks), shared by every call; on a GPU also cuBLAS's workspace
     tokens       int32 token ids and targets
 
 `Memory` turns a plan into arrays once; every tensor the model touches afterwards
