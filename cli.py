@@ -362,9 +362,9 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     from rich.console import Console
 
     from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.cublas import WORKSPACE_BYTES
     from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.attention import PLAN_SMS
-    from eulergen.runtime.gemm import LT_WORKSPACE_BYTES
     from eulergen.runtime.decoder import plan_decoder
     from eulergen.runtime.memory import plan_table
     from eulergen.runtime.model import arch_of, param_count, plan_model
@@ -385,7 +385,7 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     dtype = "bf16" if t.dtype == "bf16" else "float32"
     p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
-                         dtype=dtype, gemm_workspace=LT_WORKSPACE_BYTES))
+                         dtype=dtype, gemm_workspace=WORKSPACE_BYTES))
     title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")
     console = Console()

@@ -1,13 +1,15 @@
 """Where one eulergen training step's time goes: every tape node, forward and backward,
-and the loss, grad norm, clipping, AdamW and bf16 weight sync, each between two CUDA events.
+and the loss, grad norm, step control and AdamW (clipping and the bf16 weight copy are
+inside the update kernel), each between two CUDA events.
 
     python benchmarks/step_profile.py --preset gpt2,nanoeuler --dtype bf16 --batch 8,16
     python benchmarks/step_profile.py --json profile.json   # the tables as JSON too
     EULERGEN_GEMM=cublas python benchmarks/step_profile.py  # cublasGemmEx, no bias epilogues
 
-The step is benchmarks/train.py's (`eulergen_step`: forward, loss read to the host, grad
-norm, clip at 1.0, AdamW), on random tokens; plain steps, timed for the wall time, alternate
-with instrumented ones. The instrumentation lives here: the tape's nodes are
+The step is the trainer's (benchmarks/train.py's `eulergen_stepper`: tokens, forward, loss,
+backward, grad norm, step control with clip at 1.0, AdamW), on random tokens; plain steps
+(replayed as CUDA graphs, as `train` runs them), timed for the wall time, alternate with
+instrumented ones (the same kernels launched eagerly, on a Stepper of their own). The instrumentation lives here: the tape's nodes are
 wrapped in timed stand-ins and a few of the model's and the tape's methods are shadowed
 on their instances (GEMMs, the gradient adds inside a node, the loss between forward
 and backward), so the runtime runs unchanged and pays nothing when nobody profiles it.
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from common import copy_gbps, say  # noqa: E402
-from train import config, eulergen_step  # noqa: E402
+from train import config, eulergen_stepper  # noqa: E402
 
 KINDS = ("gemm", "attention fwd", "attention bwd", "norm", "activation", "add", "embedding",
          "loss", "optimizer", "other")
@@ -286,22 +288,16 @@ def instrument(model, spans: Spans):
                            ("forward", timed_forward), ("backward", timed_backward)):
         shadow(tp, name, stand_in)
     grads = model.mem.arenas["grads"].nbytes
-    timed = [("load_tokens", "tokens upload", "other", 0),
-             ("grad_norm", "grad norm", "optimizer", grads),
-             ("scale_grads", "clip (scale grads)", "optimizer", 2 * grads)]
-    if model.bf16:
-        weights = model.mem.arenas["params"].nbytes + model.mem.arenas["params_bf16"].nbytes
-        timed.append(("sync_weights", "bf16 weight sync", "optimizer", weights))
-    for attr, line, kind, nbytes in timed:
-        call = getattr(model, attr)
-        shadow(model, attr, lambda *a, _c=call, _l=line, _k=kind, _b=nbytes:
-               spans.timed(_l, _k, _c, *a, nbytes=_b))
+    norm = model.grad_norm
+    shadow(model, "grad_norm", lambda **kw: spans.timed("grad norm", "optimizer", norm, **kw,
+                                                        nbytes=grads))
     step = model.lib.step
 
-    def timed_step(op, p, g, m, v, **kw):
-        # reads p, g, m, v and writes p, m, v
-        spans.timed("adamw", "optimizer", step, op, p, g, m, v, **kw,
-                    nbytes=2 * (p.nbytes + m.nbytes + v.nbytes) + g.nbytes)
+    def timed_step(op, p, g, m, v, copy=None, **kw):
+        # reads p, g, m, v and writes p, m, v (and the bf16 copy of p)
+        spans.timed("adamw", "optimizer", step, op, p, g, m, v,
+                    copy=copy, **kw, nbytes=2 * (p.nbytes + m.nbytes + v.nbytes) + g.nbytes
+                    + (0 if copy is None else copy.nbytes))
     shadow(model.lib, "step", timed_step)
 
     def undo() -> None:
@@ -337,9 +333,11 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     optim = AdamW(model, t)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len)) for _ in "xy")
+    _, graphed = eulergen_stepper(model, optim, t, cuda_graph=backend.is_gpu)
+    _, eager = eulergen_stepper(model, optim, t, cuda_graph=False)
 
     def step():
-        eulergen_step(model, optim, x, y, t.grad_clip)
+        graphed(x, y)
 
     start, done = time.perf_counter(), 0
     while done < warmup or time.perf_counter() - start < 1.0:   # clocks settle after compiling
@@ -354,7 +352,7 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
         backend.synchronize()
         walls.append(1e3 * (time.perf_counter() - start))
         undo = instrument(model, spans)
-        step()
+        eager(x, y)
         per_step.append(spans.collect())
         undo()
     keys = list(dict.fromkeys(k for s in per_step for k in s))

@@ -4,6 +4,7 @@ with the same architecture, in one run on one GPU.
     python benchmarks/train.py              # gpt2 and nanoeuler presets, B=8, T=1024
     python benchmarks/train.py --quick      # fewer steps, no torch.compile (< 3 minutes)
     python benchmarks/train.py --dtype bf16 --batch 8,16   # one table per batch size
+    python benchmarks/train.py --dtype bf16 --quick --eager   # also eulergen uncaptured
 
 --dtype fp32 (the default): fp32 storage with TF32 GEMMs on both sides (eulergen:
 cublasGemmEx with TF32 compute; torch: allow_tf32); ratios against torch eager.
@@ -13,7 +14,9 @@ parameters, bf16 matmuls, SDPA's flash kernel with enable_gqa), eager and torch.
 ratios against torch.compile, the bar a PyTorch user reaches in two lines.
 A step is what a training loop does: forward, loss, backward, the loss read to the host,
 global grad-norm clipping at 1.0, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices;
-torch: fused=True). Random tokens, fixed per run (ANCHORS.md's setup). tokens/s is B·T
+torch: fused=True). eulergen runs it as the trainer does (runtime/step_graph.py: one CUDA
+graph per stage, training.cuda_graph; --eager adds a row of the same kernels launched
+without the graphs), its spike guard off as torch has none. Random tokens, fixed per run (ANCHORS.md's setup). tokens/s is B·T
 over the median step time; MFU is tokens/s × FLOPs per token (runtime/metrics.py) over the
 GPU's dense peak at the precision (TF32 or bf16). Peak memory: eulergen's CuPy pool after
 the steps (the pool keeps every block it ever held, so that is its peak); torch's
@@ -49,7 +52,8 @@ def config(preset: str, batch: int, seq: int, dtype: str, *overrides: str):
     return load_config(None, [f"model.preset={preset}", f"training.batch_size={batch}",
                               f"training.seq_len={seq}", "training.device=cuda",
                               "training.weight_decay=0.1", "training.grad_clip=1.0",
-                              f"training.dtype={dtype}", *overrides])
+                              "training.spike_factor=0", f"training.dtype={dtype}",
+                              *overrides])
 
 
 def _mfu(cfg, seconds: float) -> float | None:
@@ -89,15 +93,18 @@ def _median_step(step, warmup: int, iters: int, sync) -> float:
     return statistics.median(times)
 
 
-def eulergen_step(model, optim, x, y, clip: float) -> float:
-    """One eulergen training step as a loop runs it; the loss."""
-    model.load_tokens(x, y)
-    loss = float(model.loss_and_grad()[0])
-    norm = model.grad_norm()   # cuBLAS into a host scalar: cupy.dot would allocate
-    if norm > clip:
-        model.scale_grads(clip / norm)
-    optim.step(LR)
-    return loss
+def eulergen_stepper(model, optim, t, cuda_graph: bool = True):
+    """(a Stepper as the trainer makes it, its one-step call: launch, then the loss read
+    back, so the step has ended)."""
+    from eulergen.runtime.step_control import StepRule
+    from eulergen.runtime.step_graph import Stepper
+    stepper = Stepper(model, optim, StepRule.of(t, optim.slots), cuda_graph=cuda_graph)
+    steps = iter(range(1, 1 << 30))
+
+    def step(x, y) -> float:
+        stepper.launch(next(steps), [(x, y)], LR)
+        return stepper.result().loss
+    return stepper, step
 
 
 def _device_used() -> int:
@@ -108,7 +115,7 @@ def _device_used() -> int:
     return total - free
 
 
-def run_eulergen(cfg, warmup: int, iters: int) -> dict:
+def run_eulergen(cfg, warmup: int, iters: int, cuda_graph: bool = True) -> dict:
     import cupy
 
     from eulergen.runtime.backend import get_backend
@@ -127,15 +134,16 @@ def run_eulergen(cfg, warmup: int, iters: int) -> dict:
     model.init_weights(0)
     model.set_accumulation(1)
     optim = AdamW(model, t)
+    stepper, one_step = eulergen_stepper(model, optim, t, cuda_graph)
     x, y = _tokens(cfg)
 
     def step():
-        return eulergen_step(model, optim, x, y, t.grad_clip)
+        return one_step(x, y)
 
     seconds = _median_step(step, warmup, iters, cupy.cuda.get_current_stream().synchronize)
     result = dict(seconds=seconds, peak=pool.total_bytes() - base,
                   plan=model.mem.plan.total_bytes, loss=step(), device=_device_used() - used)
-    del model, optim
+    del model, optim, stepper
     gc.collect()
     pool.free_all_blocks()
     return result
@@ -209,6 +217,8 @@ def main() -> None:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="fp32 (TF32 GEMMs) or bf16 mixed precision on every side")
+    ap.add_argument("--eager", action="store_true",
+                    help="also eulergen without CUDA graphs (training.cuda_graph=false)")
     args = ap.parse_args()
     warmup, iters = (2, 5) if args.quick else (3, 10)
     eager = "torch eager autocast" if args.dtype == "bf16" else "torch eager"
@@ -218,8 +228,11 @@ def main() -> None:
         rows = []
         for preset in args.presets.split(","):
             cfg = config(preset, batch, args.seq, args.dtype)
-            systems = [("eulergen", lambda: run_eulergen(cfg, warmup, iters)),
-                       (eager, lambda: run_torch(cfg, warmup, iters, compiled=False))]
+            systems = [("eulergen", lambda: run_eulergen(cfg, warmup, iters))]
+            if args.eager:
+                systems.append(("eulergen eager",
+                                lambda: run_eulergen(cfg, warmup, iters, False)))
+            systems.append((eager, lambda: run_torch(cfg, warmup, iters, compiled=False)))
             if not args.quick:
                 systems.append(("torch.compile",
                                 lambda: run_torch(cfg, warmup, iters, compiled=True)))

@@ -91,7 +91,9 @@ def _operands(ops: tuple[ir.Operand, ...]) -> list[dict]:
 
 def _kernels(rendered: ir.RenderedCuda) -> dict:
     return {k.name: {"args": [list(a) for a in k.args], "dtype": k.dtype, "pass": k.stage,
-                     "geometry": k.geometry.to_json()} for k in rendered.kernels}
+                     "geometry": k.geometry.to_json(),
+                     **({"control": list(k.control)} if k.control else {})}
+            for k in rendered.kernels}
 
 
 def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]:

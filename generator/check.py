@@ -294,12 +294,18 @@ def _check_update(spec: OpSpec, mod) -> list[Row]:
     rng = np.random.default_rng(0)
     names = [i.name for i in spec.inputs]
     params = {p.name: (p.default if p.default is not None else 1e-3) for p in spec.params}
+    fixed = {p.name: p.default for p in spec.params if p.default is not None}
+
+    def control(p: dict) -> np.ndarray:
+        """The module's control array (CONTROL: not skipped, grads unscaled, then the
+        runtime params) for the param values p."""
+        return np.array([{"skip": 0.0, "grad_scale": 1.0, **p}[c] for c in mod.CONTROL])
     state = {n: rng.uniform(*spec.domain_of(n), 64) for n in names}
     ref = {n: v.copy() for n, v in state.items()}
     err = 0.0
     for step in (1, 2, 3):
         p = {**params, **({"step": float(step)} if "step" in params else {})}
-        mod.step(*(state[n] for n in names), **p)
+        mod.step(*(state[n] for n in names), control(p), **fixed)
         for f in spec.update:  # sequential: each formula reads the values updated so far
             fn = compile_exprs([f.expr], names + list(p))
             ref[f.name] = np.broadcast_to(fn(**ref, **p)[0], (64,)).copy()
@@ -308,10 +314,10 @@ def _check_update(spec: OpSpec, mod) -> list[Row]:
     combos = np.array(list(itertools.product(EXTREMES, repeat=len(names)))).T
     vals64 = dict(zip(names, combos))
     vals32 = {n: v.astype(np.float32) for n, v in vals64.items()}
-    p = {**params, **({"step": 1.0} if "step" in params else {})}
+    p = control({**params, **({"step": 1.0} if "step" in params else {})})
     with np.errstate(all="ignore"):
-        mod.step(*(vals64[n] for n in names), **p)
-        mod.step(*(vals32[n] for n in names), **p)
+        mod.step(*(vals64[n] for n in names), p, **fixed)
+        mod.step(*(vals32[n] for n in names), p, **fixed)
     problems = None
     for f in spec.update:
         hit = np.isfinite(vals64[f.name]) & ~np.isfinite(vals32[f.name])

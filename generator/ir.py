@@ -202,6 +202,7 @@ class KernelSig:
     dtype: str                         # 'f32' | 'bf16' (storage; compute is fp32)
     stage: str                         # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
     geometry: Geometry                 # its launch (eulergen/launch.py): the manifest's `geometry`
+    control: tuple[str, ...] = ()      # update steps: the slots of the `control` argument
 
     @property
     def c_params(self) -> str:

@@ -13,6 +13,7 @@ import types
 from eulergen.generator import ir
 from eulergen.generator.emit import numpy_header
 from eulergen.generator.numpy_attention import render_attention_module
+from eulergen.generator.plan_ops import update_control
 from eulergen.generator.printer import numpy_helpers, numpy_imports, print_numpy
 from eulergen.kinds import KINDS
 
@@ -52,7 +53,7 @@ def render_numpy_module(derived: ir.DerivedOp) -> str:
         f"OUTPUTS = {tuple(o.name for o in derived.outputs)!r}",
         f"PARAMS = {dict((p.name, p.default) for p in derived.params)!r}",
         f"GRADS = {tuple(o.name for o in derived.inputs if o.differentiable and KINDS[derived.kind].backward)!r}",
-    ]
+    ] + ([f"CONTROL = {update_control(derived)!r}"] if derived.kind == "update" else [])
     helpers = numpy_helpers(functions)
     support = ([] if derived.kind == "update" else [_LAYOUT]) + ([_ROW] if derived.kind == "row" else [])
     head = "\n".join([numpy_header(derived),
@@ -202,9 +203,17 @@ def _update(d: ir.DerivedOp) -> list[str]:
     body: ir.UpdateDerived = d.body
     ins = [o.name for o in d.inputs]
     updated = [a.name for a in body.step.results]
-    out = [_signature("step", ins, d.params),
-           '    """In place and sequential: a later update reads the new value of an earlier one."""',
-           f"    {', '.join('_' + n for n in updated)} = {', '.join(updated)}"]
+    control = update_control(d)
+    fixed = tuple(p for p in d.params if p.default is not None)
+    out = [_signature("step", ins + ["control"], fixed),
+           '    """In place and sequential: a later update reads the new value of an earlier one.',
+           "    `control`: the values of CONTROL (a skip flag, the factor the grads are scaled",
+           '    by, the runtime params), as the CUDA kernels read them."""',
+           f"    {', '.join(control)} = (float(c) for c in control)",
+           "    if skip:",
+           "        return"]
+    out += [f"    {o.name} = {o.name}*grad_scale" for o in d.inputs if o.role == "grad"]
+    out += [f"    {', '.join('_' + n for n in updated)} = {', '.join(updated)}"]
     out += _code(body.step)
     out += [f"    _{n}[...] = {n}" for n in updated]
     return out

@@ -123,8 +123,24 @@ def plan_pair(op: ir.DerivedOp) -> OpPlan:
     return OpPlan(KINDS["pair"].template, tuple(stages))
 
 
+def update_control(op: ir.DerivedOp) -> tuple[str, ...]:
+    """The slots of an update op's `control` array (float32 on the device), which its
+    kernels and its numpy step read instead of scalar arguments (written on the device once
+    a step, so that a captured step replays with new values): kinds.py's skip and
+    grad_scale, then the op's runtime params in spec order."""
+    return KINDS["update"].control + tuple(p.name for p in op.params if p.default is None)
+
+
+def update_weight(op: ir.DerivedOp) -> str:
+    """The state input that is the model's weight: the first one. A bf16 plan's step also
+    writes its bf16 copy (`<weight>_bf16`), the array the model's kernels read."""
+    return next(o.name for o in op.inputs if o.role == "state")
+
+
 def plan_update(op: ir.DerivedOp) -> OpPlan:
-    """State is float32 in every variant; grads are the storage dtype."""
+    """State is float32 in every variant; grads are the storage dtype, scaled by the
+    control's grad_scale as they are read. The bf16 variant also writes the weight's bf16
+    copy (a null pointer: none)."""
     for o in op.inputs:
         if o.role not in ("state", "grad"):
             raise EulerError(f"update op input {o.name!r} has role {o.role!r} (expected "
@@ -135,12 +151,29 @@ def plan_update(op: ir.DerivedOp) -> OpPlan:
         if r not in state:
             raise EulerError(f"update result {r!r} is not a state input", file=op.where.file,
                              line=op.where.line, key=f"update.{r}")
+    if not state:
+        raise EulerError("an update op needs a state input (the weight it updates)",
+                         file=op.where.file, line=op.where.line, key="inputs")
+    control, copy = update_control(op), f"{update_weight(op)}_bf16"
+    taken = {o.name for o in op.inputs} | {p.name for p in op.params}
+    for name in (*KINDS["update"].control, "control", copy):
+        if name in taken:
+            raise EulerError(f"{name!r} names the update kernels' own argument; rename the "
+                             "input or param", file=op.where.file, line=op.where.line,
+                             key="inputs" if name in {o.name for o in op.inputs} else "params")
+    fixed = tuple((p.name, "float") for p in op.params if p.default is not None)
 
     def args(dt):
-        return tuple((o.name, f"const {CTYPE[dt]}*" if o.role == "grad" else "float*")
-                     for o in op.inputs) + _floats(op) + (("n", "long long"),)
-    return OpPlan(KINDS["update"].template, (_stage(
-        op, "step", [o.name for o in op.inputs], state, args, update_launch),))
+        pointers = tuple((o.name, f"const {CTYPE[dt]}*" if o.role == "grad" else "float*")
+                         for o in op.inputs)
+        if dt == "bf16":
+            pointers += ((copy, f"{CTYPE[dt]}*"),)
+        return pointers + (("control", "const float*"),) + fixed + (("n", "long long"),)
+    name = f"{op.name}_step"
+    return OpPlan(KINDS["update"].template, (StagePlan(
+        name, "step", tuple(o.name for o in op.inputs), tuple(state), tuple(
+            ir.KernelSig(f"{name}_{dt}", args(dt), dt, "step", update_launch(dt), control)
+            for dt in DTYPES)),))
 
 
 @dataclass(frozen=True)

@@ -106,10 +106,24 @@ def _pair(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCuda
 def _update(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCuda:
     body: ir.UpdateDerived = op.body
     (st,) = plan.stages
-    source = render_template(plan.template, header=head, op=op.name, operands=list(op.inputs),
-                             params=param_names(op), code=block(body.step, declare=False),
-                             entries=_entries(st))
+    control, weight = st.sigs[0].control, plan_ops.update_weight(op)
+    entries = [dict(e, impl_args=_update_impl_args(e["sig"], f"{weight}_bf16"))
+               for e in _entries(st)]
+    source = render_template(
+        plan.template, header=head, op=op.name, operands=list(op.inputs),
+        params=[p.name for p in op.params if p.default is not None], weight=weight,
+        skip_slot=control.index("skip"), scale_slot=control.index("grad_scale"),
+        runtime=[(n, i) for i, n in enumerate(control) if n not in KINDS["update"].control],
+        code=block(body.step, declare=False), entries=entries)
     return ir.RenderedCuda(source, plan.sigs)
+
+
+def _update_impl_args(sig: ir.KernelSig, copy: str) -> str:
+    """What an entry point passes its device impl: its parameters, with the weight's bf16
+    copy (a null pointer where the entry point has none) between the operands and control."""
+    names = [n for n, _ in sig.args if n != copy]
+    at = names.index("control")
+    return ", ".join(names[:at] + [copy if copy in dict(sig.args) else "nullptr"] + names[at:])
 
 
 # ---- embedding (a template with no spec) ---------------------------------------------

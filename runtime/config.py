@@ -76,6 +76,7 @@ class TrainingConfig:
     seed: int = 1337
     dtype: str = "fp32"              # "fp32" | "bf16" (mixed precision: runtime/model.py)
     tf32: bool = True
+    cuda_graph: bool = True          # GPU: capture the step as CUDA graphs; false: launch eagerly
     device: str = "auto"             # "auto" | "cuda" | "numpy"
     sample_tokens: int = 200
 

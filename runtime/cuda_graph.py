@@ -2,14 +2,13 @@
 replayed on the current stream, with the by-value kernel arguments that change from one
 replay to the next (a position, a draw's step) written into the graph before a launch.
 
-    gemm = capturable_gemm(workspace, tf32)        # a CublasGemm CuPy's capture check allows
     graph = Graph.capture(tape.forward, live)      # live: {"pos0": 0, "step": 0, …}
     live["pos0"] = 17; graph.launch(live)          # the step at position 17
 
 GEMMs. cupy_backends sets a cuBLAS handle's stream before every call and raises while
-any stream captures, so the decoder's GEMMs call cuBLAS through ctypes, on a handle of
-their own whose stream is set to CuPy's current one at each call, with a workspace of the
-plan's (cublasSetWorkspace): without one cuBLAS would allocate its own while captured.
+any stream captures, so the decoder's GEMMs go through runtime/cublas.py (ctypes, a
+handle of its own on CuPy's current stream, over the plan's workspace: without one
+cuBLAS would allocate its own while captured), as the training step's do.
 
 Live arguments. The generated kernels take the position by value (`int pos0`: rope, the
 decode attention); a captured launch keeps the value it was captured with. While a graph
@@ -24,7 +23,6 @@ one graph launch: no Python walks the model.
 from __future__ import annotations
 
 import ctypes
-import weakref
 from ctypes import byref, c_int, c_size_t, c_uint, c_void_p
 from functools import lru_cache
 
@@ -32,9 +30,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.kernels import RECORDERS
-from eulergen.runtime.gemm import CublasGemm
 
-CUBLAS_WORKSPACE = 32 << 20   # bytes: what cuBLAS asks for on Hopper (its docs, CUDA graphs)
 _KERNEL_NODE = 0              # CU_GRAPH_NODE_TYPE_KERNEL
 _CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
           np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
@@ -62,50 +58,6 @@ def _driver():
     lib.cuGraphExecKernelNodeSetParams_v2.argtypes = (c_void_p, c_void_p,
                                                       ctypes.POINTER(_NodeParams))
     return lib
-
-
-@lru_cache(maxsize=None)
-def _cublas():
-    """The libcublas CuPy loaded (found in this process's maps), through ctypes."""
-    import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads libcublas)
-    with open("/proc/self/maps") as maps:
-        paths = [line.split()[-1] for line in maps if "/libcublas.so" in line]
-    lib = ctypes.CDLL(paths[0] if paths else "libcublas.so")
-    lib.cublasCreate_v2.argtypes = (ctypes.POINTER(c_void_p),)
-    lib.cublasDestroy_v2.argtypes = (c_void_p,)
-    lib.cublasSetStream_v2.argtypes = (c_void_p, c_void_p)
-    lib.cublasSetWorkspace_v2.argtypes = (c_void_p, c_void_p, c_size_t)
-    lib.cublasGemmEx.argtypes = (c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p,
-                                 c_void_p, c_int, c_int, c_void_p, c_int, c_int, c_void_p,
-                                 c_void_p, c_int, c_int, c_int, c_int)
-    return lib
-
-
-class _Cublas:
-    """cublasGemmEx with CuPy's gemmEx arguments, on its own handle and workspace, on the
-    current CuPy stream: callable while that stream captures."""
-
-    def __init__(self, workspace):
-        lib = _cublas()
-        self.lib, self.workspace = lib, workspace
-        handle = c_void_p()
-        _check(lib.cublasCreate_v2(byref(handle)), "cublasCreate")
-        self.handle = handle.value
-        _check(lib.cublasSetWorkspace_v2(self.handle, workspace.data.ptr, workspace.nbytes),
-               "cublasSetWorkspace")
-        weakref.finalize(self, lib.cublasDestroy_v2, self.handle)
-
-    def __call__(self, handle, *args) -> None:
-        import cupy
-        _check(self.lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr),
-               "cublasSetStream")
-        _check(self.lib.cublasGemmEx(handle, *args), "cublasGemmEx")
-
-
-def capturable_gemm(workspace, tf32: bool) -> CublasGemm:
-    """A CublasGemm over a handle of its own (`workspace`: CUBLAS_WORKSPACE planned bytes)."""
-    blas = _Cublas(workspace)
-    return CublasGemm(blas, blas.handle, tf32)
 
 
 def _function(fn) -> int:

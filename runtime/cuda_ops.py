@@ -226,16 +226,26 @@ class CudaOps:
         return attention_decode(self.attention(op), q, k_cache, v_cache, pos0, out=out,
                                 keys=keys, workspace=workspace, **params)
 
-    def step(self, op: OpEntry, args: tuple, params: dict) -> None:
+    def step(self, op: OpEntry, args: tuple, params: dict, control, copy=None) -> None:
         """An update op over flat buffers: state float32, grads in the storage dtype; every
-        operand the same shape (the caller launches once per weight-decay range)."""
+        operand the same shape (the caller launches once per weight-decay range). `control`:
+        the float32 device array of the kernel's control slots; `copy`: a bf16 array the
+        bf16 kernel writes the updated weight into (None: not written)."""
         named = dict(zip((o.name for o in op.inputs), args))
         _same_shape(op, "step", named, args[0].shape)
         grads = [a for o, a in zip(op.inputs, args) if o.role == "grad"]
         kernel = op.kernel("step", storage_dtype_name(grads[0]) if grads else "f32")
+        # the pointer the signature has beyond the operands and control: the bf16 copy
+        extra = [n for n, t in kernel.args if t.endswith("*") and n not in named and n != "control"]
+        if copy is not None and (not extra or tuple(copy.shape) != tuple(args[0].shape)):
+            raise EulerError(f"{op.name}.step: copy= wants bf16 grads and the weight's shape "
+                             f"{tuple(args[0].shape)}, got {tuple(copy.shape)} for {kernel.name}",
+                             file=op.spec, key="copy")
         n = args[0].size
+        values = {**named, **params, "control": control, "n": n,
+                  **{e: NULL if copy is None else copy for e in extra}}
         if n:
-            self.launcher(op).launch(kernel, kernel.geometry.launch(n), {**named, **params, "n": n})
+            self.launcher(op).launch(kernel, kernel.geometry.launch(n), values)
 
     def fused(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
         n_in, n_out = len(op.inputs), len(op.outputs)

@@ -88,11 +88,11 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 
     p.add("tokens", "drawn", (B, DRAWN), "int32")
     if sms:
         from eulergen.runtime.attention import decode_workspace_bound
-        from eulergen.runtime.cuda_graph import CUBLAS_WORKSPACE
+        from eulergen.runtime.cublas import WORKSPACE_BYTES
         records, cells = decode_workspace_bound(a.ops.attention, a.head_dim, sms)
         p.add("workspace", "decode_part", (records,), "float32")
         p.add("tokens", "decode_counts", (cells,), "int32")
-        p.add("cublas", "cublas_ws", (CUBLAS_WORKSPACE,), "uint8")
+        p.add("gemm", "gemm_ws", (WORKSPACE_BYTES,), "uint8")
     return p.plan()
 
 
@@ -135,8 +135,8 @@ class Decoder:
         self.notify = notify or (lambda m: print(m, file=sys.stderr))
         self.gemm = None
         if gpu:
-            from eulergen.runtime.cuda_graph import capturable_gemm
-            self.gemm = capturable_gemm(memory["cublas_ws"], tf32)
+            from eulergen.runtime.gemm import CublasGemm
+            self.gemm = CublasGemm.for_cupy(tf32, memory["gemm_ws"])   # capturable
         if "ones" in memory:
             memory["ones"][...] = bf16.bits(1.0)
         self.logits = memory["logits"]

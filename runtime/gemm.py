@@ -9,8 +9,9 @@ library runs them. The choice is made here, once a process, and stated (`describ
   (gradient accumulation's later micro-steps) is not the epilogue's: it writes db. The
   tape then runs 1ᵀ·dy with beta = 1 beside the plain wgrad GEMM, as without epilogues.
 - CUDA without it (not installed, a cuBLASLt too old, its handle refused, the start-up
-  probe wrong, or EULERGEN_GEMM=cublas): `CublasGemm`, cublasGemmEx through CuPy's
-  binding, no epilogues; the tape writes a bias first as the rank-1 GEMM 1·b and adds the
+  probe wrong, or EULERGEN_GEMM=cublas): `CublasGemm`, cublasGemmEx through ctypes on
+  the tape's own handle (runtime/cublas.py: CuPy's binding refuses a capturing stream), no
+  epilogues; the tape writes a bias first as the rank-1 GEMM 1·b and adds the
   product to it by beta = 1 (the same float32 sum, rounded once).
 
 EULERGEN_GEMM: auto (the default: cuBLASLt where it starts), lt (cuBLASLt or an error),
@@ -22,8 +23,7 @@ alignments, epilogue, workspace) comes from its heuristic at the first call and 
 with its descriptors for the process; later calls only set the bias pointer and launch on
 CuPy's current stream into the caller's workspace, so a call allocates nothing, never
 syncs and can be captured in a CUDA graph. The workspace is the model's, planned
-(LT_WORKSPACE_BYTES in the `gemm` arena); a tape without one (the decoder's) runs the
-algorithms that need none.
+(WORKSPACE_BYTES in the `gemm` arena, shared with the cuBLAS handle: one stream).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16
+from eulergen.runtime.cublas import WORKSPACE_BYTES
 
 # cublas_api.h / library_types.h values, stable since CUDA 11
 OP_N, OP_T = 0, 1
@@ -42,7 +43,6 @@ R_32F, R_16BF = 0, 14
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
 TYPES = {np.dtype(np.float32): R_32F, np.dtype(np.uint16): R_16BF}
 
-LT_WORKSPACE_BYTES = 32 << 20   # what cuBLAS takes on Hopper
 # nvmath-python adds 16 bytes to the workspace an epilogue's algorithm reports (a cuBLASLt
 # issue): the heuristic is offered a little less than the buffer holds
 _LT_SLACK = 256
@@ -117,9 +117,11 @@ class CublasGemm:
         self.gemm_ex, self.handle, self.tf32 = gemm_ex, handle, tf32
 
     @classmethod
-    def for_cupy(cls, cupy, tf32: bool) -> CublasGemm:
-        from cupy_backends.cuda.libs import cublas
-        return cls(cublas.gemmEx, cupy.cuda.device.get_cublas_handle(), tf32)
+    def for_cupy(cls, tf32: bool, workspace=None, blas=None) -> CublasGemm:
+        """On a cuBLAS handle of its own (`blas`, or a new one over `workspace`):
+        runtime/cublas.py, callable while a stream captures."""
+        from eulergen.runtime.cublas import Cublas
+        return cls(Cublas.gemm_ex, blas or Cublas(workspace), tf32)
 
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
         m, n, k, kind, out_kind = operands(a, b, out, ta, tb)
@@ -318,19 +320,21 @@ def _cuda_choice() -> Choice:
     return Choice(None, f"cuBLASLt not used: {wrong}")
 
 
-def gemm_for(backend, tf32: bool, workspace=None):
-    """The GEMM a tape on `backend` calls; `workspace`: the planned cuBLASLt workspace."""
+def gemm_for(backend, tf32: bool, workspace=None, blas=None):
+    """The GEMM a tape on `backend` calls; `workspace`: the planned GEMM workspace, `blas`
+    the tape's cuBLAS handle (runtime/cublas.py) for the cublasGemmEx path."""
     if not backend.is_gpu:
         return numpy_gemm
     choice = _cuda_choice()
     if choice.lt is None:
-        return CublasGemm.for_cupy(backend.xp, tf32)
+        return CublasGemm.for_cupy(tf32, workspace, blas)
     return LtGemm(choice.lt, tf32, workspace)
 
 
 def workspace_bytes(backend) -> int:
-    """The GEMM workspace a model on `backend` plans: cuBLASLt's, or none."""
-    return LT_WORKSPACE_BYTES if backend.is_gpu and _cuda_choice().lt else 0
+    """The GEMM workspace a model on `backend` plans: on a GPU always (a captured step's
+    GEMMs must allocate nothing), shared by cuBLAS and cuBLASLt (one stream)."""
+    return WORKSPACE_BYTES if backend.is_gpu else 0
 
 
 def describe(backend) -> str:

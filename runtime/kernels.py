@@ -26,7 +26,7 @@ _STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
             "unsigned int": np.uint32, "uint32_t": np.uint32, "unsigned short": np.uint16,
             "uint16_t": np.uint16, "unsigned char": np.uint8, "uint8_t": np.uint8}
 DTYPE_OF = {"f32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
-NULL = object()   # a value for an optional `const T*` argument the kernel tests against null
+NULL = object()   # a value for an optional pointer argument the kernel tests against null
 
 
 def storage_dtype_name(a) -> str:
@@ -80,7 +80,7 @@ def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) 
                              "and runtime disagree; rebuild with `eulergen build`)", key=name) from None
         if not ct.pointer:
             args.append(ct.dtype.type(v))
-        elif v is NULL and ct.const:
+        elif v is NULL:
             args.append(_NULL_POINTER)
         elif (isinstance(v, cupy.ndarray) and v.dtype == ct.dtype and v.data.device_id == device
               and (not contiguous or v.flags.c_contiguous)):

@@ -34,6 +34,7 @@ class Kernel:
     dtype: str                           # 'f32' | 'bf16'
     stage: str                           # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
     geometry: Geometry                   # eulergen/launch.py, as the planner made it
+    control: tuple[str, ...] = ()        # update steps: the slots of the `control` array
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,11 @@ def _kernel(name: str, k, file: Path, where: str) -> Kernel:
     except (ValueError, TypeError) as err:
         raise EulerError(f"{err} (rebuild with `eulergen build`)", file=str(file),
                          key=f"{where}.geometry") from None
-    return Kernel(name, tuple((a, t) for a, t in args), dtype, stage, geometry)
+    control = k.get("control", [])
+    if not (isinstance(control, list) and all(isinstance(c, str) for c in control)):
+        raise EulerError("control should be a list of slot names", file=str(file),
+                         key=f"{where}.control")
+    return Kernel(name, tuple((a, t) for a, t in args), dtype, stage, geometry, tuple(control))
 
 
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:

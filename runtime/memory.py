@@ -14,7 +14,7 @@ A plan is a list of named buffers placed in a few big arenas (one allocation eac
     kernels      float32 workspace of the generated backward kernels (row ops' weight-
                  gradient partials, attention's row dots, the embedding's sort keys and
                  first-key ranks), shared by every call
-    gemm         bytes: the GEMM library's workspace (cuBLASLt's, runtime/gemm.py), its
+    gemm         bytes: the GEMM libraries' workspace (cuBLAS's and cuBLASLt's, gemm.py), its
                  own allocation, so it starts on the pool's alignment
     tokens       int32 token ids and targets
 

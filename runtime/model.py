@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime import bf16, gemm
+from eulergen.runtime import bf16, gemm, step_control
 from eulergen.runtime.attention import head_dims
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.params import (ParamSpec, load_params, padded_vocab,  # noqa: F401
                                      param_count, parameters, plan_params)
-from eulergen.runtime.tape import Tape, cublas_nrm2
+from eulergen.runtime.tape import Tape
 from eulergen.runtime.training_tape import record_training
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
@@ -168,8 +168,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     float32 elements a backward call needs from the kernels' workspace, as
     OpLibrary.workspace_elements answers it (what `build` passes;
     cuda_ops.workspace_elements for the GPU's plan on any machine); None: none.
-    `gemm_workspace`: the bytes of the GEMM library's workspace (gemm.workspace_bytes), its
-    own arena `gemm`; 0: none."""
+    `gemm_workspace`: the bytes of the GEMM libraries' workspace (gemm.workspace_bytes: on
+    a GPU, so that a captured step's GEMMs allocate nothing), its own arena `gemm`; 0: none."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -224,6 +224,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         add("workspace", "scratch", (N * d + 2 * d,))
         if master != dtype:
             add("stats", "grad_rows", (total // _norm_row(total),), per_row=True)
+        add("workspace", "grad_norm", (1,), per_row=True)   # cuBLAS writes it on the device
         # float32 workspace of the generated backward kernels, reused call after call
         # (one stream: a call's kernels have read it before the next call writes it)
         kdt = "bf16" if dtype == "bf16" else "f32"
@@ -302,18 +303,21 @@ class GPT:
         self.mem["dloss"][...] = 1.0 / (self.batch * self.seq * micro_steps)
 
     def load_tokens(self, idx, targets=None) -> None:
-        """Copy a [B, T] batch (host integers) into the planned token buffers. Ids are
-        checked on the host first: an id past the table would index outside it."""
+        """Copy a [B, T] batch (host integers) into the planned token buffers, checked."""
         for name, ids in (("idx", idx), ("targets", targets)):
-            if ids is None:
-                continue
-            ids = np.asarray(ids)
-            lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-            if lo < 0 or hi >= self.arch.vocab:
-                raise EulerError(f"token id {hi if hi >= self.arch.vocab else lo} is outside the "
-                                 f"model's vocabulary of {self.arch.vocab} (a dataset tokenized "
-                                 "for another vocab?)", key="model.vocab_size")
-            upload(self.mem[name], ids)
+            if ids is not None:
+                upload(self.mem[name], self.check_tokens(ids))
+
+    def check_tokens(self, ids) -> np.ndarray:
+        """Ids as an array, checked on the host (an id past the table would index outside
+        it; the kernels would trap, and only at the next synchronisation)."""
+        ids = np.asarray(ids)
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if lo < 0 or hi >= self.arch.vocab:
+            raise EulerError(f"token id {hi if hi >= self.arch.vocab else lo} is outside the "
+                             f"model's vocabulary of {self.arch.vocab} (a dataset tokenized "
+                             "for another vocab?)", key="model.vocab_size")
+        return ids
 
     def logits(self):
         self.tape.forward()
@@ -335,7 +339,7 @@ class GPT:
         self._mask_padding()
         self.lib.forward(self.arch.ops.loss, m["logits"], m["targets"].reshape(-1),
                          out=(m["losses"],))
-        self.xp.mean(m["losses"], keepdims=True, out=m["loss"])
+        step_control.loss_mean(m["losses"], m["loss"])
         return m["loss"]
 
     def loss_and_grad(self, *, accumulate: bool = False):
@@ -346,25 +350,31 @@ class GPT:
         self._mask_padding()
         self.lib.fused(self.arch.ops.loss, m["logits"], m["targets"].reshape(-1), m["dloss"],
                        out=(m["losses"], m["logits"]))
-        self.xp.mean(m["losses"], keepdims=True, out=m["loss"])
+        step_control.loss_mean(m["losses"], m["loss"])
         self.tape.accumulating = accumulate
         self.tape.backward()
         return m["loss"]
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of the gradients, read to the host. On the GPU it is cuBLAS's
-        snrm2 straight into a host scalar: `cupy.dot(g, g)` would allocate a temporary the
-        size of every gradient (CuPy multiplies, then sums), outside the plan. bf16
-        gradients: float32 norms of rows of the arena into the planned `grad_rows`, then
-        snrm2 of those (cuBLAS has no bf16 norm with a float32 result)."""
+    def grad_norm(self, out=None):
+        """The global L2 norm of the gradients, written into `out` (a 1-element array, no
+        host read: what a captured step does), or, without one, returned as a float. On
+        the GPU cuBLAS's snrm2 into the float32 `out` (default: the planned `grad_norm`),
+        on numpy the float64 norm of numpy's float32 dot. bf16 gradients: float32 norms of
+        rows of the arena into the planned `grad_rows`, then snrm2 of those (cuBLAS has no
+        bf16 norm with a float32 result)."""
         g = self.mem.arenas["grads"]
         if self.bf16:
             rows = self.mem["grad_rows"]
             bf16.row_norms(g.reshape(rows.size, -1), rows)
             g = rows
         if self.backend.is_gpu:
-            return cublas_nrm2(g)
-        return math.sqrt(float(np.dot(g, g)))
+            into = self.mem["grad_norm"] if out is None else out
+            self.tape.blas.nrm2(g, into)
+            return float(into[0]) if out is None else None
+        norm = math.sqrt(float(np.dot(g, g)))
+        if out is not None:
+            out[0] = norm
+        return norm if out is None else None
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by `factor` in place (clipping)."""

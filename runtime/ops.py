@@ -4,7 +4,7 @@
     y = lib.forward("rmsnorm", x, w, eps=1e-5)
     dx, dw = lib.backward("rmsnorm", x, w, dy, eps=1e-5)
     lib.forward("gelu", x, out=y)              # write into a planned buffer
-    lib.step("adamw", p, g, m, v, lr=3e-4, step=1)
+    lib.step("adamw", p, g, m, v, lr=3e-4, step=1)   # or control=: a device array of lr, step…
     lib.forward("rope", q, out=q, pos0=t)      # pair ops: first position (KV-cache decoding)
     o = lib.decode("causal_attention", q, k_cache, v_cache, pos0)   # attention over a KV cache
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
@@ -140,17 +140,56 @@ class OpLibrary:
         got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
         return self._deliver(op, "decode", got, out, 1)
 
-    def step(self, name: str | OpEntry, *state_and_grads, **params) -> None:
+    def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,
+             **params) -> None:
+        """An update op's step, in place. Its kernels read the values that change between
+        steps from `control`, an array on this backend holding `control_slots(op)` (skip,
+        grad_scale, then the op's runtime params; float32 on the GPU, as the kernels read
+        it, float32 or float64 on numpy), so that a captured step replays with new ones;
+        without it the runtime params come by value (`lr=`, `step=`) and a control array of
+        them is made for this call (not skipped, grads unscaled).
+        `copy`: a bf16 (uint16) array the bf16 kernel writes the updated weight into,
+        rounded (GPU only: numpy has no bf16)."""
         op = self._entry(name)
         if op.kind != "update":
             raise EulerError(f"op {op.name!r} is {op.kind}, not an update op: call forward/backward",
                              file=op.spec, key="kind")
         self._arity(op, "step", state_and_grads, len(op.inputs))
-        p = self._params(op, params)
+        runtime = [k for k, v in op.params.items() if v is None]
+        slots = self.control_slots(op)
+        if control is None:
+            given = self._params(op, params)
+            values = {"skip": 0.0, "grad_scale": 1.0, **given}
+            control = self.backend.xp.asarray(np.array([values[s] for s in slots],
+                                                       np.float32 if self._cuda else np.float64))
+        else:
+            passed = [k for k in params if k in runtime]
+            if passed:
+                raise EulerError(f"{op.name}.step: {passed[0]!r} comes from control= when "
+                                 "that is given", file=op.spec, key=f"params.{passed[0]}")
+            dtypes = (np.float32,) if self._cuda else (np.float32, np.float64)
+            if control.dtype not in dtypes or tuple(control.shape) != (len(slots),):
+                raise EulerError(f"{op.name}.step: control= must be "
+                                 f"{' or '.join(np.dtype(d).name for d in dtypes)} "
+                                 f"[{len(slots)}] ({', '.join(slots)}), got {control.dtype} "
+                                 f"{tuple(control.shape)}", file=op.spec, key="control")
+            given = self._params(op, {**params, **dict.fromkeys(runtime, 0.0)})
+        fixed = {k: v for k, v in given.items() if k not in runtime}
         if self._cuda:
-            self._cuda.step(op, state_and_grads, p)
+            self._cuda.step(op, state_and_grads, fixed, control, copy)
             return
-        self._module(op).step(*state_and_grads, **p)
+        if copy is not None:
+            raise EulerError(f"{op.name}.step: copy= is a bf16 copy; the numpy backend has "
+                             "no bf16", file=op.spec, key="copy")
+        self._module(op).step(*state_and_grads, control, **fixed)
+
+    def control_slots(self, name: str | OpEntry) -> tuple[str, ...]:
+        """What each element of an update op's `control` array holds, as its kernels (and
+        its numpy module, on numpy) were generated to read them."""
+        op = self._entry(name)
+        if self._cuda:
+            return op.kernel("step", "f32").control
+        return tuple(self._module(op).CONTROL)
 
     def fused(self, name: str | OpEntry, *inputs_and_douts, out=None, **params) -> tuple:
         """Forward and backward in one call: the forward outputs, then the gradients.

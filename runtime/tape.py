@@ -31,6 +31,9 @@ class Grad:
 
 
 class Tape:
+    """`gemm_ws`: the planned GEMM workspace of a GPU tape (cuBLAS's and cuBLASLt's,
+    runtime/cublas.py), or None; `gemm`: another GEMM (the decoder's)."""
+
     def __init__(self, backend, lib, scratch, kernel_ws=None, *, tf32: bool = False,
                  gemm=None, gemm_ws=None):
         self.backend = backend
@@ -40,9 +43,13 @@ class Tape:
         self.accumulating = False   # True on micro-steps after the first
         self._scratch = scratch     # flat workspace for gradients that are added, not written
         self.kernel_ws = kernel_ws  # float32 workspace the generated backward kernels share
-        # runtime/gemm.py chooses the library; `gemm_ws`: the planned cuBLASLt workspace;
-        # `gemm`: another GEMM (the decoder's, callable while a CUDA graph is captured)
-        self.gemm = gemm or gemm_for(backend, tf32, gemm_ws)
+        # runtime/gemm.py chooses the library; both are capturable, on the model's own
+        # cuBLAS handle (`blas`, which also takes the grad norm) and planned workspace
+        self.blas = None
+        if backend.is_gpu and gemm is None:
+            from eulergen.runtime.cublas import Cublas
+            self.blas = Cublas(gemm_ws)
+        self.gemm = gemm or gemm_for(backend, tf32, gemm_ws, self.blas)
         self.epilogues = self.gemm.epilogues   # whether it takes bias and dbias
 
     def record(self, node):
@@ -78,23 +85,6 @@ class Tape:
             views.append(self._scratch[at:at + n].reshape(shape))
             at += n
         return views
-
-
-# -- cuBLAS -------------------------------------------------------------------------
-
-
-def cublas_nrm2(x) -> float:
-    """‖x‖₂ of a contiguous float32 CuPy vector by cublasSnrm2 into a host scalar (cuBLAS's
-    default host pointer mode, as gemm.CublasGemm's scalars; the call returns once the result
-    is there). Nothing is allocated on the device."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        raise ValueError(f"nrm2 wants a contiguous float32 array, got {x.dtype} {x.strides}")
-    result = np.zeros((), np.float32)
-    cublas.snrm2(cupy.cuda.device.get_cublas_handle(), x.size, x.data.ptr, 1,
-                 result.ctypes.data)
-    return float(result)
 
 
 # -- nodes ----------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """The training loop: AdamW from ops/adamw.yaml, learning-rate schedules, gradient
 accumulation, global-norm clipping, a spike guard, validation, checkpoints and resume.
 
+A step runs on the device without the host (runtime/step_graph.py: on the GPU a CUDA
+graph by default, training.cuda_graph) and its record comes back a step later: the loss
+and grad norm that are logged, the spike guard's verdict, and a loss or norm that is not
+finite, which stops the run naming the step. Evaluation, checkpoints and the run's end
+wait for their step.
+
 Determinism: the weights come from the seed, batches from the seed and the data
 position, and nothing else draws a random number, so a run resumed from a checkpoint
 (weights, AdamW moments, data position, spike-guard state, step) repeats the
@@ -15,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,20 +28,19 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
-from eulergen.runtime import bf16, budget, checkpoint, metrics, run_dir
+from eulergen.runtime import bf16, budget, checkpoint, metrics, run_dir, step_control
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
 from eulergen.runtime.memory import upload
 from eulergen.runtime.prepare import check_prepared_with
 from eulergen.runtime.model import GPT, arch_of, build, param_count, plan_model
 from eulergen.runtime.sample import Sampler
+from eulergen.runtime.step_graph import StepResult, Stepper
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer
 
 CONFIG_FILE = "config.json"
 INIT_FILE = "init_from.json"   # an --init-from run's weights: a resume before its first checkpoint
 STATE_KEYS = ("adam_updates", "spike_guard", "data", "config")   # what save() adds to state.json
-SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
-SPIKE_DECAY = 0.95      # running means are EMAs with this decay
 
 
 def learning_rate(t: TrainingConfig, step: int) -> float:
@@ -59,41 +63,14 @@ def flops_per_token(a, seq_len: int) -> float:
     return metrics.flops_per_token(matmul_params, a.layers, a.heads, a.head_dim, seq_len)
 
 
-@dataclass
-class SpikeGuard:
-    """Skips an update whose loss or grad norm exceeds `factor` × its running mean."""
-    factor: float
-    loss_mean: float = 0.0
-    norm_mean: float = 0.0
-    seen: int = 0
-
-    def check(self, loss: float, norm: float) -> str | None:
-        """Why this step is a spike, or None (and then it joins the running means)."""
-        why = None
-        if self.factor > 0 and self.seen >= SPIKE_WARMUP:
-            if loss > self.factor * self.loss_mean:
-                why = f"loss {loss:.4f} > {self.factor:g} x running mean {self.loss_mean:.4f}"
-            elif norm > self.factor * self.norm_mean:
-                why = f"grad norm {norm:.4f} > {self.factor:g} x running mean {self.norm_mean:.4f}"
-        # spikes join the means too, damped, so that a lasting shift (grad norms grow as
-        # the learning rate decays) is absorbed after a few skips instead of skipping forever
-        if self.seen == 0:
-            self.loss_mean, self.norm_mean = loss, norm
-        else:
-            self.loss_mean = SPIKE_DECAY * self.loss_mean + (1 - SPIKE_DECAY) * loss
-            self.norm_mean = SPIKE_DECAY * self.norm_mean + (1 - SPIKE_DECAY) * norm
-        self.seen += 1
-        return why
-
-    def to_dict(self) -> dict:
-        return {"loss_mean": self.loss_mean, "norm_mean": self.norm_mean, "seen": self.seen}
-
-
 class AdamW:
     """`lib.step("adamw", …)` over the flat parameter buffer: one launch over the decayed
     matrices (laid out first by the planner), one over the rest with weight_decay 0. The
-    float32 master weights and moments are updated (from bf16 gradients in a bf16 run:
-    the op's bf16 kernel), then the model's bf16 copy is refreshed from them."""
+    learning rate, the update count (bias correction counts applied updates only), whether
+    to skip and the clip scale come from an array on the device (`control`, in the op's
+    `slots`: step_control.decide writes them). The float32 master weights and moments are
+    updated (from bf16 gradients in a bf16 run: the op's bf16 kernel, which writes the
+    model's bf16 copy of the weights in the same pass)."""
 
     def __init__(self, model: GPT, t: TrainingConfig):
         self.model, self.t = model, t
@@ -104,18 +81,17 @@ class AdamW:
         for names, wd in ((decayed, t.weight_decay), (rest, 0.0)):
             if names:
                 lo, hi = plan.span(names)
-                self.groups.append((tuple(mem.arenas[a][lo:hi] for a in
-                                          ("params", "grads", "adam_m", "adam_v")), wd))
-        self.updates = 0     # AdamW's t: bias correction counts applied updates only
+                arrays = [mem.arenas[a][lo:hi] for a in ("params", "grads", "adam_m", "adam_v")]
+                copy = mem.arenas["params_bf16"][lo:hi] if model.bf16 else None
+                self.groups.append((tuple(arrays), copy, wd))
         self.op = model.lib.op("adamw")
+        self.slots = model.lib.control_slots(self.op)
 
-    def step(self, lr: float) -> None:
-        self.updates += 1
+    def step(self, control) -> None:
         t = self.t
-        for (p, g, m, v), wd in self.groups:
-            self.model.lib.step(self.op, p, g, m, v, lr=lr, step=self.updates, beta1=t.beta1,
+        for (p, g, m, v), copy, wd in self.groups:
+            self.model.lib.step(self.op, p, g, m, v, control=control, copy=copy, beta1=t.beta1,
                                 beta2=t.beta2, eps=t.adam_eps, weight_decay=wd)
-        self.model.sync_weights()
 
     def state_dict(self) -> dict:
         mem, out = self.model.mem, {}
@@ -199,8 +175,10 @@ class Trainer:
         self.model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation)
         self.optim = AdamW(self.model, t)
-        self.guard = SpikeGuard(t.spike_factor)
-        self.step = 0
+        self.stepper = Stepper(self.model, self.optim,
+                               step_control.StepRule.of(t, self.optim.slots, ranks),
+                               cuda_graph=t.cuda_graph, collective=collective)
+        self.step = 0   # the last step whose result is back; `launched` may be one ahead
         self.result = Result(self.run_dir)
         if ckpt is not None:
             self._restore(checkpoint.load(ckpt, require=STATE_KEYS))
@@ -212,6 +190,7 @@ class Trainer:
             self.lock, self.logger = None, _Quiet()
         else:
             self._open_run_folder(resume, tensorboard, progress, init_from)
+        self.launched = self.step
         self.flops_per_token = flops_per_token(self.model.arch, t.seq_len)
         precision = "bf16" if dtype == "bf16" else "tf32" if t.tf32 else "fp32"
         self.peak = metrics.peak_flops(lib.backend.device, precision) \
@@ -240,8 +219,7 @@ class Trainer:
         s = ck.state
         self.step = ck.step
         try:
-            self.optim.updates = int(s["adam_updates"])
-            self.guard = SpikeGuard(self.cfg.training.spike_factor, **s["spike_guard"])
+            self.stepper.load_state(int(s["adam_updates"]), s["spike_guard"])
             self.train_data.restore(s["data"])
         except (KeyError, TypeError, ValueError) as err:
             raise EulerError(f"corrupt state: {type(err).__name__} {err} reading adam_updates, "
@@ -251,7 +229,8 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint this step; refused when a weight or moment is NaN or Inf (an update
         that overflowed), so that every checkpoint is one a resume or `sample` can use."""
-        state = {"adam_updates": self.optim.updates, "spike_guard": self.guard.to_dict(),
+        updates, guard = self.stepper.state()
+        state = {"adam_updates": updates, "spike_guard": guard,
                  "data": self.train_data.state(), "config": as_dict(self.cfg)}
         params, optim = self.model.state_dict(), self.optim.state_dict()
         for name, value in (*params.items(), *optim.items()):
@@ -265,43 +244,14 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def train_step(self) -> tuple[float, float, str | None]:
-        """One optimizer step over gradient_accumulation micro-batches: (loss, grad norm,
-        why the update was skipped or None)."""
-        t, model = self.cfg.training, self.model
-        total = 0.0
-        for micro in range(t.gradient_accumulation):
-            x, y = self.train_data.next_batch()
-            model.load_tokens(x, y)
-            # the host read of the loss is the one synchronisation of a micro-step
-            total += float(model.loss_and_grad(accumulate=micro > 0)[0])
-        loss = total / t.gradient_accumulation
-        if self.collective is not None:
-            loss = self._average_over_ranks(loss)
-        norm = self.model.grad_norm()
-        step = self.step + 1
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            kept = checkpoint.latest(self.run_dir)
-            what = "loss" if not math.isfinite(loss) else "gradient norm"
-            raise EulerError(f"{what} is {loss if what == 'loss' else norm} at step {step}; "
-                             f"stopped, last good checkpoint: {kept or 'none yet'}",
-                             key="training")
-        skip = self.guard.check(loss, norm)
-        if skip is None:
-            if t.grad_clip > 0 and norm > t.grad_clip:
-                model.scale_grads(t.grad_clip / norm)
-            self.optim.step(learning_rate(t, step))
-        return loss, norm, skip
-
-    def _average_over_ranks(self, loss: float) -> float:
-        """The global batch's gradient and loss: each rank's summed over ranks (in rank
-        order on the CPU), then divided by N, the same bits on every rank."""
-        n = self.collective.world_size
-        self.collective.all_reduce_sum(self.model.mem.arenas["grads"])
-        self.model.scale_grads(1.0 / n)
-        losses = self.lib.backend.asarray(np.array([loss], dtype=np.float32))
-        self.collective.all_reduce_sum(losses)
-        return float(self.lib.backend.asnumpy(losses)[0]) / n
+    def train_step(self) -> None:
+        """Launch the next optimizer step over gradient_accumulation micro-batches, without
+        waiting for it (its result comes back through `_finish`)."""
+        t = self.cfg.training
+        step = self.launched + 1
+        batches = [self.train_data.next_batch() for _ in range(t.gradient_accumulation)]
+        self.stepper.launch(step, batches, learning_rate(t, step))
+        self.launched = step
 
     def evaluate(self) -> float | None:
         if self.val_data is None or not self.writer:   # only rank 0 logs it
@@ -316,36 +266,14 @@ class Trainer:
 
     def run(self, stop_after: int | None = None) -> Result:
         t = self.cfg.training
-        tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation
-        last = stop_after if stop_after is not None else t.total_steps
+        last = min(stop_after if stop_after is not None else t.total_steps, t.total_steps)
         try:
-            while self.step < min(last, t.total_steps):
-                started = time.perf_counter()
-                loss, norm, skip = self.train_step()
-                self.lib.backend.synchronize()
-                elapsed = time.perf_counter() - started
-                self.step += 1
-                self.result.losses[self.step] = loss
-                if skip is not None:
-                    self.result.skipped.append(self.step)
-                    self.logger.print(f"step {self.step}: update skipped, {skip}")
-                record = {}
-                if self.step % t.log_every == 0 or self.step == 1 or skip is not None:
-                    tps = tokens_per_step / elapsed
-                    record = dict(train_loss=loss, lr=learning_rate(t, self.step), grad_norm=norm,
-                                  tokens_per_s=tps, ms_per_step=1e3 * elapsed,
-                                  mfu=tps * self.flops_per_token / self.peak if self.peak else None,
-                                  skipped=int(skip is not None))
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.total_steps):
-                    val = self.evaluate()
-                    if val is not None:
-                        self.result.val_losses[self.step] = val
-                        record["val_loss"] = val
-                if record:
-                    self.logger.log(self.step, **record)
-                if self.writer and ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
-                                    or self.step == t.total_steps):
-                    self.save()
+            while self.step < last:
+                self.train_step()
+                while len(self.stepper.pending) > 1:   # the step before: done, or nearly
+                    self._finish(self.stepper.result())
+                if self._waits(self.launched, last):   # evaluation, a checkpoint, the end
+                    self._finish(self.stepper.result())
             if self.step == t.total_steps and t.sample_tokens and self.writer:
                 self.result.sample = self.sample(t.sample_tokens)
                 self.logger.print(f"sample:\n{self.result.sample}")
@@ -356,6 +284,45 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         return self.result
+
+    def _waits(self, step: int, last: int) -> bool:
+        """Whether step `step` is waited for before the next is launched: it is evaluated,
+        checkpointed or the run's last."""
+        t = self.cfg.training
+        return (step == last or bool(t.eval_every and step % t.eval_every == 0)
+                or bool(t.checkpoint_every and step % t.checkpoint_every == 0))
+
+    def _finish(self, r: StepResult) -> None:
+        """A step's result, back from the device: a loss or norm that is not finite stops
+        the run; else its loss, the spike guard's message, its log line and, at its step,
+        evaluation and the checkpoint."""
+        t = self.cfg.training
+        if r.not_finite:
+            kept = checkpoint.latest(self.run_dir)
+            raise EulerError(f"{r.skipped} at step {r.step}; stopped, last good checkpoint: "
+                             f"{kept or 'none yet'}", key="training")
+        self.step = r.step
+        self.result.losses[self.step] = r.loss
+        if r.skipped is not None:
+            self.result.skipped.append(self.step)
+            self.logger.print(f"step {self.step}: update skipped, {r.skipped}")
+        record = {}
+        if self.step % t.log_every == 0 or self.step == 1 or r.skipped is not None:
+            tps = t.batch_size * t.seq_len * t.gradient_accumulation / r.seconds
+            record = dict(train_loss=r.loss, lr=learning_rate(t, self.step), grad_norm=r.norm,
+                          tokens_per_s=tps, ms_per_step=1e3 * r.seconds,
+                          mfu=tps * self.flops_per_token / self.peak if self.peak else None,
+                          skipped=int(r.skipped is not None))
+        if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.total_steps):
+            val = self.evaluate()
+            if val is not None:
+                self.result.val_losses[self.step] = val
+                record["val_loss"] = val
+        if record:
+            self.logger.log(self.step, **record)
+        if self.writer and ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
+                            or self.step == t.total_steps):
+            self.save()
 
     def sample(self, n: int) -> str:
         """A top-k continuation of the first tokens of the validation text."""

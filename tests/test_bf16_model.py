@@ -81,8 +81,10 @@ class RoundingLibrary:
     def fused(self, op, *args, out, **params):
         return self._rounding("fused", op, args, out, params)
 
-    def step(self, op, *args, **params):
+    def step(self, op, *args, copy=None, **params):
         self.lib.step(op, *map(self._wide, args), **params)
+        if copy is not None:   # the bf16 kernel's copy of the updated weight (adamw's p)
+            to_bf16(args[0], out=copy)
 
 
 def rounding_gemm(a, b, out, *, ta=False, tb=False, add=False):
@@ -135,7 +137,7 @@ def test_the_bf16_plan_keeps_master_weights_and_moments_in_float32(lib):
     assert size["params"] == size["params_bf16"] == size["grads"] == size["adam_m"]
     assert plan.arena("params") == fp32.arena("params")      # the same master layout
     assert [b.name for b in plan.buffers if b.arena == "stats"] == \
-        ["h.0.lse", "h.1.lse", "losses", "loss", "dloss", "grad_rows"]
+        ["h.0.lse", "h.1.lse", "losses", "loss", "dloss", "grad_rows", "grad_norm"]
     assert plan.buffer("grad_rows").size * 4096 >= size["grads"] >= plan.buffer("grad_rows").size
     # bf16 halves the gradients, activations and workspace
     for name in ("grads", "activations", "workspace"):
@@ -173,13 +175,13 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
 
     from eulergen.cli import main
     from eulergen.runtime.cuda_ops import workspace_elements
-    from eulergen.runtime.gemm import LT_WORKSPACE_BYTES
+    from eulergen.runtime.cublas import WORKSPACE_BYTES
     overrides = STRUCTURES["nanoeuler"] + COMMON + ["training.dtype=bf16"]
     result = CliRunner().invoke(main, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert result.exit_code == 0, result.output
     cfg = load_config(None, overrides)
     plan = plan_model(arch_of(cfg.model, lib), 2, 32, dtype="bf16", workspace=workspace_elements,
-                      gemm_workspace=LT_WORKSPACE_BYTES)
+                      gemm_workspace=WORKSPACE_BYTES)
     assert {"params_bf16", "stats", "kernels", "gemm"} <= {a.name for a in plan.arenas}
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in result.output.splitlines()
             if line.startswith("│")]
@@ -192,7 +194,7 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     for name in ("h.1.lse", "grad_rows", "losses"):
         assert shown[name][2] == "float32"
     assert shown["params_bf16"][2] == "bf16" and shown["adam_v"][2] == "float32"
-    assert shown["gemm_ws"][3].startswith(f"{LT_WORKSPACE_BYTES:,}")
+    assert shown["gemm_ws"][3].startswith(f"{WORKSPACE_BYTES:,}")
     assert "training, bf16" in result.output
 
 
@@ -302,7 +304,8 @@ def test_clipping_accumulation_and_adamw_in_bf16(lib):
     assert model.grad_norm() == pytest.approx(0.5, rel=1e-2)
     before = model.mem.arenas["params"].copy()
     optim = AdamW(model, cfg.training)
-    optim.step(1e-3)
+    optim.step(np.array([{"skip": 0.0, "grad_scale": 1.0, "lr": 1e-3, "step": 1.0}[s]
+                         for s in optim.slots]))
     master = model.mem.arenas["params"]
     assert master.dtype == np.float32 and not np.array_equal(master, before)
     np.testing.assert_array_equal(model.mem.arenas["params_bf16"], to_bf16(master))

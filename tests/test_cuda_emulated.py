@@ -510,9 +510,11 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
                               equal_nan=True), f"{k} {case}: wrote outside the view"
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("name", _ops("update"))
-def test_update_step_matches_numpy(name, dtype):
+def _update_case(name: str, dtype: str, control: dict):
+    """A step of `name` over 2051 elements (two blocks: every grid-stride loop and the scalar
+    tail run) with the control slots `control` (the rest: not skipped, grads unscaled):
+    (the kernel's written buffers, the float64 reference state after the numpy step, the
+    buffers as they went in)."""
     op = OPS[name]
     mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
     n = 2051
@@ -522,16 +524,42 @@ def test_update_step_matches_numpy(name, dtype):
         a = rng.uniform(0, 1, n) if o["name"] == "v" else rng.uniform(-1, 1, n)
         arrays[o["name"]] = (inputs_as_stored([a], dtype)[0] if o["role"] == "grad"
                              else a.astype(np.float32).astype(np.float64))
-    params = dict(_params(name), lr=1e-2, step=3.0)
     k = f"{name}_step_{dtype}"
+    slots = {"skip": 0.0, "grad_scale": 1.0, "lr": 1e-2, "step": 3.0, **control}
+    ctl = np.array([slots[c] for c in mod.CONTROL], np.float32)   # as the device holds it
+    assert tuple(op["kernels"][k]["control"]) == mod.CONTROL
     bufs = {o["name"]: stored(arrays[o["name"]], dtype) if o["role"] == "grad"
             else arrays[o["name"]].astype(np.float32) for o in op["inputs"]}
-    got = launch(name, k, 2, geometry(name, k).threads, **bufs, **params, n=n)
+    copy = {f"{a}": np.full(n, 0x7FC0, np.uint16) for a, t in op["kernels"][k]["args"]
+            if t == "__nv_bfloat16*"}
+    got = launch(name, k, 2, geometry(name, k).threads, **bufs, **copy, control=ctl,
+                 **_params(name), n=n)
     ref = {n_: a.copy() for n_, a in arrays.items()}
-    mod.step(*(ref[o["name"]] for o in op["inputs"]), **params)
-    for o in op["inputs"]:
-        if o["role"] == "state":
-            close(got[o["name"]].astype(np.float64), ref[o["name"]], TOL["f32"], f"{k} {o['name']}")
+    mod.step(*(ref[o["name"]] for o in op["inputs"]), ctl, **_params(name))
+    return got, ref, {**bufs, **copy}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", _ops("update"))
+def test_update_step_matches_numpy_with_scaled_grads_and_writes_the_bf16_copy(name, dtype):
+    got, ref, _ = _update_case(name, dtype, {"grad_scale": 0.37})
+    state = [o["name"] for o in OPS[name]["inputs"] if o["role"] == "state"]
+    for s in state:
+        close(got[s].astype(np.float64), ref[s], TOL["f32"], f"{name} {dtype} {s}")
+    copies = [a for a in got if a not in state]
+    assert copies == ([f"{state[0]}_bf16"] if dtype == "bf16" else [])
+    for c in copies:   # the updated weight as written, rounded once
+        np.testing.assert_array_equal(got[c], to_bf16(got[state[0]]))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("name", _ops("update"))
+def test_a_skipped_update_step_writes_nothing(name, dtype):
+    got, ref, before = _update_case(name, dtype, {"skip": 1.0})
+    for n, a in got.items():
+        np.testing.assert_array_equal(a, before[n], err_msg=f"{name} {dtype}: wrote {n}")
+        if n in ref:
+            np.testing.assert_array_equal(ref[n], before[n].astype(np.float64))
 
 
 def _embedding_keys(ids: np.ndarray, dtype: str, V: int) -> tuple[np.ndarray, np.ndarray]:

@@ -41,11 +41,12 @@ def test_an_overflowing_update_is_not_saved_and_the_error_names_the_last_good_on
         lib, shard, tmp_path):
     run = tmp_path / "run"
     t = trainer(lib, shard, run, total_steps=6, checkpoint_every=2)
-    step = t.optim.step
+    step, updates = t.optim.step, []
 
-    def overflow(lr):   # the update of step 4 leaves an Inf weight (its loss was finite)
-        step(lr)
-        if t.optim.updates == 4:
+    def overflow(control):   # the update of step 4 leaves an Inf weight (its loss was finite)
+        step(control)
+        updates.append(control)
+        if len(updates) == 4:
             t.model.params["h.0.mlp.c_fc.weight"][0, 0] = np.inf
     t.optim.step = overflow
     with pytest.raises(EulerError, match="h.0.mlp.c_fc.weight is not finite after step 4"

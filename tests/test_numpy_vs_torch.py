@@ -128,6 +128,7 @@ def test_rope_matches_torch():
 
 def test_adamw_matches_torch_optim_adamw_over_several_steps():
     mod = module("adamw")
+    assert mod.CONTROL == ("skip", "grad_scale", "lr", "step")
     rng = np.random.default_rng(0)
     p = rng.normal(size=100)
     grads = [rng.normal(size=100) for _ in range(5)]
@@ -138,7 +139,7 @@ def test_adamw_matches_torch_optim_adamw_over_several_steps():
     for step, g in enumerate(grads, start=1):
         tp.grad = torch.tensor(g)
         opt.step()
-        mod.step(p, g, m, v, lr=lr, step=step)
+        mod.step(p, g, m, v, np.array([0.0, 1.0, lr, step]))   # CONTROL: skip, scale, lr, step
     np.testing.assert_allclose(p, tp.detach().numpy(), rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(m, opt.state[tp]["exp_avg"].numpy(), rtol=1e-12)
     np.testing.assert_allclose(v, opt.state[tp]["exp_avg_sq"].numpy(), rtol=1e-12)

@@ -60,6 +60,19 @@ def test_an_update_plan_keeps_state_float32_and_grads_in_the_storage_dtype():
     assert bf16.geometry.vec == 8
 
 
+def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_writes_a_copy():
+    """lr and step are no scalar arguments (a captured step replays with new ones): the
+    kernels read them, the skip flag and the gradient scale from `control`; the bf16 entry
+    point also takes the weight's bf16 copy."""
+    f32, bf16 = _plan("adamw").stages[0].sigs
+    for sig in (f32, bf16):
+        assert sig.control == ("skip", "grad_scale", "lr", "step")
+        assert dict(sig.args)["control"] == "const float*"
+        assert not {"lr", "step"} & set(dict(sig.args))
+    assert dict(bf16.args)["p_bf16"] == "__nv_bfloat16*" and "p_bf16" not in dict(f32.args)
+    assert MANIFEST.ops["adamw"].kernel("step", "bf16").control == bf16.control
+
+
 def test_the_embedding_plan_has_every_stage_in_every_dtype():
     plan = plan_ops.plan_embedding()
     assert {(k.stage, k.dtype) for k in plan.sigs} == {

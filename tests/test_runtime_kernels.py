@@ -162,7 +162,13 @@ class Emulator:
             v[n][...] = g
 
     def _update(self, op, kernel, v):
-        load_numpy_module(op).step(*[v[o.name] for o in op.inputs], **self._params(op, v))
+        fixed = {p: float(v[p]) for p, default in op.params.items() if default is not None}
+        load_numpy_module(op).step(*[v[o.name] for o in op.inputs], v["control"], **fixed)
+        weight = next(o.name for o in op.inputs if o.role == "state")
+        inputs = {o.name for o in op.inputs}
+        for n, _ in kernel.args:   # the bf16 copy, where the call gave one
+            if n.endswith("_bf16") and n not in inputs and isinstance(v[n], np.ndarray):
+                v[n][...] = v[weight]
 
     def _embedding(self, op, kernel, v):
         if kernel.stage == "forward":
@@ -433,6 +439,38 @@ def test_update_step_updates_the_given_buffers(name, libs, emu):
     ref.step(name, *host, **runtime)
     for a, b in zip(ours, host):
         close(a, b)
+    (_, _, _, values), = emu.launches
+    slots = gpu.control_slots(name)
+    assert slots == ref.control_slots(name)
+    assert values["control"].dtype == np.float32   # what the kernels read
+    assert values["control"].tolist() == [np.float32({"skip": 0.0, "grad_scale": 1.0,
+                                                      **runtime}[s]) for s in slots]
+
+
+@needs_manifest
+@pytest.mark.parametrize("name", _ops("update"))
+def test_a_bf16_update_step_takes_its_control_array_and_writes_the_bf16_copy(name, libs, emu):
+    gpu, _ = libs
+    op = OPS[name]
+    rng = np.random.default_rng(6)
+    arrays = [dev(to_bf16(rng.uniform(-1, 1, 40)) if o.role == "grad"
+                  else rng.uniform(0, 1, 40).astype(np.float32)) for o in op.inputs]
+    slots = gpu.control_slots(name)
+    control = dev(np.array([{"skip": 0.0, "grad_scale": 0.5}.get(s, 1e-2) for s in slots],
+                           np.float32))
+    copy = dev(np.zeros(40, np.uint16))
+    gpu.step(name, *arrays, control=control, copy=copy)
+    (kernel, _, _, values), = emu.launches
+    assert kernel == f"{name}_step_bf16" and values["control"] is control
+    weight = next(a for o, a in zip(op.inputs, arrays) if o.role == "state")
+    np.testing.assert_array_equal(copy, to_bf16(np.asarray(weight)))
+    with pytest.raises(EulerError, match="comes from control"):
+        gpu.step(name, *arrays, control=control, **{slots[-1]: 1.0})
+    with pytest.raises(EulerError, match="must be float32"):
+        gpu.step(name, *arrays, control=dev(np.zeros(len(slots))))
+    with pytest.raises(EulerError, match="copy= wants bf16 grads"):
+        gpu.step(name, *[dev(np.asarray(a, np.float32) if a.dtype == np.uint16 else a)
+                         for a in arrays], control=control, copy=copy)
 
 
 @needs_manifest

@@ -64,9 +64,12 @@ MODULES = {
         OUTPUTS = ()
         PARAMS = {"lr": None}
         GRADS = ()
+        CONTROL = ("skip", "grad_scale", "lr")
 
-        def step(p, g, lr):
-            p -= lr * g
+        def step(p, g, control):
+            skip, grad_scale, lr = control
+            if not skip:
+                p -= lr * grad_scale * g
     """,
 }
 

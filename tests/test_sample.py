@@ -269,7 +269,7 @@ def test_the_inference_plan_holds_the_kv_cache(lib):
     assert {a.name for a in plan.arenas} == {"params", "kv_cache", "activations", "logits",
                                              "tokens"}, "no GPU workspace on a plan for numpy"
     gpu = plan_decoder(arch, 3, SEQ, dtype="bf16", sms=132)
-    assert gpu.buffer("cublas_ws").nbytes == 32 << 20
+    assert gpu.buffer("gemm_ws").nbytes == 32 << 20
     assert gpu.buffer("h.0.k_cache").dtype == "bf16" and gpu.buffer("logits").dtype == "float32"
 
 

@@ -1,5 +1,6 @@
-"""The training loop on numpy: schedules, the spike guard, loss falling, resume exactness
-(in process and after `kill -9`), a NaN loss, and config errors reaching the CLI."""
+"""The training loop on numpy: schedules, loss falling, resume exactness (in process and
+after `kill -9`), a NaN loss, and config errors reaching the CLI. (The spike guard:
+tests/test_step_control.py.)"""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from eulergen.runtime import checkpoint
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.train import SpikeGuard, Trainer, learning_rate, resume_config
+from eulergen.runtime.train import Trainer, learning_rate, resume_config
 from runs import kill_minus_nine_then_resume, losses
 
 
@@ -40,7 +41,7 @@ def _trainer(lib, shard, run_dir, resume=False, **training):
     return Trainer(cfg, lib, resume=resume, progress=False, tensorboard=False)
 
 
-# -- schedules and the guard --------------------------------------------------------------
+# -- schedules ---------------------------------------------------------------------------
 
 def test_cosine_schedule_warms_up_then_decays_to_min_lr():
     t = load_config(None, ["training.learning_rate=1.0", "training.min_lr=0.1",
@@ -57,24 +58,6 @@ def test_linear_and_constant_schedules(schedule, midway):
                            "training.warmup_steps=10", "training.total_steps=110",
                            f"training.schedule={schedule}"]).training
     assert learning_rate(t, 60) == pytest.approx(midway)
-
-
-def test_spike_guard_flags_a_spike_and_absorbs_a_lasting_shift():
-    guard = SpikeGuard(factor=4.0)
-    for _ in range(20):
-        assert guard.check(2.0, 1.0) is None
-    assert "loss" in guard.check(50.0, 1.0)
-    for _ in range(20):
-        guard.check(2.0, 1.0)
-    skipped = sum(guard.check(2.0, 10.0) is not None for _ in range(100))
-    assert 0 < skipped < 100, "a lasting 10x grad norm must be skipped for a while, not forever"
-
-
-def test_spike_guard_off_at_factor_zero():
-    guard = SpikeGuard(factor=0.0)
-    for _ in range(20):
-        guard.check(2.0, 1.0)
-    assert guard.check(1e6, 1e6) is None
 
 
 # -- training -----------------------------------------------------------------------------

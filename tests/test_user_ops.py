@@ -105,3 +105,45 @@ def test_a_user_override_of_gelu_never_touches_the_package(tmp_path, monkeypatch
     assert first_loss(tmp_path / "again") == first_loss(tmp_path / "mine")
     assert OpLibrary(NUMPY).op("gelu").numpy == GENERATED_DIR / "numpy" / "gelu.py"
     assert _tree_hash(GENERATED_DIR) == before
+
+
+LION = """\
+name: lion
+kind: update
+inputs: {p: state, g: grad, m: state}
+params: {lr: runtime, beta1: 0.9, beta2: 0.99, weight_decay: 0.0}
+update:
+  p: p*(1 - lr*weight_decay) - lr*tanh(1000*(beta1*m + (1 - beta1)*g))
+  m: beta2*m + (1 - beta2)*g
+"""
+
+
+def test_a_users_optimizer_reads_its_runtime_params_from_the_control_array(tmp_path):
+    """A user's update op gets the convention adamw has, with no Python: its lr, a skip flag
+    and the gradient scale come from `control` (kernels and numpy module alike), and its
+    bf16 kernel writes the first state input's bf16 copy."""
+    from eulergen.generator.plan_ops import plan_update
+    (tmp_path / "lion.yaml").write_text(LION)
+    derived = derive(load_spec(tmp_path / "lion.yaml"))
+    f32, bf16 = plan_update(derived).stages[0].sigs
+    assert f32.control == bf16.control == ("skip", "grad_scale", "lr")
+    assert [n for n, _ in bf16.args] == ["p", "g", "m", "p_bf16", "control", "beta1", "beta2",
+                                         "weight_decay", "n"]
+    from eulergen.generator.render import render_op
+    source = render_op(derived, plan_update(derived), "lion").source
+    assert "lion_step<float, 4>(p, g, m, nullptr, control, " in source
+    assert "lion_step<__nv_bfloat16, 8>(p, g, m, p_bf16, control, " in source
+    mod = load_module_from_source("lion", render_numpy_module(derived))
+    assert mod.CONTROL == f32.control
+    rng = np.random.default_rng(0)
+    p, g, m = (rng.standard_normal(8) for _ in range(3))
+
+    def step(control, grads):
+        state = [p.copy(), m.copy()]
+        mod.step(state[0], grads, state[1], np.array(control))
+        return state
+    scaled, prescaled = step([0, 0.5, 1e-2], g), step([0, 1, 1e-2], g * 0.5)
+    assert all(np.array_equal(a, b) for a, b in zip(scaled, prescaled))
+    assert not np.array_equal(scaled[0], p)
+    skipped = step([1, 0.5, 1e-2], g)
+    assert np.array_equal(skipped[0], p) and np.array_equal(skipped[1], m)

@@ -5,13 +5,22 @@
 // in every variant; the storage dtype is that of the grads. The results are sequential:
 // each assigns the local of its name, and later lines read the new value. Weight decay
 // per tensor group: the runtime launches once per contiguous range with its own params.
+// The values that change from step to step come from the device array `control` (so a
+// captured step replays with new ones): a non-zero skip slot leaves everything unwritten,
+// every grad is scaled by the grad_scale slot as it is read, the runtime params follow.
+// With a non-null `copy_ptr` (bf16 entry points) the new p is also written
+// rounded to bf16, the copy the model's kernels read.
 #include "eulergen_common.cuh"
 
 template <typename scalar_t, int VEC>
-__device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, float* m_ptr, float* v_ptr, float lr, float step, float beta1, float beta2, float eps, float weight_decay, long long n_) {
+__device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, float* m_ptr, float* v_ptr, __nv_bfloat16* copy_ptr, const float* control_, float beta1, float beta2, float eps, float weight_decay, long long n_) {
+  if (control_[0] != 0.0f) return;
+  const float grad_scale_ = control_[1];
+  const float lr = control_[2];
+  const float step = control_[3];
   const long long tid_ = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   const long long stride_ = (long long)gridDim.x * blockDim.x;
-  const bool aligned_ = (reinterpret_cast<unsigned long long>(p_ptr) | reinterpret_cast<unsigned long long>(g_ptr) | reinterpret_cast<unsigned long long>(m_ptr) | reinterpret_cast<unsigned long long>(v_ptr)) % 16 == 0;
+  const bool aligned_ = (reinterpret_cast<unsigned long long>(p_ptr) | reinterpret_cast<unsigned long long>(g_ptr) | reinterpret_cast<unsigned long long>(m_ptr) | reinterpret_cast<unsigned long long>(v_ptr) | reinterpret_cast<unsigned long long>(copy_ptr)) % 16 == 0;
   const long long nvec_ = aligned_ ? n_ / VEC : 0;
   for (long long q_ = tid_; q_ < nvec_; q_ += stride_) {
     float p_v_[VEC];
@@ -25,7 +34,7 @@ __device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, 
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
       float p = p_v_[e_];
-      const float g = g_v_[e_];
+      const float g = g_v_[e_] * grad_scale_;
       float m = m_v_[e_];
       float v = v_v_[e_];
       m = beta1*m + g*(1.0f - beta1);
@@ -38,10 +47,16 @@ __device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, 
     eg_store_n<VEC>(m_ptr, q_ * VEC, m_v_);
     eg_store_n<VEC>(v_ptr, q_ * VEC, v_v_);
     eg_store_n<VEC>(p_ptr, q_ * VEC, p_v_);
+    if (copy_ptr != nullptr) {   // 16-byte stores where VEC holds them, never read back
+#pragma unroll
+      for (int k_ = 0; k_ + 8 <= VEC; k_ += 8) eg_store_vec(copy_ptr, q_ * VEC + k_, p_v_ + k_, true);
+#pragma unroll
+      for (int e_ = VEC / 8 * 8; e_ < VEC; ++e_) eg_store(copy_ptr, q_ * VEC + e_, p_v_[e_]);
+    }
   }
   for (long long i_ = nvec_ * VEC + tid_; i_ < n_; i_ += stride_) {
     float p = eg_load(p_ptr, i_);
-    const float g = eg_load(g_ptr, i_);
+    const float g = eg_load(g_ptr, i_) * grad_scale_;
     float m = eg_load(m_ptr, i_);
     float v = eg_load(v_ptr, i_);
     m = beta1*m + g*(1.0f - beta1);
@@ -50,17 +65,18 @@ __device__ __forceinline__ void adamw_step(float* p_ptr, const scalar_t* g_ptr, 
     m_ptr[i_] = m;
     v_ptr[i_] = v;
     p_ptr[i_] = p;
+    if (copy_ptr != nullptr) eg_store(copy_ptr, i_, p);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(256) adamw_step_f32(
-    float* p, const float* g, float* m, float* v, float lr, float step, float beta1, float beta2,
+    float* p, const float* g, float* m, float* v, const float* control, float beta1, float beta2,
     float eps, float weight_decay, long long n) {
-  adamw_step<float, 4>(p, g, m, v, lr, step, beta1, beta2, eps, weight_decay, n);
+  adamw_step<float, 4>(p, g, m, v, nullptr, control, beta1, beta2, eps, weight_decay, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256) adamw_step_bf16(
-    float* p, const __nv_bfloat16* g, float* m, float* v, float lr, float step, float beta1,
-    float beta2, float eps, float weight_decay, long long n) {
-  adamw_step<__nv_bfloat16, 8>(p, g, m, v, lr, step, beta1, beta2, eps, weight_decay, n);
+    float* p, const __nv_bfloat16* g, float* m, float* v, __nv_bfloat16* p_bf16,
+    const float* control, float beta1, float beta2, float eps, float weight_decay, long long n) {
+  adamw_step<__nv_bfloat16, 8>(p, g, m, v, p_bf16, control, beta1, beta2, eps, weight_decay, n);
 }

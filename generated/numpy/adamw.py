@@ -8,10 +8,17 @@ INPUTS = ('p', 'g', 'm', 'v')
 OUTPUTS = ('m', 'v', 'p')
 PARAMS = {'lr': None, 'step': None, 'beta1': 0.9, 'beta2': 0.95, 'eps': 1e-08, 'weight_decay': 0.1}
 GRADS = ()
+CONTROL = ('skip', 'grad_scale', 'lr', 'step')
 
 
-def step(p, g, m, v, *, lr, step, beta1=0.9, beta2=0.95, eps=1e-08, weight_decay=0.1):
-    """In place and sequential: a later update reads the new value of an earlier one."""
+def step(p, g, m, v, control, *, beta1=0.9, beta2=0.95, eps=1e-08, weight_decay=0.1):
+    """In place and sequential: a later update reads the new value of an earlier one.
+    `control`: the values of CONTROL (a skip flag, the factor the grads are scaled
+    by, the runtime params), as the CUDA kernels read them."""
+    skip, grad_scale, lr, step = (float(c) for c in control)
+    if skip:
+        return
+    g = g*grad_scale
     _m, _v, _p = m, v, p
     m = beta1*m + g*(1.0 - beta1)
     v = beta2*v + g*g*(1.0 - beta2)

@@ -126,7 +126,7 @@ def test_lt_calls_captured_in_a_cuda_graph_replay_their_eager_results(cp, lt):
     captured, and allocates nothing."""
     rng = np.random.default_rng(3)
     x, w, b, dy = (_dev(cp, h, "bf16") for h in _host(rng, (M, K), (N, K), (N,), (M, N)))
-    workspace = cp.zeros(gemm.LT_WORKSPACE_BYTES, cp.uint8)
+    workspace = cp.zeros(gemm.WORKSPACE_BYTES, cp.uint8)
     lt_gemm = gemm.LtGemm(lt, tf32=False, workspace=workspace)
     outs = {k: (cp.zeros(s, cp.uint16), cp.zeros(s, cp.uint16))
             for k, s in (("y", (M, N)), ("dw", (N, K)), ("db", (N,)))}
@@ -170,7 +170,7 @@ def test_a_model_runs_lt_in_its_planned_workspace_and_accumulates_as_cublas(libs
         model.init_weights(1)
         if library == "lt":
             ws = model.mem["gemm_ws"]
-            assert model.tape.epilogues and ws.nbytes == gemm.LT_WORKSPACE_BYTES
+            assert model.tape.epilogues and ws.nbytes == gemm.WORKSPACE_BYTES
             assert model.tape.gemm.workspace == ws.data.ptr
         else:
             model.tape.gemm, model.tape.epilogues = _cublas(cp), False

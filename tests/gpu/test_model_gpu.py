@@ -132,40 +132,41 @@ def _growth_hook():
     return Growth()
 
 
-def _three_planned_steps(cuda, cp, cfg, dtype="float32"):
-    """Builds the model and runs three training steps on one batch (clipped to norm 1, as
-    the trainer clips); the model and the pool's size after each step."""
+def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps=3):
+    """Builds the model and runs training steps on one batch as the trainer runs them
+    (runtime/step_graph.py: clipped to norm 1, step control and AdamW on the device; eager
+    unless `cuda_graph`); the model, its Stepper and the pool's size after each step."""
     from eulergen.runtime.model import build
+    from eulergen.runtime.step_control import StepRule
+    from eulergen.runtime.step_graph import Stepper
     from eulergen.runtime.train import AdamW
     t = cfg.training
     model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype)
     model.init_weights(0)
     optim = AdamW(model, t)
-    x, y = _batch(cfg)
+    stepper = Stepper(model, optim, StepRule.of(t, optim.slots), cuda_graph=cuda_graph)
+    batch = [_batch(cfg)]
     sizes = []
-    for _ in range(3):
-        model.load_tokens(x, y)
-        model.loss_and_grad()
-        model.scale_grads(min(1.0, 1.0 / model.grad_norm()))
-        optim.step(1e-3)
-        cp.cuda.get_current_stream().synchronize()
+    for step in range(1, steps + 1):
+        stepper.launch(step, batch, 1e-3)
+        assert not stepper.result().not_finite
         sizes.append(cp.get_default_memory_pool().total_bytes())
-    return model, sizes
+    return model, stepper, sizes
 
 
 def test_training_steps_stay_within_the_plan(libs, cp):
     """Everything a training step touches is planned: building the model allocates the
     plan's arenas, the weights and tokens arrive by host copies, and steps (forward, fused
-    loss, backward with the kernels' planned workspace, grad norm by cuBLAS into a host
-    scalar, clipping, AdamW) grow the pool by nothing but a few scalars: within 5 % of the
-    plan in all, and not at all after the first step."""
+    loss, backward with the kernels' planned workspace, grad norm by cuBLAS on the device,
+    step control, AdamW with the clip folded in) grow the pool by nothing but the step
+    record: within 5 % of the plan in all, and not at all after the first step."""
     cuda, _ = libs
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     before = pool.total_bytes()
     hook = _growth_hook()
     with hook:
-        model, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"))
+        model, _, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"))
     grads = model.mem.arenas["grads"]
     used = pool.total_bytes() - before
     planned = model.mem.plan.total_bytes

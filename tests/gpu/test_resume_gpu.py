@@ -1,11 +1,14 @@
 """Resume on the GPU (`pytest -m gpu tests/gpu`): a run stopped after its checkpoint and
-resumed repeats the uninterrupted run's losses bit for bit, in fp32 and in bf16. This
+resumed repeats the uninterrupted run's losses bit for bit, in fp32 and in bf16, its steps
+replayed as CUDA graphs (training.cuda_graph, the default) and its step control's state
+(update count, spike guard) read back from the device into the checkpoint. This
 holds only because every kernel on the path is deterministic (no float atomics: weight
 gradients, embedding and attention backward reduce in a fixed order) and cuBLAS runs the
 same algorithms; in bf16 also because the checkpoint holds the float32 master weights and
 the bf16 copy is rounded from them, on resume as after every update."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from eulergen.runtime import checkpoint
@@ -49,9 +52,10 @@ def test_gpu_resume_repeats_the_uninterrupted_losses_bitwise(libs, shard, tmp_pa
     assert rest.val_losses[8] == straight.val_losses[8]
 
 
-def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard, tmp_path):
-    """`eulergen train --set training.dtype=bf16` killed by SIGKILL after a checkpoint and
-    resumed with --resume: its metrics equal an uninterrupted run's, step for step."""
+def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(cp, shard, tmp_path):
+    """`eulergen train --set training.dtype=bf16` (its steps CUDA graphs) killed by SIGKILL
+    after a checkpoint and resumed with --resume: its metrics equal an uninterrupted run's,
+    step for step, and so do its last checkpoint's weights and moments."""
     import sys
 
     def sets(run_dir):
@@ -61,9 +65,15 @@ def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(shard
                 "training.batch_size=16", "training.seq_len=128", "training.total_steps=600",
                 "training.warmup_steps=10", "training.eval_every=0",
                 "training.checkpoint_every=20", "training.log_every=1",
-                "training.sample_tokens=0", "training.dtype=bf16"]
+                "training.sample_tokens=0", "training.dtype=bf16", "training.cuda_graph=true"]
 
     args = [sys.executable, "-c", "from eulergen.cli import main; main()", "train",
             "--device", "cuda"]
     kill_minus_nine_then_resume(args, sets, tmp_path, timeout=300, wait=120, poll=0.02)
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
+    ends = [checkpoint.load(tmp_path / run) for run in ("straight", "killed")]
+    assert ends[0].step == ends[1].step == 600 and ends[0].state["spike_guard"] == \
+        ends[1].state["spike_guard"] and ends[0].state["adam_updates"] == ends[1].state["adam_updates"]
+    for part in ("params", "optim"):
+        a, b = (getattr(ck, part) for ck in ends)
+        assert all(np.array_equal(a[k], b[k]) for k in a), part

@@ -1,0 +1,96 @@
+"""The training step as CUDA graphs (`pytest -m gpu tests/gpu/test_step_graph_gpu.py`):
+a run whose steps replay captured graphs (training.cuda_graph, the default) repeats the
+run of the same kernels launched eagerly bit for bit, in fp32 and bf16, with gradient
+accumulation and with updates the spike guard skips: losses, validation losses, master
+weights, their bf16 copy, AdamW's moments and the step control's state. Replays allocate
+nothing, and an allocation while capturing is refused. (kill -9 and resume of a graphed
+run: tests/gpu/test_resume_gpu.py.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eulergen.errors import EulerError
+from eulergen.runtime.config import load_config
+from eulergen.runtime.train import Trainer
+from test_model_gpu import _cfg, _three_planned_steps  # noqa: E402  (tests/gpu is on the path)
+
+pytestmark = pytest.mark.gpu
+
+
+def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike):
+    # head dim 64 (a size the flash kernels take), GQA; evaluation between replays at 7
+    sets = [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
+            "model.preset=nanoeuler", "model.vocab_size=256", "model.hidden_dim=128",
+            "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+            "model.max_seq_len=128", "model.mlp_hidden=256", "training.batch_size=4",
+            "training.seq_len=128", "training.total_steps=14", "training.warmup_steps=2",
+            "training.eval_every=7", "training.eval_steps=2", "training.checkpoint_every=0",
+            "training.log_every=1", "training.sample_tokens=0", "training.device=cuda",
+            f"training.dtype={dtype}", f"training.cuda_graph={str(graph).lower()}",
+            f"training.gradient_accumulation={accumulation}", f"training.spike_factor={spike}"]
+    return Trainer(load_config(None, sets), lib, progress=False, tensorboard=False)
+
+
+def _finished(trainer: Trainer) -> dict:
+    result = trainer.run()
+    mem = trainer.model.mem
+    return {"losses": result.losses, "val": result.val_losses, "skipped": result.skipped,
+            "weights": trainer.model.state_dict(), "moments": trainer.optim.state_dict(),
+            "state": trainer.stepper.state(),
+            "copy": mem.arenas["params_bf16"].get() if trainer.model.bf16 else None}
+
+
+# spike factor 0.1: past the guard's warm-up (10 steps) every loss is above 0.1 x its mean,
+# so steps 11-14 are skipped (0.9 skipped none: the loss falls faster than its mean)
+@pytest.mark.parametrize("dtype, accumulation, spike", [
+    ("fp32", 1, 4.0), ("bf16", 1, 4.0), ("bf16", 2, 0.1), ("fp32", 2, 0.1)])
+def test_a_graphed_run_repeats_the_eager_run_bitwise(libs, shard, tmp_path, dtype,
+                                                     accumulation, spike):
+    cuda = libs[0]
+    eager_trainer = _trainer(cuda, shard, tmp_path / "eager", dtype=dtype, graph=False,
+                             accumulation=accumulation, spike=spike)
+    eager = _finished(eager_trainer)
+    assert eager_trainer.stepper.device.graphs is None
+    graphed_trainer = _trainer(cuda, shard, tmp_path / "graph", dtype=dtype, graph=True,
+                               accumulation=accumulation, spike=spike)
+    graphed = _finished(graphed_trainer)
+    want = {("micro", True), ("update",)} | ({("micro", False)} if accumulation > 1 else set())
+    assert set(graphed_trainer.stepper.device.graphs) == want
+    assert list(eager["losses"]) == list(range(1, 15))
+    for key in ("losses", "val", "skipped", "state"):
+        assert graphed[key] == eager[key], key
+    for key in ("weights", "moments"):
+        bad = [k for k, v in eager[key].items() if not np.array_equal(graphed[key][k], v)]
+        assert not bad, f"{key} differ: {bad[:4]}"
+    if dtype == "bf16":
+        np.testing.assert_array_equal(graphed["copy"], eager["copy"])
+    if spike < 1:
+        assert graphed["skipped"] == [11, 12, 13, 14], graphed["skipped"]
+
+
+def test_replays_allocate_nothing(libs, cp):
+    """Capturing and replaying the step (bf16, the default model shape of the pool tests)
+    grows CuPy's pool by nothing once the first, eager, step has run."""
+    cuda = libs[0]
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    model, stepper, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"), dtype="bf16",
+                                                 cuda_graph=True, steps=8)
+    assert set(stepper.device.graphs) == {("micro", True), ("update",)}
+    assert sizes[-1] == sizes[0], f"capture and replays grew the pool: {sizes}"
+    assert pool.total_bytes() - before <= 1.05 * model.mem.plan.total_bytes
+
+
+def test_an_allocation_while_capturing_is_refused(libs, cp):
+    cuda = libs[0]
+    model, stepper, _ = _three_planned_steps(cuda, cp, _cfg("gpt2"), cuda_graph=True, steps=1)
+    update = stepper.update
+
+    def allocating():
+        cp.zeros(1000, cp.float32)
+        update()
+    stepper.update = allocating
+    with pytest.raises(EulerError, match="allocation while capturing the training step"):
+        stepper.launch(2, [(np.zeros((2, 128), np.int64),) * 2], 1e-3)
