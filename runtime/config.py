@@ -114,8 +114,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # The built-in default on a GPU: what differs from the CPU's (the dataclass defaults), taken
-# when no config file is given and training.device resolves to cuda; sized for about two
-# minutes on an H200 (benchmarks/RESULTS.md, "The default run"). Below a preset, as the CPU
+# when no config file is given and training.device resolves to cuda; sized to end well within
+# two minutes on an H200 (benchmarks/RESULTS.md, "The default run"). Below a preset, as the CPU
 # default is; mlp_hidden keeps 4 x hidden_dim when only the width is changed.
 GPU_DEFAULT: dict[str, dict[str, Any]] = {
     "model": dict(hidden_dim=512, num_layers=8, num_heads=8, num_kv_heads=8, max_seq_len=256,
