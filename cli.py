@@ -184,11 +184,27 @@ def tokenizer_train(sources, vocab_size, out, text_key, on_bad_text) -> None:
 
 # -- training: train, plan, sample (runtime/train.py, memory.py, sample.py) ----------------
 
-def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_dir=False):
+def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_dir=False,
+                per_device=True):
+    """The run's config; without a file, the built-in default of the device the run resolves
+    to (`per_device`; an --init-from run brings its own model)."""
     from eulergen.runtime.config import load_config
     extra = [f"run_dir={run_dir}"] if run_dir else []
     extra += [f"training.device={device}"] if device else []
-    return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir)
+    return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir,
+                       finds_gpu=_finds_gpu if per_device else None)
+
+
+def _finds_gpu() -> bool:
+    """Whether training.device auto runs on a GPU here. Quiet: the run's own get_backend
+    says why not, once."""
+    from eulergen.runtime.backend import get_backend
+    return get_backend("auto", notice=lambda line: None).is_gpu
+
+
+def _default_named(cfg) -> str:
+    """', the built-in GPU default' (or CPU): which one a run without a file took."""
+    return f", the built-in {cfg.default.upper()} default" if cfg.default else ""
 
 
 def _resume_config(resume, overrides, device):
@@ -286,9 +302,11 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         from eulergen.runtime import hf
         imported = hf.load_folder(hf.locate(init_from))
         source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
-        given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device)
+        given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device,
+                            per_device=False)
         sets = hf.run_overrides(imported, given, overrides)
-        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=fresh)
+        cfg = _run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=fresh,
+                          per_device=False)
     else:
         # no run folder named: a new one per run, so running the same command twice works;
         # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
@@ -306,7 +324,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
             return
         t = cfg.training
         ranks = f"{rv.world_size} ranks x " if rv is not None else ""
-        click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} "
+        click.echo(f"eulergen train: {lib.backend.device}{_default_named(cfg)}, "
+                   f"{trainer.model.param_total:,} "
                    f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
                    f"{t.dtype}, GEMMs {gemm.describe(lib.backend)}, memory plan "
                    f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
@@ -386,7 +405,8 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
                          dtype=dtype, gemm_workspace=WORKSPACE_BYTES))
-    title = (f"memory plan: {param_count(arch):,} parameters, B={t.batch_size}, T={t.seq_len}, "
+    title = (f"memory plan{_default_named(cfg)}: {param_count(arch):,} parameters, "
+             f"B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")
     console = Console()
     if not console.is_terminal:   # piped or captured: never cut a buffer name short

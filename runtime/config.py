@@ -1,9 +1,9 @@
 """Run configuration: frozen ModelConfig / TrainingConfig / DataConfig values read from
 NanoEuler-style JSON or YAML, presets, and `--set section.key=value` overrides.
 
-Resolution order for every key: the built-in default, then the preset named by `model.preset`, then the file,
-then the overrides. Hyper-parameters never reach the kernels, so nothing here is hashed
-into a build.
+Resolution order for every key: the built-in default (the CPU's, or GPU_DEFAULT's on a GPU
+when no file is given), then the preset named by `model.preset`, then the file, then the
+overrides. Hyper-parameters never reach the kernels, so nothing here is hashed into a build.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import re
 import time
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,9 @@ from eulergen.runtime.tokenizer import tokenizer_file
 from eulergen.userfiles import compose_yaml, construct_yaml, load_json, load_yaml, read_text
 
 
-# The built-in default (the dataclass defaults) is sized by measurement: on 2 busy cores
-# with the numpy backend 300 steps of this model take ~30 s, the validation loss falling
-# from ~3.05 to ~2.63 (d 256 with 4 heads took 75 s and ended no lower). Head dim 64: the
-# CUDA attention kernels exist for 64 and 128 only, and `eulergen train` runs on a GPU too.
+# The dataclass defaults are the built-in default on the CPU (GPU_DEFAULT below, on a GPU),
+# sized by measurement for `eulergen train` with no arguments: benchmarks/RESULTS.md, "The
+# default run". Head dim 64: the CUDA attention kernels exist for 64 and 128 only.
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str | None = None
@@ -54,12 +53,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    batch_size: int = 8
+    batch_size: int = 16
     seq_len: int = 64                # not given: model.max_seq_len
-    learning_rate: float = 2e-3
-    min_lr: float = 2e-4             # not given: learning_rate / 10
+    learning_rate: float = 3e-3
+    min_lr: float = 3e-4             # not given: learning_rate / 10
     warmup_steps: int = 20
-    total_steps: int = 300
+    total_steps: int = 700
     schedule: str = "cosine"         # "cosine" | "linear" | "constant"
     gradient_accumulation: int = 1
     weight_decay: float = 0.1
@@ -68,8 +67,8 @@ class TrainingConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0           # 0 turns clipping off
     spike_factor: float = 4.0        # skip an update when loss or grad norm > factor x running mean; 0 = off
-    eval_every: int = 50             # 0 = never
-    eval_steps: int = 4
+    eval_every: int = 100            # 0 = never
+    eval_steps: int = 16
     checkpoint_every: int = 100      # 0 = only at the end
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -95,6 +94,10 @@ class RunConfig:
     training: TrainingConfig
     data: DataConfig
     run_dir: str
+    # the device's built-in default ("cpu" or "gpu") that load_config chose for the keys
+    # nobody gave (no file, finds_gpu given); None otherwise: the CPU's filled them, if any.
+    # Not saved, not compared: a run's config.json gives every key.
+    default: str | None = field(default=None, compare=False)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "training": TrainingConfig, "data": DataConfig}
@@ -111,6 +114,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                       activation="swiglu", positions="rope", bias=False),
 }
 
+# The built-in default on a GPU: what differs from the CPU's (the dataclass defaults), taken
+# when no config file is given and training.device resolves to cuda; sized to end well within
+# two minutes on an H200 (benchmarks/RESULTS.md, "The default run"). Below a preset, as the CPU
+# default is; mlp_hidden keeps 4 x hidden_dim when only the width is changed.
+GPU_DEFAULT: dict[str, dict[str, Any]] = {
+    "model": dict(hidden_dim=512, num_layers=8, num_heads=8, num_kv_heads=8, max_seq_len=256,
+                  mlp_hidden=2048),
+    "training": dict(batch_size=32, learning_rate=1e-3, warmup_steps=100, total_steps=2500,
+                     eval_every=500, eval_steps=20, checkpoint_every=1000),
+}
+DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"cpu": {}, "gpu": GPU_DEFAULT}
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rope"),
     "training.schedule": ("cosine", "linear", "constant"),
@@ -123,11 +138,15 @@ _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *,
-                fresh_run_dir: bool = False) -> RunConfig:
+                fresh_run_dir: bool = False,
+                finds_gpu: typing.Callable[[], bool] | None = None) -> RunConfig:
     """Read `path` (JSON or YAML; None: the built-in default), apply `section.key=value`
     overrides (values parsed as YAML scalars), resolve presets and derived defaults, validate.
     `fresh_run_dir`: when neither the file nor an override names run_dir, a new folder
-    runs/<stem>-YYYYmmdd-HHMMSS (a second run never meets the first one's checkpoints)."""
+    runs/<stem>-YYYYmmdd-HHMMSS (a second run never meets the first one's checkpoints).
+    `finds_gpu`: whether training.device auto finds a GPU here. Given, a run without a file
+    takes the built-in default of its device (GPU_DEFAULT on cuda); not given, the CPU's
+    whatever the device (for callers that name the sizes they test)."""
     raw: dict[str, Any] = {}
     where: dict[str, tuple[str, int | None]] = {}
     source = "<default>"
@@ -142,7 +161,18 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     default_run_dir = f"runs/{Path(path).stem if path is not None else 'default'}"
     if fresh_run_dir:
         default_run_dir = _fresh_dir(default_run_dir)
-    return config_from_dict(raw, source=source, where=where, default_run_dir=default_run_dir)
+    default = None
+    if path is None and finds_gpu is not None:
+        default = "gpu" if _on_gpu(raw, finds_gpu) else "cpu"
+    return config_from_dict(raw, source=source, where=where, default_run_dir=default_run_dir,
+                            default=default)
+
+
+def _on_gpu(raw: dict[str, Any], finds_gpu: typing.Callable[[], bool]) -> bool:
+    """Whether the run's training.device resolves to cuda (a value that is no device is
+    left to validation, which names it)."""
+    device = (raw.get("training") or {}).get("device", "auto")
+    return device == "cuda" or (device == "auto" and finds_gpu())
 
 
 def _fresh_dir(base: str) -> str:
@@ -156,8 +186,10 @@ def _fresh_dir(base: str) -> str:
 
 def config_from_dict(raw: dict[str, Any], *, source: str = "<dict>",
                      where: dict[str, tuple[str, int | None]] | None = None,
-                     default_run_dir: str = "runs/default") -> RunConfig:
-    """Build and validate a RunConfig from `{section: {key: value}, "run_dir": …}`.
+                     default_run_dir: str = "runs/default", default: str | None = None
+                     ) -> RunConfig:
+    """Build and validate a RunConfig from `{section: {key: value}, "run_dir": …}`, the keys
+    not given from the built-in default named by `default` (DEFAULTS; None: the CPU's).
     `as_dict(cfg)` gives back such a mapping, so a run's saved config loads exactly."""
     where = where or {}
 
@@ -176,14 +208,15 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "<dict>",
     given = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     values = {name: _typed(cls, given[name], name, fail) for name, cls in SECTIONS.items()}
 
-    model = _resolve_model(values["model"], fail)
-    training = _resolve_training(values["training"], model)
+    base = DEFAULTS[default or "cpu"]
+    model = _resolve_model(values["model"], base.get("model", {}), fail)
+    training = _resolve_training(values["training"], base.get("training", {}), model)
     data = _resolve_data(values["data"], fail)
     run_dir = raw.get("run_dir", default_run_dir)
     if not isinstance(run_dir, str) or not run_dir:
         fail("run_dir", f"expected a directory path, got {_show(run_dir)}")
     cfg = RunConfig(model=ModelConfig(**model), training=TrainingConfig(**training),
-                    data=DataConfig(**data), run_dir=run_dir)
+                    data=DataConfig(**data), run_dir=run_dir, default=default)
     _validate(cfg, fail)
     return cfg
 
@@ -328,8 +361,8 @@ def _number(value: Any) -> float | int | None:
     return None
 
 
-def _resolve_model(given: dict[str, Any], fail) -> dict[str, Any]:
-    base = dataclasses.asdict(ModelConfig())
+def _resolve_model(given: dict[str, Any], default: dict[str, Any], fail) -> dict[str, Any]:
+    base = {**dataclasses.asdict(ModelConfig()), **default}
     preset = given.get("preset")
     if preset is not None:
         if preset not in PRESETS:
@@ -345,8 +378,9 @@ def _resolve_model(given: dict[str, Any], fail) -> dict[str, Any]:
     return model
 
 
-def _resolve_training(given: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
-    training = {**dataclasses.asdict(TrainingConfig()), **given}
+def _resolve_training(given: dict[str, Any], default: dict[str, Any],
+                      model: dict[str, Any]) -> dict[str, Any]:
+    training = {**dataclasses.asdict(TrainingConfig()), **default, **given}
     if "seq_len" not in given:
         training["seq_len"] = model["max_seq_len"]
     if "min_lr" not in given:

@@ -7,8 +7,8 @@ import pytest
 
 from eulergen import CONFIG_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.config import (ModelConfig, as_dict, config_from_dict, derive_val_dataset,
-                                     load_config)
+from eulergen.runtime.config import (GPU_DEFAULT, ModelConfig, as_dict, config_from_dict,
+                                     derive_val_dataset, load_config)
 
 
 def _write_json(tmp_path, data, name="run.json"):
@@ -42,11 +42,70 @@ def test_shipped_nanoeuler_preset():
     assert (m.num_heads, m.num_kv_heads, m.mlp_hidden) == (12, 4, 2048)
 
 
-def test_default_is_small_byte_level_model_on_stdlib():
-    cfg = load_config()
-    assert cfg.model.vocab_size == 256
-    assert cfg.data.dataset == "builtin:stdlib"
-    assert cfg.training.seq_len <= cfg.model.max_seq_len
+def _gpu(found: bool):
+    """A finds_gpu that answers `found` and counts how often it was asked."""
+    def finds_gpu() -> bool:
+        finds_gpu.asked += 1
+        return found
+    finds_gpu.asked = 0
+    return finds_gpu
+
+
+@pytest.mark.parametrize("found", [False, True])
+def test_each_device_default_is_a_byte_level_model_on_stdlib_the_gpu_kernels_take(found):
+    cfg = load_config(None, finds_gpu=_gpu(found))
+    assert cfg.model.vocab_size == 256 and cfg.data.dataset == "builtin:stdlib"
+    assert cfg.model.head_dim == 64, "the CUDA attention kernels take head dim 64 and 128 only"
+    assert cfg.training.seq_len == cfg.model.max_seq_len
+    assert cfg.training.dtype == "fp32", "data-parallel runs (--nproc) refuse bf16"
+
+
+def test_the_built_in_default_resolves_per_device():
+    cpu_probe, gpu_probe = _gpu(False), _gpu(True)
+    cpu, gpu = load_config(None, finds_gpu=cpu_probe), load_config(None, finds_gpu=gpu_probe)
+    assert (cpu.default, gpu.default) == ("cpu", "gpu")
+    assert cpu_probe.asked == gpu_probe.asked == 1
+    assert as_dict(cpu) == as_dict(load_config(None)), "the CPU's is the dataclasses' default"
+    for section, values in GPU_DEFAULT.items():
+        for key, value in values.items():
+            assert getattr(getattr(gpu, section), key) == value, f"{section}.{key}"
+    assert gpu.training.min_lr == pytest.approx(gpu.training.learning_rate / 10)
+    m, c = gpu.model, cpu.model
+    assert m.hidden_dim * m.num_layers > c.hidden_dim * c.num_layers, "a larger model on a GPU"
+    # without finds_gpu (library callers naming their sizes): the CPU's, whatever the device
+    plain = load_config(None, ["training.device=cuda"])
+    assert plain.default is None and plain.model == cpu.model
+
+
+def test_a_named_device_is_not_probed_and_a_file_takes_no_device_default(tmp_path):
+    probe = _gpu(True)
+    assert load_config(None, ["training.device=cuda"], finds_gpu=_gpu(False)).default == "gpu"
+    assert load_config(None, ["training.device=numpy"], finds_gpu=probe).default == "cpu"
+    path = _write_json(tmp_path, {"training": {"total_steps": 50}})
+    from_file = load_config(path, finds_gpu=probe)
+    assert probe.asked == 0
+    assert from_file.default is None and from_file.model == load_config(None).model
+
+
+def test_set_values_win_over_the_gpu_default_which_keeps_its_ratios():
+    cfg = load_config(None, ["model.hidden_dim=256", "model.num_heads=4", "training.batch_size=4",
+                             "training.learning_rate=1e-2"], finds_gpu=_gpu(True))
+    assert (cfg.model.hidden_dim, cfg.model.num_heads, cfg.training.batch_size) == (256, 4, 4)
+    g = GPU_DEFAULT["model"]
+    assert cfg.model.mlp_hidden == 256 * g["mlp_hidden"] // g["hidden_dim"]
+    assert cfg.model.num_kv_heads == 4 * g["num_kv_heads"] // g["num_heads"]
+    assert cfg.model.num_layers == g["num_layers"]
+    assert cfg.training.min_lr == pytest.approx(1e-3)
+    # a preset sits above the device default, as above the CPU's
+    assert load_config(None, ["model.preset=gpt2"], finds_gpu=_gpu(True)).model == \
+        load_config(None, ["model.preset=gpt2"]).model
+
+
+def test_a_gpu_default_run_saves_every_key_and_reloads_unchanged():
+    cfg = load_config(None, finds_gpu=_gpu(True))
+    again = config_from_dict(json.loads(json.dumps(as_dict(cfg))))
+    assert as_dict(again) == as_dict(cfg) and again == cfg
+    assert again.default is None   # a saved config is a file: every key given
 
 
 def test_nanoeuler_json_format_accepted_as_is(tmp_path):

@@ -153,3 +153,36 @@ def test_plan_command_prints_every_buffer_and_the_total(tmp_path):
     assert result.exit_code == 0, result.output
     for name in ("wte.weight", "h.1.mlp.c_proj.weight", "adam_v", "h.1.act", "d.x", "total"):
         assert name in result.output
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """get_backend('auto') finds a GPU here (the resolution logic's view of one)."""
+    from eulergen.runtime import backend
+    monkeypatch.setattr(backend, "_cuda_backend",
+                        lambda: backend.Backend("cuda", np, True, "fake GPU (sm_90)", 90))
+
+
+def _plan_title(args) -> str:
+    result = CliRunner().invoke(main, ["plan", *args])
+    assert result.exit_code == 0, result.output
+    return next(line for line in result.output.splitlines() if "memory plan" in line)
+
+
+def test_plan_shows_the_default_of_the_device_the_run_resolves_to(fake_gpu):
+    gpu = load_config(None, finds_gpu=lambda: True)
+    t = gpu.training
+    title = _plan_title([])
+    assert "the built-in GPU default" in title and f"B={t.batch_size}, T={t.seq_len}" in title
+    assert "the built-in CPU default" in _plan_title(["--set", "training.device=numpy"])
+    # --set values win over the device's default
+    assert "B=3," in _plan_title(["--set", "training.batch_size=3"])
+
+
+def test_plan_on_a_machine_without_a_gpu_takes_the_cpu_default_or_plans_the_gpu_one():
+    cpu = load_config(None)
+    title = _plan_title([])   # this machine: no CuPy, or no device
+    assert "the built-in CPU default" in title
+    assert f"B={cpu.training.batch_size}, T={cpu.training.seq_len}" in title
+    assert "the built-in GPU default" in _plan_title(["--set", "training.device=cuda"])
+

@@ -2,6 +2,9 @@
 folder that holds checkpoints is refused, never overwritten."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from click.testing import CliRunner
 
 from eulergen.cli import main
@@ -29,8 +32,12 @@ def test_train_twice_writes_two_run_folders_and_refuses_a_used_one(tmp_path, mon
     for _ in range(2):
         got = runner.invoke(main, ["train", *SHORT])
         assert got.exit_code == 0, got.output
+        header = [line for line in got.output.splitlines() if line.startswith("eulergen train:")]
+        assert "the built-in CPU default" in header[0], got.output
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert len(runs) == 2 and all(r.startswith("default-") for r in runs)
+    saved = json.loads((tmp_path / "runs" / runs[0] / "config.json").read_text())
+    assert saved["model"] == dataclasses.asdict(load_config(None).model), "every key, saved"
     assert all(any((tmp_path / "runs" / r).glob("ckpt_*")) for r in runs)
     used = runner.invoke(main, ["train", "--run-dir", f"runs/{runs[0]}", *SHORT])
     assert used.exit_code == 2 and "holds checkpoints" in used.output

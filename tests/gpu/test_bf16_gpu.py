@@ -120,7 +120,7 @@ def _stdlib(run_dir, dtype, steps=300):
 
 
 def test_300_bf16_steps_on_stdlib_end_within_1_percent_of_fp32(libs, tmp_path):
-    """The built-in default model (d 128, 3 layers, T 64, B 8) on builtin:stdlib."""
+    """The built-in CPU default model (d 128, 3 layers, T 64, B 16) on builtin:stdlib."""
     from eulergen.runtime.train import Trainer
     cuda, _ = libs
     runs = {dtype: Trainer(_stdlib(tmp_path / dtype, dtype), cuda, progress=False,

@@ -179,13 +179,14 @@ def test_training_steps_stay_within_the_plan(libs, cp):
 
 
 def test_the_built_in_default_trains_on_the_gpu(libs, tmp_path):
-    """`eulergen train` with no arguments: the default model (head dim 64) on the CUDA
-    backend, a short run whose validation loss falls."""
+    """`eulergen train` with no arguments on a GPU: the GPU's default model (head dim 64)
+    on the CUDA backend, a short run whose validation loss falls."""
     from eulergen.runtime.train import Trainer
     cuda, _ = libs
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "training.total_steps=60",
                              "training.warmup_steps=5", "training.eval_every=20",
-                             "training.sample_tokens=20", "training.device=cuda"])
+                             "training.sample_tokens=20"], finds_gpu=lambda: True)
+    assert cfg.default == "gpu"
     result = Trainer(cfg, cuda, progress=False, tensorboard=False).run()
     val = [result.val_losses[s] for s in sorted(result.val_losses)]
     assert len(val) == 3 and val[-1] < val[0], val
