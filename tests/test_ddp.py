@@ -17,10 +17,10 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.collective import (CpuCollective, NcclCollective, Rendezvous, free_port,
-                                         select_gpu)
+from eulergen.runtime.collective import CpuCollective, Rendezvous, free_port, select_gpu
 from eulergen.runtime.config import load_config
 from eulergen.runtime.data import DataLoader
+from eulergen.runtime.nccl import NcclCollective
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.train import Trainer
 from runs import losses
@@ -40,7 +40,7 @@ def _on_ranks(n, body, timeout=10.0, port=None):
                 out[r] = body(c)
             finally:
                 c.close()
-        except EulerError as err:
+        except Exception as err:   # noqa: BLE001 - the caller asserts on it
             out[r] = err
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
     for t in threads:
@@ -155,8 +155,11 @@ def test_rank_slices_are_disjoint_and_together_the_global_batch(shard):
         parts = [loader.next_batch()[0] for loader in ranks]
         assert np.array_equal(np.concatenate(parts), x)
     assert ranks[0].state() == ranks[1].state() == {**whole.state(), "world_size": 2}
-    with pytest.raises(EulerError, match="saved by 2 ranks, this run has 1"):
-        whole.restore(ranks[0].state())
+    # the global position: one process of 2 x B continues the two ranks' stream
+    again = DataLoader(str(shard), 8, 16, seed=3, position=ranks[0].state())
+    assert np.array_equal(again.next_batch()[0], whole.next_batch()[0])
+    with pytest.raises(EulerError, match="global batches of 8 rows .* this run's are 1 x 4"):
+        DataLoader(str(shard), 4, 16, seed=3).restore(ranks[0].state())
 
 
 # -- training -----------------------------------------------------------------------------
@@ -171,10 +174,10 @@ def _cfg(shard, run_dir, batch, **training):
             "model.mlp_hidden=64", *(f"training.{k}={v}" for k, v in t.items())]
 
 
-def _train(shard, run_dir, batch, collective=None, **training):
+def _train(shard, run_dir, batch, collective=None, resume=False, **training):
     cfg = load_config(None, _cfg(shard, run_dir, batch, **training))
     trainer = Trainer(cfg, OpLibrary(NUMPY), progress=False, tensorboard=False,
-                      collective=collective)
+                      collective=collective, resume=resume)
     return trainer.run().losses
 
 
