@@ -137,3 +137,31 @@ def _stop_at_3(shard, run_dir, batch, collective=None, **training):
     from eulergen.runtime.train import Trainer
     cfg = load_config(None, _cfg(shard, run_dir, batch, **training))
     Trainer(cfg, LIB, progress=False, tensorboard=False, collective=collective).run(stop_after=3)
+
+
+def test_the_plan_command_shows_one_rank_s_memory_with_zero():
+    """`eulergen plan --nproc 4` with training.zero=1: AdamW's moments are one rank's share
+    (the bucket plan's), every other arena as without ZeRO."""
+    from click.testing import CliRunner
+
+    from eulergen.cli import main
+
+    def shown(*args):
+        sets = [*SMALL, "training.batch_size=2", "training.seq_len=32", *args]
+        result = CliRunner().invoke(main, ["plan", "--nproc", "4",
+                                           *(a for o in sets for a in ("--set", o))])
+        assert result.exit_code == 0, result.output
+        rows = [[c.strip() for c in line.split("│")[1:-1]] for line in result.output.splitlines()
+                if line.startswith("│")]
+        return {r[0]: r for r in rows}, result.output
+    zero, text = shown("training.zero=1", f"training.bucket_mb={BUCKET_MB}")
+    full, _ = shown()
+    plan = plan_buckets(_arch(), 4, zero=True, bucket_mb=float(BUCKET_MB))
+    assert "one rank of 4 with ZeRO-1" in " ".join(text.split())   # the title may wrap
+    assert zero["adam_m total"][1] == f"{plan.moments:,} elements" != full["adam_m total"][1]
+    assert full["adam_m total"][1] == f"{plan.total:,} elements"
+    assert zero["params total"] == full["params total"]
+    saved = 2 * 4 * (plan.total - plan.moments)   # two float32 moments
+    bytes_of = {k: int(v[3].split()[0].replace(",", "")) for k, v in (("zero", zero["total"]),
+                                                                     ("full", full["total"]))}
+    assert bytes_of["full"] - bytes_of["zero"] == saved
