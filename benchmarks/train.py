@@ -89,14 +89,20 @@ def _median_step(step, warmup: int, iters: int, sync) -> float:
     return statistics.median(times)
 
 
-def eulergen_step(model, optim, x, y, clip: float) -> float:
-    """One eulergen training step as a loop runs it; the loss."""
+def eulergen_step(model, optim, x, y, clip: float, dp=None) -> float:
+    """One eulergen training step as a loop runs it (data parallel, through `dp`
+    (runtime/data_parallel.py), as Trainer.train_step runs it); the loss."""
     model.load_tokens(x, y)
-    loss = float(model.loss_and_grad()[0])
-    norm = model.grad_norm()   # cuBLAS into a host scalar: cupy.dot would allocate
+    loss = float(model.loss_and_grad(after=dp.after if dp is not None else None)[0])
+    if dp is not None:
+        loss = dp.finish(loss)
+    shards = dp if dp is not None and dp.zero else None
+    norm = (shards or model).grad_norm()   # cuBLAS into a host scalar: cupy.dot would allocate
     if norm > clip:
-        model.scale_grads(clip / norm)
+        (shards or model).scale_grads(clip / norm)
     optim.step(LR)
+    if shards is not None:
+        shards.gather_params()
     return loss
 
 

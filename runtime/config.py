@@ -78,7 +78,7 @@ class TrainingConfig:
     tf32: bool = True
     device: str = "auto"             # "auto" | "cuda" | "numpy"
     sample_tokens: int = 200
-    zero: int = 0                    # 1: ZeRO-1, each data-parallel rank updates a share (AdamW state)
+    zero: int = 0                    # 1: ZeRO-1, a data-parallel rank updates its share
     bucket_mb: float = 25.0          # data parallel: MiB of gradients a collective reduces
 
 

@@ -311,8 +311,8 @@ class Trainer:
             x, y = self.train_data.next_batch()
             model.load_tokens(x, y)
             # the host read of the loss is the one synchronisation of a micro-step
-            total += float(model.loss_and_grad(
-                accumulate=micro > 0, after=self.dp.after if self.dp and micro == last else None)[0])
+            hook = self.dp.after if self.dp is not None and micro == last else None
+            total += float(model.loss_and_grad(accumulate=micro > 0, after=hook)[0])
         loss = total / t.gradient_accumulation
         if self.dp is not None:
             loss = self.dp.finish(loss)
