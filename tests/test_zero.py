@@ -108,6 +108,18 @@ def test_zero_ranks_of_b_match_one_process_of_3b_and_repeat_bitwise(shard, tmp_p
         assert err < 1e-4, (name, err)
 
 
+def test_buckets_wait_for_the_last_micro_step_of_gradient_accumulation(shard, tmp_path):
+    """2 ranks x 2 micro-steps of B=2 with ZeRO: the buckets are issued from the last
+    micro-step's backward only, and the step is one process's 1 x 8."""
+    one = _train(shard, tmp_path / "one", 8)
+    out = _on_ranks(2, lambda c: _train(shard, tmp_path / "acc", 2, c, zero=1,
+                                        bucket_mb=BUCKET_MB, gradient_accumulation=2),
+                    timeout=60)
+    assert not any(isinstance(o, Exception) for o in out), out
+    rel = np.abs(np.subtract(list(out[0].values()), list(one.values()))) / list(one.values())
+    assert rel.max() < 1e-6, rel
+
+
 def test_a_zero_checkpoint_resumes_on_one_rank_and_a_one_rank_one_on_two(shard, tmp_path):
     """2 x 4 with ZeRO to step 3, then 1 x 8 to the end; 1 x 8 to step 3, then 2 x 4 with
     ZeRO: both continue the uninterrupted 1 x 8 run (the data position counts global
