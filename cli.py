@@ -262,6 +262,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     _limit_blas_threads()
     from eulergen.runtime import collective as coll
     from eulergen.runtime import gemm
+    from eulergen.runtime.data_parallel import connect
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer
 
@@ -296,7 +297,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     if rv is not None and cfg.training.device != "numpy":
         coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
     lib = _library(cfg, ops_dirs, build=True)
-    collective = coll.connect(rv, lib.backend) if rv is not None else None
+    collective = connect(rv, lib.backend) if rv is not None else None
     try:
         trainer = Trainer(cfg, lib, resume=resume is not None,
                           initial=imported.params if imported else None, init_from=source,

@@ -8,7 +8,8 @@ bits on every rank and on every rerun. Every wait is bounded by `timeout`; a ran
 does not arrive, or dies, stops the others with one line naming it. It is the test
 double for the logic, and the store through which NCCL's unique id travels.
 
-The GPU path, cupy.cuda.nccl over CuPy arrays, is runtime/nccl.py's NcclCollective.
+The GPU path, cupy.cuda.nccl over CuPy arrays, is runtime/nccl.py's NcclCollective
+(runtime/data_parallel.connect picks one for a backend).
 """
 from __future__ import annotations
 
@@ -369,11 +370,3 @@ def select_gpu(rv: Rendezvous) -> None:
         raise EulerError(f"LOCAL_RANK {rv.local_rank} needs GPU {rv.local_rank}, but {visible} "
                          f"are visible: more ranks on this node than GPUs", key="WORLD_SIZE")
     cupy.cuda.Device(rv.local_rank).use()
-
-
-def connect(rv: Rendezvous, backend):
-    """The collective for a backend: NCCL on the GPU, the TCP hub on numpy."""
-    if backend.is_gpu:
-        from eulergen.runtime.nccl import NcclCollective
-        return NcclCollective(rv)
-    return CpuCollective(rv)

@@ -19,6 +19,7 @@ import numpy as np
 
 from eulergen.runtime import bf16
 from eulergen.runtime.buckets import BucketPlan
+from eulergen.runtime.collective import CpuCollective
 from eulergen.runtime.memory import ALIGN, upload
 from eulergen.runtime.tape import cublas_nrm2
 
@@ -158,3 +159,11 @@ class DataParallel:
         full = self.gather(share, "the master weights' gather")
         if full is not None:
             upload(params, full)
+
+
+def connect(rv, backend):
+    """The collective of a Rendezvous for a backend: NCCL on the GPU, the TCP hub on numpy."""
+    if backend.is_gpu:
+        from eulergen.runtime.nccl import NcclCollective
+        return NcclCollective(rv)
+    return CpuCollective(rv)
