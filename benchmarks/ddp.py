@@ -17,7 +17,6 @@ Targets (issue 26): efficiency >= 0.95 at 2 GPUs and >= 0.90 at 8, and >= PyTorc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -27,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import say  # noqa: E402
-from train import LR, _median_step, _tokens, config, eulergen_step  # noqa: E402
+from train import (_median_step, _tokens, config, eulergen_step, torch_model,  # noqa: E402
+                   torch_step)
 
 SYSTEMS = ("eulergen", "eulergen ZeRO-1", "torch DDP compile")
 ALONE = "eulergen, no collective"
@@ -69,34 +69,15 @@ def run_torch_ddp(cfg, rank: int, world: int, port: int, warmup: int, iters: int
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    import torch_gpt
-    torch.backends.cuda.matmul.allow_tf32 = True
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    torch.manual_seed(0)
-    t = cfg.training
-    bf16 = t.dtype == "bf16"
-    model = torch_gpt.TorchGPT(cfg.model, repeat_kv=not bf16).cuda()
+    model, optim = torch_model(cfg)
     ddp = DistributedDataParallel(model, device_ids=[rank], gradient_as_bucket_view=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                               {"params": rest, "weight_decay": 0.0}], lr=LR,
-                              betas=(t.beta1, t.beta2), eps=t.adam_eps, fused=True)
     forward = torch.compile(ddp)
     x, y = (torch.as_tensor(a, device="cuda") for a in _tokens(cfg, seed=rank))
-
-    def step():
-        with (torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()):
-            _, loss = forward(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        return loss.item()
-
-    seconds = _median_step(step, warmup, iters, torch.cuda.synchronize)
+    seconds = _median_step(lambda: torch_step(forward, model, optim, x, y, cfg.training),
+                           warmup, iters, torch.cuda.synchronize)
     dist.destroy_process_group()
     return seconds
 
