@@ -306,7 +306,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
             trainer.run()   # rank 0 reports
             return
         t = cfg.training
-        ranks = f"{rv.world_size} ranks x " if rv is not None else ""
+        ranks = "" if rv is None else \
+            f"{rv.world_size} ranks{' (ZeRO-1)' if t.zero else ''} x "
         click.echo(f"eulergen train: {lib.backend.device}, {trainer.model.param_total:,} "
                    f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
                    f"{t.dtype}, GEMMs {gemm.describe(lib.backend)}, memory plan "

@@ -373,10 +373,11 @@ class Trainer:
                         record["val_loss"] = val
                 if record:
                     self.logger.log(self.step, **record)
-                if (self.writer or self.collective is not None) and (
-                        (t.checkpoint_every and self.step % t.checkpoint_every == 0)
+                # every rank (save() writes on rank 0); bf16 ZeRO: it makes rank 0's master
+                # whole for sample() too
+                if ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
                         or self.step == t.total_steps):
-                    self.save()   # bf16 ZeRO: also makes rank 0's master whole for sample()
+                    self.save()
             if self.step == t.total_steps and t.sample_tokens and self.writer:
                 self.result.sample = self.sample(t.sample_tokens)
                 self.logger.print(f"sample:\n{self.result.sample}")
