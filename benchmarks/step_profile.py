@@ -279,10 +279,10 @@ def instrument(model, spans: Spans):
         spans.begin("cross-entropy (mask, fused loss+dlogits, mean)", "loss",
                     nbytes=2 * model.mem["logits"].nbytes)
 
-    def timed_backward():
+    def timed_backward(after=None):
         spans.end()
         phase["backward"] = True
-        backward()
+        backward(after)
 
     for name, stand_in in (("gemm", timed_gemm), ("add", timed_add),
                            ("forward", timed_forward), ("backward", timed_backward)):

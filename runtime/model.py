@@ -26,7 +26,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime import bf16, gemm, step_control
 from eulergen.runtime.attention import head_dims
 from eulergen.runtime.graph import model_graph
-from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
+from eulergen.runtime.memory import ALIGN, Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.params import (ParamSpec, load_params, padded_vocab,  # noqa: F401
                                      param_count, parameters, plan_params)
 from eulergen.runtime.tape import Tape
@@ -158,7 +158,8 @@ def _check_head_dim(attention, d: int, heads: int) -> None:
 
 
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
-               dtype: str = "float32", workspace=None, gemm_workspace: int = 0) -> Plan:
+               dtype: str = "float32", workspace=None, gemm_workspace: int = 0,
+               buckets=None) -> Plan:
     """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
@@ -169,7 +170,10 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     OpLibrary.workspace_elements answers it (what `build` passes;
     cuda_ops.workspace_elements for the GPU's plan on any machine); None: none.
     `gemm_workspace`: the bytes of the GEMM libraries' workspace (gemm.workspace_bytes: on
-    a GPU, so that a captured step's GEMMs allocate nothing), its own arena `gemm`; 0: none."""
+    a GPU, so that a captured step's GEMMs allocate nothing), its own arena `gemm`; 0: none.
+    `buckets`: data-parallel training's BucketPlan (runtime/buckets.py): with ZeRO-1 the
+    AdamW moments hold one rank's share; the rank's loss and sum of squares have a slot
+    each for the collectives."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -193,8 +197,9 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     if training:
         # same layout as params: a parameter's gradient / moments sit at its offset
         p.add("grads", "grads", (total,), dtype)
+        moments = buckets.moments if buckets is not None and buckets.zero else total
         for arena in ("adam_m", "adam_v"):
-            p.add(arena, arena, (total,), master)
+            p.add(arena, arena, (moments,), master)
 
     # next: the next x; parts (q, k, v of qkv) are views of their root's buffers
     block = [g.values[n] for n in g.order(g.block) if n != "next" and not g.values[n].part]
@@ -225,6 +230,14 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         if master != dtype:
             add("stats", "grad_rows", (total // _norm_row(total),), per_row=True)
         add("workspace", "grad_norm", (1,), per_row=True)   # cuBLAS writes it on the device
+        if buckets is not None:
+            add("workspace", "dp_loss", (1,), per_row=True)
+            add("workspace", "dp_sumsq", (1,), per_row=True)
+            if buckets.zero:   # the norms of a rank's share, each row's (bf16) or span's
+                if master != dtype:
+                    add("stats", "shard_rows", (buckets.moments // ALIGN,), per_row=True)
+                else:
+                    add("workspace", "shard_norms", (len(buckets.owned(0)),), per_row=True)
         # float32 workspace of the generated backward kernels, reused call after call
         # (one stream: a call's kernels have read it before the next call writes it)
         kdt = "bf16" if dtype == "bf16" else "f32"
@@ -298,9 +311,10 @@ class GPT:
 
     # -- running it -------------------------------------------------------------------
 
-    def set_accumulation(self, micro_steps: int) -> None:
-        """The loss is the mean over all tokens of all micro-steps of a step."""
-        self.mem["dloss"][...] = 1.0 / (self.batch * self.seq * micro_steps)
+    def set_accumulation(self, micro_steps: int, ranks: int = 1) -> None:
+        """The loss is the mean over all tokens of all micro-steps of a step, of all `ranks`
+        (whose gradients are then summed: PyTorch DDP's division before the all-reduce)."""
+        self.mem["dloss"][...] = 1.0 / (self.batch * self.seq * micro_steps * ranks)
 
     def load_tokens(self, idx, targets=None) -> None:
         """Copy a [B, T] batch (host integers) into the planned token buffers, checked."""
@@ -342,9 +356,10 @@ class GPT:
         step_control.loss_mean(m["losses"], m["loss"])
         return m["loss"]
 
-    def loss_and_grad(self, *, accumulate: bool = False):
+    def loss_and_grad(self, *, accumulate: bool = False, after=None):
         """Forward, loss and backward for the loaded batch. With `accumulate`, parameter
-        gradients add to those already in the grads arena (a later micro-step)."""
+        gradients add to those already in the grads arena (a later micro-step). `after`:
+        Tape.backward's hook."""
         m = self.mem
         self.tape.forward()
         self._mask_padding()
@@ -352,7 +367,7 @@ class GPT:
                        out=(m["losses"], m["logits"]))
         step_control.loss_mean(m["losses"], m["loss"])
         self.tape.accumulating = accumulate
-        self.tape.backward()
+        self.tape.backward(after)
         return m["loss"]
 
     def grad_norm(self, out=None):
@@ -375,14 +390,6 @@ class GPT:
         if out is not None:
             out[0] = norm
         return norm if out is None else None
-
-    def scale_grads(self, factor: float) -> None:
-        """Multiply every gradient by `factor` in place (clipping)."""
-        g = self.mem.arenas["grads"]
-        if self.bf16:
-            bf16.scale(g, factor)
-        else:
-            self.xp.multiply(g, factor, out=g)
 
     def sync_weights(self) -> None:
         """Round the float32 master weights into the bf16 copy the kernels read (one pass
@@ -422,7 +429,7 @@ def ops_used(cfg) -> tuple[str, ...]:
 
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
-          shared: dict | None = None, tf32: bool = False) -> GPT:
+          shared: dict | None = None, tf32: bool = False, buckets=None) -> GPT:
     """Plan, allocate and record a model: the one call the trainer and sampler make.
     `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy)."""
     arch = arch_of(cfg, lib)
@@ -430,6 +437,6 @@ def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str =
         bf16.plan_dtype("bf16", lib.backend)
     plan = plan_model(arch, batch, seq, training=training, dtype=dtype,
                       workspace=lib.workspace_elements,
-                      gemm_workspace=gemm.workspace_bytes(lib.backend))
+                      gemm_workspace=gemm.workspace_bytes(lib.backend), buckets=buckets)
     check_fits(plan, lib.backend, shared)
     return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)
