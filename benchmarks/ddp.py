@@ -45,7 +45,7 @@ def run_eulergen(cfg, collective, zero: bool, warmup: int, iters: int) -> float:
     from eulergen.runtime.data_parallel import DataParallel
     from eulergen.runtime.model import arch_of, build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.train import AdamW
+    from eulergen.runtime.adamw import AdamW
     t = cfg.training
     lib = OpLibrary(get_backend("cuda"))
     ranks = collective.world_size if collective is not None else 1

@@ -322,7 +322,7 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.train import AdamW
+    from eulergen.runtime.adamw import AdamW
 
     t = cfg.training
     backend = get_backend(t.device)

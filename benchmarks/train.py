@@ -123,7 +123,7 @@ def run_eulergen(cfg, warmup: int, iters: int, cuda_graph: bool = True) -> dict:
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.train import AdamW
+    from eulergen.runtime.adamw import AdamW
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()

@@ -29,7 +29,7 @@ from eulergen.runtime.memory import Memory, storage
 from eulergen.runtime.model import GPT, arch_of, build, plan_model
 from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
 from eulergen.runtime.tape import Linear
-from eulergen.runtime.train import AdamW
+from eulergen.runtime.adamw import AdamW
 
 GRAD_TOLERANCE = 2e-2
 LOSS_TOLERANCE = 1e-2
