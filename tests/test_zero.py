@@ -1,7 +1,7 @@
 """Gradient buckets and ZeRO-1 on the CPU collective (runtime/buckets.py,
 runtime/data_parallel.py): buckets cover the arena and are final when issued, a rank's
-shares partition it, N ranks x B with ZeRO train as 1 x N·B, a ZeRO checkpoint resumes on
-another world size."""
+shares partition it, the GPU's stream order on stand-ins, N ranks x B with ZeRO train as
+1 x N·B, a ZeRO checkpoint resumes on another world size."""
 from __future__ import annotations
 
 import json
@@ -78,6 +78,80 @@ def test_zero_shares_cover_every_gradient_once_and_tails_on_every_rank(ranks):
         tails[s.lo:s.hi] |= s.tail
     assert (count[~tails] == 1).all() and (count[tails] == 0).all()
     assert plan.moments < plan.total / ranks + len(plan.buckets) * ranks * 64
+
+
+def test_on_the_gpu_buckets_reduce_on_a_side_stream_the_step_stream_waits_for():
+    """DataParallel's GPU side on stand-ins of CuPy's streams and events and of NCCL (the
+    calls are recorded, not run): each bucket's collectives go to the side stream after an
+    event the step's stream records once the bucket is final, one group each time; the
+    loss joins the last group; `finish` makes the step's stream wait for the side stream."""
+    import contextlib
+    import types
+
+    from eulergen.runtime.data_parallel import DataParallel
+    log, current = [], ["step"]
+
+    class Stream:
+        def __init__(self, name="side", non_blocking=False):
+            self.name = name
+
+        def __enter__(self):
+            current.append(self.name)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event.name))
+
+    class Event:
+        names = iter(("ready", "done"))
+
+        def __init__(self, disable_timing=False):
+            self.name = next(Event.names)
+
+        def record(self, stream=None):
+            log.append(("record", self.name, stream.name if stream else current[-1]))
+
+    class Nccl:
+        rank, world_size = 0, 2
+
+        @contextlib.contextmanager
+        def group(self):
+            log.append(("group", current[-1]))
+            yield
+            log.append(("end", current[-1]))
+
+        def all_reduce_sum(self, a):
+            log.append(("all_reduce", a.size, current[-1]))
+
+        def reduce_scatter(self, a, out):
+            log.append(("reduce_scatter", a.size, out.size, current[-1]))
+
+    plan = plan_buckets(_arch(), 2, zero=True, bucket_mb=float(BUCKET_MB))
+    cuda = types.SimpleNamespace(Stream=Stream, Event=Event,
+                                 get_current_stream=lambda: Stream(current[-1]))
+
+    class Memory(dict):
+        arenas = {"grads": np.zeros(plan.total, np.float32)}
+    model = types.SimpleNamespace(backend=types.SimpleNamespace(is_gpu=True),
+                                  xp=types.SimpleNamespace(cuda=cuda),
+                                  mem=Memory(dp_loss=np.zeros(1, np.float32)))
+    dp = DataParallel(model, Nccl(), plan)
+    for node in range(plan.nodes):
+        dp.after(node)
+    dp.finish()
+    groups = [i for i, e in enumerate(log) if e[0] == "group"]
+    assert len(groups) == len({b.ready for b in plan.buckets})   # one a node that ends any
+    for i in groups:   # the side stream, after the step stream's word that the bucket is final
+        assert log[i - 2:i + 1] == [("record", "ready", "step"), ("wait", "side", "ready"),
+                                    ("group", "side")]
+    calls = [e for e in log if e[0] in ("all_reduce", "reduce_scatter")]
+    assert {e[-1] for e in calls} == {"side"}
+    # every gradient once: a bucket's 2 shares reduce-scattered, its tail all-reduced
+    assert sum(e[1] for e in calls) == plan.total + 1   # and the loss
+    assert log[-4:] == [("all_reduce", 1, "side"), ("end", "side"), ("record", "done", "side"),
+                        ("wait", "step", "done")]
 
 
 def _three_zero_ranks(shard, run_dir) -> dict:
