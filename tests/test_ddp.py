@@ -1,5 +1,5 @@
 """Data-parallel training on numpy (runtime/collective.py, the DataLoader's rank slices,
-the Trainer's all-reduce, `eulergen train --nproc`): the CPU collective's reductions in
+the Stepper's gradient buckets, `eulergen train --nproc`): the CPU collective's reductions in
 rank order, its one-line errors, disjoint shards, and N ranks x B matching 1 x N·B."""
 from __future__ import annotations
 
