@@ -278,6 +278,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     _limit_blas_threads()
     from eulergen.runtime import collective as coll
     from eulergen.runtime import gemm
+    from eulergen.runtime.data_parallel import connect
     from eulergen.runtime.memory import format_bytes
     from eulergen.runtime.train import Trainer
 
@@ -314,7 +315,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     if rv is not None and cfg.training.device != "numpy":
         coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
     lib = _library(cfg, ops_dirs, build=True)
-    collective = coll.connect(rv, lib.backend) if rv is not None else None
+    collective = connect(rv, lib.backend) if rv is not None else None
     try:
         trainer = Trainer(cfg, lib, resume=resume is not None,
                           initial=imported.params if imported else None, init_from=source,
@@ -323,7 +324,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
             trainer.run()   # rank 0 reports
             return
         t = cfg.training
-        ranks = f"{rv.world_size} ranks x " if rv is not None else ""
+        ranks = "" if rv is None else \
+            f"{rv.world_size} ranks{' (ZeRO-1)' if t.zero else ''} x "
         click.echo(f"eulergen train: {lib.backend.device}{_default_named(cfg)}, "
                    f"{trainer.model.param_total:,} "
                    f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
@@ -375,12 +377,16 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
 @click.option("--inference", is_flag=True,
               help="Plan the sampler's KV-cache model (no grads, no AdamW; k and v per layer; "
                    "bf16 with training.dtype=bf16, the default on a bf16 GPU).")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Plan one rank of this many data-parallel ranks (with training.zero=1 each "
+                   "holds a share of AdamW's moments).")
 @ops_option
-def plan(config_path, overrides, inference, ops_dirs) -> None:
+def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
     from rich.console import Console
 
     from eulergen.runtime.backend import NUMPY
+    from eulergen.runtime.buckets import plan_buckets
     from eulergen.runtime.cublas import WORKSPACE_BYTES
     from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.attention import PLAN_SMS
@@ -402,12 +408,17 @@ def plan(config_path, overrides, inference, ops_dirs) -> None:
     # a GPU run's plan, the kernels' and cuBLASLt's workspaces included, whatever this
     # machine runs on
     dtype = "bf16" if t.dtype == "bf16" else "float32"
+    buckets = None if inference or nproc == 1 else plan_buckets(
+        arch, nproc, zero=bool(t.zero), bucket_mb=t.bucket_mb,
+        itemsize=2 if t.dtype == "bf16" else 4)
     p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
-                         dtype=dtype, gemm_workspace=WORKSPACE_BYTES))
+                         dtype=dtype, gemm_workspace=WORKSPACE_BYTES, buckets=buckets))
+    ranks = "" if buckets is None else \
+        f", one rank of {nproc}{' with ZeRO-1' if buckets.zero else ''}"
     title = (f"memory plan{_default_named(cfg)}: {param_count(arch):,} parameters, "
              f"B={t.batch_size}, T={t.seq_len}, "
-             f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}")
+             f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}{ranks}")
     console = Console()
     if not console.is_terminal:   # piped or captured: never cut a buffer name short
         console = Console(width=120)

@@ -279,10 +279,10 @@ def instrument(model, spans: Spans):
         spans.begin("cross-entropy (mask, fused loss+dlogits, mean)", "loss",
                     nbytes=2 * model.mem["logits"].nbytes)
 
-    def timed_backward():
+    def timed_backward(after=None):
         spans.end()
         phase["backward"] = True
-        backward()
+        backward(after)
 
     for name, stand_in in (("gemm", timed_gemm), ("add", timed_add),
                            ("forward", timed_forward), ("backward", timed_backward)):
@@ -322,7 +322,7 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.train import AdamW
+    from eulergen.runtime.adamw import AdamW
 
     t = cfg.training
     backend = get_backend(t.device)

@@ -93,12 +93,14 @@ def _median_step(step, warmup: int, iters: int, sync) -> float:
     return statistics.median(times)
 
 
-def eulergen_stepper(model, optim, t, cuda_graph: bool = True):
+def eulergen_stepper(model, optim, t, cuda_graph: bool = True, dp=None):
     """(a Stepper as the trainer makes it, its one-step call: launch, then the loss read
-    back, so the step has ended)."""
+    back, so the step has ended). `dp`: a rank's DataParallel (runtime/data_parallel.py)."""
     from eulergen.runtime.step_control import StepRule
     from eulergen.runtime.step_graph import Stepper
-    stepper = Stepper(model, optim, StepRule.of(t, optim.slots), cuda_graph=cuda_graph)
+    ranks = dp.ranks if dp is not None else 1
+    rule = StepRule.of(t, optim.slots, ranks, zero=dp is not None and dp.zero)
+    stepper = Stepper(model, optim, rule, cuda_graph=cuda_graph, dp=dp)
     steps = iter(range(1, 1 << 30))
 
     def step(x, y) -> float:
@@ -121,7 +123,7 @@ def run_eulergen(cfg, warmup: int, iters: int, cuda_graph: bool = True) -> dict:
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.train import AdamW
+    from eulergen.runtime.adamw import AdamW
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
@@ -149,9 +151,9 @@ def run_eulergen(cfg, warmup: int, iters: int, cuda_graph: bool = True) -> dict:
     return result
 
 
-def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
-    import contextlib
-
+def torch_model(cfg):
+    """The PyTorch model of a config on the GPU, and its AdamW (fused; weight decay on
+    matrices only, as eulergen's)."""
     import torch
 
     import torch_gpt
@@ -160,28 +162,43 @@ def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     t = cfg.training
-    bf16 = t.dtype == "bf16"
     # fp32 SDPA has no fused GQA path: repeat the KV heads (torch_gpt.py's fastest fp32
     # form); in bf16 the flash kernel takes enable_gqa
-    model = torch_gpt.TorchGPT(cfg.model, repeat_kv=not bf16).cuda()
+    model = torch_gpt.TorchGPT(cfg.model, repeat_kv=t.dtype != "bf16").cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                {"params": rest, "weight_decay": 0.0}], lr=LR,
                               betas=(t.beta1, t.beta2), eps=t.adam_eps, fused=True)
+    return model, optim
+
+
+def torch_step(forward, model, optim, x, y, t) -> float:
+    """One PyTorch training step as a loop runs it (bf16: under autocast); the loss."""
+    import contextlib
+
+    import torch
+    bf16 = torch.autocast("cuda", dtype=torch.bfloat16) if t.dtype == "bf16" else None
+    with bf16 or contextlib.nullcontext():
+        _, loss = forward(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def run_torch(cfg, warmup: int, iters: int, compiled: bool) -> dict:
+    import torch
+
+    model, optim = torch_model(cfg)
     forward = torch.compile(model) if compiled else model
     x, y = (torch.as_tensor(a, device="cuda") for a in _tokens(cfg))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
 
     def step():
-        with (torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()):
-            _, loss = forward(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        return loss.item()
+        return torch_step(forward, model, optim, x, y, cfg.training)
 
     seconds = _median_step(step, warmup, iters, torch.cuda.synchronize)
     result = dict(seconds=seconds, peak=torch.cuda.max_memory_allocated(), loss=step())

@@ -2,9 +2,8 @@
 float32 bits; CuPy has no bfloat16 dtype). The generated kernels read and write that form
 themselves; what the runtime does to such arrays outside them is here, in one place:
 rounding float32 into it, widening it, and the few elementwise steps of a mixed-precision
-step that have no op of their own (the residual add, adding a gradient, scaling the
-gradients by the clip factor, the gradient norm's row sums), and `plan_dtype`, which
-refuses bf16 where it cannot run.
+step that have no op of their own (the residual add, adding a gradient, the gradient
+norm's row sums), and `plan_dtype`, which refuses bf16 where it cannot run.
 
 Each helper has a numpy form, which is the reference (the CPU tests compile the CUDA text
 below with g++ and compare it with it), and a CuPy form: one elementwise or row-reduction
@@ -37,7 +36,6 @@ __device__ __forceinline__ unsigned short eg_round(float f) {
 ELEMENTWISE = {
     "to_bf16": ("float32 x", "uint16 y", "y = eg_round(x)"),
     "add": ("uint16 a, uint16 b", "uint16 y", "y = eg_round(eg_widen(a) + eg_widen(b))"),
-    "scale": ("uint16 a, float32 s", "uint16 y", "y = eg_round(eg_widen(a) * s)"),
 }
 # out[r] = ‖g[r, :]‖₂, summed in float32: (in, out, map, reduce, post map, identity) as
 # cupy.ReductionKernel takes them. Its parameter names must not occur inside any other
@@ -123,14 +121,6 @@ def add(a, b, out) -> None:
         _kernel("add")(a, b, out)
     else:
         to_bf16(from_bf16(a) + from_bf16(b), out=out)
-
-
-def scale(a, factor: float) -> None:
-    """a *= factor in place (bf16 a, float32 factor)."""
-    if _is_cupy(a):
-        _kernel("scale")(a, np.float32(factor), a)
-    else:
-        to_bf16(from_bf16(a) * np.float32(factor), out=a)
 
 
 def row_norms(g, out) -> None:

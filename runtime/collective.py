@@ -8,16 +8,19 @@ bits on every rank and on every rerun. Every wait is bounded by `timeout`; a ran
 does not arrive, or dies, stops the others with one line naming it. It is the test
 double for the logic, and the store through which NCCL's unique id travels.
 
-`NcclCollective`: the GPU path, cupy.cuda.nccl over CuPy arrays in place.
+The GPU path, cupy.cuda.nccl over CuPy arrays, is runtime/nccl.py's NcclCollective
+(runtime/data_parallel.connect picks one for a backend).
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
+import select
 import socket
 import struct
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +93,7 @@ class CpuCollective:
         self.rank, self.world_size, self.timeout = rv.rank, rv.world_size, rv.timeout
         self._peers: dict[int, socket.socket] = {}   # rank 0: rank -> connection
         self._hub: socket.socket | None = None        # ranks > 0
+        self._queue: list | None = None               # inside group(): the ops to exchange
         if rv.rank == 0:
             self._serve(rv)
         else:
@@ -183,25 +187,59 @@ class CpuCollective:
             _send(self._peers[r], answers[r])
         return answers[0]
 
+    def _op(self, payload: bytes, what: str, answer, deliver) -> None:
+        """One collective: exchanged now, or inside group() queued for the group's one
+        exchange; `deliver(answer)` writes this rank's result."""
+        if self._queue is not None:
+            self._queue.append((payload, what, answer, deliver))
+            return
+        deliver(self._exchange(payload, what, answer))
+
+    @contextmanager
+    def group(self):
+        """The collectives issued inside run as one exchange when it ends (NCCL: one
+        grouped launch); their results are there from then on."""
+        if self._queue is not None:   # nested: the outer group exchanges
+            yield
+            return
+        self._queue = []
+        try:
+            yield
+            ops = self._queue
+        finally:
+            self._queue = None
+        if not ops:
+            return
+
+        def answer(payloads):
+            parts = [_unpack(p) for p in payloads]
+            per_op = [op[2]([p[k] for p in parts]) for k, op in enumerate(ops)]
+            return [_pack([a[r] for a in per_op]) for r in range(self.world_size)]
+        what = " + ".join(dict.fromkeys(op[1] for op in ops))
+        got = _unpack(self._exchange(_pack([op[0] for op in ops]), what, answer))
+        for op, data in zip(ops, got):
+            op[3](data)
+
     # -- the interface --------------------------------------------------------------------
 
     def all_reduce_sum(self, a: np.ndarray) -> None:
-        """Sum a flat float32 array over ranks, in place; rank order 0..N-1."""
-        out = self._exchange(a.tobytes(), "all_reduce_sum",
-                             lambda ps: [_sum(ps, a.dtype).tobytes()] * self.world_size)
-        a[...] = np.frombuffer(out, dtype=a.dtype)
+        """Sum a flat float array over ranks, in place; rank order 0..N-1."""
+        _check_float(a)
+        self._op(a.tobytes(), "all_reduce_sum",
+                 lambda ps: [_sum(ps, a.dtype).tobytes()] * self.world_size, _into(a))
 
     def reduce_scatter(self, a: np.ndarray, out: np.ndarray) -> None:
-        """out = rank r's 1/N slice of the rank-order sum of `a` (a.size = N * out.size)."""
-        got = self._exchange(a.tobytes(), "reduce_scatter", lambda ps: [
-            s.tobytes() for s in np.split(_sum(ps, a.dtype), self.world_size)])
-        out[...] = np.frombuffer(got, dtype=out.dtype)
+        """out = rank r's 1/N slice of the rank-order sum of `a` (a.size = N * out.size;
+        out may be that slice of a)."""
+        _check_float(a)
+        self._op(a.tobytes(), "reduce_scatter", lambda ps: [
+            s.tobytes() for s in np.split(_sum(ps, a.dtype), self.world_size)], _into(out))
 
     def all_gather(self, shard: np.ndarray, out: np.ndarray) -> None:
-        """out = every rank's `shard`, concatenated in rank order."""
-        got = self._exchange(shard.tobytes(), "all_gather",
-                             lambda ps: [b"".join(ps)] * self.world_size)
-        out[...] = np.frombuffer(got, dtype=out.dtype)
+        """out = every rank's `shard`, concatenated in rank order (shard may be rank r's
+        slice of out)."""
+        self._op(shard.tobytes(), "all_gather",
+                 lambda ps: [b"".join(ps)] * self.world_size, _into(out))
 
     def broadcast(self, a: np.ndarray) -> None:
         """a = rank 0's a, in place."""
@@ -209,6 +247,11 @@ class CpuCollective:
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         return self._exchange(data, "broadcast", lambda ps: [ps[0]] * self.world_size)
+
+    def gather_bytes(self, data: bytes, what: str = "gather") -> list[bytes] | None:
+        """Rank 0: every rank's `data`, in rank order; the other ranks: None."""
+        got = self._exchange(data, what, lambda ps: [_pack(ps)] + [b""] * (self.world_size - 1))
+        return _unpack(got) if self.rank == 0 else None
 
     def check_same(self, value: dict, what: str) -> None:
         """Every rank must hold the same JSON-ready `value` (its config): else one line
@@ -228,11 +271,56 @@ class CpuCollective:
     def barrier(self) -> None:
         self._exchange(b"", "barrier", lambda ps: [b""] * self.world_size)
 
+    def check_peers(self, what: str) -> None:
+        """Raise the one line of a rank that left (its connection closed) or of the hub's
+        verdict, without waiting: what a rank polls while the device runs collectives
+        (NcclCollective.settle)."""
+        conns = self._peers.items() if self.rank == 0 else [(0, self._hub)]
+        for r, conn in conns:
+            readable, _, _ = select.select([conn], [], [], 0)
+            if not readable:
+                continue
+            try:
+                head = conn.recv(_FRAME.size, socket.MSG_PEEK)
+            except OSError:
+                head = b""
+            if not head:
+                self._fail(f"rank {r} left (connection closed) during {what}")
+            if head[:1] == b"E":
+                self._recv_from(conn, r, what)   # raises the hub's line
+
     def close(self) -> None:
         for conn in [*self._peers.values(), self._hub]:
             if conn is not None:
                 conn.close()
         self._peers, self._hub = {}, None
+
+
+def _check_float(a) -> None:
+    if a.dtype not in (np.float32, np.float64):
+        raise EulerError(f"the CPU collective sums float32 and float64 arrays, not {a.dtype}",
+                         key="collective")
+
+
+def _into(a):
+    """Write an answer's bytes into array `a`."""
+    def deliver(data: bytes) -> None:
+        a[...] = np.frombuffer(data, dtype=a.dtype).reshape(a.shape)
+    return deliver
+
+
+def _pack(parts: list[bytes]) -> bytes:
+    return struct.pack(f"<Q{len(parts)}Q", len(parts), *map(len, parts)) + b"".join(parts)
+
+
+def _unpack(data: bytes) -> list[bytes]:
+    (n,) = struct.unpack_from("<Q", data)
+    sizes = struct.unpack_from(f"<{n}Q", data, 8)
+    out, at = [], 8 * (n + 1)
+    for size in sizes:
+        out.append(data[at:at + size])
+        at += size
+    return out
 
 
 def _difference(theirs, ours, path: str = "") -> str:
@@ -266,62 +354,6 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-class NcclCollective:
-    """The GPU path: one NCCL communicator over CuPy arrays, on the current stream; the
-    unique id travels through a CpuCollective (the same rendezvous), which also carries
-    barrier and config checks. Device = LOCAL_RANK."""
-
-    def __init__(self, rv: Rendezvous):
-        os.environ["NCCL_NVLS_ENABLE"] = "0"   # NVLink multicast off, before NCCL initialises
-        import cupy
-        from cupy.cuda import nccl
-        select_gpu(rv)
-        self.rank, self.world_size = rv.rank, rv.world_size
-        self.store = CpuCollective(rv)
-        uid = nccl.get_unique_id() if rv.rank == 0 else None
-        uid = tuple(np.frombuffer(self.store.broadcast_bytes(
-            np.asarray(uid if uid is not None else (), dtype="<i8").tobytes()), dtype="<i8").tolist())
-        self._nccl, self._cupy = nccl, cupy
-        self.comm = nccl.NcclCommunicator(rv.world_size, uid, rv.rank)
-
-    def _args(self, a):
-        if a.dtype != np.float32:
-            raise EulerError(f"NCCL collectives here take float32 arrays, not {a.dtype}",
-                             key="collective")
-        return self._nccl.NCCL_FLOAT32, self._cupy.cuda.get_current_stream().ptr
-
-    def all_reduce_sum(self, a) -> None:
-        dtype, stream = self._args(a)
-        self.comm.allReduce(a.data.ptr, a.data.ptr, a.size, dtype, self._nccl.NCCL_SUM, stream)
-
-    def reduce_scatter(self, a, out) -> None:
-        dtype, stream = self._args(a)
-        self.comm.reduceScatter(a.data.ptr, out.data.ptr, out.size, dtype,
-                                self._nccl.NCCL_SUM, stream)
-
-    def all_gather(self, shard, out) -> None:
-        dtype, stream = self._args(shard)
-        self.comm.allGather(shard.data.ptr, out.data.ptr, shard.size, dtype, stream)
-
-    def broadcast(self, a) -> None:
-        dtype, stream = self._args(a)
-        self.comm.bcast(a.data.ptr, a.size, dtype, 0, stream)
-
-    def broadcast_bytes(self, data: bytes) -> bytes:
-        return self.store.broadcast_bytes(data)
-
-    def check_same(self, value: dict, what: str) -> None:
-        self.store.check_same(value, what)
-
-    def barrier(self) -> None:
-        self._cupy.cuda.get_current_stream().synchronize()
-        self.store.barrier()
-
-    def close(self) -> None:
-        self.comm.destroy()
-        self.store.close()
-
-
 def select_gpu(rv: Rendezvous) -> None:
     """Make GPU LOCAL_RANK current, before the backend or any kernel touches a device
     (else every rank would open a context on GPU 0). No CuPy or no GPU: nothing to select
@@ -335,8 +367,3 @@ def select_gpu(rv: Rendezvous) -> None:
         raise EulerError(f"LOCAL_RANK {rv.local_rank} needs GPU {rv.local_rank}, but {visible} "
                          f"are visible: more ranks on this node than GPUs", key="WORLD_SIZE")
     cupy.cuda.Device(rv.local_rank).use()
-
-
-def connect(rv: Rendezvous, backend):
-    """The collective for a backend: NCCL on the GPU, the TCP hub on numpy."""
-    return NcclCollective(rv) if backend.is_gpu else CpuCollective(rv)

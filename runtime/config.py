@@ -78,6 +78,8 @@ class TrainingConfig:
     cuda_graph: bool = True          # GPU: capture the step as CUDA graphs; false: launch eagerly
     device: str = "auto"             # "auto" | "cuda" | "numpy"
     sample_tokens: int = 200
+    zero: int = 0                    # 1: ZeRO-1, a data-parallel rank updates its share
+    bucket_mb: float = 25.0          # data parallel: MiB of gradients a collective reduces
 
 
 @dataclass(frozen=True)
@@ -425,7 +427,7 @@ def _validate(cfg: RunConfig, fail) -> None:
         "training.learning_rate": t.learning_rate, "training.total_steps": t.total_steps,
         "training.gradient_accumulation": t.gradient_accumulation, "training.adam_eps": t.adam_eps,
         "training.eval_steps": t.eval_steps, "training.keep_checkpoints": t.keep_checkpoints,
-        "training.log_every": t.log_every,
+        "training.log_every": t.log_every, "training.bucket_mb": t.bucket_mb,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -455,6 +457,8 @@ def _validate(cfg: RunConfig, fail) -> None:
     if m.positions == "rope" and m.head_dim % 2:
         fail("model.positions", f"rope needs an even head dim, got {m.head_dim} "
              f"(hidden_dim {m.hidden_dim} / num_heads {m.num_heads})")
+    if t.zero not in (0, 1):
+        fail("training.zero", f"{t.zero} is not 0 or 1 (1: ZeRO stage 1, the one there is)")
     if t.seq_len > m.max_seq_len:
         fail("training.seq_len", f"{t.seq_len} is longer than model.max_seq_len {m.max_seq_len}")
     if t.min_lr > t.learning_rate:

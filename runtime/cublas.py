@@ -31,6 +31,7 @@ _SIGNATURES = {
     "cublasSetWorkspace_v2": (_P, _P, _S),
     "cublasSetPointerMode_v2": (_P, _I),
     "cublasSnrm2_v2": (_P, _I, _P, _I, _P),
+    "cublasSdot_v2": (_P, _I, _P, _I, _P, _I, _P),
     "cublasGemmEx": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I),
 }
 _lib = None
@@ -92,16 +93,28 @@ class Cublas:
         _check(self.lib.cublasGemmEx(self.ready(), *args), "cublasGemmEx")
 
     def nrm2(self, x, out) -> None:
-        """out[0] = ‖x‖₂ of a contiguous float32 vector, written on the device (cuBLAS's
-        device pointer mode, then back to host mode for the GEMMs' host scalars): no host
+        """out[0] = ‖x‖₂ of a contiguous float32 vector, written on the device: no host
         read, so it may be captured."""
-        for a in (x, out):
+        self._on_device("cublasSnrm2", x, out, lambda h: self.lib.cublasSnrm2_v2(
+            h, x.size, x.data.ptr, 1, out.data.ptr))
+
+    def dot(self, x, y, out) -> None:
+        """out[0] = x·y of two contiguous float32 vectors of one size, written on the device."""
+        if x.size != y.size:
+            raise ValueError(f"dot of {x.size} and {y.size} elements")
+        self._on_device("cublasSdot", x, out, lambda h: self.lib.cublasSdot_v2(
+            h, x.size, x.data.ptr, 1, y.data.ptr, 1, out.data.ptr), y)
+
+    def _on_device(self, call: str, x, out, run, *more) -> None:
+        """A reduction whose result cuBLAS writes to device memory (its device pointer mode,
+        then back to host mode for the GEMMs' host scalars)."""
+        for a in (x, out, *more):
             if a.dtype != np.float32 or not a.flags.c_contiguous:
-                raise ValueError(f"nrm2 wants contiguous float32 arrays, got {a.dtype} {a.strides}")
+                raise ValueError(f"{call} wants contiguous float32 arrays, got {a.dtype} "
+                                 f"{a.strides}")
         handle = self.ready()
         _check(self.lib.cublasSetPointerMode_v2(handle, POINTER_MODE_DEVICE), "cublasSetPointerMode")
         try:
-            _check(self.lib.cublasSnrm2_v2(handle, x.size, x.data.ptr, 1, out.data.ptr),
-                   "cublasSnrm2")
+            _check(run(handle), call)
         finally:
             self.lib.cublasSetPointerMode_v2(handle, POINTER_MODE_HOST)

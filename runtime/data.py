@@ -146,7 +146,7 @@ class DataLoader:
     Data-parallel (`world_size` N > 1): the stream is that of one loader of batch N·B, and
     rank r takes rows r·B..(r+1)·B of each of its batches, so N ranks see together exactly
     what one process of batch N·B sees, and the position (the same on every rank) is the
-    global one, from which each rank's follows."""
+    global one, from which each rank's follows: it resumes on any N' ranks of B' = N·B / N'."""
 
     def __init__(self, pattern: str, batch_size: int, seq_len: int, seed: int = 0,
                  position: dict | None = None, *, shuffle: bool = True,
@@ -185,18 +185,22 @@ class DataLoader:
         return sum(self._batches)
 
     def state(self) -> dict[str, int]:
-        """JSON-ready position of the next batch; restore() continues from it exactly."""
-        ranks = {"world_size": self.world_size} if self.world_size > 1 else {}
-        return {**self._position.to_dict(), "seed": self.seed, **ranks}
+        """JSON-ready position of the next batch; restore() continues from it exactly. With
+        the rows of a global batch, and the ranks that read them (rank r rows r·B..(r+1)·B)."""
+        return {**self._position.to_dict(), "seed": self.seed, "world_size": self.world_size,
+                "rows": self.batch_size * self.world_size}
 
     def restore(self, state: dict) -> None:
         if state.get("seed", self.seed) != self.seed:
             raise EulerError(f"data position was saved with seed {state['seed']}, "
                              f"this loader has seed {self.seed}", key="data")
-        if state.get("world_size", 1) != self.world_size:
-            # the position counts global batches of world_size x B rows
-            raise EulerError(f"data position was saved by {state['world_size']} ranks, this run "
-                             f"has {self.world_size}: resume with as many", key="data")
+        rows = self.batch_size * self.world_size
+        saved = state.get("rows", self.batch_size * state.get("world_size", 1))
+        if saved != rows:
+            # the position counts global batches: any ranks x batch_size that make as many rows
+            raise EulerError(f"data position counts global batches of {saved} rows (world size x "
+                             f"training.batch_size), this run's are {self.world_size} x "
+                             f"{self.batch_size}: resume with as many rows", key="data")
         position = DataPosition(int(state["epoch"]), int(state["shard"]), int(state["batch"]))
         if position.shard >= len(self.shards):
             raise EulerError(f"data position names shard {position.shard}, but {self.pattern} "

@@ -103,6 +103,16 @@ class Graph:
             return root
         return root[:, :, part[1]:part[1] + self.values[name].shape((1, 1))[2]]
 
+    def steps(self, layers: int) -> list[tuple]:
+        """The forward pass as the training tape records it, one step a tape node:
+        (prefix, block or None, node, part), a linear of several outputs once per output
+        (`part`, else None). The tape's backward runs them in reverse."""
+        nodes = ([("", 0, n) for n in self.stem]
+                 + [(f"h.{i}.", i, n) for i in range(layers) for n in self.block]
+                 + [("", None, n) for n in self.head])
+        return [(prefix, layer, node, part) for prefix, layer, node in nodes
+                for part in (range(len(node.outputs)) if node.kind == "linear" else (None,))]
+
     def kept(self) -> frozenset[str]:
         """The values a backward reads (every node's inputs but an add's, the outputs a node
         saves) and the model's output, each as its root: what training keeps from forward

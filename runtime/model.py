@@ -1,4 +1,5 @@
-"""The GPT model: its shape, its memory plan, and its forward pass recorded on a tape.
+"""The GPT model: its memory plan, and its forward pass recorded on a tape, for the shape
+runtime/arch.py checks against the ops it names.
 
 Pre-norm blocks, x → x + attn(norm(x)) → x + mlp(norm(x)), with the norm, the
 activation and the attention named by op (ModelConfig.norm / activation / attention),
@@ -18,147 +19,26 @@ kernels read them as flat arrays).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16, gemm, step_control
-from eulergen.runtime.attention import head_dims
+from eulergen.runtime.arch import Arch, arch_of, rope_in_place  # noqa: F401
 from eulergen.runtime.graph import model_graph
-from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
+from eulergen.runtime.memory import ALIGN, Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.params import (ParamSpec, load_params, padded_vocab,  # noqa: F401
                                      param_count, parameters, plan_params)
 from eulergen.runtime.tape import Tape
 from eulergen.runtime.training_tape import record_training
 
-# norm-op weight inputs are named `weight`, then `bias`, as torch names them
-_NORM_PARAM_NAMES = ("weight", "bias")
 # the padded vocab rows' logit in bf16 storage, rounded once here, not at every step
 _NEG_INF_BF16 = bf16.bits(-np.inf)
 
 
-@dataclass(frozen=True)
-class ModelOps:
-    """The manifest entries of the ops a model runs, resolved once by arch_of: the tape's
-    nodes call the library with them, never by name."""
-    norm: object            # manifest.OpEntry
-    activation: object
-    attention: object
-    embedding: object
-    loss: object            # cross_entropy
-    rope: object = None     # positions 'rope' only
-
-
-@dataclass(frozen=True)
-class Arch:
-    """The model's shape, with what it learns from the ops it names."""
-    d: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int                        # the tokenizer's (model.vocab_size); vocab_rows is padded
-    max_seq: int
-    ffn: int                          # F: the activation's width
-    gated: bool
-    rope: bool
-    rope_in_place: bool               # rope_in_place(ops.rope): q_rope, k_rope over q, k
-    bias: bool
-    norm_weights: tuple[str, ...]     # 'weight'[, 'bias'] per norm, from the op's weight inputs
-    norm_params: dict = field(hash=False)
-    rope_params: dict = field(hash=False)
-    ops: ModelOps = field(repr=False)
-
-    @property
-    def vocab_rows(self) -> int:
-        return padded_vocab(self.vocab)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-
-def _need_op(lib, name: str, key: str, kinds: tuple[str, ...]):
-    try:
-        op = lib.op(name)
-    except EulerError as err:
-        raise EulerError(err.message, key=key) from None
-    if op.kind not in kinds:
-        raise EulerError(f"op {name!r} is a {op.kind} op; this slot wants {' or '.join(kinds)}",
-                         key=key)
-    return op
-
-
-def _op_params(op, wanted: dict) -> dict:
-    """The config values an op declares as parameters (eps, base), and nothing else."""
-    return {k: v for k, v in wanted.items() if k in op.params}
-
-
-def arch_of(cfg, lib) -> Arch:
-    """Check a ModelConfig against the ops it names; EulerError names the key at fault.
-    The shape checks that need no op (heads dividing hidden_dim, an even rope head dim…)
-    are the config loader's (config._validate): every ModelConfig comes from it."""
-    d, H, KVH = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads
-    norm = _need_op(lib, cfg.norm, "model.norm", ("row",))
-    weights = [o.name for o in norm.inputs if o.role == "weight"]
-    rows = [o for o in norm.inputs if o.role == "row"]
-    if len(rows) != 1 or len(weights) > len(_NORM_PARAM_NAMES) or len(norm.outputs) != 1:
-        raise EulerError(f"op {cfg.norm!r} does not look like a norm (one row input, at most "
-                         "two weights, one output)", key="model.norm")
-    act = _need_op(lib, cfg.activation, "model.activation", ("pointwise",))
-    if len(act.inputs) not in (1, 2) or len(act.outputs) != 1:
-        raise EulerError(f"activation {cfg.activation!r} has {len(act.inputs)} inputs and "
-                         f"{len(act.outputs)} outputs; want 1 (or 2: gated) and 1",
-                         key="model.activation")
-    attention = _need_op(lib, cfg.attention, "model.attention", ("attention",))
-    if lib.backend.is_gpu:
-        _check_head_dim(attention, d, H)
-    rope, rope_params = None, {}
-    if cfg.positions == "rope":
-        rope = _need_op(lib, "rope", "model.positions", ("pair",))
-        rope_params = _op_params(rope, {"base": float(cfg.rope_base)})
-    ops = ModelOps(norm=norm, activation=act, attention=attention, rope=rope,
-                   embedding=_need_op(lib, "embedding", "model", ("embedding",)),
-                   loss=_need_op(lib, "cross_entropy", "model", ("row",)))
-    return Arch(d=d, layers=cfg.num_layers, heads=H, kv_heads=KVH, head_dim=d // H,
-                vocab=cfg.vocab_size, max_seq=cfg.max_seq_len, ffn=cfg.mlp_hidden,
-                gated=len(act.inputs) == 2, rope=rope is not None,
-                rope_in_place=rope is not None and rope_in_place(rope), bias=bool(cfg.bias),
-                norm_weights=_NORM_PARAM_NAMES[:len(weights)],
-                norm_params=_op_params(norm, {"eps": float(cfg.norm_eps)}),
-                rope_params=rope_params, ops=ops)
-
-
-def rope_in_place(rope) -> bool:
-    """Whether a pair op may rotate q and k where they lie in `qkv`, in one call over both:
-    its backward reads only the output gradients (so q and k need not outlive q_rope and
-    k_rope) and its formula has no head index (which would count k's heads on from q's)."""
-    backward = {name for k in rope.kernels.values() if k.stage == "backward"
-                for name, _ in k.args}
-    reads = backward & {o.name for o in rope.inputs + rope.outputs}
-    return not reads and "head" not in rope.index.values()
-
-
-def _check_head_dim(attention, d: int, heads: int) -> None:
-    """The flash kernels exist for a few head dims only: refuse another one when the
-    config is read, not at the first attention launch after the run has started."""
-    dims = head_dims(attention)
-    if d // heads in dims:
-        return
-    fits = [d // hd for hd in dims if d % hd == 0]
-    hint = f"; e.g. --set model.num_heads={fits[0]} (num_kv_heads dividing it)" if fits else ""
-    raise EulerError(f"head dim {d // heads} (hidden_dim {d} / num_heads {heads}): "
-                     f"{attention.name} has CUDA kernels for head dims {dims} only{hint}",
-                     key="model.num_heads")
-
-
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
-               dtype: str = "float32", workspace=None, gemm_workspace: int = 0) -> Plan:
+               dtype: str = "float32", workspace=None, gemm_workspace: int = 0,
+               buckets=None) -> Plan:
     """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
@@ -169,7 +49,10 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     OpLibrary.workspace_elements answers it (what `build` passes;
     cuda_ops.workspace_elements for the GPU's plan on any machine); None: none.
     `gemm_workspace`: the bytes of the GEMM libraries' workspace (gemm.workspace_bytes: on
-    a GPU, so that a captured step's GEMMs allocate nothing), its own arena `gemm`; 0: none."""
+    a GPU, so that a captured step's GEMMs allocate nothing), its own arena `gemm`; 0: none.
+    `buckets`: data-parallel training's BucketPlan (runtime/buckets.py): with ZeRO-1 the
+    AdamW moments hold one rank's share; the rank's loss and sum of squares have a slot
+    each for the collectives."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -193,8 +76,9 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     if training:
         # same layout as params: a parameter's gradient / moments sit at its offset
         p.add("grads", "grads", (total,), dtype)
+        moments = buckets.moments if buckets is not None and buckets.zero else total
         for arena in ("adam_m", "adam_v"):
-            p.add(arena, arena, (total,), master)
+            p.add(arena, arena, (moments,), master)
 
     # next: the next x; parts (q, k, v of qkv) are views of their root's buffers
     block = [g.values[n] for n in g.order(g.block) if n != "next" and not g.values[n].part]
@@ -225,6 +109,14 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         if master != dtype:
             add("stats", "grad_rows", (total // _norm_row(total),), per_row=True)
         add("workspace", "grad_norm", (1,), per_row=True)   # cuBLAS writes it on the device
+        if buckets is not None:
+            add("workspace", "dp_loss", (1,), per_row=True)
+            add("workspace", "dp_sumsq", (1,), per_row=True)
+            if buckets.zero:   # the norms of a rank's share, each row's (bf16) or span's
+                if master != dtype:
+                    add("stats", "shard_rows", (buckets.moments // ALIGN,), per_row=True)
+                else:
+                    add("workspace", "shard_norms", (len(buckets.owned(0)),), per_row=True)
         # float32 workspace of the generated backward kernels, reused call after call
         # (one stream: a call's kernels have read it before the next call writes it)
         kdt = "bf16" if dtype == "bf16" else "f32"
@@ -298,9 +190,10 @@ class GPT:
 
     # -- running it -------------------------------------------------------------------
 
-    def set_accumulation(self, micro_steps: int) -> None:
-        """The loss is the mean over all tokens of all micro-steps of a step."""
-        self.mem["dloss"][...] = 1.0 / (self.batch * self.seq * micro_steps)
+    def set_accumulation(self, micro_steps: int, ranks: int = 1) -> None:
+        """The loss is the mean over all tokens of all micro-steps of a step, of all `ranks`
+        (whose gradients are then summed: PyTorch DDP's division before the all-reduce)."""
+        self.mem["dloss"][...] = 1.0 / (self.batch * self.seq * micro_steps * ranks)
 
     def load_tokens(self, idx, targets=None) -> None:
         """Copy a [B, T] batch (host integers) into the planned token buffers, checked."""
@@ -342,9 +235,10 @@ class GPT:
         step_control.loss_mean(m["losses"], m["loss"])
         return m["loss"]
 
-    def loss_and_grad(self, *, accumulate: bool = False):
+    def loss_and_grad(self, *, accumulate: bool = False, after=None):
         """Forward, loss and backward for the loaded batch. With `accumulate`, parameter
-        gradients add to those already in the grads arena (a later micro-step)."""
+        gradients add to those already in the grads arena (a later micro-step). `after`:
+        Tape.backward's hook."""
         m = self.mem
         self.tape.forward()
         self._mask_padding()
@@ -352,7 +246,7 @@ class GPT:
                        out=(m["losses"], m["logits"]))
         step_control.loss_mean(m["losses"], m["loss"])
         self.tape.accumulating = accumulate
-        self.tape.backward()
+        self.tape.backward(after)
         return m["loss"]
 
     def grad_norm(self, out=None):
@@ -375,14 +269,6 @@ class GPT:
         if out is not None:
             out[0] = norm
         return norm if out is None else None
-
-    def scale_grads(self, factor: float) -> None:
-        """Multiply every gradient by `factor` in place (clipping)."""
-        g = self.mem.arenas["grads"]
-        if self.bf16:
-            bf16.scale(g, factor)
-        else:
-            self.xp.multiply(g, factor, out=g)
 
     def sync_weights(self) -> None:
         """Round the float32 master weights into the bf16 copy the kernels read (one pass
@@ -422,7 +308,7 @@ def ops_used(cfg) -> tuple[str, ...]:
 
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
-          shared: dict | None = None, tf32: bool = False) -> GPT:
+          shared: dict | None = None, tf32: bool = False, buckets=None) -> GPT:
     """Plan, allocate and record a model: the one call the trainer and sampler make.
     `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy)."""
     arch = arch_of(cfg, lib)
@@ -430,6 +316,6 @@ def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str =
         bf16.plan_dtype("bf16", lib.backend)
     plan = plan_model(arch, batch, seq, training=training, dtype=dtype,
                       workspace=lib.workspace_elements,
-                      gemm_workspace=gemm.workspace_bytes(lib.backend))
+                      gemm_workspace=gemm.workspace_bytes(lib.backend), buckets=buckets)
     check_fits(plan, lib.backend, shared)
     return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)

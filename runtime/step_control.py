@@ -9,8 +9,8 @@ the update op's `control` array (its kernels read it: OpLibrary.control_slots; f
 the GPU, as a scalar argument was passed, float64 on numpy, as a Python float was). The
 arithmetic is float64, in the order the host used to do it, so a numpy run and a resume
 repeat the old runs' bits: each step has a numpy form (the numpy backend's, and the
-reference) and CUDA text with every rounding spelled out (__dmul_rn, __dadd_rn, __ddiv_rn:
-no fused multiply-add), one thread; tests/test_step_control.py compiles that text with g++
+reference) and CUDA text with every rounding spelled out (__dmul_rn, __dadd_rn, __ddiv_rn,
+__dsqrt_rn: no fused multiply-add), one thread; tests/test_step_control.py compiles that text with g++
 against the numpy forms.
 """
 from __future__ import annotations
@@ -38,20 +38,22 @@ LOSS_MEAN_THREADS = 256
 @dataclass(frozen=True)
 class StepRule:
     """What decides a step: the spike factor and clip norm (0: off), the micro-steps whose
-    losses are averaged, the data-parallel ranks, and where in the update op's control
-    array the skip flag, the gradient scale, the learning rate and the step count go
-    (-1: the op has no such slot)."""
+    losses are averaged, the data-parallel ranks, whether the gradient norm arrives as the
+    ranks' summed squares of their shares (ZeRO-1: `zero`, its root taken here), and where
+    in the update op's control array the skip flag, the gradient scale, the learning rate
+    and the step count go (-1: the op has no such slot)."""
     spike_factor: float
     grad_clip: float
     micro_steps: int
     ranks: int
+    zero: bool
     skip_at: int
     scale_at: int
     lr_at: int
     step_at: int
 
     @classmethod
-    def of(cls, t, slots: tuple[str, ...], ranks: int = 1) -> StepRule:
+    def of(cls, t, slots: tuple[str, ...], ranks: int = 1, zero: bool = False) -> StepRule:
         """The rule of a TrainingConfig for an update op with control slots `slots`."""
         first = KINDS["update"].control
         if tuple(slots[:len(first)]) != first:
@@ -64,7 +66,7 @@ class StepRule:
                              f"sets each step ({', '.join(RUNTIME_PARAMS)})", key="params")
         at = {s: i for i, s in enumerate(slots)}
         return cls(float(t.spike_factor), float(t.grad_clip), int(t.gradient_accumulation),
-                   int(ranks), at["skip"], at["grad_scale"], at.get("lr", -1),
+                   int(ranks), bool(zero), at["skip"], at["grad_scale"], at.get("lr", -1),
                    at.get("step", -1))
 
 
@@ -118,7 +120,7 @@ def _numpy_decide(record, control, norm, reduced, rule: StepRule) -> None:
     r = {k: float(record[i]) for k, i in AT.items()}
     loss = (float(reduced[0]) / rule.ranks if rule.ranks > 1
             else r["loss_sum"] / rule.micro_steps)
-    norm = float(norm[0])
+    norm = math.sqrt(float(norm[0])) if rule.zero else float(norm[0])
     why, mean = APPLIED, 0.0
     if not math.isfinite(loss):
         why = BAD_LOSS
@@ -187,11 +189,11 @@ extern "C" __global__ void eg_step_rank_loss(const double* rec, float* out, int 
 
 extern "C" __global__ void eg_step_decide(
     double* rec, float* control, const float* norm_in, const float* reduced, double factor,
-    double decay, double warmup, double clip, int micro, int ranks, int skip_at, int scale_at,
-    int lr_at, int step_at) {
+    double decay, double warmup, double clip, int micro, int ranks, int zero, int skip_at,
+    int scale_at, int lr_at, int step_at) {
   const double loss = ranks > 1 ? __ddiv_rn((double)reduced[0], (double)ranks)
                                 : __ddiv_rn(rec[EG_LOSS_SUM], (double)micro);
-  const double norm = (double)norm_in[0];
+  const double norm = zero ? __dsqrt_rn((double)norm_in[0]) : (double)norm_in[0];
   int why = EG_APPLIED;
   double mean = 0.0;
   if (!isfinite(loss)) {
@@ -276,15 +278,17 @@ def rank_loss(record, rule: StepRule, out) -> None:
 def decide(record, control, norm, reduced, rule: StepRule) -> None:
     """After backward (and, data parallel, the ranks' sums): the step's loss (the micro-steps'
     mean; over ranks: `reduced`, their float32 sum, / ranks) and gradient norm (`norm`, a
-    1-element array) into the record; a non-finite one, or a spike past the running
-    means, skips the update; the running means, the update count, and the update op's
-    `control` slots (skip, clip scale, the record's lr, the count) follow."""
+    1-element array; ZeRO-1: the ranks' summed squares, whose root is the norm) into the
+    record; a non-finite one, or a spike past the running means, skips the update; the
+    running means, the update count, and the update op's `control` slots (skip, clip
+    scale, the record's lr, the count) follow."""
     if _is_cupy(record):
         _kernel("eg_step_decide")((1,), (1,), (
             record, control, norm, norm if reduced is None else reduced,
             np.float64(rule.spike_factor),
             np.float64(SPIKE_DECAY), np.float64(SPIKE_WARMUP), np.float64(rule.grad_clip),
-            np.int32(rule.micro_steps), np.int32(rule.ranks), np.int32(rule.skip_at),
+            np.int32(rule.micro_steps), np.int32(rule.ranks), np.int32(rule.zero),
+            np.int32(rule.skip_at),
             np.int32(rule.scale_at), np.int32(rule.lr_at), np.int32(rule.step_at)))
     else:
         _numpy_decide(record, control, norm, reduced, rule)

@@ -1,17 +1,23 @@
 """One training step as the trainer runs it, on either backend: for each micro-step the
-batch's tokens, forward, loss and backward; then (data parallel: the ranks' sums) the
-gradient norm, step control (runtime/step_control.py) and the AdamW update, none of which
-reads a value on the host.
+batch's tokens, forward, loss and backward; then the gradient norm, step control
+(runtime/step_control.py) and the AdamW update, none of which reads a value on the host.
+Data parallel (runtime/data_parallel.py): the last micro-step's backward issues each
+gradient bucket's collective as it finishes the bucket, and the rank's loss joins the
+last one; with ZeRO-1 the norm comes from the ranks' shares and the weights are gathered
+after the update.
 
 On the GPU the step runs on a stream of its own. Its tokens and learning rate arrive by
 asynchronous copies from pinned host buffers (a copy from pageable memory makes the
 stream wait for the host), and its record (loss, norm, what became of the update) goes back
 the same way, for the host to read a step later, so that logging and the checks never
-stall the next step. With `cuda_graph` the first micro-step, the accumulating ones and the
-update are captured as three CUDA graphs, once, after a first step run eagerly has
-compiled and loaded every kernel, and replayed from then on: the same kernels on the same
-planned buffers as an eager step, so the same bits. An allocation while capturing is an
-error: a graph replays the addresses it was captured with.
+stall the next step. With `cuda_graph` the first micro-step, the accumulating ones, the
+last one (data parallel: with its collectives) and the update (ZeRO: with the norm's sum
+and the weights' gather) are captured as CUDA graphs, once, after a first step run
+eagerly has compiled and loaded every kernel, and replayed from then on: the same kernels
+and NCCL calls on the same planned buffers as an eager step, so the same bits. An
+allocation while capturing is an error: a graph replays the addresses it was captured
+with. The host waits for a step only when it reads its record; data parallel, it watches
+the other ranks meanwhile (NCCL would wait forever for one that died).
 """
 from __future__ import annotations
 
@@ -39,45 +45,51 @@ class StepResult:
 
 
 class Stepper:
-    """Launches steps over a model and its AdamW with a StepRule, and hands back their
-    results in order (`result()`, a step after `launch()` on the GPU). `record` is the
+    """Launches steps over a model and its AdamW with a StepRule (data parallel: and the
+    rank's DataParallel, `dp`), and hands back their results in order (`result()`, a step
+    after `launch()` on the GPU). `record` is the
     step control's float64 array, `control` the update op's control slots (float32 on the
     GPU, as its kernels read them; float64 on numpy)."""
 
     def __init__(self, model, optim, rule: step_control.StepRule, *, cuda_graph: bool = True,
-                 collective=None):
-        self.model, self.optim, self.rule, self.collective = model, optim, rule, collective
+                 dp=None):
+        self.model, self.optim, self.rule, self.dp = model, optim, rule, dp
         xp = model.xp
         self.record = xp.zeros(len(RECORD), np.float64)
         gpu = model.backend.is_gpu
         self.control = xp.zeros(len(optim.slots), np.float32 if gpu else np.float64)
         # the norm as grad_norm writes it: float32 from cuBLAS, numpy's float64
         self.norm = model.mem["grad_norm"] if gpu else np.zeros(1)
-        self.reduced = xp.zeros(1, np.float32)   # data parallel: the ranks' summed loss
         self.pending: deque = deque()
         self.device = _Device(self, cuda_graph) if gpu else None
 
     # -- what a step runs, on the device, in order ------------------------------------------
 
-    def micro(self, first: bool) -> None:
-        """Forward, loss and backward of the loaded batch; its loss joins the step's."""
-        self.model.loss_and_grad(accumulate=not first)
+    def micro(self, first: bool, last: bool) -> None:
+        """Forward, loss and backward of the loaded batch; its loss joins the step's. Data
+        parallel, the step's last: the buckets' collectives issued as the backward finishes
+        them, then the rank's loss (the micro-steps' mean) joining the last ones."""
+        dp = self.dp if last else None
+        self.model.loss_and_grad(accumulate=not first, after=dp.after if dp else None)
         step_control.accumulate(self.record, self.model.mem["loss"], first)
-
-    def reduce_ranks(self) -> None:
-        """The global batch's gradient and loss: each rank's summed over ranks (in rank
-        order on the CPU), the gradient divided by N; step control divides the loss."""
-        c = self.collective
-        step_control.rank_loss(self.record, self.rule, self.reduced)
-        c.all_reduce_sum(self.model.mem.arenas["grads"])
-        self.model.scale_grads(1.0 / c.world_size)
-        c.all_reduce_sum(self.reduced)
+        if dp is not None:
+            step_control.rank_loss(self.record, self.rule, dp.loss)
+            dp.finish()
 
     def update(self) -> None:
-        self.model.grad_norm(out=self.norm)
-        step_control.decide(self.record, self.control, self.norm,
-                            self.reduced if self.rule.ranks > 1 else None, self.rule)
+        """The norm (ZeRO-1: the ranks' summed squares of their shares), step control, the
+        AdamW update (ZeRO-1: of this rank's share, then every rank's gathered)."""
+        dp = self.dp
+        zero = dp is not None and dp.zero
+        if zero:
+            norm = dp.sumsq()
+        else:
+            self.model.grad_norm(out=self.norm)
+            norm = self.norm
+        step_control.decide(self.record, self.control, norm, dp.loss if dp else None, self.rule)
         self.optim.step(self.control)
+        if zero:
+            dp.gather_params()
 
     # -- the host's side ------------------------------------------------------------------
 
@@ -90,9 +102,7 @@ class Stepper:
         self.record[AT["lr"]] = lr
         for i, (x, y) in enumerate(batches):
             self.model.load_tokens(x, y)
-            self.micro(i == 0)
-        if self.collective is not None:
-            self.reduce_ranks()
+            self.micro(i == 0, i == len(batches) - 1)
         self.update()
         self.pending.append((step, self.record.copy(), time.perf_counter() - started))
 
@@ -162,14 +172,15 @@ class _Device:
         with self.stream:
             slot.start.record(self.stream)
             self._copy(s.record[AT["lr"]:AT["lr"] + 1], slot.lr, rt.memcpyHostToDevice)
+            last = len(batches) - 1
             for i in range(len(batches)):
                 self._copy(m.mem["idx"], slot.tokens[i, 0], rt.memcpyHostToDevice)
                 self._copy(m.mem["targets"], slot.tokens[i, 1], rt.memcpyHostToDevice)
-                if i == len(batches) - 1:
+                if i == last:
                     slot.copied.record(self.stream)
-                self._run(("micro", i == 0), lambda first=i == 0: s.micro(first))
-            if s.collective is not None:
-                s.reduce_ranks()
+                # the last micro-step is a stage of its own where it issues collectives
+                self._run(("micro", i == 0, i == last and s.dp is not None),
+                          lambda first=i == 0, end=i == last: s.micro(first, end))
             self._run(("update",), s.update)
             self._copy(slot.out, s.record, rt.memcpyDeviceToHost)
             slot.end.record(self.stream)
@@ -178,6 +189,8 @@ class _Device:
 
     def result(self, pending) -> tuple:
         step, slot = pending
+        if self.s.dp is not None:   # bounded, naming a rank that died
+            self.s.dp.c.settle(f"step {step}", slot.end)
         slot.end.synchronize()
         seconds = self.cupy.cuda.get_elapsed_time(slot.start, slot.end) / 1e3
         return step, slot.out.copy(), seconds

@@ -60,9 +60,13 @@ class Tape:
         for node in self.nodes:
             node.forward(self)
 
-    def backward(self) -> None:
-        for node in reversed(self.nodes):
+    def backward(self, after=None) -> None:
+        """The nodes' backward, last to first; `after(i)`, if given, after the i-th (data
+        parallel: the buckets whose gradients are final then, runtime/buckets.py)."""
+        for i, node in enumerate(reversed(self.nodes)):
             node.backward(self)
+            if after is not None:
+                after(i)
 
     def adds(self, g: Grad) -> bool:
         return g.add or (g.param and self.accumulating)

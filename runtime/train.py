@@ -1,4 +1,4 @@
-"""The training loop: AdamW from ops/adamw.yaml, learning-rate schedules, gradient
+"""The training loop: AdamW (runtime/adamw.py), learning-rate schedules, gradient
 accumulation, global-norm clipping, a spike guard, validation, checkpoints and resume.
 
 A step runs on the device without the host (runtime/step_graph.py: on the GPU a CUDA
@@ -13,8 +13,11 @@ position, and nothing else draws a random number, so a run resumed from a checkp
 uninterrupted run's losses bit for bit on numpy.
 
 Data-parallel (a `collective` of N ranks, runtime/collective.py): each rank reads its
-slice of the global batch, the grads arena is summed over ranks and divided by N after
-backward, the loss is averaged for logging; rank 0 alone writes the run folder.
+slice of the global batch; its gradients, divided by N, are summed over the ranks in
+buckets as the backward finishes them, its loss joining the last (runtime/data_parallel.py);
+with `training.zero: 1` each rank updates its share and the weights are gathered after.
+Every rank takes part in a checkpoint (ZeRO: rank 0 gathers the moments), and rank 0 alone
+writes the run folder.
 """
 from __future__ import annotations
 
@@ -29,11 +32,13 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.runtime import bf16, budget, checkpoint, metrics, run_dir, step_control
+from eulergen.runtime.adamw import AdamW
+from eulergen.runtime.buckets import plan_buckets
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
-from eulergen.runtime.memory import upload
+from eulergen.runtime.data_parallel import DataParallel
 from eulergen.runtime.prepare import check_prepared_with
-from eulergen.runtime.model import GPT, arch_of, build, param_count, plan_model
+from eulergen.runtime.model import arch_of, build, param_count, plan_model
 from eulergen.runtime.sample import Sampler
 from eulergen.runtime.step_graph import StepResult, Stepper
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer
@@ -63,56 +68,6 @@ def flops_per_token(a, seq_len: int) -> float:
     return metrics.flops_per_token(matmul_params, a.layers, a.heads, a.head_dim, seq_len)
 
 
-class AdamW:
-    """`lib.step("adamw", …)` over the flat parameter buffer: one launch over the decayed
-    matrices (laid out first by the planner), one over the rest with weight_decay 0. The
-    learning rate, the update count (bias correction counts applied updates only), whether
-    to skip and the clip scale come from an array on the device (`control`, in the op's
-    `slots`: step_control.decide writes them). The float32 master weights and moments are
-    updated (from bf16 gradients in a bf16 run: the op's bf16 kernel, which writes the
-    model's bf16 copy of the weights in the same pass)."""
-
-    def __init__(self, model: GPT, t: TrainingConfig):
-        self.model, self.t = model, t
-        plan, mem = model.mem.plan, model.mem
-        decayed = [s.name for s in model.specs if s.decay]
-        rest = [s.name for s in model.specs if not s.decay]
-        self.groups = []
-        for names, wd in ((decayed, t.weight_decay), (rest, 0.0)):
-            if names:
-                lo, hi = plan.span(names)
-                arrays = [mem.arenas[a][lo:hi] for a in ("params", "grads", "adam_m", "adam_v")]
-                copy = mem.arenas["params_bf16"][lo:hi] if model.bf16 else None
-                self.groups.append((tuple(arrays), copy, wd))
-        self.op = model.lib.op("adamw")
-        self.slots = model.lib.control_slots(self.op)
-
-    def step(self, control) -> None:
-        t = self.t
-        for (p, g, m, v), copy, wd in self.groups:
-            self.model.lib.step(self.op, p, g, m, v, control=control, copy=copy, beta1=t.beta1,
-                                beta2=t.beta2, eps=t.adam_eps, weight_decay=wd)
-
-    def state_dict(self) -> dict:
-        mem, out = self.model.mem, {}
-        for s in self.model.specs:
-            b = mem.plan.buffer(s.name)
-            for arena, prefix in (("adam_m", "m"), ("adam_v", "v")):
-                view = mem.arenas[arena][b.offset:b.offset + b.size].reshape(b.shape)
-                out[f"{prefix}.{s.name}"] = self.model.backend.asnumpy(view).copy()
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        mem = self.model.mem
-        for s in self.model.specs:
-            b = mem.plan.buffer(s.name)
-            for arena, prefix in (("adam_m", "m"), ("adam_v", "v")):
-                if f"{prefix}.{s.name}" not in state:
-                    raise EulerError(f"optimizer state lacks {prefix}.{s.name}", key="checkpoint")
-                upload(mem.arenas[arena][b.offset:b.offset + b.size],
-                       state[f"{prefix}.{s.name}"].reshape(-1))
-
-
 @dataclass
 class Result:
     run_dir: Path
@@ -139,11 +94,14 @@ class Trainer:
         budget.check_config(cfg)
         arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run
-        if ranks > 1 and dtype == "bf16":
-            raise EulerError("data-parallel training reduces float32 gradients; bf16 over "
-                             f"{ranks} ranks is not implemented yet", key="training.dtype")
+
+        def buckets(a):
+            return None if collective is None else plan_buckets(
+                a, ranks, zero=bool(t.zero), bucket_mb=t.bucket_mb,
+                itemsize=2 if dtype == "bf16" else 4)
         budget.check_fits(cfg, arch, lib.backend,
-                          lambda a: plan_model(a, t.batch_size, t.seq_len, dtype=dtype),
+                          lambda a: plan_model(a, t.batch_size, t.seq_len, dtype=dtype,
+                                               buckets=buckets(a)),
                           what="training", batch=("training.batch_size", t.batch_size,
                                                   TrainingConfig.batch_size))
         self.run_dir = Path(cfg.run_dir)
@@ -172,12 +130,15 @@ class Trainer:
             raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
                              f"{self.val_data.batches:,} of B={t.batch_size}, T={t.seq_len}",
                              key="training.eval_steps")
-        self.model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=t.tf32)
-        self.model.set_accumulation(t.gradient_accumulation)
-        self.optim = AdamW(self.model, t)
-        self.stepper = Stepper(self.model, self.optim,
-                               step_control.StepRule.of(t, self.optim.slots, ranks),
-                               cuda_graph=t.cuda_graph, collective=collective)
+        plan = buckets(arch)
+        self.model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=t.tf32,
+                           buckets=plan)
+        self.model.set_accumulation(t.gradient_accumulation, ranks)
+        self.dp = DataParallel(self.model, collective, plan) if plan is not None else None
+        self.optim = AdamW(self.model, t, self.dp if plan is not None and plan.zero else None)
+        rule = step_control.StepRule.of(t, self.optim.slots, ranks,
+                                        zero=plan is not None and plan.zero)
+        self.stepper = Stepper(self.model, self.optim, rule, cuda_graph=t.cuda_graph, dp=self.dp)
         self.step = 0   # the last step whose result is back; `launched` may be one ahead
         self.result = Result(self.run_dir)
         if ckpt is not None:
@@ -226,13 +187,23 @@ class Trainer:
                              "spike_guard and data", file=str(ck.path / checkpoint.STATE_FILE)) \
                 from None
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         """Checkpoint this step; refused when a weight or moment is NaN or Inf (an update
-        that overflowed), so that every checkpoint is one a resume or `sample` can use."""
+        that overflowed), so that every checkpoint is one a resume or `sample` can use.
+        Data-parallel: every rank calls it (their data positions must agree; ZeRO: their
+        shares are gathered to rank 0), rank 0 writes."""
+        data = self.train_data.state()
+        if self.collective is not None:
+            self.collective.check_same(data, "data position")
+        if self.dp is not None:
+            self.dp.complete_master()
         updates, guard = self.stepper.state()
-        state = {"adam_updates": updates, "spike_guard": guard,
-                 "data": self.train_data.state(), "config": as_dict(self.cfg)}
-        params, optim = self.model.state_dict(), self.optim.state_dict()
+        optim = self.optim.state_dict()
+        if not self.writer:
+            return None
+        state = {"adam_updates": updates, "spike_guard": guard, "data": data,
+                 "config": as_dict(self.cfg)}
+        params = self.model.state_dict()
         for name, value in (*params.items(), *optim.items()):
             if not np.isfinite(value).all():
                 kept = checkpoint.latest(self.run_dir)
@@ -320,8 +291,10 @@ class Trainer:
                 record["val_loss"] = val
         if record:
             self.logger.log(self.step, **record)
-        if self.writer and ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
-                            or self.step == t.total_steps):
+        # every rank (save() writes on rank 0); bf16 ZeRO: it makes rank 0's master whole
+        # for sample() too
+        if ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
+                or self.step == t.total_steps):
             self.save()
 
     def sample(self, n: int) -> str:

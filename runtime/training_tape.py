@@ -35,12 +35,7 @@ class _Recorder:
         self.written: set = set()
 
     def record(self) -> None:
-        g, L = self.g, self.model.arch.layers
-        nodes = ([("", 0, n) for n in g.stem]
-                 + [(f"h.{i}.", i, n) for i in range(L) for n in g.block]
-                 + [("", None, n) for n in g.head])
-        steps = [(prefix, layer, node, part) for prefix, layer, node in nodes
-                 for part in (range(len(node.outputs)) if node.kind == "linear" else (None,))]
+        steps = self.g.steps(self.model.arch.layers)
         for _, layer, node, _ in steps:
             if node.kind == "add":
                 a, *rest = (self._root(self._key(layer, n)) for n in node.inputs + node.outputs)

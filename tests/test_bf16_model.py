@@ -29,7 +29,7 @@ from eulergen.runtime.memory import Memory, storage
 from eulergen.runtime.model import GPT, arch_of, build, plan_model
 from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
 from eulergen.runtime.tape import Linear
-from eulergen.runtime.train import AdamW
+from eulergen.runtime.adamw import AdamW
 
 GRAD_TOLERANCE = 2e-2
 LOSS_TOLERANCE = 1e-2
@@ -281,8 +281,9 @@ def test_the_padded_logits_are_bf16_minus_infinity(lib):
 
 
 def test_clipping_accumulation_and_adamw_in_bf16(lib):
-    """Two micro-steps accumulate into bf16 gradients; the norm is float32; clipping scales
-    the bf16 gradients; AdamW updates the float32 master from them and the copy follows."""
+    """Two micro-steps accumulate into bf16 gradients; the norm is float32; the clip scale
+    reaches AdamW as its control's grad_scale, which scales the bf16 gradients as the
+    update reads them; AdamW updates the float32 master from them and the copy follows."""
     cfg = _cfg("nanoeuler")
     model = _bf16_model(lib, cfg)
     model.load_state_dict(_weights(lib, cfg))
@@ -300,16 +301,20 @@ def test_clipping_accumulation_and_adamw_in_bf16(lib):
     assert isinstance(norm, float) and norm > 0
     wide = from_bf16(model.mem.arenas["grads"]).astype(np.float64)
     assert norm == pytest.approx(np.sqrt((wide ** 2).sum()), rel=1e-5)
-    model.scale_grads(0.5 / norm)
-    assert model.grad_norm() == pytest.approx(0.5, rel=1e-2)
     before = model.mem.arenas["params"].copy()
     optim = AdamW(model, cfg.training)
-    optim.step(np.array([{"skip": 0.0, "grad_scale": 1.0, "lr": 1e-3, "step": 1.0}[s]
+    scale = 0.5 / norm   # clipping to 0.5
+    optim.step(np.array([{"skip": 0.0, "grad_scale": scale, "lr": 1e-3, "step": 1.0}[s]
                          for s in optim.slots]))
+    # the first moment is (1 - beta1) of the gradient as the update read it: clipped
+    m = model.mem.arenas["adam_m"]
+    assert m.dtype == np.float32
+    np.testing.assert_allclose(m, (1 - cfg.training.beta1) * wide * scale, rtol=1e-5, atol=1e-12)
+    assert np.linalg.norm(m.astype(np.float64)) / (1 - cfg.training.beta1) == \
+        pytest.approx(0.5, rel=1e-5)
     master = model.mem.arenas["params"]
     assert master.dtype == np.float32 and not np.array_equal(master, before)
     np.testing.assert_array_equal(model.mem.arenas["params_bf16"], to_bf16(master))
-    assert model.mem.arenas["adam_m"].dtype == np.float32 and model.mem.arenas["adam_m"].any()
 
 
 def test_storage_of_a_bf16_buffer_is_uint16():

@@ -6,6 +6,7 @@ emulator, gives the numpy form's bits."""
 from __future__ import annotations
 
 import ctypes
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ using std::isfinite;
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return std::sqrt(a); }
 %s
 extern "C" void run_mean(const float* x, float* out, long long n) {
   emu_launch(dim3(1), dim3(EG_THREADS), [&] { eg_loss_mean(x, out, n); });
@@ -171,10 +173,11 @@ extern "C" void run_rank_loss(const double* rec, float* out, int micro) {
 }
 extern "C" void run_decide(double* rec, float* control, const float* norm, const float* reduced,
                            double factor, double decay, double warmup, double clip, int micro,
-                           int ranks, int skip_at, int scale_at, int lr_at, int step_at) {
+                           int ranks, int zero, int skip_at, int scale_at, int lr_at,
+                           int step_at) {
   emu_launch(dim3(1), dim3(1), [&] {
     eg_step_decide(rec, control, norm, reduced, factor, decay, warmup, clip, micro, ranks,
-                   skip_at, scale_at, lr_at, step_at);
+                   zero, skip_at, scale_at, lr_at, step_at);
   });
 }
 """
@@ -196,7 +199,7 @@ def cuda(tmp_path_factory):
     lib.run_mean.argtypes = (P, P, ctypes.c_longlong)
     lib.run_accumulate.argtypes = (P, P, I)
     lib.run_rank_loss.argtypes = (P, P, I)
-    lib.run_decide.argtypes = (P, P, P, P, D, D, D, D, I, I, I, I, I, I)
+    lib.run_decide.argtypes = (P, P, P, P, D, D, D, D, I, I, I, I, I, I, I)
     return lib
 
 
@@ -211,8 +214,8 @@ def _cuda_step(lib, record, control, rule, losses, norm, lr, reduced=None) -> No
     norm = np.float32([norm])
     lib.run_decide(_p(record), _p(control), _p(norm), _p(norm if reduced is None else reduced),
                    rule.spike_factor, sc.SPIKE_DECAY, sc.SPIKE_WARMUP, rule.grad_clip,
-                   rule.micro_steps, rule.ranks, rule.skip_at, rule.scale_at, rule.lr_at,
-                   rule.step_at)
+                   rule.micro_steps, rule.ranks, int(rule.zero), rule.skip_at, rule.scale_at,
+                   rule.lr_at, rule.step_at)
 
 
 def test_the_cuda_step_kernels_give_the_numpy_forms_bits(cuda):
@@ -239,6 +242,15 @@ def test_the_cuda_step_kernels_give_the_numpy_forms_bits(cuda):
     np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
     np.testing.assert_array_equal(got_c.view(np.uint32), want_c.view(np.uint32))
     assert want[sc.AT["loss"]] == float(reduced[0]) / 3
+    # ZeRO-1: the norm arrives as the ranks' summed squares, its root taken in float64
+    zero = sc.StepRule(**{**ranks.__dict__, "zero": True})
+    sumsq = np.float32([6.3])
+    sc.decide(want, want_c, sumsq, reduced, zero)
+    _cuda_step(cuda, got, got_c, zero, [], sumsq[0], got[sc.AT["lr"]], reduced)
+    np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+    np.testing.assert_array_equal(got_c.view(np.uint32), want_c.view(np.uint32))
+    assert want[sc.AT["norm"]] == math.sqrt(float(sumsq[0]))
+    assert want_c[zero.scale_at] == np.float32(1.0 / math.sqrt(float(sumsq[0])))   # clip 1.0
 
 
 def test_the_cuda_loss_mean_sums_in_a_fixed_order(cuda):

@@ -106,9 +106,11 @@ class FakeModel:
     def check_tokens(self, ids):
         return np.asarray(ids)
 
-    def loss_and_grad(self, accumulate):
+    def loss_and_grad(self, accumulate, after=None):
         self.calls.append(accumulate)
         self.mem["loss"][0] = self.mem["idx"].mean()
+        if after is not None:   # the tape's hook, after a node's backward
+            after(0)
 
     def grad_norm(self, out):
         out[0] = self.mem["targets"].mean()
@@ -125,14 +127,43 @@ class FakeOptim:
             self.model.mem["weight"][0] += control[2] * control[1]
 
 
-def _run(monkeypatch, graph: bool, steps: int = 5, micro: int = 2):
+class FakeDataParallel:
+    """ZeRO-1 over two ranks whose other rank has this one's loss and squares: `finish`
+    doubles the loss (the ranks' sum), `sumsq` gives 4 (a norm of 2); `log` says what ran,
+    in order, and what the host waited for."""
+    zero, ranks = True, 2
+
+    def __init__(self):
+        self.log = []
+        self.loss = np.zeros(1, np.float32).view(FakeArray)
+        self.squares = np.zeros(1, np.float32).view(FakeArray)
+        self.c = types.SimpleNamespace(settle=lambda what, event: self.log.append(what))
+
+    def after(self, node):
+        self.log.append("after")
+
+    def finish(self):
+        self.loss[0] *= 2
+        self.log.append("finish")
+
+    def sumsq(self):
+        self.squares[0] = 4.0
+        self.log.append("sumsq")
+        return self.squares
+
+    def gather_params(self):
+        self.log.append("gather")
+
+
+def _run(monkeypatch, graph: bool, steps: int = 5, micro: int = 2, dp=None):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     Capture.counts.update(captures=0, replays=0)
     model = FakeModel()
     t = types.SimpleNamespace(spike_factor=0.0, grad_clip=0.0, gradient_accumulation=micro)
-    stepper = Stepper(model, FakeOptim(model), step_control.StepRule.of(t, SLOTS),
-                      cuda_graph=graph)
-    Capture.arrays = [stepper.record, stepper.control, *model.mem.values()]
+    rule = step_control.StepRule.of(t, SLOTS, dp.ranks if dp else 1, zero=dp is not None)
+    stepper = Stepper(model, FakeOptim(model), rule, cuda_graph=graph, dp=dp)
+    Capture.arrays = [stepper.record, stepper.control, *model.mem.values(),
+                      *((dp.loss, dp.squares) if dp else ())]
     real = stepper.device._capture
 
     def capture(work):   # the stand-in stream learns what the graph replays
@@ -160,7 +191,8 @@ def test_each_step_reads_its_own_tokens_and_lr_and_results_come_back_in_order(mo
 
 def test_the_first_step_runs_eagerly_then_each_stage_is_captured_once_and_replayed(monkeypatch):
     stepper, model, _ = _run(monkeypatch, graph=True, steps=5, micro=2)
-    assert set(stepper.device.graphs) == {("micro", True), ("micro", False), ("update",)}
+    assert set(stepper.device.graphs) == {("micro", True, False), ("micro", False, False),
+                                          ("update",)}
     assert Capture.counts == {"captures": 3, "replays": 3 * 4}
     # eager step 1; at step 2 each micro-step runs captured (undone), then replayed
     assert model.calls == [False, True] + [False, False, True, True] + [False, True] * 3
@@ -180,3 +212,23 @@ def test_the_record_is_read_between_steps_only(monkeypatch):
     stepper.launch(2, [(np.zeros((2, 3)), np.zeros((2, 3)))] * 2, lr=0.1)
     with pytest.raises(RuntimeError, match="between steps"):
         stepper.state()
+
+
+def test_data_parallel_the_last_micro_step_reduces_and_the_update_gathers(monkeypatch):
+    """The buckets' hook and the loss's collective belong to the step's last micro-step, a
+    stage of its own; ZeRO's sum of squares and gather to the update; the host waits for
+    a step through the collective (which watches the other ranks). The loss is the ranks'
+    mean, the norm the root of their summed squares."""
+    dp = FakeDataParallel()
+    stepper, model, results = _run(monkeypatch, graph=True, steps=3, micro=2, dp=dp)
+    assert set(stepper.device.graphs) == {("micro", True, False), ("micro", False, True),
+                                          ("update",)}
+    step = ["after", "finish", "sumsq", "gather"]
+    # step 2 captures each stage (run, then undone) and replays it
+    assert dp.log == (step + ["after", "finish"] * 2 + ["sumsq", "gather"] * 2 + ["step 1"]
+                      + step + ["step 2", "step 3"])
+    assert model.calls == [False, True] + [False, False, True, True] + [False, True]
+    assert [r.loss for r in results] == [(10 * s + 10 * s + 1) / 2 for s in range(1, 4)]
+    assert [r.norm for r in results] == [2.0] * 3
+    eager = _run(monkeypatch, graph=False, steps=3, micro=2, dp=FakeDataParallel())
+    assert eager[2] == results

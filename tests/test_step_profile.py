@@ -13,7 +13,7 @@ from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.model import build
 from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.train import AdamW
+from eulergen.runtime.adamw import AdamW
 
 
 def _step_profile():

@@ -139,7 +139,7 @@ def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps
     from eulergen.runtime.model import build
     from eulergen.runtime.step_control import StepRule
     from eulergen.runtime.step_graph import Stepper
-    from eulergen.runtime.train import AdamW
+    from eulergen.runtime.adamw import AdamW
     t = cfg.training
     model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype)
     model.init_weights(0)
