@@ -195,8 +195,9 @@ def test_builtin_stdlib_is_cached_byte_level_split(tmp_path):
 
 
 def test_make_loaders_for_the_default_config(tmp_path):
-    train, val = make_loaders(load_config(), cache_dir=tmp_path)
+    cfg = load_config()
+    train, val = make_loaders(cfg, cache_dir=tmp_path)
     assert train.files[0].name == "train.bin" and val.files[0].name == "val.bin"
     x, y = next(train)
-    assert x.shape == (8, 64) and int(x.max()) < 256
+    assert x.shape == (cfg.training.batch_size, cfg.training.seq_len) and int(x.max()) < 256
     np.testing.assert_array_equal(next(val)[0], next(make_loaders(load_config(), tmp_path)[1])[0])
