@@ -265,6 +265,26 @@ REDUCE_X, REDUCE_Y = 8, 128
 WGRAD_REDUCE_LAUNCH = launch.WgradReduce(REDUCE_X, REDUCE_Y)
 
 
+def reduce_args(dtype: str) -> tuple[tuple[str, str], ...]:
+    """The reduce's parameters (the row ops' weight gradients, the bias variants' biases):
+    partial rows in, the gradient in the storage dtype written or added to."""
+    return (("partials", "const float*"), ("dw", f"{CTYPE[dtype]}*"), ("num_partials", "int"),
+            ("cols", "int"), ("accumulate", "int"))
+
+
+# The bias variants of pointwise ops (generator/fuse.py): blocks of BIAS_THREADS, a thread
+# a 16-byte vector of columns and BIAS_ROWS rows' loads in flight; BIAS_BLOCKS blocks for a
+# forward (16 an SM: 2048 threads, the SM full), half as many for a backward, whose row
+# groups each write (and the reduce reads) a partial row of every bias gradient.
+BIAS_THREADS = 128
+BIAS_ROWS = 4
+BIAS_BLOCKS = {"forward": _SMS * 16, "backward": _SMS * 8}
+
+
+def bias_launch(dtype: str, stage: str, aligned: bool) -> launch.BiasRows:
+    return launch.BiasRows(BIAS_THREADS, VEC[dtype], BIAS_ROWS, BIAS_BLOCKS[stage], aligned)
+
+
 # Pairs of one token whose index-only terms a pair block tables at a time (D ≤ 512 in one
 # go); a multiple of every vec, so that the vector path's chunks stay 16-byte aligned.
 PAIR_TABLE = 256

@@ -8,13 +8,14 @@ values, so that a new token costs one position's work instead of the whole windo
 
 A step over Tq new tokens at absolute positions pos0 … pos0+Tq-1 makes the training
 graph's op library calls at Tq rows (both are built from runtime/graph.py): the
-embedding (learned positions from wpe[pos0]), then per block the norm, one GEMM over
-all of c_attn.weight (q, k and v are strided
+embedding (learned positions from wpe[pos0]) and the first norm, then per block one GEMM
+over all of c_attn.weight (q, k and v are strided
 views of its output: fewer launches than training's three dense GEMMs, which the
 backward wants), rope on q and k at pos0, k and v copied into the cache at pos0, the new
-queries' attention over the cache through `lib.decode`, c_proj and the residual add, the
-norm, the MLP GEMMs, the activation, c_proj and the add. The final norm and the tied head
-run on the last position only: sampling reads nothing else.
+queries' attention over the cache through `lib.decode`, c_proj, the residual add with
+the norm, the MLP GEMMs, the activation (with c_fc's bias), c_proj and the add with the
+next norm (after the last block, the final one). The tied head runs on the last position
+only: sampling reads nothing else.
 
 Steps run eagerly. At batch 1 a GPT-2 124M step is ~200 small launches and host-bound
 (~4 ms on an H200, benchmarks/sample.py); replaying the position-independent runs of the
@@ -34,20 +35,17 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
-from eulergen.runtime.graph import fused_shape, model_graph, parameter_names
+from eulergen.runtime.graph import fused_shape, model_graph
 from eulergen.runtime.model import arch_of
 from eulergen.runtime.params import load_params, parameters, plan_params
-from eulergen.runtime.tape import Add, Linear, Op, Tape
-
-# the head reads the last position's stream, which TakeLast copies out of the block's x
-_HEAD = {"x_final": "last"}
+from eulergen.runtime.tape import Linear, Norm, Op, Tape
 
 
 def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32") -> Plan:
     """Parameters (the training layout), the KV cache ([B, seq, KVH, D] k and v per
     layer), one block's activations at up to B·seq rows (blocks run one after another and
-    keep nothing: each value in its graph.py slot), the last position's stream, norm and
-    logits, and the token ids."""
+    keep nothing: each value in its graph.py slot), the last position's norm and logits,
+    and the token ids."""
     if seq > a.max_seq:
         raise EulerError(f"sampling context {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -62,7 +60,7 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32") -> Plan:
     for buffer, shape in _block_buffers(g, (B, T)).items():
         p.add("activations", buffer, shape, dtype)
     for name in g.order(g.head):       # at the last position only: [B, …]
-        p.add("activations", _HEAD.get(name, name), g.values[name].shape((B,)), dtype)
+        p.add("activations", name, g.values[name].shape((B,)), dtype)
     p.add("tokens", "idx", (B, T), "int32")
     return p.plan()
 
@@ -178,14 +176,16 @@ class Decoder:
         tape = Tape(self.backend, self.lib, None, tf32=self.tf32)
         views, buffers = self._views(rows)
         for node in g.stem:
-            self._node(tape, node, "", views, buffers, rows)
+            self._node(tape, node, -1, views, buffers, rows)
         for layer in range(self.arch.layers):
             for node in g.block:
-                self._node(tape, node, f"h.{layer}.", views, buffers, rows)
-        tape.record(TakeLast(views["x"], m["last"]))
-        head = {name: m[_HEAD.get(name, name)] for name in g.order(g.head)}
+                self._node(tape, node, layer, views, buffers, rows)
+        head = {name: m[name] for name in g.order(g.head)}
+        for value, (_, name) in g.handoff.items():
+            if name in head:   # what the head reads of the last block, at the last position
+                tape.record(TakeLast(views[value], head[name]))
         for node in g.head:
-            self._node(tape, node, "", head, {}, 1)
+            self._node(tape, node, None, head, {}, 1)
         return tape
 
     def _views(self, rows: int) -> tuple[dict, dict]:
@@ -204,10 +204,11 @@ class Decoder:
         views["idx"] = self._at("idx", rows)
         return views, buffers
 
-    def _node(self, tape: Tape, node, prefix: str, views: dict, buffers: dict, rows: int):
-        """Record one graph node, forward only, over `views`; `rows` positions a sequence."""
+    def _node(self, tape: Tape, node, layer, views: dict, buffers: dict, rows: int):
+        """Record one graph node at `layer` (graph.Graph.key), forward only, over `views`;
+        `rows` positions a sequence."""
         P, cur = self.params, self.cursor
-        names = parameter_names(node, prefix, P)
+        names = self.graph.parameter_names(node, layer, P)
         if node.kind == "embedding":
             (ids,), (x,) = node.inputs, node.outputs
             tape.record(Embed(node.op, views[ids], P[names[0]],
@@ -226,13 +227,18 @@ class Decoder:
                              node.params, cur))
         elif node.kind == "attention":
             q, k, v = (views[n] for n in node.inputs)
-            tape.record(Attend(node.op, q, k, v, self.mem[f"{prefix}k_cache"],
-                               self.mem[f"{prefix}v_cache"], views[node.outputs[0]], cur))
-        elif node.kind == "add":
-            tape.record(Add(*(views[n] for n in node.inputs + node.outputs)))
-        else:   # norm, activation
-            tape.record(Op(node.op, (*(views[n] for n in node.inputs), *(P[n] for n in names)),
-                           tuple(views[n] for n in node.outputs), (), (), node.params))
+            tape.record(Attend(node.op, q, k, v, self.mem[f"h.{layer}.k_cache"],
+                               self.mem[f"h.{layer}.v_cache"], views[node.outputs[0]], cur))
+        elif node.kind == "norm":
+            x, branch = (views[n] for n in node.inputs) if node.fusion else (views[node.inputs[0]], None)
+            tape.record(Norm(node.op, x, branch, tuple(P[n] for n in names),
+                             tuple(views[n] for n in node.outputs), node.params))
+        else:   # the activation, with its linear's bias where the model has one
+            biases = tuple(P[names[0]][rows] for rows in self.graph.bias_blocks(node)) \
+                if node.bias and names else ()
+            tape.record(Op(node.op, (*(views[n] for n in node.inputs), *biases),
+                           tuple(views[n] for n in node.outputs), (), (), node.params,
+                           fusion="bias" if biases else ""))
 
     # -- running it -------------------------------------------------------------------
 
