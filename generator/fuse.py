@@ -44,7 +44,7 @@ def _refuse_clashes(op: ir.DerivedOp, made: list[str]) -> None:
                          "rename it", file=op.where.file, line=op.where.line)
 
 
-def adds(op: ir.DerivedOp) -> bool:
+def takes_add(op: ir.DerivedOp) -> bool:
     """Whether a row op takes the `add` fusion: one differentiable row input, no index
     input, every output per element."""
     rows = [o for o in op.inputs if o.role == "row"]
@@ -54,8 +54,8 @@ def adds(op: ir.DerivedOp) -> bool:
 
 
 def add_variants(op: ir.DerivedOp) -> tuple[ir.DerivedOp, ir.DerivedOp] | None:
-    """(add_forward, add_backward) of a row op that `adds`, else None."""
-    if not adds(op):
+    """(add_forward, add_backward) of a row op that takes_add, else None."""
+    if not takes_add(op):
         return None
     _refuse_clashes(op, [BRANCH, STREAM, f"d{STREAM}"])
     body: ir.RowDerived = op.body
