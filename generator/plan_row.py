@@ -174,11 +174,17 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
     if missing:
         raise EulerError(f"{label} reads {', '.join(missing)}, which no kernel argument or "
                          "earlier step provides", key="outputs", **where)
-    cached = tuple(a.name for a in ptrs if a.role == "row" and a.name in st.reads and a.name in uses)
+    # registers cache the row operands sweeps read again; one only the last sweep reads (an
+    # `add` backward's incoming stream gradient) comes from the row there, as the others'
+    # re-read groups do
+    cached = tuple(a.name for a in ptrs if a.role == "row" and a.name in st.reads and a.name in uses
+                   and (len(sweeps) < 2 or sum(a.name in s.uses for s in sweeps) > 1))
     shapes = tuple(
         [("warp_per_row", dt, planner.warp_shape(dt, stage=st.name, wgrad=bool(st.wgrads),
-                                                 levels=levels)) for dt in planner.DTYPES]
-        + [("block_held", dt, planner.held_shape(dt, stage=st.name, wgrad=bool(st.wgrads)))
+                                                 levels=levels, cached=len(cached)))
+         for dt in planner.DTYPES]
+        + [("block_held", dt, planner.held_shape(dt, stage=st.name, wgrad=bool(st.wgrads),
+                                                 cached=len(cached)))
            for dt in planner.DTYPES]
         + [("block_per_row", dt, planner.block_shape(
             dt, stage=st.name, sweeps=len(sweeps), cached=len(cached), weights=bool(o.weights),
@@ -190,7 +196,10 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
     first = next((s for s in sweeps if s.kind == "sweep"), None)
     steps = [replace(s, batched=batched and s is first, whole=whole,
                      read=tuple(x for x in s.ops + tuple((y.name, y.red) for y in s.online)
-                                if x[0] in uses))
+                                if x[0] in uses),
+                     cached=tuple(replace(v, direct=tuple(a for a in v.loads.operands
+                                                          if a not in cached))
+                                  for v in s.cached))
              if isinstance(s, Sweep) else s for s in steps]
     return RowKernel(
         kernel=f"{op.name}_{label}", impl=f"{op.name}_{label}{suffix}", stage=label,

@@ -963,22 +963,22 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_add_block_f32
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_add_block_unaligned_f32(const float* x, const float* _branch, const float* w, float* _stream, float* y, float eps, long long rows, int cols) {
   rmsnorm_forward_add<float, false, 2, 1, false, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_add_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
   rmsnorm_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
   // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_add_held_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_held_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
   rmsnorm_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
@@ -1031,7 +1031,6 @@ __device__ __forceinline__ void rmsnorm_backward_add(const scalar_t* x_ptr, cons
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  uint4 d_stream_next_[SLOTS];
   if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
@@ -1039,8 +1038,6 @@ __device__ __forceinline__ void rmsnorm_backward_add(const scalar_t* x_ptr, cons
       x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
       dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
-                                            s_ * lanes_ * VEC, lane_);
-      d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
     }
   }
@@ -1054,7 +1051,6 @@ __device__ __forceinline__ void rmsnorm_backward_add(const scalar_t* x_ptr, cons
     const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    uint4 d_stream_c_[SLOTS];
     if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
@@ -1068,17 +1064,12 @@ __device__ __forceinline__ void rmsnorm_backward_add(const scalar_t* x_ptr, cons
         if (next_ < rows_)
           dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
                                                 s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = d_stream_next_[s_];
-        if (next_ < rows_)
-          d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + next_ * cols_, next_sp_,
-                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = eg_load_group_raw(d_stream_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: ms = mean, sum_dms = sum of the per-element terms
@@ -1183,7 +1174,7 @@ __device__ __forceinline__ void rmsnorm_backward_add(const scalar_t* x_ptr, cons
       float dy_r_[VEC];
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       float d_stream_r_[VEC];
-      eg_unpack_vec<scalar_t>(d_stream_c_[s_], d_stream_r_);
+      eg_load_group(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const float x = x_r_[e_];
@@ -1312,7 +1303,6 @@ __device__ __forceinline__ void rmsnorm_backward_rows_add(const scalar_t* x_ptr,
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  uint4 d_stream_next_[SLOTS];
   if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
@@ -1320,8 +1310,6 @@ __device__ __forceinline__ void rmsnorm_backward_rows_add(const scalar_t* x_ptr,
       x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
       dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
-                                            s_ * lanes_ * VEC, lane_);
-      d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
     }
   }
@@ -1335,7 +1323,6 @@ __device__ __forceinline__ void rmsnorm_backward_rows_add(const scalar_t* x_ptr,
     const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    uint4 d_stream_c_[SLOTS];
     if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
@@ -1349,17 +1336,12 @@ __device__ __forceinline__ void rmsnorm_backward_rows_add(const scalar_t* x_ptr,
         if (next_ < rows_)
           dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
                                                 s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = d_stream_next_[s_];
-        if (next_ < rows_)
-          d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + next_ * cols_, next_sp_,
-                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = eg_load_group_raw(d_stream_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: ms = mean, sum_dms = sum of the per-element terms
@@ -1468,7 +1450,7 @@ __device__ __forceinline__ void rmsnorm_backward_rows_add(const scalar_t* x_ptr,
       float dy_r_[VEC];
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       float d_stream_r_[VEC];
-      eg_unpack_vec<scalar_t>(d_stream_c_[s_], d_stream_r_);
+      eg_load_group(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const float x = x_r_[e_];

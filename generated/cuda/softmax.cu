@@ -1611,22 +1611,22 @@ extern "C" __global__ void __launch_bounds__(128) softmax_forward_add_f32(const 
 extern "C" __global__ void __launch_bounds__(128) softmax_forward_add_unaligned_f32(const float* x, const float* _branch, float* _stream, float* y, long long rows, int cols) {
   softmax_forward_add<float, true, 6, 4, false, 1, false, false>(x, _branch, _stream, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
   // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, _stream, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_add_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
   softmax_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, _stream, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
   // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, _stream, y, rows, cols);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_add_held_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
+extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_held_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
   softmax_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, _branch, _stream, y, rows, cols);
 }
 
@@ -2029,7 +2029,6 @@ __device__ __forceinline__ void softmax_backward_add(const scalar_t* x_ptr, cons
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  uint4 d_stream_next_[SLOTS];
   if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
@@ -2037,8 +2036,6 @@ __device__ __forceinline__ void softmax_backward_add(const scalar_t* x_ptr, cons
       x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
       dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
-                                            s_ * lanes_ * VEC, lane_);
-      d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
     }
   }
@@ -2050,7 +2047,6 @@ __device__ __forceinline__ void softmax_backward_add(const scalar_t* x_ptr, cons
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    uint4 d_stream_c_[SLOTS];
     if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
@@ -2064,17 +2060,12 @@ __device__ __forceinline__ void softmax_backward_add(const scalar_t* x_ptr, cons
         if (next_ < rows_)
           dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
                                                 s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = d_stream_next_[s_];
-        if (next_ < rows_)
-          d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + next_ * cols_, next_sp_,
-                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = eg_load_group_raw(d_stream_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: m = max of the per-element terms
@@ -2226,7 +2217,7 @@ __device__ __forceinline__ void softmax_backward_add(const scalar_t* x_ptr, cons
       float dy_r_[VEC];
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       float d_stream_r_[VEC];
-      eg_unpack_vec<scalar_t>(d_stream_c_[s_], d_stream_r_);
+      eg_load_group(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const float x = x_r_[e_];
@@ -2323,7 +2314,6 @@ __device__ __forceinline__ void softmax_backward_add_online(const scalar_t* x_pt
   // groups are loaded, raw, before the current row is computed.
   uint4 x_next_[SLOTS];
   uint4 dy_next_[SLOTS];
-  uint4 d_stream_next_[SLOTS];
   if (PREFETCH && worker_ < rows_) {
     const EgSplit next_sp_ = eg_split(x_ptr + worker_ * cols_, cols_, vec_);
 #pragma unroll
@@ -2331,8 +2321,6 @@ __device__ __forceinline__ void softmax_backward_add_online(const scalar_t* x_pt
       x_next_[s_] = eg_load_group_raw(x_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
       dy_next_[s_] = eg_load_group_raw(dy_ptr + worker_ * cols_, next_sp_,
-                                            s_ * lanes_ * VEC, lane_);
-      d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + worker_ * cols_, next_sp_,
                                             s_ * lanes_ * VEC, lane_);
     }
   }
@@ -2344,7 +2332,6 @@ __device__ __forceinline__ void softmax_backward_add_online(const scalar_t* x_pt
     const EgSplit sp_ = eg_split(x_ptr + row_ * cols_, cols_, vec_);
     uint4 x_c_[SLOTS];
     uint4 dy_c_[SLOTS];
-    uint4 d_stream_c_[SLOTS];
     if (PREFETCH) {
       const long long next_ = row_ + workers_;
       const EgSplit next_sp_ = eg_split(x_ptr + next_ * cols_, cols_, vec_);
@@ -2358,17 +2345,12 @@ __device__ __forceinline__ void softmax_backward_add_online(const scalar_t* x_pt
         if (next_ < rows_)
           dy_next_[s_] = eg_load_group_raw(dy_ptr + next_ * cols_, next_sp_,
                                                 s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = d_stream_next_[s_];
-        if (next_ < rows_)
-          d_stream_next_[s_] = eg_load_group_raw(d_stream_ptr + next_ * cols_, next_sp_,
-                                                s_ * lanes_ * VEC, lane_);
       }
     } else {
 #pragma unroll
       for (int s_ = 0; s_ < SLOTS; ++s_) {
         x_c_[s_] = eg_load_group_raw(x_row_, sp_, s_ * lanes_ * VEC, lane_);
         dy_c_[s_] = eg_load_group_raw(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
-        d_stream_c_[s_] = eg_load_group_raw(d_stream_row_, sp_, s_ * lanes_ * VEC, lane_);
       }
     }
     // pass: m = max, z = sum against the running m of the per-element terms
@@ -2667,7 +2649,7 @@ __device__ __forceinline__ void softmax_backward_add_online(const scalar_t* x_pt
       float dy_r_[VEC];
       eg_unpack_vec<scalar_t>(dy_c_[s_], dy_r_);
       float d_stream_r_[VEC];
-      eg_unpack_vec<scalar_t>(d_stream_c_[s_], d_stream_r_);
+      eg_load_group(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
       #pragma unroll
       for (int e_ = 0; e_ < VEC; ++e_) {
         const float x = x_r_[e_];
@@ -2767,10 +2749,10 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_add_block
   // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(d_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
-  softmax_backward_add_online<float, false, 3, 1, false, 1, true, true>(x, dy, d_stream, dx, rows, cols);
+  softmax_backward_add_online<float, false, 5, 1, false, 1, true, true>(x, dy, d_stream, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_add_block_unaligned_f32(const float* x, const float* dy, const float* d_stream, float* dx, long long rows, int cols) {
-  softmax_backward_add_online<float, false, 3, 1, false, 1, true, false>(x, dy, d_stream, dx, rows, cols);
+  softmax_backward_add_online<float, false, 5, 1, false, 1, true, false>(x, dy, d_stream, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) softmax_backward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, long long rows, int cols) {
   // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
