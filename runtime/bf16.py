@@ -2,7 +2,7 @@
 float32 bits; CuPy has no bfloat16 dtype). The generated kernels read and write that form
 themselves; what the runtime does to such arrays outside them is here, in one place:
 rounding float32 into it, widening it, and the few elementwise steps of a mixed-precision
-step that have no op of their own (the residual add, adding a gradient, scaling the
+step that have no op of their own (adding a gradient, scaling the
 gradients by the clip factor, the gradient norm's row sums), and `plan_dtype`, which
 refuses bf16 where it cannot run.
 
