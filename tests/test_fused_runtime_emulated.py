@@ -132,8 +132,7 @@ def _close(got, want, dtype: str, what: str, tol=None) -> None:
 # 17 columns: rows off 16-byte boundaries (the `_unaligned` kernels); 24: on them. Short
 # rows: the reduce launches 1024 threads a block per 8 columns, each an emulated fiber
 # (test_fused_emulated.py runs the block layouts' and the split backward's kernels).
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("cols", [17, 24])
+@pytest.mark.parametrize("cols,dtype", [(17, "f32"), (24, "bf16")])   # both kernels, both dtypes
 def test_a_norm_s_add_fusion_through_the_cuda_calls(libs, cols, dtype):
     gpu, ref, launched = libs
     op = gpu.op("rmsnorm")
@@ -162,8 +161,7 @@ def test_a_norm_s_add_fusion_through_the_cuda_calls(libs, cols, dtype):
     assert launched == [f"rmsnorm_backward_add{variant}_{dtype}", f"rmsnorm_wgrad_reduce_{dtype}"]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("shift,dtype", [(0, "f32"), (1, "bf16")])   # both kernels, both dtypes
 def test_a_gated_activation_s_bias_fusion_through_the_cuda_calls(libs, shift, dtype):
     """Arrays one element into their buffers take the `_unaligned` kernels."""
     gpu, ref, launched = libs
