@@ -112,7 +112,8 @@ class _Recorder:
                           ones)
         outputs = tuple(buf(n) for n in node.outputs)
         if node.kind == "norm":
-            x, branch = (buf(n) for n in node.inputs) if node.fusion else (buf(node.inputs[0]), None)
+            x, branch = ((buf(n) for n in node.inputs) if node.fusion
+                         else (buf(node.inputs[0]), None))
             weights = tuple(P[n] for n in names)
             if not tr:
                 return Norm(node.op, x, branch, weights, outputs, node.params)
