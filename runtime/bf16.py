@@ -46,8 +46,11 @@ ROW_NORMS = ("uint16 grad_bits", "float32 row_norm", "eg_widen(grad_bits) * eg_w
 
 
 def plan_dtype(training_dtype: str, backend) -> str:
-    """The plan dtype of `training.dtype` on this backend ("float32" or "bf16"). bf16 needs
-    a GPU with bf16 tensor cores: anything else is refused, never run in fp32 instead."""
+    """The plan dtype of `training.dtype` on this backend ("float32" or "bf16"). "auto" is
+    bf16 on a GPU with bf16 tensor cores and fp32 elsewhere; an explicit bf16 needs such a
+    GPU: anything else is refused, never run in fp32 instead."""
+    if training_dtype == "auto":
+        return "bf16" if backend.is_gpu and backend.sm >= 80 else "float32"
     if training_dtype != "bf16":
         return "float32"
     if not backend.is_gpu:

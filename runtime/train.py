@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +94,9 @@ class Trainer:
         budget.check_config(cfg)
         arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run
+        if t.dtype == "auto":   # the run records what it trains in: a resume repeats it
+            t = replace(t, dtype="bf16" if dtype == "bf16" else "fp32")
+            cfg = self.cfg = replace(cfg, training=t)
 
         def buckets(a):
             return None if collective is None else plan_buckets(
