@@ -323,7 +323,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         if rv is not None and rv.rank:
             trainer.run()   # rank 0 reports
             return
-        t = cfg.training
+        t = trainer.cfg.training   # training.dtype auto resolved
         ranks = "" if rv is None else \
             f"{rv.world_size} ranks{' (ZeRO-1)' if t.zero else ''} x "
         click.echo(f"eulergen train: {lib.backend.device}{_default_named(cfg)}, "
@@ -405,12 +405,12 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
         manifests = ensure_built((), ops_dirs) or []
     arch = arch_of(cfg.model, OpLibrary(NUMPY, manifests))   # the manifest alone: no GPU needed
     t = cfg.training
-    # a GPU run's plan, the kernels' and cuBLASLt's workspaces included, whatever this
-    # machine runs on
-    dtype = "bf16" if t.dtype == "bf16" else "float32"
+    # a GPU run's plan (a GPU with bf16 tensor cores: training.dtype auto is bf16), the
+    # kernels' and cuBLASLt's workspaces included, whatever this machine runs on
+    dtype = "float32" if t.dtype == "fp32" else "bf16"
     buckets = None if inference or nproc == 1 else plan_buckets(
         arch, nproc, zero=bool(t.zero), bucket_mb=t.bucket_mb,
-        itemsize=2 if t.dtype == "bf16" else 4)
+        itemsize=2 if dtype == "bf16" else 4)
     p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
                          dtype=dtype, gemm_workspace=WORKSPACE_BYTES, buckets=buckets))

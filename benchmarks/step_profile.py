@@ -323,7 +323,7 @@ _MISSING = object()
 
 def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     """One configuration's lines and wall time; `copy`: the copy bandwidth, GB/s."""
-    from eulergen.runtime import gemm, metrics
+    from eulergen.runtime import bf16, gemm, metrics
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
@@ -332,7 +332,7 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     t = cfg.training
     backend = get_backend(t.device)
     lib = OpLibrary(backend)
-    dtype = "bf16" if t.dtype == "bf16" else "float32"
+    dtype = bf16.plan_dtype(t.dtype, backend)
     model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True, dtype=dtype)
     model.init_weights(0)
     optim = AdamW(model, t)

@@ -35,6 +35,11 @@ class Backend:
         return self.xp.asarray(a, dtype=dtype)
 
 
+def is_cupy(a) -> bool:
+    """Whether `a` is a CuPy array (without importing CuPy): which form of a helper runs."""
+    return type(a).__module__.startswith("cupy")
+
+
 def _cuda_backend() -> Backend:
     """The CuPy backend, or EulerError saying what is missing and what to install."""
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.runtime.backend import is_cupy
 
 # The device functions every kernel below uses: widen bf16 bits to float, round a float to
 # bf16 bits (to_bf16's rule, in integers, so no header is needed under NVRTC).
@@ -46,8 +47,11 @@ ROW_NORMS = ("uint16 grad_bits", "float32 row_norm", "eg_widen(grad_bits) * eg_w
 
 
 def plan_dtype(training_dtype: str, backend) -> str:
-    """The plan dtype of `training.dtype` on this backend ("float32" or "bf16"). bf16 needs
-    a GPU with bf16 tensor cores: anything else is refused, never run in fp32 instead."""
+    """The plan dtype of `training.dtype` on this backend ("float32" or "bf16"). "auto" is
+    bf16 on a GPU with bf16 tensor cores and fp32 elsewhere; an explicit bf16 needs such a
+    GPU: anything else is refused, never run in fp32 instead."""
+    if training_dtype == "auto":
+        return "bf16" if backend.is_gpu and backend.sm >= 80 else "float32"
     if training_dtype != "bf16":
         return "float32"
     if not backend.is_gpu:
@@ -77,14 +81,10 @@ def _kernel(name: str):
     return _kernels[name]
 
 
-def _is_cupy(a) -> bool:
-    return type(a).__module__.startswith("cupy")
-
-
 def to_bf16(a, out=None):
     """float32 → bf16 bits (uint16), rounding to nearest, ties to even; NaN stays NaN.
     `out`: a uint16 array of a's shape to write into (returned)."""
-    if _is_cupy(a):
+    if is_cupy(a):
         import cupy
         a = cupy.ascontiguousarray(a, dtype=cupy.float32)
         out = cupy.empty(a.shape, cupy.uint16) if out is None else out
@@ -103,7 +103,7 @@ def to_bf16(a, out=None):
 
 def from_bf16(a):
     """bf16 bits (uint16) → float32, exactly."""
-    if _is_cupy(a):
+    if is_cupy(a):
         import cupy
         return (cupy.asarray(a, dtype=cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
     return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -117,7 +117,7 @@ def bits(value: float) -> int:
 
 def add(a, b, out) -> None:
     """out = a + b, all bf16 (out may be a or b)."""
-    if _is_cupy(out):
+    if is_cupy(out):
         _kernel("add")(a, b, out)
     else:
         to_bf16(from_bf16(a) + from_bf16(b), out=out)
@@ -125,7 +125,7 @@ def add(a, b, out) -> None:
 
 def row_norms(g, out) -> None:
     """out[r] = the float32 L2 norm of row r of the bf16 matrix g [R, K] (out [R])."""
-    if _is_cupy(g):
+    if is_cupy(g):
         _kernel("row_norms")(g, out, axis=1)
     else:
         wide = from_bf16(g)

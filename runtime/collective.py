@@ -63,12 +63,17 @@ class Rendezvous:
         port = _int_env(env, "MASTER_PORT", 0)
         if not 0 < port < 65536:
             raise EulerError(f"{port} is not a TCP port", key="MASTER_PORT")
-        try:
-            timeout = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
-        except ValueError:
-            raise EulerError(f"{env[TIMEOUT_ENV]!r} is not a number of seconds",
-                             key=TIMEOUT_ENV) from None
-        return Rendezvous(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port, timeout)
+        return Rendezvous(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port,
+                          collective_timeout(env))
+
+
+def collective_timeout(env) -> float:
+    """The seconds a rank may lag the others: EULERGEN_COLLECTIVE_TIMEOUT, else the default."""
+    try:
+        return float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    except ValueError:
+        raise EulerError(f"{env[TIMEOUT_ENV]!r} is not a number of seconds",
+                         key=TIMEOUT_ENV) from None
 
 
 def _int_env(env, name: str, default: int) -> int:

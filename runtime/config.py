@@ -73,7 +73,8 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     seed: int = 1337
-    dtype: str = "fp32"              # "fp32" | "bf16" (mixed precision: runtime/model.py)
+    dtype: str = "auto"              # "auto" (bf16 on a GPU with bf16 tensor cores, else fp32)
+                                     # | "fp32" | "bf16" (mixed precision: runtime/model.py)
     tf32: bool = True
     cuda_graph: bool = True          # GPU: capture the step as CUDA graphs; false: launch eagerly
     device: str = "auto"             # "auto" | "cuda" | "numpy"
@@ -131,7 +132,7 @@ DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"cpu": {}, "gpu": GPU_DEFAULT}
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rope"),
     "training.schedule": ("cosine", "linear", "constant"),
-    "training.dtype": ("fp32", "bf16"),
+    "training.dtype": ("auto", "fp32", "bf16"),
     "training.device": ("auto", "cuda", "numpy"),
 }
 

@@ -29,8 +29,6 @@ from eulergen.launch import Launch
 
 MASK = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-# the values a sampler changes between steps or calls: the kernel's by-value arguments
-LIVE = ("temperature", "top_k", "top_p", "seed", "step", "column")
 THREADS = 1024
 
 

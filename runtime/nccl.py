@@ -31,9 +31,8 @@ class NcclCollective:
         select_gpu(rv)
         self.rank, self.world_size, self.timeout = rv.rank, rv.world_size, rv.timeout
         self.store = CpuCollective(rv)
-        uid = nccl.get_unique_id() if rv.rank == 0 else None
-        uid = tuple(np.frombuffer(self.store.broadcast_bytes(
-            np.asarray(uid if uid is not None else (), dtype="<i8").tobytes()), dtype="<i8").tolist())
+        uid = _uid_wire(nccl.get_unique_id()) if rv.rank == 0 else b""
+        uid = _uid_from_wire(self.store.broadcast_bytes(uid))
         self._nccl, self._cupy = nccl, cupy
         self.comm = nccl.NcclCommunicator(rv.world_size, uid, rv.rank)
 
@@ -114,3 +113,15 @@ class NcclCollective:
     def close(self) -> None:
         self.comm.destroy()
         self.store.close()
+
+
+def _uid_wire(uid) -> bytes:
+    """NCCL's unique id as bytes for the hub: CuPy hands it out as bytes (14) or a tuple of
+    C chars (older); a leading tag says which, so every rank rebuilds what it was given."""
+    if isinstance(uid, (bytes, bytearray)):
+        return b"B" + bytes(uid)
+    return b"T" + np.asarray(uid, dtype=np.int8).tobytes()
+
+
+def _uid_from_wire(raw: bytes):
+    return raw[1:] if raw[:1] == b"B" else tuple(np.frombuffer(raw[1:], np.int8).tolist())

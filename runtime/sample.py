@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.runtime.bf16 import plan_dtype
 from eulergen.runtime.decoder import DRAWN, build_decoder
 from eulergen.runtime.draw import MASK, Draw
 
@@ -31,12 +32,10 @@ def _stderr(message: str) -> None:
 def sampling_dtype(choice: str, backend) -> str:
     """The decoder's plan dtype for `--dtype` auto | bf16 | fp32: auto is bf16 on a GPU with
     bf16 tensor cores (compute capability 8.0 or newer), else fp32."""
-    if choice == "auto":
-        return "bf16" if backend.is_gpu and backend.sm >= 80 else "float32"
-    if choice == "bf16" and not (backend.is_gpu and backend.sm >= 80):
+    if choice == "bf16" and plan_dtype("auto", backend) != "bf16":   # refused as --dtype
         raise EulerError(f"bf16 sampling needs a CUDA GPU of compute capability 8.0 or newer, "
                          f"not {backend.device}; use --dtype fp32", key="--dtype")
-    return "bf16" if choice == "bf16" else "float32"
+    return plan_dtype(choice, backend)
 
 
 class Sampler:

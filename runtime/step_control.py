@@ -22,6 +22,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.kinds import KINDS
+from eulergen.runtime.backend import is_cupy
 
 RECORD = ("lr", "loss_sum", "loss", "norm", "why", "mean", "loss_mean", "norm_mean", "seen",
           "updates")
@@ -244,15 +245,11 @@ def _kernel(name: str):
     return _module.get_function(name)
 
 
-def _is_cupy(a) -> bool:
-    return type(a).__module__.startswith("cupy")
-
-
 def loss_mean(losses, out) -> None:
     """out[0] = the mean of the per-token losses (float32 [N] into float32 [1]). On the
     GPU one block in a fixed order, allocating nothing (cupy.mean may take CUB's
     reduction, whose scratch comes from the pool: no allocation may happen in a capture)."""
-    if _is_cupy(losses):
+    if is_cupy(losses):
         _kernel("eg_loss_mean")((1,), (LOSS_MEAN_THREADS,), (losses, out, np.int64(losses.size)))
     else:
         _numpy_loss_mean(losses, out)
@@ -261,7 +258,7 @@ def loss_mean(losses, out) -> None:
 def accumulate(record, loss, first: bool) -> None:
     """Add a micro-step's loss (a 1-element float32 array) to the step's sum (its first:
     the sum is that loss)."""
-    if _is_cupy(record):
+    if is_cupy(record):
         _kernel("eg_step_accumulate")((1,), (1,), (record, loss, np.int32(first)))
     else:
         _numpy_accumulate(record, loss, first)
@@ -269,7 +266,7 @@ def accumulate(record, loss, first: bool) -> None:
 
 def rank_loss(record, rule: StepRule, out) -> None:
     """out[0] = this rank's loss in float32: what the ranks sum (data parallel)."""
-    if _is_cupy(record):
+    if is_cupy(record):
         _kernel("eg_step_rank_loss")((1,), (1,), (record, out, np.int32(rule.micro_steps)))
     else:
         _numpy_rank_loss(record, rule, out)
@@ -282,7 +279,7 @@ def decide(record, control, norm, reduced, rule: StepRule) -> None:
     record; a non-finite one, or a spike past the running means, skips the update; the
     running means, the update count, and the update op's `control` slots (skip, clip
     scale, the record's lr, the count) follow."""
-    if _is_cupy(record):
+    if is_cupy(record):
         _kernel("eg_step_decide")((1,), (1,), (
             record, control, norm, norm if reduced is None else reduced,
             np.float64(rule.spike_factor),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +94,9 @@ class Trainer:
         budget.check_config(cfg)
         arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
         dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run
+        if t.dtype == "auto":   # the run records what it trains in: a resume repeats it
+            t = replace(t, dtype="bf16" if dtype == "bf16" else "fp32")
+            cfg = self.cfg = replace(cfg, training=t)
 
         def buckets(a):
             return None if collective is None else plan_buckets(
@@ -259,9 +262,16 @@ class Trainer:
     def _waits(self, step: int, last: int) -> bool:
         """Whether step `step` is waited for before the next is launched: it is evaluated,
         checkpointed or the run's last."""
+        return step == last or self._evaluates(step) or self._checkpoints(step)
+
+    def _evaluates(self, step: int) -> bool:
         t = self.cfg.training
-        return (step == last or bool(t.eval_every and step % t.eval_every == 0)
-                or bool(t.checkpoint_every and step % t.checkpoint_every == 0))
+        return bool(t.eval_every) and (step % t.eval_every == 0 or step == t.total_steps)
+
+    def _checkpoints(self, step: int) -> bool:
+        t = self.cfg.training
+        return bool(t.checkpoint_every and step % t.checkpoint_every == 0) \
+            or step == t.total_steps
 
     def _finish(self, r: StepResult) -> None:
         """A step's result, back from the device: a loss or norm that is not finite stops
@@ -284,7 +294,7 @@ class Trainer:
                           tokens_per_s=tps, ms_per_step=1e3 * r.seconds,
                           mfu=tps * self.flops_per_token / self.peak if self.peak else None,
                           skipped=int(r.skipped is not None))
-        if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.total_steps):
+        if self._evaluates(self.step):
             val = self.evaluate()
             if val is not None:
                 self.result.val_losses[self.step] = val
@@ -293,8 +303,7 @@ class Trainer:
             self.logger.log(self.step, **record)
         # every rank (save() writes on rank 0); bf16 ZeRO: it makes rank 0's master whole
         # for sample() too
-        if ((t.checkpoint_every and self.step % t.checkpoint_every == 0)
-                or self.step == t.total_steps):
+        if self._checkpoints(self.step):
             self.save()
 
     def sample(self, n: int) -> str:
@@ -303,10 +312,10 @@ class Trainer:
         prompt = np.asarray(data.shards[0][:min(16, self.cfg.training.seq_len // 4)],
                             dtype=np.int64)
         # the weights the training tape reads, in their dtype: nothing is copied
-        bf16 = self.model.bf16
+        in_bf16 = self.model.bf16
         sampler = Sampler(self.cfg.model, self.lib, seq_len=self.cfg.training.seq_len,
-                          params=self.model.mem.arenas["params_bf16" if bf16 else "params"],
-                          dtype="bf16" if bf16 else "float32")
+                          params=self.model.mem.arenas["params_bf16" if in_bf16 else "params"],
+                          dtype="bf16" if in_bf16 else "float32")
         ids = sampler.generate(prompt, n, top_k=40, temperature=0.8, seed=self.cfg.training.seed)
         if self.tokenizer.vocab_size < self.cfg.model.vocab_size:
             return " ".join(map(str, ids))

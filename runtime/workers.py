@@ -10,7 +10,7 @@ import sys
 import time
 
 from eulergen.errors import EulerError
-from eulergen.runtime.collective import DEFAULT_TIMEOUT, TIMEOUT_ENV, free_port
+from eulergen.runtime.collective import collective_timeout, free_port
 
 POLL_S = 0.1
 
@@ -30,12 +30,12 @@ def run_workers(nproc: int, args: list[str]) -> int:
     """Start the ranks, wait for all; when one fails, the others stop on their own (their
     next collective names it) and are ended after the collective timeout. Returns the exit
     status: 0, or the first failed rank's."""
+    timeout = collective_timeout(os.environ)   # a bad value: one line, before any rank starts
     env = {**os.environ, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "NCCL_NVLS_ENABLE": "0"}
     procs = [subprocess.Popen([sys.executable, "-m", "eulergen", "train", *args],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(nproc)]
-    timeout = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
     failed, deadline = None, None
     while any(p.poll() is None for p in procs):
         if failed is None:

@@ -18,6 +18,8 @@ order 1.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -220,10 +222,25 @@ def test_bf16_is_refused_where_it_cannot_run(lib, tmp_path):
     assert bf16.plan_dtype("fp32", NUMPY) == "float32"
 
 
+def test_auto_is_bf16_on_a_bf16_gpu_and_fp32_elsewhere_and_the_run_records_which(lib, tmp_path):
+    from eulergen.runtime.train import CONFIG_FILE, Trainer
+    h200 = Backend("cuda", np, True, "H200 (sm_90)", 90)
+    turing = Backend("cuda", np, True, "Tesla T4 (sm_75)", 75)
+    assert [bf16.plan_dtype("auto", b) for b in (h200, turing, NUMPY)] == \
+        ["bf16", "float32", "float32"]
+    cfg = load_config(None, STRUCTURES["gpt2"] + COMMON + [f"run_dir={tmp_path / 'run'}"])
+    assert cfg.training.dtype == "auto"
+    trainer = Trainer(cfg, lib, progress=False, tensorboard=False)
+    assert trainer.cfg.training.dtype == "fp32"   # what a resume reads back
+    trainer.run(stop_after=1)
+    saved = json.loads((tmp_path / "run" / CONFIG_FILE).read_text())
+    assert saved["training"]["dtype"] == "fp32"
+
+
 def test_config_takes_bf16_and_names_the_choices():
     assert load_config(None, ["training.dtype=bf16"]).training.dtype == "bf16"
-    assert load_config(None, []).training.dtype == "fp32"
-    with pytest.raises(EulerError, match="'fp16' is not one of fp32, bf16") as err:
+    assert load_config(None, []).training.dtype == "auto"
+    with pytest.raises(EulerError, match="'fp16' is not one of auto, fp32, bf16") as err:
         load_config(None, ["training.dtype=fp16"])
     assert err.value.key == "training.dtype"
 

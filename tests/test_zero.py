@@ -232,7 +232,8 @@ def test_the_plan_command_shows_one_rank_s_memory_with_zero():
     from eulergen.cli import main
 
     def shown(*args):
-        sets = [*SMALL, "training.batch_size=2", "training.seq_len=32", *args]
+        sets = [*SMALL, "training.batch_size=2", "training.seq_len=32", "training.dtype=fp32",
+                *args]
         result = CliRunner().invoke(main, ["plan", "--nproc", "4",
                                            *(a for o in sets for a in ("--set", o))])
         assert result.exit_code == 0, result.output

@@ -23,6 +23,10 @@ from eulergen.runtime.ops import from_bf16, to_bf16
 pytestmark = pytest.mark.gpu
 
 FP32, BF16, TWO_LIBRARIES = 1e-5, 2.0 ** -8, 2.0 ** -7
+# a bf16 output that is added to (beta = 1) or written after a bias GEMM: both libraries
+# were seen up to 5.3e-3 of the largest value on the H200 (cublasGemmEx's two-GEMM bias
+# as far as cuBLASLt's), past one rounding's 2^-8, within two
+BF16_ADDED = 2.0 ** -7
 M, K, N = 512, 384, 320      # tokens, features in, features out
 
 
@@ -48,7 +52,7 @@ def _err(cp, got, want) -> float:
 
 
 def _cublas(cp):
-    return gemm.CublasGemm.for_cupy(cp, tf32=False)
+    return gemm.CublasGemm.for_cupy(tf32=False)
 
 
 def _host(rng, *shapes):
@@ -79,7 +83,7 @@ def test_lt_gemms_match_cublas_and_numpy(cp, lt, dtype, case, add):
     got, ref = start.copy(), start.copy()
     gemm.LtGemm(lt, tf32=False)(a, b, got, add=add, **flags)
     _cublas(cp)(a, b, ref, add=add, **flags)
-    tol = BF16 if dtype == "bf16" else FP32
+    tol = (BF16_ADDED if add else BF16) if dtype == "bf16" else FP32
     assert _err(cp, got, want) < tol and _err(cp, ref, want) < tol
     assert _err(cp, got, _wide(cp, ref)) < (TWO_LIBRARIES if dtype == "bf16" else FP32)
 
@@ -95,7 +99,7 @@ def test_the_bias_epilogue_matches_the_two_gemm_bias(cp, lt, dtype):
     ref, ones = cp.zeros_like(got), _dev(cp, np.ones((1, M)), dtype)
     _cublas(cp)(ones, b.reshape(1, -1), ref, ta=True)
     _cublas(cp)(x, w, ref, tb=True, add=True)
-    tol = BF16 if dtype == "bf16" else FP32
+    tol = BF16_ADDED if dtype == "bf16" else FP32
     assert _err(cp, got, want) < tol and _err(cp, ref, want) < tol
     assert _err(cp, got, _wide(cp, ref)) < (TWO_LIBRARIES if dtype == "bf16" else FP32)
 
@@ -115,7 +119,7 @@ def test_the_bias_gradient_epilogue_writes_1t_dy_beside_dw(cp, lt, dtype, add):
     ref_dw, ref_db, ones = start.copy(), cp.zeros_like(db), _dev(cp, np.ones((1, M)), dtype)
     _cublas(cp)(dy, x, ref_dw, ta=True, add=add)
     _cublas(cp)(ones, dy, ref_db.reshape(1, -1))
-    tol = BF16 if dtype == "bf16" else FP32
+    tol = (BF16_ADDED if add else BF16) if dtype == "bf16" else FP32
     for got, ref, want in ((dw, ref_dw, want_dw), (db, ref_db, want_db)):
         assert _err(cp, got, want) < tol and _err(cp, ref, want) < tol
         assert _err(cp, got, _wide(cp, ref)) < (TWO_LIBRARIES if dtype == "bf16" else FP32)

@@ -75,7 +75,7 @@ def _cfg(shard, run_dir, dtype, **training):
              checkpoint_every=3, log_every=1, sample_tokens=0, device="cuda", dtype=dtype)
     t.update(training)
     return load_config(None, [f"run_dir={run_dir}", f"data.dataset={shard}",
-                              "model.vocab_size=256", "model.hidden_dim=128",
+                              f"data.val_dataset={shard}", "model.vocab_size=256", "model.hidden_dim=128",
                               "model.num_layers=2", "model.num_heads=2",
                               "model.max_seq_len=128", "model.mlp_hidden=256",
                               *(f"training.{k}={v}" for k, v in t.items())])
