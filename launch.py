@@ -172,6 +172,15 @@ class BlockPerRow(Geometry):
 ROW_LAYOUTS = (WarpPerRow, BlockHeld, BlockPerRow)
 
 
+def column_launch(rows: int, cols: int, cols_per_block: int, threads: int,
+                  blocks: int) -> Launch:
+    """A grid of column blocks by G row groups, G = clamp(cdiv(blocks, column blocks), 1,
+    rows): group y takes rows y, y + G, …, and writes partial row y."""
+    x = cdiv(cols, cols_per_block)
+    y = max(1, min(rows, cdiv(blocks, x)))
+    return Launch((x, y), (threads,), partials=y)
+
+
 @dataclass(frozen=True)
 class WgradCols(Geometry):
     """The split backward's column kernel: a thread sums `vec` columns over rows y, y + G, …
@@ -185,9 +194,7 @@ class WgradCols(Geometry):
     aligned: bool
 
     def launch(self, rows: int, cols: int) -> Launch:
-        x = cdiv(cols, self.vec * self.threads)
-        y = max(1, min(rows, cdiv(self.blocks, x)))
-        return Launch((x, y), (self.threads,), partials=y)
+        return column_launch(rows, cols, self.vec * self.threads, self.threads, self.blocks)
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,26 @@ class WgradReduce(Geometry):
 
     def launch(self, cols: int) -> Launch:
         return Launch((cdiv(cols, self.threads_x),), (self.threads_x, self.threads_y))
+
+
+@dataclass(frozen=True)
+class BiasRows(Geometry):
+    """A pointwise op's bias variant over [rows, cols] operands and [cols] biases: a thread
+    owns `vec` adjacent columns (its biases in registers) and loops over the rows of its
+    group, `rows` of them loaded at a time; grid (cdiv(cols, vec · threads), G) as
+    column_launch makes it. A backward writes each bias gradient's sums over its group's
+    rows to partial row y of a [G, cols] float32 workspace. `aligned`: the variant for
+    16-byte access throughout (cols a multiple of vec, every pointer on a 16-byte boundary);
+    the other takes any shape and alignment. Outputs may alias inputs."""
+    shape: ClassVar[str] = "bias_rows"
+    threads: int
+    vec: int
+    rows: int
+    blocks: int
+    aligned: bool
+
+    def launch(self, rows: int, cols: int) -> Launch:
+        return column_launch(rows, cols, self.vec * self.threads, self.threads, self.blocks)
 
 
 # ---- embedding ------------------------------------------------------------------------
@@ -336,7 +363,7 @@ class AttentionRowdot(Geometry):
 
 
 SHAPES = {cls.shape: cls for cls in (
-    Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, EmbeddingForward,
+    Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, EmbeddingForward,
     EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe,
     AttentionTiles, AttentionDecode, AttentionRowdot)}
 

@@ -213,8 +213,15 @@ class Timed:
             if self.kind == "attention":
                 f = _attention_flops(n.inputs[0])
                 flops, nbytes = (f, 2.5 * f), (0, 0)
-        elif isinstance(n, tape.Add):   # its backward is the fan-in others add: no kernel
-            self.kind, self.name, nbytes = "add", f"add→{names(n.out)}", (3 * n.out.nbytes, 0)
+        elif isinstance(n, tape.Norm):   # with a branch: the residual add in the same pass
+            self.kind = "norm"
+            self.name = f"{n.op.name}→{','.join(names(o) for o in n.outputs)}"
+            reads = (n.x,) if n.branch is None else (n.x, n.branch)
+            # backward: the row, dy, and dx read too where it adds into the stream
+            dx = 2 * n.dx.buf.nbytes if n.dx is not None and n.dx.add else 0
+            nbytes = (_nbytes(reads) + _nbytes(n.weights) + _nbytes(n.outputs),
+                      (n.row.nbytes + _nbytes(n.weights) + n.dy.nbytes + dx
+                       + _nbytes(g.buf for g in n.dweights)) if n.dy is not None else 0)
         elif isinstance(n, tape.Embedding):
             self.kind, self.name = "embedding", f"embedding→{names(n.out)}"
             nbytes = (_embedding_bytes(n, False), _embedding_bytes(n, True) if n.dtable else 0)
@@ -230,8 +237,7 @@ class Timed:
                          flops=self.flops[0], nbytes=self.nbytes[0])
 
     def backward(self, tape) -> None:
-        if self.kind != "add":
-            self.spans.timed(f"{self.name} bwd", self._kind_of(1), self.node.backward, tape,
+        self.spans.timed(f"{self.name} bwd", self._kind_of(1), self.node.backward, tape,
                              flops=self.flops[1], nbytes=self.nbytes[1])
 
 
@@ -267,8 +273,7 @@ def instrument(model, spans: Spans):
                     flops=2.0 * m * n * k)
 
     def timed_add(a, b, out):
-        # inside a node's backward: a gradient added through scratch; the Add node's own
-        # forward is timed by its node
+        # inside a node's backward: a gradient added through scratch
         if not phase["backward"]:
             return add(a, b, out)
         return spans.timed("grad add", "add", add, a, b, out, nbytes=3 * out.nbytes)

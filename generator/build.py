@@ -96,6 +96,22 @@ def _kernels(rendered: ir.RenderedCuda) -> dict:
             for k in rendered.kernels}
 
 
+def _fusions(derived: ir.DerivedOp) -> dict:
+    """The op's fused variants (generator/fuse.py): for each, the operands of the op whose
+    forward is its forward and of the op whose backward is its backward (the calls'
+    arrays, as for the op itself: inputs -> outputs; inputs, d<outputs> -> d<inputs>)."""
+    from eulergen.generator import fuse
+    out = {}
+    pairs = {"add": fuse.add_variants(derived)}
+    bias = fuse.bias_variant(derived)
+    pairs["bias"] = bias and (bias, bias)
+    for name, pair in pairs.items():
+        if pair:
+            out[name] = {stage: {"inputs": _operands(v.inputs), "outputs": _operands(v.outputs)}
+                         for stage, v in zip(("forward", "backward"), pair)}
+    return out
+
+
 def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]:
     from eulergen.generator import emit, numpy_module, plan_ops, render
     label = emit.spec_label(derived)
@@ -119,6 +135,9 @@ def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]
     }
     if derived.kind == "pair":  # index symbol -> role: whether the op varies over heads
         entry["index"] = dict(derived.body.index)
+    fusions = _fusions(derived)
+    if fusions:
+        entry["fusions"] = fusions
     if derived.fast_math:  # the runtime compiles this op's kernels with --use_fast_math
         entry["fast_math"] = True
     return entry, {entry["cuda"]: cuda, entry["numpy"]: py}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import types
 
-from eulergen.generator import ir
+from eulergen.generator import fuse, ir
 from eulergen.generator.emit import numpy_header
 from eulergen.generator.numpy_attention import render_attention_module
 from eulergen.generator.plan_ops import update_control
@@ -88,22 +88,31 @@ def _returns(values: list[str]) -> str:
 
 
 def _pointwise(d: ir.DerivedOp) -> list[str]:
+    """forward and backward, then the bias variant's (generator/fuse.py): forward_bias and
+    backward_bias, whose bias gradients are summed over every row."""
+    return [*_pointwise_pair(d, ""), "", "", *_pointwise_pair(fuse.bias_variant(d), "_bias")]
+
+
+def _pointwise_pair(d: ir.DerivedOp, suffix: str) -> list[str]:
     body: ir.PointwiseDerived = d.body
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out = [_signature("forward", ins, d.params),
+    out = [_signature(f"forward{suffix}", ins, d.params),
            *(f"    {a} = np.asarray({a})" for a in ins),
            f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in ins)})",
            f"    dtype = _dtype({', '.join(ins)})",
            *_code(body.forward),
            _returns([f"_fresh({o.name}, shape, dtype)" for o in d.outputs]), "", ""]
     args = ins + douts
-    out += [_signature("backward", args, d.params),
+    grads = [f"_fresh(np.broadcast_to(d{o.name}, shape).reshape(-1, shape[-1]).sum(axis=0), "
+             f"{o.name}.shape, dtype)" if o.role == "bias" else f"_fresh(d{o.name}, shape, dtype)"
+             for o in d.inputs]
+    out += [_signature(f"backward{suffix}", args, d.params),
             *(f"    {a} = np.asarray({a})" for a in args),
             f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in args)})",
             f"    dtype = _dtype({', '.join(args)})",
             *_code(body.backward),
-            _returns([f"_fresh(d{o.name}, shape, dtype)" for o in d.inputs])]
+            _returns(grads)]
     return out
 
 
@@ -129,8 +138,18 @@ def _passes(passes: tuple[ir.Pass, ...]) -> list[str]:
 
 
 def _row(d: ir.DerivedOp) -> list[str]:
+    """forward and backward, then the `add` fusion's (generator/fuse.py) where the op has
+    it: forward_add, add_forward's forward, and backward_add, add_backward's backward."""
+    out = [*_row_forward(d, "forward"), "", "", *_row_backward(d, "backward")]
+    fused = fuse.add_variants(d)
+    if fused:
+        out += ["", "", *_row_forward(fused[0], "forward_add"), "", "",
+                *_row_backward(fused[1], "backward_add")]
+    return out
+
+
+def _row_forward(d: ir.DerivedOp, name: str) -> list[str]:
     body: ir.RowDerived = d.body
-    ins = [o.name for o in d.inputs]
     results = []
     for o in d.outputs:
         if o.role == "row":
@@ -138,11 +157,16 @@ def _row(d: ir.DerivedOp) -> list[str]:
         else:
             results.append(f"_fresh(np.broadcast_to({o.name}, shape[:-1] + (1,))[..., 0], "
                            "shape[:-1], dtype)")
-    out = [_signature("forward", ins, d.params), *_row_prologue(d), *_passes(body.passes),
-           *_code(body.elem_outputs), *_code(body.row_outputs), _returns(results), "", ""]
+    return [_signature(name, [o.name for o in d.inputs], d.params), *_row_prologue(d),
+            *_passes(body.passes), *_code(body.elem_outputs), *_code(body.row_outputs),
+            _returns(results)]
 
+
+def _row_backward(d: ir.DerivedOp, name: str) -> list[str]:
+    body: ir.RowDerived = d.body
+    ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out += [_signature("backward", ins + douts, d.params), *_row_prologue(d)]
+    out = [_signature(name, ins + douts, d.params), *_row_prologue(d)]
     out += [f"    d{o.name} = np.asarray(d{o.name})" + ("[..., None]" if o.role == "scalar" else "")
             for o in d.outputs]
     out += _passes(body.passes)

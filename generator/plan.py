@@ -112,15 +112,23 @@ class RowShape:
     threads_min: int = BLOCK_THREADS_MIN
 
 
-def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1) -> RowShape:
+def _held(stage: str, cached: int) -> bool:
+    """Whether a kernel takes its stage's register bounds: not a forward that caches more
+    row operands than the one a plain forward reads (an `add` fusion's x and branch
+    spilled 190-220 bytes a thread in the bf16 warp forwards held to 64 registers)."""
+    return stage != "forward" or cached <= 1
+
+
+def warp_shape(dtype: str, *, stage: str, wgrad: bool, levels: int = 1,
+               cached: int = 1) -> RowShape:
     """The block of a warp-per-row kernel of `stage` whose row takes `levels` reduction
-    levels (sweeps that end in a reduction)."""
+    levels (sweeps that end in a reduction), caching `cached` row operands."""
     rows = (WARP_ROWS_PER_BLOCK_WGRAD if wgrad else
             WARP_ROWS_PER_BLOCK_OF.get((dtype, stage), WARP_ROWS_PER_BLOCK))
     if wgrad and levels >= 2 and dtype in PREFETCH_DTYPES:
         return RowShape(32 * rows, WARP_DEEP_WGRAD_BLOCKS, WARP_SLOTS[dtype], False)
-    return RowShape(32 * rows, WARP_MIN_BLOCKS.get((dtype, stage), 0),
-                    WARP_SLOTS[dtype], dtype in PREFETCH_DTYPES)
+    return RowShape(32 * rows, WARP_MIN_BLOCKS.get((dtype, stage), 0) if _held(stage, cached)
+                    else 0, WARP_SLOTS[dtype], dtype in PREFETCH_DTYPES)
 
 
 def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bool,
@@ -140,7 +148,8 @@ def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bo
         return RowShape(BLOCK_THREADS_MAX, 0, BLOCK_SLOTS[dtype], prefetch)
     whole = BLOCK_WHOLE_GROUPS
     if sweeps == 1:
-        return RowShape(BLOCK_THREADS_ONE_SWEEP, BLOCK_MIN_BLOCKS_ONE_SWEEP,
+        return RowShape(BLOCK_THREADS_ONE_SWEEP,
+                        BLOCK_MIN_BLOCKS_ONE_SWEEP if _held(stage, cached) else 0,
                         BLOCK_SLOTS[dtype], prefetch, whole=whole)
     if dtype in BLOCK_REREAD_GROUPS:
         return RowShape(BLOCK_THREADS_MAX, 1, BLOCK_REREAD_GROUPS[dtype] // max(cached, 1),
@@ -152,13 +161,13 @@ def block_shape(dtype: str, *, stage: str, sweeps: int, cached: int, weights: bo
                     BLOCK_SLOTS[dtype], prefetch, whole=whole)
 
 
-def held_shape(dtype: str, *, stage: str, wgrad: bool) -> RowShape | None:
+def held_shape(dtype: str, *, stage: str, wgrad: bool, cached: int = 1) -> RowShape | None:
     """The block of a block_held kernel (a block per row, the row in registers), or None
     where `dtype` or a stage with weight gradients takes none (HELD_SLOTS)."""
     if wgrad or stage == "backward_rows" or dtype not in HELD_SLOTS:
         return None
-    return RowShape(HELD_THREADS, HELD_MIN_BLOCKS, HELD_SLOTS[dtype], False,
-                    threads_min=HELD_THREADS_MIN)
+    return RowShape(HELD_THREADS, HELD_MIN_BLOCKS if _held(stage, cached) else 0,
+                    HELD_SLOTS[dtype], False, threads_min=HELD_THREADS_MIN)
 
 
 @dataclass(frozen=True)
@@ -263,6 +272,26 @@ def wgrad_cols_launch(dtype: str, stats: int, aligned: bool) -> launch.WgradCols
 # groups per block, so that even a 768-wide weight spreads over 96 blocks.
 REDUCE_X, REDUCE_Y = 8, 128
 WGRAD_REDUCE_LAUNCH = launch.WgradReduce(REDUCE_X, REDUCE_Y)
+
+
+def reduce_args(dtype: str) -> tuple[tuple[str, str], ...]:
+    """The reduce's parameters (the row ops' weight gradients, the bias variants' biases):
+    partial rows in, the gradient in the storage dtype written or added to."""
+    return (("partials", "const float*"), ("dw", f"{CTYPE[dtype]}*"), ("num_partials", "int"),
+            ("cols", "int"), ("accumulate", "int"))
+
+
+# The bias variants of pointwise ops (generator/fuse.py): blocks of BIAS_THREADS, a thread
+# a 16-byte vector of columns and BIAS_ROWS rows' loads in flight; BIAS_BLOCKS blocks for a
+# forward (16 an SM: 2048 threads, the SM full), half as many for a backward, whose row
+# groups each write (and the reduce reads) a partial row of every bias gradient.
+BIAS_THREADS = 128
+BIAS_ROWS = 4
+BIAS_BLOCKS = {"forward": _SMS * 16, "backward": _SMS * 8}
+
+
+def bias_launch(dtype: str, stage: str, aligned: bool) -> launch.BiasRows:
+    return launch.BiasRows(BIAS_THREADS, VEC[dtype], BIAS_ROWS, BIAS_BLOCKS[stage], aligned)
 
 
 # Pairs of one token whose index-only terms a pair block tables at a time (D ≤ 512 in one

@@ -7,37 +7,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eulergen.errors import EulerError
-from eulergen.generator import ir
+from eulergen.generator import fuse, ir
 from eulergen.generator.plan import (CTYPE, DTYPES, EMBEDDING_FETCH, EMBEDDING_LONG_ROWS,
                                      EMBEDDING_MERGE_GROUP, EMBEDDING_MERGE_MIN_BLOCKS,
-                                     EMBEDDING_WTE_WARP_ROWS, arithmetic_light,
-                                     embedding_launch, pair_launch, pointwise_launch,
-                                     update_launch)
+                                     EMBEDDING_WTE_WARP_ROWS, WGRAD_REDUCE_LAUNCH,
+                                     arithmetic_light, bias_launch, embedding_launch,
+                                     pair_launch, pointwise_launch, reduce_args, update_launch)
 from eulergen.generator.plan_attention import AttentionPlan, plan_attention
 from eulergen.generator.plan_row import RowPlan, plan_row
-from eulergen.kinds import KINDS
+from eulergen.kinds import KINDS, fused_stage
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """One stage of a pointwise, pair or update op: a device impl `name` over the pointer
-    operands `loads` (read) and `stores` (written), and its entry point for each dtype."""
+    operands `loads` (read) and `stores` (written), and its entry point for each dtype. A
+    bias variant's stage reads `biases` ([cols], among the loads) and writes the partial
+    rows of the gradients `partials` (float32)."""
     name: str                        # <op>_<stage>; the entry points add _<dtype>
     stage: str
     loads: tuple[str, ...]
     stores: tuple[str, ...]
     sigs: tuple[ir.KernelSig, ...]   # in DTYPES order, each with its geometry
+    biases: tuple[str, ...] = ()
+    partials: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class OpPlan:
-    """Every choice of a pointwise, pair or update op's kernels; render only prints it."""
+    """Every choice of a pointwise, pair or update op's kernels; render only prints it.
+    `bias`: a pointwise op's bias variant (generator/fuse.py): its forward and backward over
+    rows, and the reduce of the backward's partial rows."""
     template: str
     stages: tuple[StagePlan, ...]
+    bias: tuple[StagePlan, ...] = ()
 
     @property
     def sigs(self) -> tuple[ir.KernelSig, ...]:
-        return tuple(sig for st in self.stages for sig in st.sigs)
+        return tuple(sig for st in self.stages + self.bias for sig in st.sigs)
 
 
 def plan_op(op: ir.DerivedOp) -> RowPlan | OpPlan | AttentionPlan:
@@ -83,7 +90,39 @@ def plan_pointwise(op: ir.DerivedOp) -> OpPlan:
             op, stage, loads, stores,
             lambda dt: _pointers(dt, loads, stores) + _floats(op) + (("n", "long long"),),
             lambda dt: pointwise_launch(dt, len(loads), light)))
-    return OpPlan(KINDS["pointwise"].template, tuple(planned))
+    return OpPlan(KINDS["pointwise"].template, tuple(planned), _bias_stages(fuse.bias_variant(op)))
+
+
+def _bias_stages(op: ir.DerivedOp) -> tuple[StagePlan, ...]:
+    """The bias variant's stages: forward_bias and backward_bias over [rows, cols] operands
+    and [cols] biases (plan.bias_launch), each an entry point for 16-byte access throughout
+    and an `_unaligned` one for any; the backward's bias gradients as partial rows that
+    reduce_bias sums in a fixed order."""
+    body: ir.PointwiseDerived = op.body
+    ins = [o.name for o in op.inputs]
+    biases = tuple(o.name for o in op.inputs if o.role == "bias")
+    outs = [o.name for o in op.outputs]
+    grads = [f"d{o.name}" for o in op.inputs if f"d{o.name}" in body.backward.names]
+    stages = [("forward", ins, outs, ())]
+    if grads:
+        partials = tuple(g for g in grads if g[1:] in biases)
+        stages.append(("backward", ins + [f"d{o}" for o in outs],
+                       [g for g in grads if g not in partials], partials))
+    planned = []
+    for stage, loads, stores, partials in stages:
+        label = fused_stage(stage, "bias")
+        args = {dt: _pointers(dt, loads, stores)
+                + tuple((f"{g}_partials", "float*") for g in partials)
+                + _floats(op) + (("rows", "long long"), ("cols", "int")) for dt in DTYPES}
+        sigs = tuple(ir.KernelSig(f"{op.name}_{label}{'' if aligned else '_unaligned'}_{dt}",
+                                  args[dt], dt, label, bias_launch(dt, stage, aligned))
+                     for dt in DTYPES for aligned in (True, False))
+        planned.append(StagePlan(f"{op.name}_{label}", label, tuple(loads), tuple(stores),
+                                 sigs, biases, partials))
+    if grads:
+        planned.append(_stage(op, fused_stage("reduce", "bias"), ["partials"], ["dw"],
+                              reduce_args, lambda dt: WGRAD_REDUCE_LAUNCH))
+    return tuple(planned)
 
 
 # What each index role of a pair op is at a pair (b, t, h, k) of a [B, T, H, D] tensor

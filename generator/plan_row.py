@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from eulergen.errors import EulerError
-from eulergen.generator import ir, plan as planner
+from eulergen.generator import fuse, ir, plan as planner
 from eulergen.generator.emit import param_names
 from eulergen.generator.hoist import row_constant_names
 from eulergen.generator.row_schedule import (RowLayout, RowNames, RowStats, Stage, Step, Sweep,
                                              row_names, stages, variants)
-from eulergen.kinds import KINDS
+from eulergen.kinds import KINDS, fused_stage
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,11 @@ class RowPlan:
 
 
 def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
-            layouts: tuple[RowLayout, ...]) -> RowKernel:
+            layouts: tuple[RowLayout, ...], fusion: str = "") -> RowKernel:
+    """The kernel of stage `st` (of the op's `fusion` variant): its block shapes are the
+    stage's, its names the variant's (kinds.fused_stage)."""
     op, where = o.op, dict(file=o.op.where.file, line=o.op.where.line)
+    label = fused_stage(st.name, fusion)
     if st.name == "backward_rows":   # long rows only
         layouts = tuple(lay for lay in layouts if lay.name == "block_per_row")
     uses = frozenset().union(*(s.uses for s in steps))
@@ -169,13 +172,19 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
             defined |= set(s.consts.results if s.consts else ()) | set(s.pre.results if s.pre else ())
     missing = sorted((uses | set(st.row_stats)) - defined - set(st.reads))
     if missing:
-        raise EulerError(f"{st.name} reads {', '.join(missing)}, which no kernel argument or "
+        raise EulerError(f"{label} reads {', '.join(missing)}, which no kernel argument or "
                          "earlier step provides", key="outputs", **where)
-    cached = tuple(a.name for a in ptrs if a.role == "row" and a.name in st.reads and a.name in uses)
+    # registers cache the row operands sweeps read again; one only the last sweep reads (an
+    # `add` backward's incoming stream gradient) comes from the row there, as the others'
+    # re-read groups do
+    cached = tuple(a.name for a in ptrs if a.role == "row" and a.name in st.reads and a.name in uses
+                   and (len(sweeps) < 2 or sum(a.name in s.uses for s in sweeps) > 1))
     shapes = tuple(
         [("warp_per_row", dt, planner.warp_shape(dt, stage=st.name, wgrad=bool(st.wgrads),
-                                                 levels=levels)) for dt in planner.DTYPES]
-        + [("block_held", dt, planner.held_shape(dt, stage=st.name, wgrad=bool(st.wgrads)))
+                                                 levels=levels, cached=len(cached)))
+         for dt in planner.DTYPES]
+        + [("block_held", dt, planner.held_shape(dt, stage=st.name, wgrad=bool(st.wgrads),
+                                                 cached=len(cached)))
            for dt in planner.DTYPES]
         + [("block_per_row", dt, planner.block_shape(
             dt, stage=st.name, sweeps=len(sweeps), cached=len(cached), weights=bool(o.weights),
@@ -187,12 +196,15 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
     first = next((s for s in sweeps if s.kind == "sweep"), None)
     steps = [replace(s, batched=batched and s is first, whole=whole,
                      read=tuple(x for x in s.ops + tuple((y.name, y.red) for y in s.online)
-                                if x[0] in uses))
+                                if x[0] in uses),
+                     cached=tuple(replace(v, direct=tuple(a for a in v.loads.operands
+                                                          if a not in cached))
+                                  for v in s.cached))
              if isinstance(s, Sweep) else s for s in steps]
     return RowKernel(
-        kernel=f"{op.name}_{st.name}", impl=f"{op.name}_{st.name}{suffix}", stage=st.name,
+        kernel=f"{op.name}_{label}", impl=f"{op.name}_{label}{suffix}", stage=label,
         online=bool(suffix), layouts=layouts,
-        title=f"{st.name}: {', '.join(st.writes + st.wgrads)} from {', '.join(st.reads)}",
+        title=f"{label}: {', '.join(st.writes + st.wgrads)} from {', '.join(st.reads)}",
         ptrs=tuple(ptrs), steps=tuple(steps), wgrads=st.wgrads,
         row_ptrs=tuple(a for a in ptrs if a.role == "row"
                        and (a.name not in st.reads or a.name in uses)),
@@ -263,12 +275,31 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
     reduce = []
     if any(k.wgrads for k in kernels):
         for dt in p.dtypes:
-            args = (("partials", "const float*"), ("dw", f"{planner.CTYPE[dt]}*"),
-                    ("num_partials", "int"), ("cols", "int"), ("accumulate", "int"))
-            reduce.append(Entry(ir.KernelSig(f"{op.name}_wgrad_reduce_{dt}", args, dt,
+            reduce.append(Entry(ir.KernelSig(f"{op.name}_wgrad_reduce_{dt}",
+                                             planner.reduce_args(dt), dt,
                                              "wgrad_reduce", planner.WGRAD_REDUCE_LAUNCH),
                                 planner.CTYPE[dt], True))
     return rows, tuple(cols), tuple(reduce)
+
+
+def _add_kernels(op: ir.DerivedOp, names, stats: tuple[str, ...]) -> tuple[RowKernel, ...]:
+    """The kernels of the op's `add` fusion (generator/fuse.py), none where it has none:
+    add_forward's forward, add_backward's backward and split rows kernel. add_backward's
+    weight-gradient terms are the op's, so the op's wgrad_cols and reduce serve it."""
+    fused = fuse.add_variants(op)
+    if fused is None:
+        return ()
+    forward, backward = fused
+    out = []
+    for variant, wanted in ((forward, {"forward"}), (backward, {"backward", "backward_rows"})):
+        o = row_names(variant)
+        staged, _, variant_stats = stages(o, names, False)
+        if variant is backward and variant_stats != stats:
+            raise EulerError(f"add fusion: the split backward's row values {variant_stats} are "
+                             f"not the op's {stats}", file=op.where.file, line=op.where.line)
+        out += [_kernel(o, st, suffix, steps, lays, "add") for st in staged if st.name in wanted
+                for suffix, steps, lays in variants(o, names, st.later)]
+    return tuple(out)
 
 
 def plan_row(op: ir.DerivedOp) -> RowPlan:
@@ -281,6 +312,7 @@ def plan_row(op: ir.DerivedOp) -> RowPlan:
     staged, wgrad_step, stats = stages(o, names, p.fwdbwd)
     kernels = tuple(_kernel(o, st, suffix, steps, lays)
                     for st in staged for suffix, steps, lays in variants(o, names, st.later))
+    kernels += _add_kernels(op, names, stats)
     split = _wgrad_cols(o, wgrad_step, stats) if wgrad_step else None
     rows, cols, reduce = signatures(op, p, kernels, split)
     return RowPlan(

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eulergen.generator import ir, plan_ops
+from eulergen.generator import fuse, ir, plan_ops
 from eulergen.generator.plan import CTYPE, DTYPES
 from eulergen.generator.emit import block, dtype_values, param_names, render_template
 from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.render_attention import render_attention
 from eulergen.generator.render_row import render_row
-from eulergen.kinds import KINDS
+from eulergen.kinds import KINDS, fused_stage
 
 
 def template_of(op: ir.DerivedOp) -> str:
@@ -55,11 +55,21 @@ def _entries(st: plan_ops.StagePlan) -> list[dict]:
 
 def _pointwise(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCuda:
     body: ir.PointwiseDerived = op.body
-    code = {"forward": body.forward, "backward": body.backward}
-    kernels = [{"impl": st.name, "title": _title(st.stage, st.loads, st.stores),
+    fused = fuse.bias_variant(op).body
+    code = {"forward": body.forward, "backward": body.backward,
+            fused_stage("forward", "bias"): fused.forward,
+            fused_stage("backward", "bias"): fused.backward}
+
+    def kernel(st: plan_ops.StagePlan) -> dict:
+        return {"impl": st.name, "title": _title(st.stage, st.loads, st.stores + st.partials),
                 "loads": st.loads, "stores": st.stores, "ptrs": _ptrs(st.loads, st.stores),
-                "code": block(code[st.stage]), "entries": _entries(st)} for st in plan.stages]
-    source = render_template(plan.template, header=head, op=op.name, kernels=kernels,
+                "code": block(code[st.stage]), "entries": _entries(st), "biases": st.biases,
+                "rows": [a for a in st.loads if a not in st.biases], "partials": st.partials}
+    reduce = next((st for st in plan.bias if st.stage == fused_stage("reduce", "bias")), None)
+    source = render_template(plan.template, header=head, op=op.name,
+                             kernels=[kernel(st) for st in plan.stages],
+                             bias_kernels=[kernel(st) for st in plan.bias if st is not reduce],
+                             reduce=reduce and {"entries": _entries(reduce)},
                              params=param_names(op))
     return ir.RenderedCuda(source, plan.sigs)
 

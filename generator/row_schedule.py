@@ -46,6 +46,8 @@ class Visit:
     bounds: bool                  # tests which lanes' columns are in the row's body (in_)
     registers: tuple[str, ...]    # weight grads added into the worker's cached partials
     workspace: tuple[str, ...]    # weight grads added into its workspace row
+    direct: tuple[str, ...] = ()  # operands a cached group reads from the row all the same
+                                  # (plan_row: registers cache what several sweeps read)
 
 
 @dataclass(frozen=True)

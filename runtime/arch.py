@@ -90,6 +90,11 @@ def arch_of(cfg, lib) -> Arch:
         raise EulerError(f"activation {cfg.activation!r} has {len(act.inputs)} inputs and "
                          f"{len(act.outputs)} outputs; want 1 (or 2: gated) and 1",
                          key="model.activation")
+    # the graph folds the residual adds into the norms and c_fc's bias into the activation
+    for op, fusion, key in ((norm, "add", "model.norm"), (act, "bias", "model.activation")):
+        if fusion not in op.fusions:
+            raise EulerError(f"op {op.name!r} has no `{fusion}` fusion in its manifest (a build "
+                             "older than fused variants: run `eulergen build`)", key=key)
     attention = _need_op(lib, cfg.attention, "model.attention", ("attention",))
     if lib.backend.is_gpu:
         _check_head_dim(attention, d, H)

@@ -2,8 +2,8 @@
 float32 bits; CuPy has no bfloat16 dtype). The generated kernels read and write that form
 themselves; what the runtime does to such arrays outside them is here, in one place:
 rounding float32 into it, widening it, and the few elementwise steps of a mixed-precision
-step that have no op of their own (the residual add, adding a gradient, the gradient
-norm's row sums), and `plan_dtype`, which refuses bf16 where it cannot run.
+step that have no op of their own (adding a gradient, the gradient norm's row sums), and
+`plan_dtype`, which refuses bf16 where it cannot run.
 
 Each helper has a numpy form, which is the reference (the CPU tests compile the CUDA text
 below with g++ and compare it with it), and a CuPy form: one elementwise or row-reduction

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eulergen.runtime.graph import model_graph, parameter_names
+from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import ALIGN, Planner
 from eulergen.runtime.params import parameters, plan_params
 
@@ -83,8 +83,9 @@ def param_ready(a) -> dict[str, int]:
     (the tied table: the embedding's, the very last node)."""
     names = {s.name for s in parameters(a)}
     ready = {}
-    for i, (prefix, _, node, _) in enumerate(reversed(model_graph(a).steps(a.layers))):
-        for name in parameter_names(node, prefix, names):
+    g = model_graph(a)
+    for i, (layer, node, _) in enumerate(reversed(g.steps())):
+        for name in g.parameter_names(node, layer, names):
             ready[name] = i
     return ready
 
@@ -98,7 +99,7 @@ def plan_buckets(a, ranks: int, *, zero: bool = False, bucket_mb: float = 25.0,
     layout = p.plan()
     total = layout.arena("params").size
     ready = param_ready(a)
-    nodes = len(model_graph(a).steps(a.layers))
+    nodes = len(model_graph(a).steps())
     cap = max(ALIGN, int(bucket_mb * MIB / itemsize))
     runs: list[list] = []   # [lo, ready] of each bucket, in arena order
     prev = None

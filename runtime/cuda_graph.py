@@ -23,6 +23,7 @@ one graph launch: no Python walks the model.
 from __future__ import annotations
 
 import ctypes
+import gc
 from ctypes import byref, c_int, c_size_t, c_uint, c_void_p
 from functools import lru_cache
 
@@ -122,15 +123,9 @@ class Graph:
             if not live.keys().isdisjoint(names):
                 seen.append((fn, at, args, names))
 
-        stream = cupy.cuda.Stream(non_blocking=True)
         RECORDERS.append(record)
         try:
-            with stream:
-                stream.begin_capture()
-                try:
-                    run()
-                finally:
-                    graph = stream.end_capture()
+            graph = capture(cupy.cuda.Stream(non_blocking=True), run)
         finally:
             RECORDERS.remove(record)
         return cls(graph, _live_nodes(graph.graph, seen, live))
@@ -142,6 +137,31 @@ class Graph:
         for node in self.nodes:
             node.update(driver, graph_exec, live)
         self.graph.launch()
+
+
+def capture(stream, run):
+    """`run()` captured on `stream` into a CuPy graph (nothing runs yet). The cyclic garbage
+    collector runs before and not during: a finalizer it calls mid-capture (a cuBLAS handle's
+    cublasDestroy synchronizes the device) would invalidate the capture at a random launch.
+    On an error the capture is ended and the first error raised."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with stream:
+            stream.begin_capture()
+            try:
+                run()
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:   # an invalidated capture: the first error says why
+                    pass
+                raise
+            return stream.end_capture()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _live_nodes(graph: int, seen: list, live: dict) -> list[_LiveNode]:

@@ -19,36 +19,12 @@ from math import prod
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.kernels import (DTYPE_OF, NULL, Launcher, parse_ctype, row_aligned,
-                                      row_kernel, storage_dtype_name, wgrad_split)
-from eulergen.runtime.manifest import Kernel, OpEntry
-
-
-def _outputs(kernel: Kernel, names, shapes, given, op: OpEntry, call: str) -> tuple:
-    """The caller's `out` arrays (shape-checked here, dtype-checked in bind) or new ones in
-    the storage type the kernel writes (a weight gradient, written by the reduce kernel
-    rather than this one, is in the storage dtype)."""
-    import cupy
-    if given is None:
-        args = dict(kernel.args)
-        return tuple(cupy.empty(s, dtype=parse_ctype(args[n]).dtype if n in args
-                                else DTYPE_OF[kernel.dtype]) for n, s in zip(names, shapes))
-    if len(given) != len(names):
-        raise EulerError(f"{op.name}.{call}: out= has {len(given)} arrays, expected "
-                         f"{len(names)} ({', '.join(names)})", file=op.spec, key="out")
-    for n, a, s in zip(names, given, shapes):
-        if tuple(a.shape) != tuple(s):
-            raise EulerError(f"{op.name}.{call}: out {n} has shape {tuple(a.shape)}, expected "
-                             f"{tuple(s)}", file=op.spec, key="out")
-    return tuple(given)
-
-
-def _same_shape(op: OpEntry, call: str, named: dict, shape) -> None:
-    for n, a in named.items():
-        if tuple(a.shape) != tuple(shape):
-            raise EulerError(f"{op.name}.{call}: {n} has shape {tuple(a.shape)}, expected "
-                             f"{tuple(shape)} (the shape of {next(iter(named))})",
-                             file=op.spec, key=n)
+from eulergen.kinds import fused_stage
+from eulergen.runtime.bias_ops import bias_call, bias_layout
+from eulergen.runtime.kernels import (NULL, Launcher, row_aligned, row_kernel,
+                                      storage_dtype_name, wgrad_split)
+from eulergen.runtime.launch_args import carve, elements, outputs, same_shape
+from eulergen.runtime.manifest import OpEntry
 
 
 @dataclass(frozen=True)
@@ -65,13 +41,16 @@ class RowSig:
 
 
 @lru_cache(maxsize=None)
-def _row_sig(op: OpEntry, stage: str) -> RowSig:
-    douts = [o for o in op.outputs if stage == "backward" or
+def _row_sig(op: OpEntry, stage: str, fusion: str = "") -> RowSig:
+    """`fusion`: of the op's fused variant (manifest.Fusion) of that name."""
+    side = op if not fusion else getattr(op.fusions[fusion],
+                                         "backward" if stage == "backward" else "forward")
+    douts = [o for o in side.outputs if stage == "backward" or
              (stage == "fwdbwd" and o.role == "scalar")]
-    names = tuple(o.name for o in op.inputs) + tuple(f"d{o.name}" for o in douts)
-    roles = tuple(o.role for o in op.inputs) + tuple(o.role for o in douts)
-    fwd = [o for o in op.outputs] if stage in ("forward", "fwdbwd") else []
-    grads = [o for o in op.inputs if o.differentiable] if stage != "forward" else []
+    names = tuple(o.name for o in side.inputs) + tuple(f"d{o.name}" for o in douts)
+    roles = tuple(o.role for o in side.inputs) + tuple(o.role for o in douts)
+    fwd = [o for o in side.outputs] if stage in ("forward", "fwdbwd") else []
+    grads = [o for o in side.inputs if o.differentiable] if stage != "forward" else []
     writes = tuple(o.name for o in fwd) + tuple(f"d{o.name}" for o in grads)
     write_roles = tuple(o.role for o in fwd) + tuple(o.role for o in grads)
     return RowSig(names, roles, roles.index("row"), writes, write_roles,
@@ -80,81 +59,49 @@ def _row_sig(op: OpEntry, stage: str) -> RowSig:
                   tuple(n for n, r in zip(names, roles) if r == "weight"))
 
 
-WORKSPACE_ALIGN = 64   # elements: each workspace slice starts 256-byte aligned (vector loads)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-
-
-def _elements(shapes) -> int:
-    """The float32 elements of views of `shapes` laid out as _carve lays them out."""
-    return sum(_aligned(prod(s)) for s in shapes)
-
-
 def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
-                       table_rows: int = 0) -> int:
-    """The float32 elements a `stage` call of `op` needs from a caller's `workspace` (0:
-    none) for inputs of `shape` (a row op's row input, attention's q [B, T, H, D], the
-    embedding's ids, with `table_rows` the rows of its token table). Pure: a memory
-    planner calls it without a GPU."""
+                       table_rows: int = 0, fusion: str = "") -> int:
+    """The float32 elements a `stage` call of `op` (its `fusion` variant) needs from a
+    caller's `workspace` (0: none) for inputs of `shape` (a row op's row input, a pointwise
+    op's, attention's q [B, T, H, D], the embedding's ids, with `table_rows` the rows of
+    its token table). Pure: a memory planner calls it without a GPU."""
     if op.kind == "row":
-        return _elements(_row_layout(op, stage, dtype, prod(shape[:-1]), shape[-1])[1])
+        return elements(_row_layout(op, stage, dtype, prod(shape[:-1]), shape[-1], fusion)[1])
+    if op.kind == "pointwise" and fusion:
+        return elements(bias_layout(op, stage, dtype, shape))
     if op.kind == "attention" and stage == "backward":
         B, T, H, _ = shape
-        return _aligned(B * H * T)      # delta = rowsum(dO∘O), [B, H, T]
+        return elements([(B, H, T)])    # delta = rowsum(dO∘O), [B, H, T]
     if op.kind == "embedding" and stage == "backward":
-        return _elements(_embedding_layout(op, prod(shape), table_rows))
+        return elements(_embedding_layout(op, prod(shape), table_rows))
     return 0
 
 
-def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int,
-                cols: int) -> tuple[bool, list[tuple]]:
-    """Whether a row op's `stage` call over `rows` rows of `cols` takes the split backward
-    (wgrad_split), and its workspace as _carve lays it out: a [partials, cols] float32 row
-    of partial sums per weight gradient, after the split backward's [rows, row_stats]
-    per-row values where it takes that."""
-    sig = _row_sig(op, stage)
+def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int, cols: int,
+                fusion: str = "") -> tuple[bool, list[tuple]]:
+    """Whether a row op's `stage` call (of its `fusion` variant) over `rows` rows of `cols`
+    takes the split backward (wgrad_split), and its workspace as carve lays it out: a
+    [partials, cols] float32 row of partial sums per weight gradient, after the split
+    backward's [rows, row_stats] per-row values where it takes that. A fused variant's
+    split backward shares the op's wgrad_cols kernel."""
+    sig = _row_sig(op, stage, fusion)
     if not sig.wgrads:
         return False, []
-    if wgrad_split(op, dtype, cols):
+    if wgrad_split(op, dtype, cols, fusion):
         by_cols = op.kernel("wgrad_cols", dtype).geometry
         groups = by_cols.launch(rows, cols).partials
         return True, [(rows, by_cols.row_stats)] + [(groups, cols)] * len(sig.wgrads)
-    partials = row_kernel(op, stage, dtype, cols).geometry.launch(rows, cols).partials
+    kernel = row_kernel(op, fused_stage(stage, fusion), dtype, cols)
+    partials = kernel.geometry.launch(rows, cols).partials
     return False, [(partials, cols)] * len(sig.wgrads)
 
 
 def _embedding_layout(op: OpEntry, n: int, rows: int) -> list[tuple[int]]:
-    """The backward's workspace for n ids into a table of `rows`, as _carve lays it out:
+    """The backward's workspace for n ids into a table of `rows`, as carve lays it out:
     int64 sort keys, tiled and merged; an int32 first-key rank per table row; and the int32
     list of the runs longer than the geometry's long_run keys (a count, then their ids)."""
     long_run = op.kernel("backward_wte_long", "f32").geometry.long_run
     return [(2 * n,), (2 * n,), (rows,), (1 + n // (long_run + 1),)]
-
-
-def _carve(op: OpEntry, workspace, shapes) -> list:
-    """Consecutive float32 views of a caller's workspace, laid out as workspace_elements
-    counts them: WORKSPACE_ALIGN apart from a start on a 16-byte boundary."""
-    if workspace.dtype != np.float32 or workspace.ndim != 1 or not workspace.flags.c_contiguous:
-        raise EulerError(f"{op.name}: workspace must be a contiguous 1-d float32 array, got "
-                         f"{workspace.dtype} {tuple(workspace.shape)}", file=op.spec,
-                         key="workspace")
-    if workspace.data.ptr % 16:
-        raise EulerError(f"{op.name}: workspace starts {workspace.data.ptr % 16} bytes past a "
-                         "16-byte boundary; the kernels access it 16 bytes at a time (a CuPy "
-                         "allocation starts on one)", file=op.spec, key="workspace")
-    need = _elements(shapes)
-    if need > workspace.size:
-        raise EulerError(f"{op.name}: workspace has {workspace.size} elements, this call needs "
-                         f"{need} (plan it with workspace_elements)", file=op.spec,
-                         key="workspace")
-    views, at = [], 0
-    for s in shapes:
-        view = workspace[at:at + prod(s)]
-        views.append(view if len(s) == 1 else view.reshape(s))   # a reshape costs ~1.5 us
-        at += _aligned(prod(s))
-    return views
 
 
 class CudaOps:
@@ -179,11 +126,15 @@ class CudaOps:
             self._attention[key] = AttentionKernels.from_op(op)
         return self._attention[key]
 
-    def forward(self, op: OpEntry, inputs: tuple, out, params: dict, pos0: int = 0) -> tuple:
+    def forward(self, op: OpEntry, inputs: tuple, out, params: dict, pos0: int = 0,
+                fusion: str = "") -> tuple:
+        """`fusion`: the op's fused variant of that name (ops.py)."""
+        if op.kind == "pointwise" and fusion:
+            return bias_call(self, op, "forward", inputs, out, params)
         if op.kind == "pointwise":
             return self._pointwise(op, "forward", inputs, out, params)
         if op.kind == "row":
-            return self._row(op, "forward", inputs, out, params)
+            return self._row(op, "forward", inputs, out, params, fusion=fusion)
         if op.kind == "pair":
             return self._pair(op, "forward", inputs, out, params, pos0)
         if op.kind == "embedding":
@@ -196,14 +147,17 @@ class CudaOps:
                          file=op.spec, key="kind")
 
     def backward(self, op: OpEntry, args: tuple, out, params: dict, pos0: int = 0,
-                 workspace=None, accumulate: tuple = ()) -> tuple:
+                 workspace=None, accumulate: tuple = (), fusion: str = "") -> tuple:
         """`workspace`: a float32 buffer of workspace_elements(op, 'backward', …) elements
         for the kernels' temporaries (a planned buffer); None: the library's own.
-        `accumulate`: per gradient, add into `out` rather than overwrite (embedding only)."""
+        `accumulate`: per gradient, add into `out` rather than overwrite (embedding only).
+        `fusion`: the op's fused variant of that name (ops.py)."""
+        if op.kind == "pointwise" and fusion:
+            return bias_call(self, op, "backward", args, out, params, workspace)
         if op.kind == "pointwise":
             return self._pointwise(op, "backward", args, out, params)
         if op.kind == "row":
-            return self._row(op, "backward", args, out, params, workspace)
+            return self._row(op, "backward", args, out, params, workspace, fusion)
         if op.kind == "pair":
             return self._pair(op, "backward", args, out, params, pos0)
         if op.kind == "embedding":
@@ -214,7 +168,7 @@ class CudaOps:
             delta = None
             if workspace is not None:
                 B, T, H, _ = args[0].shape
-                (delta,) = _carve(op, workspace, [(B, H, T)])
+                (delta,) = carve(op, workspace, [(B, H, T)])
             return attention_backward(self.attention(op), *args, out=out, delta=delta, **params)
         raise EulerError(f"op {op.name!r}: kind {op.kind!r} has no CUDA backward",
                          file=op.spec, key="kind")
@@ -232,7 +186,7 @@ class CudaOps:
         the float32 device array of the kernel's control slots; `copy`: a bf16 array the
         bf16 kernel writes the updated weight into (None: not written)."""
         named = dict(zip((o.name for o in op.inputs), args))
-        _same_shape(op, "step", named, args[0].shape)
+        same_shape(op, "step", named, args[0].shape)
         grads = [a for o, a in zip(op.inputs, args) if o.role == "grad"]
         kernel = op.kernel("step", storage_dtype_name(grads[0]) if grads else "f32")
         # the pointer the signature has beyond the operands and control: the bf16 copy
@@ -270,11 +224,11 @@ class CudaOps:
         names = ins + ([f"d{o}" for o in outs] if stage == "backward" else [])
         named = dict(zip(names, args))
         shape = args[0].shape
-        _same_shape(op, stage, named, shape)
+        same_shape(op, stage, named, shape)
         dtype = storage_dtype_name(args[0])
         kernel = op.kernel(stage, dtype)
         writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
-        results = _outputs(kernel, writes, [shape] * len(writes), out, op, stage)
+        results = outputs(kernel, writes, [shape] * len(writes), out, op, stage)
         values = {**named, **dict(zip(writes, results)), **params, "n": args[0].size}
         arg_names = {n for n, _ in kernel.args}
         if stage == "backward" and arg_names & set(outs):
@@ -287,8 +241,8 @@ class CudaOps:
     # -- row: [..., cols] rows, weights [cols], one index or scalar per row -------------------
 
     def _row(self, op: OpEntry, stage: str, args: tuple, out, params: dict,
-             workspace=None) -> tuple:
-        sig = _row_sig(op, stage)
+             workspace=None, fusion: str = "") -> tuple:
+        sig = _row_sig(op, stage, fusion)
         x = args[sig.x]
         if x.ndim < 1 or x.shape[-1] == 0:
             raise EulerError(f"{op.name}.{stage}: row input has shape {tuple(x.shape)}; rows "
@@ -302,10 +256,10 @@ class CudaOps:
                                  f"{by_role[r]} for rows of shape {shape}", file=op.spec, key=n)
         rows = x.size // cols
         dtype = storage_dtype_name(x)
-        split, layout = _row_layout(op, stage, dtype, rows, cols)
-        kstage = "backward_rows" if split else stage
+        split, layout = _row_layout(op, stage, dtype, rows, cols, fusion)
+        kstage = fused_stage("backward_rows" if split else stage, fusion)
         kernel = row_kernel(op, kstage, dtype, cols)
-        results = _outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
+        results = outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
                            stage)
         values = dict(zip(sig.names, args))
         values.update(zip(sig.writes, results))
@@ -321,9 +275,9 @@ class CudaOps:
                 values[g].fill(0)
             return results
         if workspace is not None:
-            views = _carve(op, workspace, layout)
+            views = carve(op, workspace, layout)
         else:
-            views = [self._workspace(op, n, shape) for n, shape in
+            views = [self.own_workspace(op, n, shape) for n, shape in
                      zip((["rowstats"] if split else []) + list(sig.wgrads), layout)]
         if split:
             values["rowstats"] = views.pop(0)
@@ -344,7 +298,7 @@ class CudaOps:
                 "num_partials": partials, "cols": cols, "accumulate": 0})
         return results
 
-    def _workspace(self, op: OpEntry, name: str, shape: tuple):
+    def own_workspace(self, op: OpEntry, name: str, shape: tuple):
         """A float32 buffer of the kernels' temporaries (a row weight's per-worker partial
         sums, the split backward's per-row values, the embedding's sort keys) when the
         caller gave no workspace; kept between calls: launches on one stream run in order,
@@ -367,14 +321,14 @@ class CudaOps:
         if x.ndim != 4 or x.shape[-1] % 2:
             raise EulerError(f"{op.name}.{stage}: expected [B, T, H, D] with D even, got shape "
                              f"{tuple(x.shape)}", file=op.spec, key=names[0])
-        _same_shape(op, stage, named, x.shape)
+        same_shape(op, stage, named, x.shape)
         B, T, H, D = x.shape
         if B * T >= 2 ** 31:
             raise EulerError(f"{op.name}.{stage}: {B} x {T} tokens; at most 2^31 - 1 per call "
                              "(the kernels count tokens in 32 bits)", file=op.spec, key=names[0])
         kernel = op.kernel(stage, storage_dtype_name(x))
         writes = [f"d{g}" for g in op.grads] if stage == "backward" else outs
-        results = _outputs(kernel, writes, [x.shape] * len(writes), out, op, stage)
+        results = outputs(kernel, writes, [x.shape] * len(writes), out, op, stage)
         values = {**named, **dict(zip(writes, results)), **params,
                   "B": B, "T": T, "H": H, "D": D, "pos0": pos0}
         if stage == "backward" and {n for n, _ in kernel.args} & set(outs):
@@ -419,7 +373,7 @@ class CudaOps:
         ids, wte, wpe = inputs
         T, C = self._embedding_check(op, "forward", ids, wte, wpe)
         kernel = op.kernel("forward", storage_dtype_name(wte))
-        (y,) = _outputs(kernel, ["out"], [tuple(ids.shape) + (C,)], out, op, "forward")
+        (y,) = outputs(kernel, ["out"], [tuple(ids.shape) + (C,)], out, op, "forward")
         bt = ids.size
         if bt:
             self.launcher(op).launch(kernel, kernel.geometry.launch(bt), {
@@ -447,7 +401,7 @@ class CudaOps:
             names, shapes = names + ["dwpe"], shapes + [wpe.shape]
         given = None if out is None else tuple(g for g in out if g is not None)
         wte_k = op.kernel("backward_wte", dtype)
-        grads = _outputs(wte_k, names, shapes, given, op, "backward")
+        grads = outputs(wte_k, names, shapes, given, op, "backward")
         add_wte, add_wpe = accumulate
         n = ids.size
         if wpe is not None and not add_wpe and wpe.shape[0] > (T if n else 0):
@@ -482,8 +436,8 @@ class CudaOps:
         n = ids.size
         layout = _embedding_layout(op, n, rows)
         if workspace is None:
-            workspace = self._workspace(op, "keys", (_elements(layout),))
-        tiled, keys, first, runs = _carve(op, workspace, layout)
+            workspace = self.own_workspace(op, "keys", (elements(layout),))
+        tiled, keys, first, runs = carve(op, workspace, layout)
         tiled, keys = tiled.view(np.int64), keys.view(np.int64)
         first, runs = first.view(np.int32), runs.view(np.int32)
         sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)

@@ -9,13 +9,15 @@ values, so that a new token costs one position's work instead of the whole windo
 
 A run of R new rows at positions pos0 … makes the training graph's op library calls at R
 rows (both are built from runtime/graph.py): the embedding (wte[ids], and wpe gathered at
-the device-held positions by the same op), then per block the norm, one GEMM over all of
-c_attn.weight (q, k and v are strided views of its output: graph.py's parts of qkv),
-rope on q and k at pos0, k and v written into the cache at their positions, the new
-queries' attention over the cache (`lib.decode`, its split planned for `seq` keys so
-that its grid is the same at every position), c_proj and the residual add, the norm, the MLP, c_proj and the add. The
-final norm and the tied head run on the last real row only; a one-row step then advances
-the device positions, and `tail` (the sampler's draw) runs last.
+the device-held positions by the same op) and the first norm, then per block one GEMM
+over all of c_attn.weight (q, k and v are strided views of its output: graph.py's parts
+of qkv), rope on q and k at pos0, k and v written into the cache at their positions, the
+new queries' attention over the cache (`lib.decode`, its split planned for `seq` keys so
+that its grid is the same at every position), c_proj, the residual add with the norm,
+the MLP GEMMs, the activation (with c_fc's bias), c_proj and the add with the next norm
+(after the last block, the final one). The tied head runs on the last real row's final
+norm only; a one-row step then advances the device positions, and `tail` (the sampler's
+draw) runs last.
 
 On a GPU, a multi-row run pads to a bucket (a power of two from MIN_BUCKET, or seq)
 so that a few shapes serve every prompt, and each shape is captured as a CUDA graph at
@@ -40,15 +42,13 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16
-from eulergen.runtime.graph import model_graph, parameter_names
+from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.model import arch_of
 from eulergen.runtime.params import load_params, parameters, plan_params
 from eulergen.runtime.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
-from eulergen.runtime.tape import Add, Linear, Op, Tape
+from eulergen.runtime.tape import Linear, Norm, Op, Tape
 
-# the head reads the last position's stream, which TakeLast copies out of the block's x
-_HEAD = {"x_final": "last"}
 MIN_BUCKET = 16        # rows: the smallest padded multi-row run
 DRAWN = 32             # columns of `drawn`: the draws a sampler keeps before reading them
 
@@ -56,10 +56,10 @@ DRAWN = 32             # columns of `drawn`: the draws a sampler keeps before re
 def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 0) -> Plan:
     """Parameters (the training layout, in `dtype`), the KV cache ([B, seq, KVH, D] k and v
     per layer), one block's activations at up to B·seq rows (blocks run one after another
-    and keep nothing: each value in its graph.py slot), the last position's stream and
-    norm, its logits (float32 in bf16), the token ids, their positions and the ids the
-    cache holds, the sampler's `drawn` ids; on a GPU of `sms` SMs (0: none) the decode's
-    split workspace and cuBLAS's."""
+    and keep nothing: each value in its graph.py slot), the last position's final norm,
+    its logits (float32 in bf16), the token ids, their positions and the ids the cache
+    holds, the sampler's `drawn` ids; on a GPU of `sms` SMs (0: none) the decode's split
+    workspace and cuBLAS's."""
     if seq > a.max_seq:
         raise EulerError(f"sampling context {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -81,7 +81,7 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 
     for name in g.order(g.head):       # at the last position only: [B, …]
         wide = "float64" if dtype == "float64" else "float32"
         arena, kind = ("logits", wide) if name == logits else ("activations", dtype)
-        p.add(arena, _HEAD.get(name, name), g.values[name].shape((B,)), kind)
+        p.add(arena, name, g.values[name].shape((B,)), kind)
     for name in ("idx", "positions", "held"):
         p.add("tokens", name, (B, T), "int32")
     p.add("tokens", "last_row", (1,), "int32")
@@ -166,14 +166,17 @@ class Decoder:
         views = self._views(rows)
         tape.record(Scatter(views["idx"], views["positions"], m["held"]))
         for node in g.stem:
-            self._node(tape, node, "", views, rows)
+            self._node(tape, node, -1, views, rows)
         for layer in range(self.arch.layers):
             for node in g.block:
-                self._node(tape, node, f"h.{layer}.", views, rows)
-        tape.record(TakeLast(views["x"], m["last"], None if rows == 1 else m["last_row"]))
-        head = {name: m[_HEAD.get(name, name)] for name in g.order(g.head)}
+                self._node(tape, node, layer, views, rows)
+        head = {name: m[name] for name in g.order(g.head)}
+        last = None if rows == 1 else m["last_row"]
+        for value, (_, name) in g.handoff.items():
+            if name in head:   # what the head reads of the last block, at the last real row
+                tape.record(TakeLast(views[value], head[name], last))
         for node in g.head:
-            self._node(tape, node, "", head, 1)
+            self._node(tape, node, None, head, 1)
         if rows == 1:
             tape.record(Advance(views["positions"]))
         if self.tail is not None:
@@ -190,10 +193,11 @@ class Decoder:
             views[name] = self._at(name, rows)
         return views
 
-    def _node(self, tape: Tape, node, prefix: str, views: dict, rows: int):
-        """Record one graph node, forward only, over `views`; `rows` positions a sequence."""
+    def _node(self, tape: Tape, node, layer, views: dict, rows: int):
+        """Record one graph node at `layer` (graph.Graph.key), forward only, over `views`;
+        `rows` positions a sequence."""
         P, m, live = self.params, self.mem, self.live
-        names = parameter_names(node, prefix, P)
+        names = self.graph.parameter_names(node, layer, P)
         if node.kind == "embedding":
             (ids,), (x,) = node.inputs, node.outputs
             wpe = P[names[1]] if len(names) > 1 else None
@@ -213,18 +217,24 @@ class Decoder:
                              node.params, live))
         elif node.kind == "attention":
             q, k, v = (views[n] for n in node.inputs)
-            caches = m[f"{prefix}k_cache"], m[f"{prefix}v_cache"]
+            caches = m[f"h.{layer}.k_cache"], m[f"h.{layer}.v_cache"]
             for new, cache in zip((k, v), caches):
                 tape.record(Scatter(new, views["positions"], cache))
             workspace = ((m["decode_part"], m["decode_counts"]) if "decode_part" in m
                          else None)
             tape.record(Attend(node.op, q, *caches, views[node.outputs[0]], live, self.seq,
                                workspace))
-        elif node.kind == "add":
-            tape.record(Add(*(views[n] for n in node.inputs + node.outputs)))
-        else:   # norm, activation
-            tape.record(Op(node.op, (*(views[n] for n in node.inputs), *(P[n] for n in names)),
-                           tuple(views[n] for n in node.outputs), (), (), node.params))
+        elif node.kind == "norm":
+            x, branch = ((views[n] for n in node.inputs) if node.fusion
+                         else (views[node.inputs[0]], None))
+            tape.record(Norm(node.op, x, branch, tuple(P[n] for n in names),
+                             tuple(views[n] for n in node.outputs), node.params))
+        else:   # the activation, with its linear's bias where the model has one
+            biases = (tuple(P[names[0]][half] for half in self.graph.bias_blocks(node))
+                      if node.bias and names else ())
+            tape.record(Op(node.op, (*(views[n] for n in node.inputs), *biases),
+                           tuple(views[n] for n in node.outputs), (), (), node.params,
+                           fusion="bias" if biases else ""))
 
     # -- running it -------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from eulergen.errors import EulerError
+from eulergen.kinds import fused_stage
 from eulergen.launch import BlockHeld, BlockPerRow, Launch, WarpPerRow
 from eulergen.runtime.manifest import Kernel, OpEntry
 
@@ -187,8 +188,10 @@ def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = T
     return (block or candidates)[0]
 
 
-def wgrad_split(op: OpEntry, dtype: str, cols: int) -> bool:
-    """Whether a backward with weight gradients over rows of `cols` takes the split kernels
-    (`backward_rows`, then `wgrad_cols`: generator/plan.py WGRAD_SPLIT_COLS)."""
-    return any(k.stage == "backward_rows" and k.dtype == dtype
+def wgrad_split(op: OpEntry, dtype: str, cols: int, fusion: str = "") -> bool:
+    """Whether a backward (of the op's `fusion` variant) with weight gradients over rows of
+    `cols` takes the split kernels (`backward_rows`, then `wgrad_cols`: generator/plan.py
+    WGRAD_SPLIT_COLS)."""
+    stage = fused_stage("backward_rows", fusion)
+    return any(k.stage == stage and k.dtype == dtype
                and cols >= k.geometry.split_cols for k in op.kernels.values())

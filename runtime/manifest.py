@@ -38,6 +38,28 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class Operands:
+    """The operands of one side of a fused variant (generator/fuse.py), in call order."""
+    inputs: tuple[Operand, ...]
+    outputs: tuple[Operand, ...]
+
+    @property
+    def grads(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.inputs if o.differentiable)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fused variant of an op (the manifest's `fusions`): its forward takes `forward`'s
+    inputs and writes its outputs; its backward takes `backward`'s inputs and the gradients
+    of its outputs, and writes the gradients of its differentiable inputs. Its kernels'
+    stages are kinds.fused_stage(stage, name)."""
+    name: str
+    forward: Operands
+    backward: Operands
+
+
+@dataclass(frozen=True)
 class OpEntry:
     name: str
     kind: str
@@ -54,6 +76,7 @@ class OpEntry:
     fast_math: bool = False              # the spec opted in (`fast_math: true`)
     template: str = ""                   # templates/<x>.cu.j2, where the manifest names it
     index: dict = field(default_factory=dict, hash=False)   # pair ops: index symbol -> role
+    fusions: dict = field(default_factory=dict, hash=False)  # name -> Fusion
 
     @property
     def grads(self) -> tuple[str, ...]:
@@ -123,6 +146,22 @@ def _kernel(name: str, k, file: Path, where: str) -> Kernel:
     return Kernel(name, tuple((a, t) for a, t in args), dtype, stage, geometry, tuple(control))
 
 
+def _fusions(items, file: Path, where: str) -> dict[str, Fusion]:
+    if not isinstance(items, dict):
+        raise EulerError("should be an object name -> {forward, backward}", file=str(file),
+                         key=where)
+    out = {}
+    for name, f in items.items():
+        sides = [Operands(_operands(_need(side, "inputs", list, file, f"{where}.{name}.{s}"),
+                                    file, f"{where}.{name}.{s}.inputs"),
+                          _operands(_need(side, "outputs", list, file, f"{where}.{name}.{s}"),
+                                    file, f"{where}.{name}.{s}.outputs"))
+                 for s in ("forward", "backward")
+                 for side in (_need(f, s, dict, file, f"{where}.{name}"),)]
+        out[name] = Fusion(name, *sides)
+    return out
+
+
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
     where = f"ops.{name}"
     kind = _need(o, "kind", str, file, where)
@@ -151,7 +190,8 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         cuda_sha256=str(o.get("cuda_sha256", "")),
         kernels={kn: _kernel(kn, k, file, f"{where}.kernels.{kn}") for kn, k in kernels.items()},
         manifest=file, fast_math=bool(o.get("fast_math", False)),
-        template=str(o.get("template", "")), index=dict(index))
+        template=str(o.get("template", "")), index=dict(index),
+        fusions=_fusions(o.get("fusions") or {}, file, f"{where}.fusions"))
 
 
 def load_manifest(path: str | Path) -> Manifest:

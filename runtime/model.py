@@ -7,7 +7,9 @@ so `--set model.activation=myact` swaps the generated kernels and nothing else. 
 activation op with two inputs makes the MLP gated: c_fc's rows 0..F-1 feed its first
 input, rows F..2F-1 its second. Token embedding tied to the LM head, learned positions
 or RoPE (the `rope` op on q and k), grouped-query attention, final norm, cross-entropy
-averaged over tokens. The graph is runtime/graph.py's; the parameters runtime/params.py's.
+averaged over tokens. The graph is runtime/graph.py's (each residual add folded into the
+norm after it, c_fc's bias into the activation: the ops' generated fused variants); the
+parameters runtime/params.py's.
 
 c_attn is one GEMM into `qkv` [B, T, H + 2·KVH, D] (bias included); q, k and v are views of
 its heads, which RoPE (in place, one call over q and k where the rope op allows it) and
@@ -44,8 +46,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
     numpy) or "bf16" (mixed precision: float32 master weights and AdamW moments beside a
     bf16 copy the kernels read, bf16 gradients, activations and workspace, the per-row
-    float32 values in `stats`). `workspace(op, stage, shape, dtype=, table_rows=)`: the
-    float32 elements a backward call needs from the kernels' workspace, as
+    float32 values in `stats`). `workspace(op, stage, shape, dtype=, table_rows=,
+    fusion=)`: the float32 elements a backward call needs from the kernels' workspace, as
     OpLibrary.workspace_elements answers it (what `build` passes;
     cuda_ops.workspace_elements for the GPU's plan on any machine); None: none.
     `gemm_workspace`: the bytes of the GEMM libraries' workspace (gemm.workspace_bytes: on
@@ -80,13 +82,15 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         for arena in ("adam_m", "adam_v"):
             p.add(arena, arena, (moments,), master)
 
-    # next: the next x; parts (q, k, v of qkv) are views of their root's buffers
-    block = [g.values[n] for n in g.order(g.block) if n != "next" and not g.values[n].part]
+    # what a block hands on is the next block's x and ln_1, and after the last the head's;
+    # parts (q, k, v of qkv) are views of their root's buffers
+    block = [g.values[n] for n in g.order(g.block)
+             if n not in g.handoff and not g.values[n].part]
     for layer in range(a.layers):
         for v in block:
             if v.name in kept:
                 add("activations", f"h.{layer}.{v.name}", v.shape(lead), v.per_row)
-    for name in g.order(g.head):
+    for name in dict.fromkeys([head for _, head in g.handoff.values()] + g.order(g.head)):
         add("activations", name, g.values[name].shape(lead))
     add("activations", "losses", (N,), per_row=True)   # the fused cross-entropy writes dlogits
     add("activations", "loss", (1,), per_row=True)     # over the logits
@@ -103,9 +107,11 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         for name, v in _first((v.grad, v) for v in values
                               if v.grad and v.grad not in g.values).items():
             add("workspace", name, v.shape(lead))
-        # gradients that are added rather than written (a norm's dx into the stream, and
-        # its weights on later micro-steps) pass through here: dx plus two weight rows
-        add("workspace", "scratch", (N * d + 2 * d,))
+        # parameter gradients a node adds on a later micro-step pass through here (the
+        # norms add into the stream's gradient in their own pass): a norm's weights, the
+        # activation's biases
+        biases = len(a.ops.activation.inputs) * a.ffn if a.bias else 0
+        add("workspace", "scratch", (max(len(a.norm_weights) * d, biases, 1),))
         if master != dtype:
             add("stats", "grad_rows", (total // _norm_row(total),), per_row=True)
         add("workspace", "grad_norm", (1,), per_row=True)   # cuBLAS writes it on the device
@@ -122,6 +128,9 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         kdt = "bf16" if dtype == "bf16" else "f32"
         kernel_ws = 0 if workspace is None else max(
             workspace(a.ops.norm, "backward", (B, T, d), dtype=kdt),
+            workspace(a.ops.norm, "backward", (B, T, d), dtype=kdt, fusion="add"),
+            workspace(a.ops.activation, "backward", (B, T, a.ffn), dtype=kdt,
+                      fusion="bias" if a.bias else ""),
             workspace(a.ops.attention, "backward", (B, T, a.heads, a.head_dim), dtype=kdt),
             workspace(a.ops.embedding, "backward", (B, T), dtype=kdt,
                       table_rows=a.vocab_rows))

@@ -9,6 +9,10 @@
     o = lib.decode("causal_attention", q, k_cache, v_cache, pos0)   # attention over a KV cache
     loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
     gelu = lib.op("gelu"); lib.forward(gelu, x, out=y)   # an entry, resolved once (the model's)
+    h, y = lib.forward("rmsnorm", x, r, w, fusion="add")  # fused variants (the manifest's
+    dx, dw = lib.backward("rmsnorm", h, w, dy, dh, fusion="add")   # `fusions`), below
+    y = lib.forward("gelu", x, b, fusion="bias")          # gelu(x + b), b [F] over rows
+    dx, db = lib.backward("gelu", x, b, dy, fusion="bias")
 
 On numpy, the calls run the generated numpy modules (the same derived math as the
 kernels); on a GPU they launch the op's generated kernels (runtime/cuda_ops.py and
@@ -26,6 +30,14 @@ with the runtime's other steps on bf16 arrays); a kernel's dtype
 (f32 or bf16) follows its first floating input. Compute inside kernels is fp32; per-row
 scalar outputs such as a loss stay float32 whatever the storage dtype. The numpy
 backend computes in float32 or float64 and has no bf16.
+
+Fused variants (generator/fuse.py), `fusion=` on forward and backward, with the arrays
+the manifest's `fusions` names: `add` (norm-shaped row ops): forward (x, branch,
+weights…) -> (h = x + branch, outputs…); backward (h, weights…, d_outputs…, dh) -> (dx =
+dh + the op's dx at h, d_weights…), so `out=` may give dh's array as dx (an in-place add
+into the stream's gradient). `bias` (pointwise ops): forward (x…, b…) -> the op of x + b,
+each x [..., F] and its b [F]; backward (x…, b…, d_outputs…) -> (dx…, db…), db the column
+sums of dx.
 """
 from __future__ import annotations
 
@@ -35,6 +47,7 @@ import numpy as np
 
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError, suggest
+from eulergen.kinds import fused_stage
 from eulergen.runtime.backend import Backend
 from eulergen.runtime.bf16 import from_bf16, to_bf16  # noqa: F401  (part of this API)
 from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
@@ -71,15 +84,15 @@ class OpLibrary:
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
 
     def workspace_elements(self, op: OpEntry, stage: str, shape, *, dtype: str = "f32",
-                           table_rows: int = 0) -> int:
-        """The float32 elements a `stage` call of `op` over `dtype` ("f32" | "bf16")
-        inputs of `shape` needs from the caller's `workspace=` on this backend (a memory
-        plan asks): the CUDA kernels' temporaries (cuda_ops.workspace_elements); numpy
-        needs none."""
+                           table_rows: int = 0, fusion: str = "") -> int:
+        """The float32 elements a `stage` call of `op` (its `fusion` variant) over `dtype`
+        ("f32" | "bf16") inputs of `shape` needs from the caller's `workspace=` on this
+        backend (a memory plan asks): the CUDA kernels' temporaries
+        (cuda_ops.workspace_elements); numpy needs none."""
         if not self._cuda:
             return 0
         from eulergen.runtime.cuda_ops import workspace_elements
-        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows)
+        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion)
 
     def _entry(self, op: str | OpEntry) -> OpEntry:
         """A call's op: its name, looked up here, or its entry, resolved once by the caller."""
@@ -87,36 +100,43 @@ class OpLibrary:
 
     # -- the calls: each takes an op's name or its OpEntry (`lib.op(name)`) ---------------
 
-    def forward(self, name: str | OpEntry, *inputs, out=None, **params):
+    def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "", **params):
+        """`fusion`: the op's fused variant of that name (module docstring)."""
         op = self._entry(name)
-        self._arity(op, "forward", inputs, len(op.inputs))
+        side = self._side(op, fusion, "forward")
+        self._arity(op, "forward", inputs, len(side.inputs), side)
         pos0 = self._pos0(op, params)
         p = self._params(op, params)
         if self._cuda:
-            got = self._cuda.forward(op, inputs, _tuple(out), p, pos0)
+            got = self._cuda.forward(op, inputs, _tuple(out), p, pos0, fusion)
             return got[0] if len(got) == 1 else tuple(got)
-        got = self._module(op).forward(*inputs, **p, **self._numpy_pos0(op, pos0))
-        return self._deliver(op, "forward", got, out, len(op.outputs))
+        got = getattr(self._module(op), fused_stage("forward", fusion))(
+            *inputs, **p, **self._numpy_pos0(op, pos0))
+        return self._deliver(op, "forward", got, out, len(side.outputs))
 
     def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
-                 accumulate=False, **params):
+                 accumulate=False, fusion: str = "", **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
         (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
         all or one per gradient (GRADS order); the embedding op only (its table gradient
-        meets the tied LM head's)."""
+        meets the tied LM head's). `fusion`: the op's fused variant of that name."""
         op = self._entry(name)
-        self._arity(op, "backward", inputs_and_douts, self._backward_arity(op))
+        side = self._side(op, fusion, "backward")
+        self._arity(op, "backward", inputs_and_douts,
+                    self._backward_arity(op) if side is op else len(side.inputs) + len(side.outputs),
+                    side)
         pos0 = self._pos0(op, params)
         adds = self._accumulate(op, accumulate, out)
         p = self._params(op, params)
         if self._cuda:
             return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0,
-                                             workspace, adds))
+                                             workspace, adds, fusion))
         if op.kind == "embedding" and op.numpy is None:
             return _NumpyEmbedding.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
-        got = self._module(op).backward(*inputs_and_douts, **p, **self._numpy_pos0(op, pos0))
-        grads = self._deliver(op, "backward", got, out, len(op.grads))
+        got = getattr(self._module(op), fused_stage("backward", fusion))(
+            *inputs_and_douts, **p, **self._numpy_pos0(op, pos0))
+        grads = self._deliver(op, "backward", got, out, len(side.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
     def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None,
@@ -259,11 +279,25 @@ class OpLibrary:
         return len(op.inputs) + len(op.outputs)
 
     @staticmethod
-    def _arity(op: OpEntry, call: str, args: tuple, want: int) -> None:
+    def _side(op: OpEntry, fusion: str, call: str):
+        """The operands a call takes and gives: the op's own, or a fused variant's
+        (manifest.Operands)."""
+        if not fusion:
+            return op
+        if fusion not in op.fusions:
+            have = ", ".join(op.fusions) or "none"
+            raise EulerError(f"op {op.name!r} has no fused variant {fusion!r} (it has: {have}; "
+                             "a build older than the fusions: run `eulergen build`)",
+                             file=op.spec, key="fusion")
+        return getattr(op.fusions[fusion], call)
+
+    @staticmethod
+    def _arity(op: OpEntry, call: str, args: tuple, want: int, side=None) -> None:
         if len(args) != want:
-            names = [o.name for o in op.inputs]
+            side = side or op
+            names = [o.name for o in side.inputs]
             if call in ("backward", "fused"):
-                names += ([f"d{o.name}" for o in op.outputs] if op.kind != "attention"
+                names += ([f"d{o.name}" for o in side.outputs] if op.kind != "attention"
                           else ["o", "lse", "do"])
             raise EulerError(f"{op.name}.{call} takes {want} arrays ({', '.join(names)}), "
                              f"got {len(args)}", file=op.spec, key=call)

@@ -29,6 +29,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime import step_control
+from eulergen.runtime.cuda_graph import capture
 from eulergen.runtime.step_control import AT, RECORD
 
 RING = 3   # steps of pinned buffers: the host runs at most two steps ahead of the GPU
@@ -217,16 +218,7 @@ class _Device:
 
     def _capture(self, work):
         with self.cupy.cuda.using_allocator(_refuse):
-            self.stream.begin_capture()
-            try:
-                work()
-            except BaseException:
-                try:
-                    self.stream.end_capture()
-                except Exception:   # an invalidated capture: the first error says why
-                    pass
-                raise
-            return self.stream.end_capture()
+            return capture(self.stream, work)
 
 
 def _refuse(size: int):

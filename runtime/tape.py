@@ -3,8 +3,9 @@
 Every node is built once, over views of planned buffers, so running the tape allocates
 nothing. The only backward math written here by hand is what has no formula to derive
 (DESIGN.md, invariant 1): a GEMM's backward is two GEMMs, a residual stream's fan-in is a
-sum. Every other backward is `lib.backward` of an op: a generated one, or the embedding
-(templates/embedding.cu.j2: a deterministic scatter-add).
+sum (which the norms' `add` backward does in its pass). Every other backward is
+`lib.backward` of an op: a generated one, or the embedding (templates/embedding.cu.j2: a
+deterministic scatter-add).
 
 A node writes each gradient either over its destination (the first writer of that
 buffer in backward order) or adds into it (later writers: residual fan-in, the tied
@@ -78,6 +79,18 @@ class Tape:
         else:
             self.xp.add(a, b, out=out)
 
+    def targets(self, grads) -> tuple:
+        """Where a call writes each of `grads`: its buffer, or, where it is added, a view
+        of the scratch workspace that `land` then adds into the buffer."""
+        adds = [self.adds(g) for g in grads]
+        temps = iter(self.scratch([g.buf.shape for g, a in zip(grads, adds) if a]))
+        return tuple(next(temps) if a else g.buf for g, a in zip(grads, adds))
+
+    def land(self, grads, targets) -> None:
+        for g, t in zip(grads, targets):
+            if t is not g.buf:
+                self.add(g.buf, t, g.buf)
+
     def scratch(self, shapes) -> list:
         """Consecutive views of the scratch workspace, one per shape, valid until the next call."""
         views, at = [], 0
@@ -137,42 +150,62 @@ class Linear:
 
 class Op:
     """A generated op: forward through `lib.forward`, backward through `lib.backward`, with
-    its manifest entry `op` (resolved once, not looked up by name at each call).
+    its manifest entry `op` (resolved once, not looked up by name at each call) and the
+    fused variant `fusion` of it, if any (the activation's 'bias': inputs x…, then b…).
 
     `saved` are the arrays the op's backward reads besides its inputs and output grads:
     attention's (o, lse), for which the backward signature is (q, k, v, o, lse, do)."""
 
-    def __init__(self, op, inputs, outputs, douts, dins, params: dict, saved=()):
+    def __init__(self, op, inputs, outputs, douts, dins, params: dict, saved=(),
+                 fusion: str = ""):
         self.op, self.inputs, self.outputs, self.params = op, inputs, outputs, params
-        self.douts, self.dins, self.saved = douts, dins, saved
+        self.douts, self.dins, self.saved, self.fusion = douts, dins, saved, fusion
 
     def forward(self, tape: Tape) -> None:
-        tape.lib.forward(self.op, *self.inputs, out=tuple(self.outputs), **self.params)
+        tape.lib.forward(self.op, *self.inputs, out=tuple(self.outputs), fusion=self.fusion,
+                         **self.params)
 
     def backward(self, tape: Tape) -> None:
-        adds = [tape.adds(g) for g in self.dins]
-        temps = iter(tape.scratch([g.buf.shape for g, a in zip(self.dins, adds) if a]))
-        targets = tuple(next(temps) if a else g.buf for g, a in zip(self.dins, adds))
+        targets = tape.targets(self.dins)
         tape.lib.backward(self.op, *self.inputs, *self.saved, *self.douts, out=targets,
-                          workspace=tape.kernel_ws, **self.params)
-        for g, t in zip(self.dins, targets):
-            if t is not g.buf:
-                tape.add(g.buf, t, g.buf)
+                          workspace=tape.kernel_ws, fusion=self.fusion, **self.params)
+        tape.land(self.dins, targets)
 
 
-class Add:
-    """out = a + b on the residual stream. Its backward is the fan-in of the stream's
-    gradient, which the model realises by giving a, b and out one shared gradient buffer:
-    nothing to compute here, every writer into that buffer adds."""
+class Norm:
+    """y = norm(x), a row op of one row input, or with a `branch` (the op's `add` fusion)
+    h = x + branch written beside y = norm(h), in one pass: `outputs` are (y,) or (h, y).
 
-    def __init__(self, a, b, out):
-        self.a, self.b, self.out = a, b, out
+    Backward at the row the op normalized (x, or h): where dx adds (the residual stream's
+    gradient, which later nodes have written) the op's `add` backward adds the norm's dx
+    to it in the same pass, reading it as the stream's incoming gradient and writing it in
+    place; where dx is the stream gradient's first writer, the op's own backward. Weight
+    gradients are written or added as their Grads say."""
+
+    def __init__(self, op, x, branch, weights, outputs, params: dict, dy=None,
+                 dx: Grad | None = None, dweights=()):
+        self.op, self.x, self.branch, self.weights = op, x, branch, tuple(weights)
+        self.outputs, self.params = tuple(outputs), params
+        self.dy, self.dx, self.dweights = dy, dx, tuple(dweights)
+        self.row = x if branch is None else self.outputs[0]
 
     def forward(self, tape: Tape) -> None:
-        tape.add(self.a, self.b, self.out)
+        if self.branch is None:
+            tape.lib.forward(self.op, self.x, *self.weights, out=self.outputs, **self.params)
+        else:
+            tape.lib.forward(self.op, self.x, self.branch, *self.weights, out=self.outputs,
+                             fusion="add", **self.params)
 
     def backward(self, tape: Tape) -> None:
-        pass
+        weights = tape.targets(self.dweights)
+        dx = self.dx.buf
+        if tape.adds(self.dx):
+            tape.lib.backward(self.op, self.row, *self.weights, self.dy, dx, out=(dx, *weights),
+                              workspace=tape.kernel_ws, fusion="add", **self.params)
+        else:
+            tape.lib.backward(self.op, self.row, *self.weights, self.dy, out=(dx, *weights),
+                              workspace=tape.kernel_ws, **self.params)
+        tape.land(self.dweights, weights)
 
 
 class Embedding:

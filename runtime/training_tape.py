@@ -7,15 +7,14 @@ root's gradient.
 Backward order decides how each gradient lands: the first node in backward order to put
 a gradient into a value writes it, every later one adds (a parameter's first writer
 writes on a step's first micro-step only, and adds on the later ones). The values a
-residual add joins count as one, so the stream's gradient `d.x` is written by the final
-norm and added to by every block's norms: the add's backward is that fan-in, with
-nothing to compute. The tied token table's gradient is written by the LM head and added
-to by the embedding.
+residual add joins (an `add` norm's inputs and its sum) count as one, so the stream's
+gradient `d.x` is written by the last block's closing norm and added to by every other
+norm, in its own backward pass (tape.Norm): the add's backward is that fan-in. The tied
+token table's gradient is written by the LM head and added to by the embedding.
 """
 from __future__ import annotations
 
-from eulergen.runtime.graph import parameter_names
-from eulergen.runtime.tape import Add, Embedding, Grad, Linear, Op
+from eulergen.runtime.tape import Embedding, Grad, Linear, Norm, Op
 
 
 def record_training(model) -> None:
@@ -30,28 +29,21 @@ class _Recorder:
     def __init__(self, model):
         self.model, self.g = model, model.graph
         self.kept = self.g.kept()
-        self.in_block = set(self.g.order(self.g.block))
         self.joined: dict[tuple, tuple] = {}   # a value -> the one whose gradient it shares
         self.written: set = set()
 
     def record(self) -> None:
-        steps = self.g.steps(self.model.arch.layers)
-        for _, layer, node, _ in steps:
-            if node.kind == "add":
-                a, *rest = (self._root(self._key(layer, n)) for n in node.inputs + node.outputs)
+        g = self.g
+        steps = g.steps()
+        for layer, node, _ in steps:
+            if node.fusion == "add":   # x, branch and their sum
+                a, *rest = (self._root(g.key(layer, n)) for n in node.inputs + node.outputs[:1])
                 self.joined.update((r, a) for r in rest if r != a)
         built = [self._node(*step) for step in reversed(steps)]   # backward order
         for node in reversed(built):
             self.model.tape.record(node)
 
     # -- names ------------------------------------------------------------------------
-
-    def _key(self, layer, name: str) -> tuple:
-        """The value a node's name means: (block, name); a block's `next` is the next
-        block's x (after the last block, x_final); outside the blocks the block is None."""
-        if name == "next":
-            return (layer + 1, "x") if layer + 1 < self.model.arch.layers else (None, "x_final")
-        return (layer, name) if name in self.in_block else (None, name)
 
     def _root(self, key: tuple) -> tuple:
         while key in self.joined:
@@ -61,7 +53,7 @@ class _Recorder:
     def _buf(self, layer, name: str):
         if self.g.values[name].part:
             return self.g.view(name, self._buf(layer, self.g.root(name)))
-        block, name = self._key(layer, name)
+        block, name = self.g.key(layer, name)
         if block is None:
             return self.model.mem[name]
         if name in self.kept:
@@ -86,7 +78,7 @@ class _Recorder:
 
     def _dvalue(self, layer, name: str, *, rows=False) -> Grad:
         d = self._dbuf(name)
-        return self._grad(self._root(self._key(layer, name)), self._rows(d) if rows else d)
+        return self._grad(self._root(self.g.key(layer, name)), self._rows(d) if rows else d)
 
     def _dparam(self, name: str, rows: slice = slice(None)) -> Grad:
         key = name if rows == slice(None) else (name, rows.start, rows.stop)
@@ -94,12 +86,10 @@ class _Recorder:
 
     # -- nodes ------------------------------------------------------------------------
 
-    def _node(self, prefix: str, layer, node, part):
-        m, P, tr = self.model.mem, self.model.params, self.model.training
-        names = parameter_names(node, prefix, P)
+    def _node(self, layer, node, part):
+        m, P, tr, g = self.model.mem, self.model.params, self.model.training, self.g
+        names = g.parameter_names(node, layer, P)
         buf = lambda n: self._buf(layer, n)   # noqa: E731
-        if node.kind == "add":
-            return Add(*(buf(n) for n in node.inputs + node.outputs))
         if node.kind == "embedding":
             (ids,), (x,) = node.inputs, node.outputs
             positions = names[1] if len(names) > 1 else None
@@ -110,7 +100,7 @@ class _Recorder:
                              self._dparam(positions) if tr and positions else None)
         if node.kind == "linear":
             (x,), y = node.inputs, node.outputs[part]
-            rows = self.g.row_blocks(node)[part]
+            rows = g.row_blocks(node)[part]
             w, b = names[0], names[1] if len(names) > 1 else None
             bias, ones = (P[b][rows], m["ones"]) if b else (None, None)
             if not tr:
@@ -120,12 +110,25 @@ class _Recorder:
                           self._rows(self._dbuf(y)), self._dvalue(layer, x, rows=True),
                           self._dparam(w, rows), bias, self._dparam(b, rows) if b else None,
                           ones)
-        inputs = (*(buf(n) for n in node.inputs), *(P[n] for n in names))
         outputs = tuple(buf(n) for n in node.outputs)
+        if node.kind == "norm":
+            x, branch = ((buf(n) for n in node.inputs) if node.fusion
+                         else (buf(node.inputs[0]), None))
+            weights = tuple(P[n] for n in names)
+            if not tr:
+                return Norm(node.op, x, branch, weights, outputs, node.params)
+            normed = node.outputs[0] if node.fusion else node.inputs[0]   # what it normalizes
+            return Norm(node.op, x, branch, weights, outputs, node.params,
+                        self._dbuf(node.outputs[-1]), self._dvalue(layer, normed),
+                        tuple(self._dparam(n) for n in names))
+        # an activation with its linear's bias: each input's rows of it (Graph.bias_blocks)
+        biases = [(names[0], rows) for rows in g.bias_blocks(node)] if node.bias and names else []
+        inputs = (*(buf(n) for n in node.inputs), *(P[n][rows] for n, rows in biases))
         saved = tuple(buf(n) for n in node.saved)
+        fusion = "bias" if biases else ""
         if not tr:
-            return Op(node.op, inputs, outputs, (), (), node.params, saved=saved)
-        douts = tuple(self._dbuf(n) for n in node.outputs if self.g.values[n].grad)
+            return Op(node.op, inputs, outputs, (), (), node.params, saved=saved, fusion=fusion)
+        douts = tuple(self._dbuf(n) for n in node.outputs if g.values[n].grad)
         dins = (*(self._dvalue(layer, n) for n in node.inputs),
-                *(self._dparam(n) for n in names))
-        return Op(node.op, inputs, outputs, douts, dins, node.params, saved=saved)
+                *(self._dparam(n, rows) for n, rows in biases))
+        return Op(node.op, inputs, outputs, douts, dins, node.params, saved=saved, fusion=fusion)

@@ -161,12 +161,17 @@ def test_the_gpu_plan_sizes_the_kernels_workspace_for_bf16(lib):
     arch = arch_of(_cfg("gpt2").model, lib)
     asked = []
 
-    def workspace(op, stage, shape, *, dtype, table_rows=0):
-        asked.append(dtype)
-        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows)
+    def workspace(op, stage, shape, *, dtype, table_rows=0, fusion=""):
+        asked.append((dtype, op.name, fusion))
+        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion)
 
     plan = plan_model(arch, 2, 32, dtype="bf16", workspace=workspace)
-    assert set(asked) == {"bf16"} and plan.buffer("kernel_ws").dtype == "float32"
+    assert {dt for dt, _, _ in asked} == {"bf16"} and plan.buffer("kernel_ws").dtype == "float32"
+    # the fused backwards' partial sums too: the norm's add and the activation's bias
+    assert {("layernorm", "add"), ("gelu", "bias")} <= {(op, f) for _, op, f in asked}
+    bias = workspace_elements(arch.ops.activation, "backward", (2, 32, arch.ffn), "bf16",
+                              fusion="bias")
+    assert 0 < bias <= plan.buffer("kernel_ws").size
 
 
 def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):

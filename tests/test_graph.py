@@ -1,7 +1,7 @@
 """The model graph as data (runtime/graph.py) and what the training tape and the decoder
-build from it: node order, the values training keeps, the gradient wiring of the
-residual stream and the tied table, q, k and v as parts of one qkv buffer in training and
-in the decoder, and rope in place over them where the op allows it."""
+build from it: node order, the fused adds and biases, the values training keeps, the
+gradient wiring of the residual stream and the tied table, q, k and v as parts of one qkv
+buffer in training and in the decoder, and rope in place over them where the op allows it."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +12,10 @@ import pytest
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.decoder import build_decoder
-from eulergen.runtime.graph import model_graph, parameter_names
+from eulergen.runtime.graph import model_graph
 from eulergen.runtime.model import arch_of, build, rope_in_place
 from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.tape import Embedding, Linear, Op
+from eulergen.runtime.tape import Embedding, Linear, Norm, Op
 from test_model import STRUCTURES, _model, _tokens   # gpt2 and nanoeuler at a tiny size
 
 
@@ -28,13 +28,22 @@ def _cfg(structure):
     return load_config(None, STRUCTURES[structure]).model
 
 
-def test_the_block_is_a_pre_norm_block_with_the_configured_ops(lib):
+def test_the_block_is_a_pre_norm_block_with_each_add_folded_into_the_next_norm(lib):
     g = model_graph(arch_of(_cfg("gpt2"), lib))
-    assert [n.kind for n in g.block] == ["norm", "linear", "attention", "linear", "add",
-                                         "norm", "linear", "activation", "linear", "add"]
-    assert [n.op.name for n in g.block if n.op] == ["layernorm", "causal_attention",
-                                                   "layernorm", "gelu"]
-    assert g.block[0].inputs == ("x",) and g.block[-1].outputs == ("next",)
+    assert [n.kind for n in g.block] == ["linear", "attention", "linear", "norm", "linear",
+                                         "activation", "linear", "norm"]
+    assert [n.op.name for n in g.block if n.op] == ["causal_attention", "layernorm", "gelu",
+                                                   "layernorm"]
+    # the stem norms block 0's x; each block's closing add + norm makes the next x and ln_1
+    assert [(n.kind, n.inputs, n.outputs) for n in g.stem] == [
+        ("embedding", ("idx",), ("next",)), ("norm", ("next",), ("next_ln",))]
+    adds = [n for n in g.block if n.fusion == "add"]
+    assert [(n.inputs, n.outputs) for n in adds] == [(("x", "attn_proj"), ("x_mid", "ln_2")),
+                                                    (("x_mid", "mlp_proj"), ("next", "next_ln"))]
+    assert g.block[0].inputs == ("ln_1",) and g.stem[1].fusion == ""
+    assert [g.key(0, "next"), g.key(0, "next_ln"), g.key(1, "next_ln"), g.key(-1, "next")] == [
+        (1, "x"), (1, "ln_1"), (None, "ln_f"), (0, "x")]   # 2 layers: block 1 is the last
+    assert g.head[0].inputs == ("ln_f",)
     nano = model_graph(arch_of(_cfg("nanoeuler"), lib))
     rope = [n for n in nano.block if n.kind == "rope"]
     assert [(n.inputs, n.outputs) for n in rope] == [(("qk",), ("qk_rope",))]   # one call
@@ -50,7 +59,8 @@ def test_training_keeps_what_a_backward_reads_and_not_the_branch_outputs(lib):
     assert {"x", "ln_1", "qkv", "attn", "lse", "x_mid", "ln_2", "fc", "act",
             "x_final", "ln_f", "logits"} <= kept
     assert not {"q", "k", "v"} & kept           # parts: kept as their root, qkv
-    # the c_proj outputs only feed residual adds, whose backward reads nothing
+    # the c_proj outputs only feed residual adds, whose backward (the norm's, at the sum
+    # it saved) does not read them
     assert not {"attn_proj", "mlp_proj"} & kept
     assert g.values["attn_proj"].buffer == g.values["mlp_proj"].buffer == "proj"
 
@@ -82,19 +92,61 @@ def test_a_linear_reads_a_bias_only_where_the_model_has_one(lib):
     for structure, want in (("gpt2", ["h.1.attn.c_proj.weight", "h.1.attn.c_proj.bias"]),
                             ("nanoeuler", ["h.1.attn.c_proj.weight"])):
         model = build(_cfg(structure), lib, 2, 5, training=False)
-        c_proj = next(n for n in model.graph.block if n.weights == ("attn.c_proj",))
-        assert parameter_names(c_proj, "h.1.", model.params) == want
-        assert parameter_names(model.graph.head[-1], "", model.params) == ["wte.weight"]
+        g = model.graph
+        c_proj = next(n for n in g.block if n.weights == ("attn.c_proj",))
+        assert g.parameter_names(c_proj, 1, model.params) == want
+        assert g.parameter_names(g.head[-1], None, model.params) == ["wte.weight"]
+
+
+def test_c_fc_leaves_its_bias_to_the_activation_which_adds_it_in_its_own_pass(lib):
+    model = build(_cfg("gpt2"), lib, 2, 5)
+    g, P = model.graph, model.params
+    c_fc = next(n for n in g.block if n.weights == ("mlp.c_fc",))
+    act = next(n for n in g.block if n.kind == "activation")
+    assert g.parameter_names(c_fc, 0, P) == ["h.0.mlp.c_fc.weight"]
+    assert g.parameter_names(act, 0, P) == ["h.0.mlp.c_fc.bias"]
+    gemm = next(n for n in model.tape.nodes if isinstance(n, Linear)
+                and np.shares_memory(n.w, P["h.0.mlp.c_fc.weight"]))
+    assert gemm.b is None and gemm.db is None
+    (op,) = [n for n in model.tape.nodes if isinstance(n, Op) and n.op.name == "gelu"][:1]
+    assert op.fusion == "bias" and np.shares_memory(op.inputs[1], P["h.0.mlp.c_fc.bias"])
+    assert op.dins[1].param and np.shares_memory(op.dins[1].buf, model.grads["h.0.mlp.c_fc.bias"])
+
+
+def test_a_gated_activation_adds_each_half_of_c_fc_s_bias_to_its_input(lib):
+    cfg = load_config(None, STRUCTURES["nanoeuler"] + ["model.bias=true"]).model
+    model = build(cfg, lib, 2, 5)
+    F = model.arch.ffn
+    act = next(n for n in model.tape.nodes if isinstance(n, Op) and n.fusion == "bias")
+    bias = model.params["h.0.mlp.c_fc.bias"]
+    assert [(b.shape, np.shares_memory(b, bias[lo:lo + F])) for b, lo in
+            zip(act.inputs[2:], (0, F))] == [((F,), True), ((F,), True)]
+    assert len(act.dins) == 4 and all(g.param for g in act.dins[2:])
+
+
+def test_the_norm_that_ends_a_block_takes_the_next_block_s_ln_1_then_ln_f(lib):
+    model = build(_cfg("gpt2"), lib, 2, 5)
+    g, P = model.graph, model.params
+    closing = g.block[-1]
+    assert g.parameter_names(g.stem[1], -1, P) == ["h.0.ln_1.weight", "h.0.ln_1.bias"]
+    assert g.parameter_names(closing, 0, P) == ["h.1.ln_1.weight", "h.1.ln_1.bias"]
+    assert g.parameter_names(closing, 1, P) == ["ln_f.weight", "ln_f.bias"]
+    norms = [n for n in model.tape.nodes if isinstance(n, Norm)]
+    assert np.shares_memory(norms[-1].weights[0], P["ln_f.weight"])
+    assert np.shares_memory(norms[-1].outputs[0], model.mem["x_final"])
 
 
 def test_the_first_gradient_writer_in_backward_order_writes_and_later_ones_add(lib):
     model = build(_cfg("gpt2"), lib, 2, 5)
     nodes, mem = model.tape.nodes, model.mem
-    norms = [n for n in nodes if isinstance(n, Op) and n.op.name == "layernorm"]
-    assert len(norms) == 5                                  # ln_1, ln_2 per block, ln_f
-    # the stream's gradient: the final norm writes d.x, every block's norms add to it
-    assert all(np.shares_memory(n.dins[0].buf, mem["d.x"]) for n in norms)
-    assert [n.dins[0].add for n in norms] == [True, True, True, True, False]
+    norms = [n for n in nodes if isinstance(n, Norm)]
+    assert len(norms) == 5                      # the stem's, then ln_2 and the next ln_1 a block
+    # the stream's gradient: the last block's closing norm writes d.x, the others add to
+    # it in their own pass (an `add` fusion) at the row they normalized
+    assert all(np.shares_memory(n.dx.buf, mem["d.x"]) for n in norms)
+    assert [n.dx.add for n in norms] == [True, True, True, True, False]
+    assert [n.branch is None for n in norms] == [True, False, False, False, False]
+    assert norms[0].row is norms[0].x and norms[1].row is norms[1].outputs[0]
     # c_attn: one GEMM a block, over all of its weight, from and into the whole of qkv
     (c_attn,) = [n for n in nodes if isinstance(n, Linear)
                  and np.shares_memory(n.w, model.params["h.0.attn.c_attn.weight"])]

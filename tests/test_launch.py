@@ -22,6 +22,7 @@ EXAMPLES = [
         split_cols=0),
     planner.wgrad_cols_launch("bf16", 2, True),
     planner.WGRAD_REDUCE_LAUNCH,
+    planner.bias_launch("bf16", "backward", True),
     *(planner.embedding_launch(stage, "bf16") for stage in plan_ops.EMBEDDING_STAGES),
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
@@ -46,6 +47,14 @@ def test_a_capped_grid_is_at_most_grid_max_and_at_least_one_block():
     assert g.launch(1).grid == (1,)
     assert g.launch(256 * 4 * 3000).grid == (2112,)
     assert launch.Pointwise(128, 8, 2).launch(10 ** 9).grid == (-(-10 ** 9 // (128 * 8 * 2)),)
+
+
+def test_a_bias_launch_tiles_columns_by_row_groups_each_a_partial_row():
+    g = launch.BiasRows(threads=128, vec=8, rows=4, blocks=1056, aligned=True)
+    # 3072 bf16 columns: 3 blocks of 1024; 352 row groups, each a partial row of the bias
+    assert g.launch(8192, 3072) == launch.Launch((3, 352), (128,), 0, 352)
+    assert g.launch(5, 3072) == launch.Launch((3, 5), (128,), 0, 5)   # a group a row at most
+    assert g.launch(0, 1) == launch.Launch((1, 1), (128,), 0, 1)
 
 
 def test_a_warp_per_row_launch_writes_a_partial_row_a_warp():

@@ -91,6 +91,39 @@ def test_row_op_matches_torch(name, n):
                    want_out, want_grads)
 
 
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_a_row_op_s_add_fusion_is_the_op_of_the_sum_and_adds_the_stream_s_gradient(name):
+    """forward_add(x, branch, w…) = (x + branch, op(x + branch)); backward_add(h, w…, dy,
+    dh) = (dh + the op's dx at h, its weight gradients)."""
+    fn, names = ROWS[name]
+    mod = module(name)
+    rng = np.random.default_rng(3)
+    x, branch, dy, dh = (rng.normal(size=(2, 3, 17)) * 2 for _ in range(4))
+    weights = [rng.normal(size=17) for _ in names[1:]]
+    h = x + branch
+    want_out, want_grads = autograd(fn, [h, *weights], [dy])
+    want_grads[0] = want_grads[0] + dh
+    assert_matches(f"{name} add", as_tuple(mod.forward_add(x, branch, *weights)),
+                   as_tuple(mod.backward_add(h, *weights, dy, dh)), [h, *want_out], want_grads)
+
+
+@pytest.mark.parametrize("name", sorted(POINTWISE))
+def test_a_pointwise_op_s_bias_fusion_is_the_op_of_x_plus_a_bias_over_rows(name):
+    """forward_bias(x…, b…) = op(x + b), b [F] broadcast over rows; backward_bias gives the
+    inputs' gradients and the biases' (summed over rows), as torch's broadcast does."""
+    mod = module(name)
+    rng = np.random.default_rng(4)
+    xs = [rng.uniform(-3, 3, (4, 3, 10)) for _ in mod.INPUTS]
+    bs = [rng.uniform(-1, 1, 10) for _ in mod.INPUTS]
+    douts = [rng.uniform(-1, 1, (4, 3, 10)) for _ in mod.OUTPUTS]
+    k = len(xs)
+    want_out, want_grads = autograd(lambda *a: POINTWISE[name](*(x + b for x, b in
+                                                                 zip(a[:k], a[k:]))),
+                                    xs + bs, douts)
+    assert_matches(f"{name} bias", as_tuple(mod.forward_bias(*xs, *bs)),
+                   as_tuple(mod.backward_bias(*xs, *bs, *douts)), want_out, want_grads)
+
+
 @pytest.mark.parametrize("n", [1, 5, 300])
 def test_cross_entropy_matches_torch(n):
     mod = module("cross_entropy")

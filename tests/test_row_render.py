@@ -17,6 +17,7 @@ from eulergen.generator import plan as planner
 from eulergen.generator.derive import derive
 from eulergen.generator.render import render_op
 from eulergen.generator.spec import load_spec
+from eulergen.kinds import fused_stage
 from eulergen.runtime.compile import op_options
 from eulergen.runtime.manifest import load_manifest
 
@@ -180,8 +181,9 @@ def center_sweeps(tmp_path_factory) -> list[tuple[str, str]]:
     path.write_text(CENTER)
     sweeps = _sweeps(render_op(*planned(derive(load_spec(path))), "header").source)
     kinds = [k for k, _ in sweeps]
-    # forward, backward, and the split backward's rows kernel (plan.WGRAD_SPLIT_COLS)
-    assert kinds.count("pass") >= 3 and kinds.count("per element") == 3, kinds
+    # forward, backward, and the split backward's rows kernel (plan.WGRAD_SPLIT_COLS); then
+    # the same three of its `add` fusion (generator/fuse.py)
+    assert kinds.count("pass") >= 6 and kinds.count("per element") == 6, kinds
     return sweeps
 
 
@@ -239,6 +241,8 @@ def test_rows_held_in_registers_take_the_two_pass_impl_and_long_block_rows_the_o
         assert online == (isinstance(k.geometry, launch.BlockPerRow) and op != "layernorm"), name
     stages = ["forward"] + ([] if op == "layernorm" else ["backward"]) + (
         ["fwdbwd"] if op == "cross_entropy" else [])
+    if op != "cross_entropy":   # a norm-shaped op: its `add` fusion's stages too
+        stages += [fused_stage(s, "add") for s in stages]
     assert held == {(s, dt) for s in stages for dt in planner.HELD_SLOTS}
 
 

@@ -140,3 +140,249 @@ extern "C" __global__ void __launch_bounds__(256) geglu_backward_bf16(
     __nv_bfloat16* db, long long n) {
   geglu_backward<__nv_bfloat16, 256, 4>(a, b, dy, da, db, n);
 }
+
+// forward_bias: y from a, b, _bias_a, _bias_b
+// The bias variant: [rows_, cols_] operands, each bias [cols_] broadcast over rows. A thread
+// owns V adjacent columns, its columns of each bias in registers, and takes rows
+// blockIdx.y, blockIdx.y + gridDim.y, …, ROWS at a time, all loaded before any is computed.
+// ALIGNED: 16-byte access throughout (whole vectors a row, aligned bases: the runtime
+// launches it for those only), else element by element.
+template <typename T, int ROWS, bool ALIGNED>
+__device__ __forceinline__ void geglu_forward_bias(const T* a_ptr, const T* b_ptr, const T* _bias_a_ptr, const T* _bias_b_ptr, T* y_ptr, long long rows_, int cols_) {
+  constexpr int V = EgVec<T>::N;
+  if (ALIGNED && (cols_ % V != 0 || (reinterpret_cast<unsigned long long>(a_ptr) | reinterpret_cast<unsigned long long>(b_ptr) | reinterpret_cast<unsigned long long>(_bias_a_ptr) | reinterpret_cast<unsigned long long>(_bias_b_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 != 0)) __trap();
+  const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  if (c0_ >= cols_) return;
+  const int n_ = min(V, cols_ - c0_);
+  float _bias_a_v[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) _bias_a_v[e_] = e_ < n_ ? eg_load(_bias_a_ptr, c0_ + e_) : 0.0f;
+  float _bias_b_v[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) _bias_b_v[e_] = e_ < n_ ? eg_load(_bias_b_ptr, c0_ + e_) : 0.0f;
+  for (long long r0_ = blockIdx.y; r0_ < rows_; r0_ += (long long)ROWS * gridDim.y) {
+    uint4 a_r[ROWS];
+    uint4 b_r[ROWS];
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (ALIGNED && row_ < rows_) {
+        a_r[b_] = eg_load_raw(a_ptr, row_ * cols_ + c0_);
+        b_r[b_] = eg_load_raw(b_ptr, row_ * cols_ + c0_);
+      }
+    }
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (row_ >= rows_) break;
+      const long long at_ = row_ * cols_ + c0_;
+      float a_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(a_r[b_], a_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) a_v[e_] = e_ < n_ ? eg_load(a_ptr, at_ + e_) : 0.0f;
+      }
+      float b_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(b_r[b_], b_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) b_v[e_] = e_ < n_ ? eg_load(b_ptr, at_ + e_) : 0.0f;
+      }
+      float y_v[V];
+#pragma unroll
+      for (int e_ = 0; e_ < V; ++e_) {
+        const float a = a_v[e_];
+        const float b = b_v[e_];
+        const float _bias_a = _bias_a_v[e_];
+        const float _bias_b = _bias_b_v[e_];
+        const float y = 0.5f*(tanhf(0.7978845608028654f*(_bias_a + a + 0.044715f*(_bias_a + a)*(_bias_a + a)*(_bias_a + a))) + 1.0f)*(_bias_a + a)*(_bias_b + b);
+        y_v[e_] = y;
+      }
+      if (ALIGNED) {
+        eg_store_vec(y_ptr, at_, y_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_)
+          if (e_ < n_) eg_store(y_ptr, at_ + e_, y_v[e_]);
+      }
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_forward_bias_f32(
+    const float* a, const float* b, const float* _bias_a, const float* _bias_b, float* y,
+    long long rows, int cols) {
+  geglu_forward_bias<float, 4, true>(a, b, _bias_a, _bias_b, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_forward_bias_unaligned_f32(
+    const float* a, const float* b, const float* _bias_a, const float* _bias_b, float* y,
+    long long rows, int cols) {
+  geglu_forward_bias<float, 4, false>(a, b, _bias_a, _bias_b, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_forward_bias_bf16(
+    const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* _bias_a,
+    const __nv_bfloat16* _bias_b, __nv_bfloat16* y, long long rows, int cols) {
+  geglu_forward_bias<__nv_bfloat16, 4, true>(a, b, _bias_a, _bias_b, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_forward_bias_unaligned_bf16(
+    const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* _bias_a,
+    const __nv_bfloat16* _bias_b, __nv_bfloat16* y, long long rows, int cols) {
+  geglu_forward_bias<__nv_bfloat16, 4, false>(a, b, _bias_a, _bias_b, y, rows, cols);
+}
+
+// backward_bias: da, db, d_bias_a, d_bias_b from a, b, _bias_a, _bias_b, dy
+// The bias variant: [rows_, cols_] operands, each bias [cols_] broadcast over rows. A thread
+// owns V adjacent columns, its columns of each bias in registers, and takes rows
+// blockIdx.y, blockIdx.y + gridDim.y, …, ROWS at a time, all loaded before any is computed.
+// ALIGNED: 16-byte access throughout (whole vectors a row, aligned bases: the runtime
+// launches it for those only), else element by element. Each bias
+// gradient's sums over those rows go to partial row blockIdx.y, which geglu_reduce_bias
+// adds in a fixed order.
+template <typename T, int ROWS, bool ALIGNED>
+__device__ __forceinline__ void geglu_backward_bias(const T* a_ptr, const T* b_ptr, const T* _bias_a_ptr, const T* _bias_b_ptr, const T* dy_ptr, T* da_ptr, T* db_ptr, float* d_bias_a_partials_ptr, float* d_bias_b_partials_ptr, long long rows_, int cols_) {
+  constexpr int V = EgVec<T>::N;
+  if (ALIGNED && (cols_ % V != 0 || (reinterpret_cast<unsigned long long>(a_ptr) | reinterpret_cast<unsigned long long>(b_ptr) | reinterpret_cast<unsigned long long>(_bias_a_ptr) | reinterpret_cast<unsigned long long>(_bias_b_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(da_ptr) | reinterpret_cast<unsigned long long>(db_ptr)) % 16 != 0)) __trap();
+  const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  if (c0_ >= cols_) return;
+  const int n_ = min(V, cols_ - c0_);
+  float _bias_a_v[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) _bias_a_v[e_] = e_ < n_ ? eg_load(_bias_a_ptr, c0_ + e_) : 0.0f;
+  float _bias_b_v[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) _bias_b_v[e_] = e_ < n_ ? eg_load(_bias_b_ptr, c0_ + e_) : 0.0f;
+  float d_bias_a_acc[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) d_bias_a_acc[e_] = 0.0f;
+  float d_bias_b_acc[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) d_bias_b_acc[e_] = 0.0f;
+  for (long long r0_ = blockIdx.y; r0_ < rows_; r0_ += (long long)ROWS * gridDim.y) {
+    uint4 a_r[ROWS];
+    uint4 b_r[ROWS];
+    uint4 dy_r[ROWS];
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (ALIGNED && row_ < rows_) {
+        a_r[b_] = eg_load_raw(a_ptr, row_ * cols_ + c0_);
+        b_r[b_] = eg_load_raw(b_ptr, row_ * cols_ + c0_);
+        dy_r[b_] = eg_load_raw(dy_ptr, row_ * cols_ + c0_);
+      }
+    }
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (row_ >= rows_) break;
+      const long long at_ = row_ * cols_ + c0_;
+      float a_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(a_r[b_], a_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) a_v[e_] = e_ < n_ ? eg_load(a_ptr, at_ + e_) : 0.0f;
+      }
+      float b_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(b_r[b_], b_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) b_v[e_] = e_ < n_ ? eg_load(b_ptr, at_ + e_) : 0.0f;
+      }
+      float dy_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(dy_r[b_], dy_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) dy_v[e_] = e_ < n_ ? eg_load(dy_ptr, at_ + e_) : 0.0f;
+      }
+      float da_v[V];
+      float db_v[V];
+#pragma unroll
+      for (int e_ = 0; e_ < V; ++e_) {
+        const float a = a_v[e_];
+        const float b = b_v[e_];
+        const float _bias_a = _bias_a_v[e_];
+        const float _bias_b = _bias_b_v[e_];
+        const float dy = dy_v[e_];
+        const float t0 = tanhf(0.7978845608028654f*(_bias_a + a + 0.044715f*(_bias_a + a)*(_bias_a + a)*(_bias_a + a)));
+        const float t1 = 0.5f*t0 + 0.5f;
+        const float da = dy*(t1*(_bias_b + b) + 0.3989422804014327f*(1.0f - t0*t0)*(0.134145f*(_bias_a + a)*(_bias_a + a) + 1.0f)*(_bias_a + a)*(_bias_b + b));
+        const float db = dy*t1*(_bias_a + a);
+        const float d_bias_a = da;
+        const float d_bias_b = db;
+        da_v[e_] = da;
+        db_v[e_] = db;
+        if (e_ < n_) d_bias_a_acc[e_] += d_bias_a;
+        if (e_ < n_) d_bias_b_acc[e_] += d_bias_b;
+      }
+      if (ALIGNED) {
+        eg_store_vec(da_ptr, at_, da_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_)
+          if (e_ < n_) eg_store(da_ptr, at_ + e_, da_v[e_]);
+      }
+      if (ALIGNED) {
+        eg_store_vec(db_ptr, at_, db_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_)
+          if (e_ < n_) eg_store(db_ptr, at_ + e_, db_v[e_]);
+      }
+    }
+  }
+  // the workspace starts 16-byte aligned (runtime/cuda_ops.py, WORKSPACE_ALIGN)
+  float* d_bias_a_out = d_bias_a_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
+  if (ALIGNED) {
+    eg_store_n<V>(d_bias_a_out, 0, d_bias_a_acc);
+  } else {
+#pragma unroll
+    for (int e_ = 0; e_ < V; ++e_)
+      if (e_ < n_) d_bias_a_out[e_] = d_bias_a_acc[e_];
+  }
+  // the workspace starts 16-byte aligned (runtime/cuda_ops.py, WORKSPACE_ALIGN)
+  float* d_bias_b_out = d_bias_b_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
+  if (ALIGNED) {
+    eg_store_n<V>(d_bias_b_out, 0, d_bias_b_acc);
+  } else {
+#pragma unroll
+    for (int e_ = 0; e_ < V; ++e_)
+      if (e_ < n_) d_bias_b_out[e_] = d_bias_b_acc[e_];
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_backward_bias_f32(
+    const float* a, const float* b, const float* _bias_a, const float* _bias_b, const float* dy,
+    float* da, float* db, float* d_bias_a_partials, float* d_bias_b_partials, long long rows,
+    int cols) {
+  geglu_backward_bias<float, 4, true>(a, b, _bias_a, _bias_b, dy, da, db, d_bias_a_partials, d_bias_b_partials, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_backward_bias_unaligned_f32(
+    const float* a, const float* b, const float* _bias_a, const float* _bias_b, const float* dy,
+    float* da, float* db, float* d_bias_a_partials, float* d_bias_b_partials, long long rows,
+    int cols) {
+  geglu_backward_bias<float, 4, false>(a, b, _bias_a, _bias_b, dy, da, db, d_bias_a_partials, d_bias_b_partials, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_backward_bias_bf16(
+    const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* _bias_a,
+    const __nv_bfloat16* _bias_b, const __nv_bfloat16* dy, __nv_bfloat16* da, __nv_bfloat16* db,
+    float* d_bias_a_partials, float* d_bias_b_partials, long long rows, int cols) {
+  geglu_backward_bias<__nv_bfloat16, 4, true>(a, b, _bias_a, _bias_b, dy, da, db, d_bias_a_partials, d_bias_b_partials, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) geglu_backward_bias_unaligned_bf16(
+    const __nv_bfloat16* a, const __nv_bfloat16* b, const __nv_bfloat16* _bias_a,
+    const __nv_bfloat16* _bias_b, const __nv_bfloat16* dy, __nv_bfloat16* da, __nv_bfloat16* db,
+    float* d_bias_a_partials, float* d_bias_b_partials, long long rows, int cols) {
+  geglu_backward_bias<__nv_bfloat16, 4, false>(a, b, _bias_a, _bias_b, dy, da, db, d_bias_a_partials, d_bias_b_partials, rows, cols);
+}
+
+// The fixed-order sum of the backward's partial rows of a bias gradient.
+extern "C" __global__ void __launch_bounds__(1024) geglu_reduce_bias_f32(
+    const float* partials, float* dw, int num_partials, int cols, int accumulate) {
+  eg_reduce_partials<float, 8, 128>(partials, dw, num_partials, cols, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(1024) geglu_reduce_bias_bf16(
+    const float* partials, __nv_bfloat16* dw, int num_partials, int cols, int accumulate) {
+  eg_reduce_partials<__nv_bfloat16, 8, 128>(partials, dw, num_partials, cols, accumulate);
+}

@@ -121,3 +121,191 @@ extern "C" __global__ void __launch_bounds__(256) gelu_erf_backward_bf16(
     const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long n) {
   gelu_erf_backward<__nv_bfloat16, 256, 4>(x, dy, dx, n);
 }
+
+// forward_bias: y from x, _bias_x
+// The bias variant: [rows_, cols_] operands, each bias [cols_] broadcast over rows. A thread
+// owns V adjacent columns, its columns of each bias in registers, and takes rows
+// blockIdx.y, blockIdx.y + gridDim.y, …, ROWS at a time, all loaded before any is computed.
+// ALIGNED: 16-byte access throughout (whole vectors a row, aligned bases: the runtime
+// launches it for those only), else element by element.
+template <typename T, int ROWS, bool ALIGNED>
+__device__ __forceinline__ void gelu_erf_forward_bias(const T* x_ptr, const T* _bias_x_ptr, T* y_ptr, long long rows_, int cols_) {
+  constexpr int V = EgVec<T>::N;
+  if (ALIGNED && (cols_ % V != 0 || (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(_bias_x_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 != 0)) __trap();
+  const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  if (c0_ >= cols_) return;
+  const int n_ = min(V, cols_ - c0_);
+  float _bias_x_v[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) _bias_x_v[e_] = e_ < n_ ? eg_load(_bias_x_ptr, c0_ + e_) : 0.0f;
+  for (long long r0_ = blockIdx.y; r0_ < rows_; r0_ += (long long)ROWS * gridDim.y) {
+    uint4 x_r[ROWS];
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (ALIGNED && row_ < rows_) {
+        x_r[b_] = eg_load_raw(x_ptr, row_ * cols_ + c0_);
+      }
+    }
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (row_ >= rows_) break;
+      const long long at_ = row_ * cols_ + c0_;
+      float x_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(x_r[b_], x_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) x_v[e_] = e_ < n_ ? eg_load(x_ptr, at_ + e_) : 0.0f;
+      }
+      float y_v[V];
+#pragma unroll
+      for (int e_ = 0; e_ < V; ++e_) {
+        const float x = x_v[e_];
+        const float _bias_x = _bias_x_v[e_];
+        const float t0 = 0.5f*_bias_x + 0.5f*x;
+        const float y = t0*(erff(1.4142135623730951f*t0) + 1.0f);
+        y_v[e_] = y;
+      }
+      if (ALIGNED) {
+        eg_store_vec(y_ptr, at_, y_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_)
+          if (e_ < n_) eg_store(y_ptr, at_ + e_, y_v[e_]);
+      }
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_forward_bias_f32(
+    const float* x, const float* _bias_x, float* y, long long rows, int cols) {
+  gelu_erf_forward_bias<float, 4, true>(x, _bias_x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_forward_bias_unaligned_f32(
+    const float* x, const float* _bias_x, float* y, long long rows, int cols) {
+  gelu_erf_forward_bias<float, 4, false>(x, _bias_x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_forward_bias_bf16(
+    const __nv_bfloat16* x, const __nv_bfloat16* _bias_x, __nv_bfloat16* y, long long rows,
+    int cols) {
+  gelu_erf_forward_bias<__nv_bfloat16, 4, true>(x, _bias_x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_forward_bias_unaligned_bf16(
+    const __nv_bfloat16* x, const __nv_bfloat16* _bias_x, __nv_bfloat16* y, long long rows,
+    int cols) {
+  gelu_erf_forward_bias<__nv_bfloat16, 4, false>(x, _bias_x, y, rows, cols);
+}
+
+// backward_bias: dx, d_bias_x from x, _bias_x, dy
+// The bias variant: [rows_, cols_] operands, each bias [cols_] broadcast over rows. A thread
+// owns V adjacent columns, its columns of each bias in registers, and takes rows
+// blockIdx.y, blockIdx.y + gridDim.y, …, ROWS at a time, all loaded before any is computed.
+// ALIGNED: 16-byte access throughout (whole vectors a row, aligned bases: the runtime
+// launches it for those only), else element by element. Each bias
+// gradient's sums over those rows go to partial row blockIdx.y, which gelu_erf_reduce_bias
+// adds in a fixed order.
+template <typename T, int ROWS, bool ALIGNED>
+__device__ __forceinline__ void gelu_erf_backward_bias(const T* x_ptr, const T* _bias_x_ptr, const T* dy_ptr, T* dx_ptr, float* d_bias_x_partials_ptr, long long rows_, int cols_) {
+  constexpr int V = EgVec<T>::N;
+  if (ALIGNED && (cols_ % V != 0 || (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(_bias_x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr)) % 16 != 0)) __trap();
+  const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  if (c0_ >= cols_) return;
+  const int n_ = min(V, cols_ - c0_);
+  float _bias_x_v[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) _bias_x_v[e_] = e_ < n_ ? eg_load(_bias_x_ptr, c0_ + e_) : 0.0f;
+  float d_bias_x_acc[V];
+#pragma unroll
+  for (int e_ = 0; e_ < V; ++e_) d_bias_x_acc[e_] = 0.0f;
+  for (long long r0_ = blockIdx.y; r0_ < rows_; r0_ += (long long)ROWS * gridDim.y) {
+    uint4 x_r[ROWS];
+    uint4 dy_r[ROWS];
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (ALIGNED && row_ < rows_) {
+        x_r[b_] = eg_load_raw(x_ptr, row_ * cols_ + c0_);
+        dy_r[b_] = eg_load_raw(dy_ptr, row_ * cols_ + c0_);
+      }
+    }
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (row_ >= rows_) break;
+      const long long at_ = row_ * cols_ + c0_;
+      float x_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(x_r[b_], x_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) x_v[e_] = e_ < n_ ? eg_load(x_ptr, at_ + e_) : 0.0f;
+      }
+      float dy_v[V];
+      if (ALIGNED) {
+        eg_unpack_vec<T>(dy_r[b_], dy_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_) dy_v[e_] = e_ < n_ ? eg_load(dy_ptr, at_ + e_) : 0.0f;
+      }
+      float dx_v[V];
+#pragma unroll
+      for (int e_ = 0; e_ < V; ++e_) {
+        const float x = x_v[e_];
+        const float _bias_x = _bias_x_v[e_];
+        const float dy = dy_v[e_];
+        const float t1 = 0.7071067811865476f*(_bias_x + x);
+        const float dx = dy*(0.5f*erff(t1) + 0.5641895835477563f*t1*expf(-0.5f*(_bias_x + x)*(_bias_x + x)) + 0.5f);
+        const float d_bias_x = dx;
+        dx_v[e_] = dx;
+        if (e_ < n_) d_bias_x_acc[e_] += d_bias_x;
+      }
+      if (ALIGNED) {
+        eg_store_vec(dx_ptr, at_, dx_v);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < V; ++e_)
+          if (e_ < n_) eg_store(dx_ptr, at_ + e_, dx_v[e_]);
+      }
+    }
+  }
+  // the workspace starts 16-byte aligned (runtime/cuda_ops.py, WORKSPACE_ALIGN)
+  float* d_bias_x_out = d_bias_x_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
+  if (ALIGNED) {
+    eg_store_n<V>(d_bias_x_out, 0, d_bias_x_acc);
+  } else {
+#pragma unroll
+    for (int e_ = 0; e_ < V; ++e_)
+      if (e_ < n_) d_bias_x_out[e_] = d_bias_x_acc[e_];
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_backward_bias_f32(
+    const float* x, const float* _bias_x, const float* dy, float* dx, float* d_bias_x_partials,
+    long long rows, int cols) {
+  gelu_erf_backward_bias<float, 4, true>(x, _bias_x, dy, dx, d_bias_x_partials, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_backward_bias_unaligned_f32(
+    const float* x, const float* _bias_x, const float* dy, float* dx, float* d_bias_x_partials,
+    long long rows, int cols) {
+  gelu_erf_backward_bias<float, 4, false>(x, _bias_x, dy, dx, d_bias_x_partials, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_backward_bias_bf16(
+    const __nv_bfloat16* x, const __nv_bfloat16* _bias_x, const __nv_bfloat16* dy,
+    __nv_bfloat16* dx, float* d_bias_x_partials, long long rows, int cols) {
+  gelu_erf_backward_bias<__nv_bfloat16, 4, true>(x, _bias_x, dy, dx, d_bias_x_partials, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) gelu_erf_backward_bias_unaligned_bf16(
+    const __nv_bfloat16* x, const __nv_bfloat16* _bias_x, const __nv_bfloat16* dy,
+    __nv_bfloat16* dx, float* d_bias_x_partials, long long rows, int cols) {
+  gelu_erf_backward_bias<__nv_bfloat16, 4, false>(x, _bias_x, dy, dx, d_bias_x_partials, rows, cols);
+}
+
+// The fixed-order sum of the backward's partial rows of a bias gradient.
+extern "C" __global__ void __launch_bounds__(1024) gelu_erf_reduce_bias_f32(
+    const float* partials, float* dw, int num_partials, int cols, int accumulate) {
+  eg_reduce_partials<float, 8, 128>(partials, dw, num_partials, cols, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(1024) gelu_erf_reduce_bias_bf16(
+    const float* partials, __nv_bfloat16* dw, int num_partials, int cols, int accumulate) {
+  eg_reduce_partials<__nv_bfloat16, 8, 128>(partials, dw, num_partials, cols, accumulate);
+}

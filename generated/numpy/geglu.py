@@ -43,3 +43,31 @@ def backward(a, b, dy):
     da = dy*(b*t1 + 0.3989422804014327*a*b*(1.0 - t0*t0)*(0.134145*a*a + 1.0))
     db = a*dy*t1
     return (_fresh(da, shape, dtype), _fresh(db, shape, dtype))
+
+
+def forward_bias(a, b, _bias_a, _bias_b):
+    a = np.asarray(a)
+    b = np.asarray(b)
+    _bias_a = np.asarray(_bias_a)
+    _bias_b = np.asarray(_bias_b)
+    shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape)
+    dtype = _dtype(a, b, _bias_a, _bias_b)
+    y = 0.5*(np.tanh(0.7978845608028654*(_bias_a + a + 0.044715*(_bias_a + a)**2*(_bias_a + a))) + 1.0)*(_bias_a + a)*(_bias_b + b)
+    return _fresh(y, shape, dtype)
+
+
+def backward_bias(a, b, _bias_a, _bias_b, dy):
+    a = np.asarray(a)
+    b = np.asarray(b)
+    _bias_a = np.asarray(_bias_a)
+    _bias_b = np.asarray(_bias_b)
+    dy = np.asarray(dy)
+    shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape, dy.shape)
+    dtype = _dtype(a, b, _bias_a, _bias_b, dy)
+    t0 = np.tanh(0.7978845608028654*(_bias_a + a + 0.044715*(_bias_a + a)**2*(_bias_a + a)))
+    t1 = 0.5*t0 + 0.5
+    da = dy*(t1*(_bias_b + b) + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*(_bias_a + a)**2 + 1.0)*(_bias_a + a)*(_bias_b + b))
+    db = dy*t1*(_bias_a + a)
+    d_bias_a = da
+    d_bias_b = db
+    return (_fresh(da, shape, dtype), _fresh(db, shape, dtype), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype))

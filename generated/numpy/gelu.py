@@ -39,3 +39,24 @@ def backward(x, dy):
     t0 = np.tanh(0.7978845608028654*(x + 0.044715*x*x*x))
     dx = dy*(0.5*t0 + 0.3989422804014327*x*(1.0 - t0*t0)*(0.134145*x*x + 1.0) + 0.5)
     return _fresh(dx, shape, dtype)
+
+
+def forward_bias(x, _bias_x):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape)
+    dtype = _dtype(x, _bias_x)
+    y = 0.5*(np.tanh(0.7978845608028654*(_bias_x + x + 0.044715*(_bias_x + x)**2*(_bias_x + x))) + 1.0)*(_bias_x + x)
+    return _fresh(y, shape, dtype)
+
+
+def backward_bias(x, _bias_x, dy):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    dy = np.asarray(dy)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
+    dtype = _dtype(x, _bias_x, dy)
+    t0 = np.tanh(0.7978845608028654*(_bias_x + x + 0.044715*(_bias_x + x)**2*(_bias_x + x)))
+    dx = dy*(0.5*t0 + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*(_bias_x + x)**2 + 1.0)*(_bias_x + x) + 0.5)
+    d_bias_x = dx
+    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype))

@@ -48,3 +48,25 @@ def backward(x, dy):
     t1 = 0.7071067811865476*x
     dx = dy*(0.5*_erf(t1) + 0.5641895835477563*t1*np.exp(-0.5*x*x) + 0.5)
     return _fresh(dx, shape, dtype)
+
+
+def forward_bias(x, _bias_x):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape)
+    dtype = _dtype(x, _bias_x)
+    t0 = 0.5*_bias_x + 0.5*x
+    y = t0*(_erf(1.4142135623730951*t0) + 1.0)
+    return _fresh(y, shape, dtype)
+
+
+def backward_bias(x, _bias_x, dy):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    dy = np.asarray(dy)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
+    dtype = _dtype(x, _bias_x, dy)
+    t1 = 0.7071067811865476*(_bias_x + x)
+    dx = dy*(0.5*_erf(t1) + 0.5641895835477563*t1*np.exp(-0.5*(_bias_x + x)**2) + 0.5)
+    d_bias_x = dx
+    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype))

@@ -75,3 +75,51 @@ def backward(x, w, b, dy, *, eps=1e-05):
     dw = t3*(x - mu)
     db = dy
     return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+
+
+def forward_add(x, _branch, w, b, *, eps=1e-05):
+    x = np.asarray(x)
+    _branch = np.asarray(_branch)
+    w = np.asarray(w)
+    b = np.asarray(b)
+    shape = x.shape
+    N = shape[-1]
+    i = np.arange(N)
+    dtype = _dtype(x, _branch, w, b)
+    mu = _branch + x
+    mu = _reduce('mean', mu, shape)
+    var = (_branch + x - mu)**2
+    var = _reduce('mean', var, shape)
+    _stream = _branch + x
+    y = b + w*(_branch + x - mu)/np.sqrt(eps + var)
+    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+
+
+def backward_add(x, w, b, dy, d_stream, *, eps=1e-05):
+    x = np.asarray(x)
+    w = np.asarray(w)
+    b = np.asarray(b)
+    shape = x.shape
+    N = shape[-1]
+    i = np.arange(N)
+    dtype = _dtype(x, w, b)
+    dy = np.asarray(dy)
+    d_stream = np.asarray(d_stream)
+    mu = x
+    mu = _reduce('mean', mu, shape)
+    var = (x - mu)**2
+    var = _reduce('mean', var, shape)
+    t0 = dy*w
+    sum_dvar = t0*(x - mu)
+    sum_dmu = t0
+    sum_dvar = _reduce('sum', sum_dvar, shape)
+    sum_dmu = _reduce('sum', sum_dmu, shape)
+    t1 = eps + var
+    dmu = -sum_dmu/np.sqrt(t1)
+    dvar = -0.5*sum_dvar*1.0/(t1*np.sqrt(t1))
+    t2 = 1.0/N
+    t3 = dy/np.sqrt(eps + var)
+    dx = d_stream + dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
+    dw = t3*(x - mu)
+    db = dy
+    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype))

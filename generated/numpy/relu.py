@@ -38,3 +38,23 @@ def backward(x, dy):
     dtype = _dtype(x, dy)
     dx = dy*np.heaviside(x, 0.0)
     return _fresh(dx, shape, dtype)
+
+
+def forward_bias(x, _bias_x):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape)
+    dtype = _dtype(x, _bias_x)
+    y = np.maximum(_bias_x + x, 0.0)
+    return _fresh(y, shape, dtype)
+
+
+def backward_bias(x, _bias_x, dy):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    dy = np.asarray(dy)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
+    dtype = _dtype(x, _bias_x, dy)
+    dx = dy*np.heaviside(_bias_x + x, 0.0)
+    d_bias_x = dx
+    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype))

@@ -62,3 +62,38 @@ def backward(x, w, dy, *, eps=1e-05):
     dx = t0*w + 2.0*dms*x/N
     dw = t0*x
     return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+
+
+def forward_add(x, _branch, w, *, eps=1e-05):
+    x = np.asarray(x)
+    _branch = np.asarray(_branch)
+    w = np.asarray(w)
+    shape = x.shape
+    N = shape[-1]
+    i = np.arange(N)
+    dtype = _dtype(x, _branch, w)
+    ms = (_branch + x)**2
+    ms = _reduce('mean', ms, shape)
+    _stream = _branch + x
+    y = w*(_branch + x)/np.sqrt(eps + ms)
+    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+
+
+def backward_add(x, w, dy, d_stream, *, eps=1e-05):
+    x = np.asarray(x)
+    w = np.asarray(w)
+    shape = x.shape
+    N = shape[-1]
+    i = np.arange(N)
+    dtype = _dtype(x, w)
+    dy = np.asarray(dy)
+    d_stream = np.asarray(d_stream)
+    ms = x*x
+    ms = _reduce('mean', ms, shape)
+    sum_dms = dy*w*x
+    sum_dms = _reduce('sum', sum_dms, shape)
+    dms = -0.5*sum_dms*1.0/((eps + ms)*np.sqrt(eps + ms))
+    t0 = dy/np.sqrt(eps + ms)
+    dx = d_stream + t0*w + 2.0*dms*x/N
+    dw = t0*x
+    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype))

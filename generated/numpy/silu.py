@@ -44,3 +44,24 @@ def backward(x, dy):
     t0 = _sigmoid(x)
     dx = dy*(t0 + t0*x*(1.0 - t0))
     return _fresh(dx, shape, dtype)
+
+
+def forward_bias(x, _bias_x):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape)
+    dtype = _dtype(x, _bias_x)
+    y = (_bias_x + x)*_sigmoid(_bias_x + x)
+    return _fresh(y, shape, dtype)
+
+
+def backward_bias(x, _bias_x, dy):
+    x = np.asarray(x)
+    _bias_x = np.asarray(_bias_x)
+    dy = np.asarray(dy)
+    shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
+    dtype = _dtype(x, _bias_x, dy)
+    t0 = _sigmoid(_bias_x + x)
+    dx = dy*(t0 + t0*(1.0 - t0)*(_bias_x + x))
+    d_bias_x = dx
+    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype))

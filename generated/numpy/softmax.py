@@ -63,3 +63,39 @@ def backward(x, dy):
     t0 = np.exp(x - m)
     dx = dz*t0 + dy*t0/z
     return _fresh(dx, shape, dtype)
+
+
+def forward_add(x, _branch):
+    x = np.asarray(x)
+    _branch = np.asarray(_branch)
+    shape = x.shape
+    N = shape[-1]
+    i = np.arange(N)
+    dtype = _dtype(x, _branch)
+    m = _branch + x
+    m = _reduce('max', m, shape)
+    z = np.exp(_branch + x - m)
+    z = _reduce('sum', z, shape)
+    _stream = _branch + x
+    y = np.exp(_branch + x - m)/z
+    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+
+
+def backward_add(x, dy, d_stream):
+    x = np.asarray(x)
+    shape = x.shape
+    N = shape[-1]
+    i = np.arange(N)
+    dtype = _dtype(x)
+    dy = np.asarray(dy)
+    d_stream = np.asarray(d_stream)
+    m = x
+    m = _reduce('max', m, shape)
+    z = np.exp(x - m)
+    z = _reduce('sum', z, shape)
+    sum_dz = dy*np.exp(x - m)
+    sum_dz = _reduce('sum', sum_dz, shape)
+    dz = -sum_dz/(z*z)
+    t0 = np.exp(x - m)
+    dx = d_stream + dz*t0 + dy*t0/z
+    return _fresh(dx, shape, dtype)

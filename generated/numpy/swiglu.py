@@ -48,3 +48,31 @@ def backward(a, b, dy):
     da = dy*(t1 + a*t1*(1.0 - t0))
     db = a*dy*t0
     return (_fresh(da, shape, dtype), _fresh(db, shape, dtype))
+
+
+def forward_bias(a, b, _bias_a, _bias_b):
+    a = np.asarray(a)
+    b = np.asarray(b)
+    _bias_a = np.asarray(_bias_a)
+    _bias_b = np.asarray(_bias_b)
+    shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape)
+    dtype = _dtype(a, b, _bias_a, _bias_b)
+    y = (_bias_a + a)*(_bias_b + b)*_sigmoid(_bias_a + a)
+    return _fresh(y, shape, dtype)
+
+
+def backward_bias(a, b, _bias_a, _bias_b, dy):
+    a = np.asarray(a)
+    b = np.asarray(b)
+    _bias_a = np.asarray(_bias_a)
+    _bias_b = np.asarray(_bias_b)
+    dy = np.asarray(dy)
+    shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape, dy.shape)
+    dtype = _dtype(a, b, _bias_a, _bias_b, dy)
+    t0 = _sigmoid(_bias_a + a)
+    t1 = t0*(_bias_b + b)
+    da = dy*(t1 + t1*(1.0 - t0)*(_bias_a + a))
+    db = dy*t0*(_bias_a + a)
+    d_bias_a = da
+    d_bias_b = db
+    return (_fresh(da, shape, dtype), _fresh(db, shape, dtype), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype))

@@ -26,6 +26,9 @@ STRUCTURES = {
              "model.num_kv_heads=2"],
     "nanoeuler": ["model.preset=nanoeuler", "model.hidden_dim=256", "model.num_heads=4",
                   "model.num_kv_heads=2"],
+    # gated with biases: the activation adds each half of c_fc's bias in its own kernel
+    "nanoeuler+bias": ["model.preset=nanoeuler", "model.hidden_dim=256", "model.num_heads=4",
+                       "model.num_kv_heads=2", "model.bias=true"],
 }
 COMMON = ["model.num_layers=2", "model.vocab_size=300", "model.max_seq_len=128",
           "model.mlp_hidden=320", "training.seq_len=128", "training.batch_size=2"]

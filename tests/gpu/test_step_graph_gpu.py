@@ -95,3 +95,24 @@ def test_an_allocation_while_capturing_is_refused(libs, cp):
     stepper.update = allocating
     with pytest.raises(EulerError, match="allocation while capturing the training step"):
         stepper.launch(2, [(np.zeros((2, 128), np.int64),) * 2], 1e-3)
+
+
+def test_garbage_the_collector_finds_while_capturing_cannot_invalidate_the_capture(cp):
+    """A cuBLAS handle left in a reference cycle (an earlier run's) is destroyed when the
+    cyclic collector runs, and cublasDestroy synchronizes the device: inside a capture that
+    invalidates it. cuda_graph.capture collects before and not during."""
+    from eulergen.runtime.cublas import Cublas
+    from eulergen.runtime.cuda_graph import capture
+    x = cp.zeros(1 << 16, cp.float32)
+    x += 1   # compiled and loaded before any capture
+
+    def work():
+        for _ in range(3):
+            x.__iadd__(1)
+            _ = [[] for _ in range(5000)]   # new containers enough to set the collector off
+    for _ in range(3):
+        cycle = [Cublas()]
+        cycle.append(cycle)
+        del cycle
+        capture(cp.cuda.Stream(non_blocking=True), work).launch()
+    assert float(x[0]) == 10
