@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 
 
 class EulerError(Exception):
@@ -21,6 +22,17 @@ class EulerError(Exception):
             where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
         key = f"{self.key}: " if self.key else ""
         return f"{where}{key}{self.message}"
+
+
+@dataclass(frozen=True)
+class Where:
+    """A place in a user's file, for errors: file, YAML line, key path."""
+    file: str
+    line: int
+    key: str
+
+    def error(self, message: str) -> EulerError:
+        return EulerError(message, file=self.file, line=self.line, key=self.key)
 
 
 def suggest(word, options, what: str = "") -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.files import write_atomic
-from eulergen.generator import ir
+from eulergen.generator import ir, ops_path
 from eulergen.kinds import KINDS
 
 FORMAT = 2
@@ -68,8 +68,12 @@ class Output:
     files: dict[str, bytes] = field(default_factory=dict)   # relative path -> bytes
     ops: dict[str, dict] = field(default_factory=dict)      # op name -> manifest entry
 
+    common_key: str = ""
+
     def manifest_bytes(self) -> bytes:
         data = {"format": FORMAT, "generator": __version__, "common": f"cuda/{COMMON}",
+                "common_key": self.common_key,
+                "common_sha256": _sha(self.files[f"cuda/{COMMON}"]),
                 "ops": {name: self.ops[name] for name in sorted(self.ops)}}
         return (json.dumps(data, indent=1) + "\n").encode()
 
@@ -143,7 +147,7 @@ def _render_op(derived: ir.DerivedOp, key: str) -> tuple[dict, dict[str, bytes]]
     return entry, {entry["cuda"]: cuda, entry["numpy"]: py}
 
 
-def _render_embedding() -> tuple[dict, dict[str, bytes]]:
+def _render_embedding(key: str) -> tuple[dict, dict[str, bytes]]:
     from eulergen.generator import emit, plan_ops, render
     src = TEMPLATES_DIR / "embedding.cu.j2"
     sha = _sha(src.read_bytes())
@@ -158,16 +162,27 @@ def _render_embedding() -> tuple[dict, dict[str, bytes]]:
         "outputs": [{"name": "out", "role": "row", "differentiable": True}],
         "params": {}, "numpy": None, "cuda": "cuda/embedding.cu", "cuda_sha256": _sha(cuda),
         "template": "templates/embedding.cu.j2",
-        "kernels": _kernels(rendered),
+        "kernels": _kernels(rendered), "build_key": key,
     }
     return entry, {entry["cuda"]: cuda}
 
 
 def _previous(root: Path) -> dict:
+    """The manifest `root` holds, or {} (none, unreadable)."""
     try:
-        return json.loads((root / "manifest.json").read_text()).get("ops", {})
+        data = json.loads((root / "manifest.json").read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _template_key(fingerprint: str, *templates: str) -> str:
+    """The build key of what renders from templates alone (the common header, the
+    embedding), so that an unchanged build need not render them (nor import sympy)."""
+    h = hashlib.sha256(fingerprint.encode())
+    for name in templates:
+        h.update(name.encode() + b"\0" + (TEMPLATES_DIR / name).read_bytes())
+    return h.hexdigest()
 
 
 def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None:
@@ -192,11 +207,13 @@ def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | Non
 def plan_build(root: Path, specs: dict[str, Path], *, embedding: bool, force: bool = False,
                log=None) -> Output:
     """Everything `root` should hold for these specs (name -> spec path)."""
-    from eulergen.generator import derive, spec as spec_mod
-    out = Output(root)
-    out.files[f"cuda/{COMMON}"] = _common_bytes()
-    prev = {} if force else _previous(root)
+    prev_manifest = {} if force else _previous(root)
+    prev = prev_manifest.get("ops", {})
     fingerprint = generator_fingerprint()
+    out = Output(root, common_key=_template_key(fingerprint, "common.cuh.j2"))
+    common = _reusable({"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
+                        "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
+    out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
         path = specs[name]
         data = path.read_bytes()
@@ -208,12 +225,18 @@ def plan_build(root: Path, specs: dict[str, Path], *, embedding: bool, force: bo
             continue
         if log:
             log(f"deriving {name}")
+        from eulergen.generator import derive, spec as spec_mod   # sympy: only for a stale op
         derived = derive.derive(spec_mod.load_spec(path))
         entry, files = _render_op(derived, key)
         out.ops[name] = entry
         out.files.update(files)
     if embedding:
-        entry, files = _render_embedding()
+        key = _template_key(fingerprint, "common.cuh.j2", "embedding.cu.j2")
+        files = _reusable(prev.get("embedding"), key, root)
+        if files is None:
+            entry, files = _render_embedding(key)
+        else:
+            entry = prev["embedding"]
         out.ops["embedding"] = entry
         out.files.update(files)
     out.files["manifest.json"] = out.manifest_bytes()
@@ -278,15 +301,13 @@ def _is_builtin(path: Path) -> bool:
 
 def user_build_dir(ops_dirs=()) -> Path:
     """The build folder of the user ops on this search path: one per set of folders."""
-    from eulergen.generator import spec as spec_mod
-    folders = [str(p.resolve()) for p in spec_mod.ops_path(ops_dirs)[1:]]
+    folders = [str(p.resolve()) for p in ops_path.ops_path(ops_dirs)[1:]]
     return cache_dir() / "ops" / _sha("\0".join(folders).encode())[:16]
 
 
 def build_sets(ops_dirs=()) -> list[tuple[Path, dict[str, Path], bool]]:
     """(root, specs, with embedding) for generated/ and, when there are user ops, theirs."""
-    from eulergen.generator import spec as spec_mod
-    found = spec_mod.find_ops(ops_dirs)
+    found = ops_path.find_ops(ops_dirs)
     user = {n: p for n, p in found.items() if not _is_builtin(p)}
     # A user op with `override: true` wins at run time only (its manifest loads after the
     # built-in one): generated/ keeps the built-in op it replaces, files and manifest entry.

@@ -23,7 +23,8 @@ from eulergen.errors import EulerError, suggest
 from eulergen.generator.derive import derive
 from eulergen.generator.numeric import compile_exprs
 from eulergen.generator.numpy_module import load_module_from_source, render_numpy_module
-from eulergen.generator.spec import OpSpec, find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import OpSpec, load_spec
 
 EPS = 1e-5
 EXTREMES = (0.0, 1e-30, -1e-30, 1.0, -1.0, 80.0, -80.0, 1e4, -1e4)

@@ -13,9 +13,8 @@ import functools
 import numpy as np
 import sympy as sp
 
-from eulergen.errors import EulerError
+from eulergen.errors import EulerError, Where
 from eulergen.generator import ir
-from eulergen.generator.formula import Where
 from eulergen.generator.numeric import compile_exprs, random_inputs
 from eulergen.generator.spec import OpSpec, symbol
 

@@ -9,13 +9,12 @@ only where a condition is expected (inside where(), and in attention masks).
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import sympy as sp
 from sympy.codegen.cfunctions import log1p
 
-from eulergen.errors import EulerError, suggest
+from eulergen.errors import EulerError, Where, suggest
 from eulergen.generator.primitives import logsumexp, sigmoid, softplus
 
 # name → (sympy callable, least arguments, most arguments or None for any number)
@@ -61,17 +60,6 @@ _REJECTED = {
     ast.List: "lists", ast.Tuple: "tuples", ast.Dict: "dicts", ast.Set: "sets",
     ast.JoinedStr: "strings", ast.Await: "await", ast.Yield: "yield",
 }
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where a formula came from, for errors: file, YAML line, key path."""
-    file: str
-    line: int
-    key: str
-
-    def error(self, message: str) -> EulerError:
-        return EulerError(message, file=self.file, line=self.line, key=self.key)
 
 
 def number(value: int | float) -> sp.Expr:

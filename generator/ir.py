@@ -8,10 +8,12 @@ Templates never see sympy: printers turn `Code` into lines of CUDA or numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import sympy as sp
+from typing import TYPE_CHECKING
 
 from eulergen.launch import Geometry
+
+if TYPE_CHECKING:   # sympy costs 0.5-3 s to import: a run whose ops are built never needs it
+    import sympy as sp
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Code:
     def uses(self) -> frozenset[str]:
         """The free names the code reads: none of its temporaries, nor a result it
         reads after computing it."""
+        import sympy as sp
         defined = {a.name for a in self.temps}
         uses: set[str] = set()
         for a in self.temps + self.results:

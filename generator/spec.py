@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import keyword
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import sympy as sp
 
-from eulergen import OPS_DIR
-from eulergen.errors import EulerError, suggest
+from eulergen.errors import EulerError, Where, suggest
 from eulergen.generator import formula
-from eulergen.generator.formula import Where
 from eulergen.generator.ir import Location, Param
+from eulergen.generator.ops_path import find_ops
 from eulergen.generator.yaml_doc import YamlDoc
 from eulergen.kinds import SPEC_KINDS as KINDS
 _COMMON = {"name", "kind", "doc", "params", "let", "domain", "tolerance", "override", "fast_math"}
@@ -389,40 +387,6 @@ def _backward(doc: YamlDoc, data: dict, inputs, outputs, names: _Names):
         where = doc.where("backward", name)
         result.append(Formula("d" + name, formula.parse(text, table, where), where))
     return tuple(result)
-
-
-# The ops search path ----------------------------------------------------------------------
-
-def ops_path(ops_dirs=()) -> list[Path]:
-    """Built-in ops/, then EULERGEN_OPS_PATH entries, then --ops directories."""
-    env = [Path(p) for p in os.environ.get("EULERGEN_OPS_PATH", "").split(os.pathsep) if p]
-    return [OPS_DIR, *env, *(Path(d) for d in ops_dirs)]
-
-
-def find_ops(ops_dirs=()) -> dict[str, Path]:
-    """Every op on the search path by name. A user op may replace a built-in one only
-    when it says `override: true`; two user ops with one name is always an error."""
-    found: dict[str, Path] = {}
-    for n, folder in enumerate(ops_path(ops_dirs)):
-        if n > 0 and not folder.is_dir():
-            raise EulerError("ops directory does not exist", file=str(folder))
-        for path in sorted(folder.glob("*.yaml")):
-            name = path.stem
-            if name in found:
-                first = found[name]
-                builtin = first.parent.resolve() == OPS_DIR.resolve()
-                if not (builtin and _says_override(path)):
-                    raise EulerError(
-                        f"op '{name}' is already defined in {first}"
-                        + ("; add `override: true` to replace the built-in op" if builtin else ""),
-                        file=str(path), line=1, key="name")
-            found[name] = path
-    return found
-
-
-def _says_override(path: Path) -> bool:
-    data = YamlDoc(path).data
-    return data.get("override") is True
 
 
 def load_op(name: str, ops_dirs=()) -> OpSpec:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from eulergen.errors import EulerError
-from eulergen.generator.formula import Where
+from eulergen.errors import EulerError, Where
 from eulergen.userfiles import compose_yaml, construct_yaml, read_text
 
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from eulergen import OPS_DIR, launch
 from eulergen.cli import main
-from eulergen.generator import build, plan, render, spec
+from eulergen.generator import build, ops_path, plan, render, spec
 from eulergen.generator.derive import derive
 
 from rendering import planned
@@ -42,8 +42,8 @@ def generated(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def few_ops(monkeypatch):
     """Build a handful of built-in ops (one of each kind but attention), for speed."""
-    real = spec.find_ops
-    monkeypatch.setattr(spec, "find_ops",
+    real = ops_path.find_ops
+    monkeypatch.setattr(ops_path, "find_ops",
                         lambda ops_dirs=(): {n: p for n, p in real(ops_dirs).items()
                                              if n in FEW or p.parent != OPS_DIR})
 
@@ -82,6 +82,30 @@ def test_second_build_derives_nothing_and_writes_nothing(generated, few_ops):
     said = []
     build.run_build(echo=said.append)
     assert not any(s.startswith(("deriving", "new", "changed")) for s in said), said
+
+
+def test_a_run_whose_ops_are_built_never_imports_sympy():
+    """`eulergen train` on built ops: ensure_built hashes inputs and reads the manifest; the
+    common header and the embedding are reused by their keys, so nothing imports sympy
+    (seconds of start-up where its bytecode is not cached)."""
+    code = ("import sys\n"
+            "from eulergen.generator.build import ensure_built\n"
+            "ensure_built()\n"
+            "from eulergen.runtime.config import load_config\n"
+            "load_config(None, [])\n"
+            "print('sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_changed_embedding_template_renders_it_again(generated, few_ops, monkeypatch):
+    build.run_build(echo=lambda s: None)
+    entry = json.loads((generated / "manifest.json").read_text())["ops"]["embedding"]
+    monkeypatch.setattr(build, "_template_key", lambda *names: "another key")
+    out = build.plan_build(generated, {}, embedding=True)
+    assert out.ops["embedding"]["build_key"] == "another key" != entry["build_key"]
+    assert out.common_key == "another key"
 
 
 def test_check_fails_on_a_hand_edit_and_writes_nothing(generated, few_ops):
@@ -181,7 +205,7 @@ def test_row_op_has_its_layouts_fwdbwd_and_a_deterministic_weight_reduce():
 
 def test_templates_branch_on_plans_never_on_op_names():
     from eulergen import TEMPLATES_DIR
-    names = set(spec.find_ops())
+    names = set(ops_path.find_ops())
     for t in ("common.cuh.j2", "pointwise.cu.j2", "row.cu.j2", "pair.cu.j2", "update.cu.j2",
               "embedding.cu.j2"):
         text = (TEMPLATES_DIR / t).read_text()

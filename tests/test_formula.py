@@ -6,7 +6,8 @@ import pytest
 import sympy as sp
 
 from eulergen.errors import EulerError
-from eulergen.generator.formula import Where, parse, parse_reduction
+from eulergen.errors import Where
+from eulergen.generator.formula import parse, parse_reduction
 from eulergen.generator.primitives import logsumexp, sigmoid, softplus
 
 x, y = sp.Symbol("x", real=True), sp.Symbol("y", real=True)

@@ -14,7 +14,8 @@ from eulergen.generator.build import _fusions
 from eulergen.generator.derive import derive
 from eulergen.generator.numpy_module import load_module_from_source, render_numpy_module
 from eulergen.generator.plan_ops import plan_op
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 
 # a user's norm: no weights beside a gain, a reduction over the row, a parameter
 SCALENORM = """\

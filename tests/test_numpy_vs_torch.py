@@ -8,7 +8,8 @@ import pytest
 
 from eulergen.generator.derive import derive
 from eulergen.generator.numpy_module import load_module_from_source, render_numpy_module
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

@@ -10,7 +10,8 @@ import pytest
 from eulergen import GENERATED_DIR
 from eulergen.generator.derive import derive
 from eulergen.generator.render import _pair_kernel
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 from eulergen.launch import Pair
 from eulergen.runtime.manifest import load_manifest
 

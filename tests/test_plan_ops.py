@@ -10,7 +10,8 @@ import pytest
 from eulergen import GENERATED_DIR, launch
 from eulergen.generator import plan as planner, plan_ops
 from eulergen.generator.derive import derive
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 from eulergen.runtime.manifest import load_manifest
 
 MANIFEST = load_manifest(GENERATED_DIR / "manifest.json")

@@ -14,7 +14,8 @@ import pytest
 from eulergen.generator import ir
 from eulergen.generator.derive import derive
 from eulergen.generator.printer import numpy_helpers, numpy_imports, print_cuda, print_numpy
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 

@@ -10,7 +10,8 @@ from eulergen.generator import ir
 from eulergen.generator.derive import derive
 from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.printer import print_cuda
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 
 ROW_OPS = sorted(n for n, p in find_ops().items() if derive(load_spec(p)).kind == "row")
 

@@ -13,7 +13,8 @@ from eulergen.generator.derive import derive
 from eulergen.generator.plan_row import RowKernel, RowPlan, plan_row
 from eulergen.generator.render import render_op
 from eulergen.generator.row_schedule import Pick, RowCode, RowStats, Sweep
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 
 from rendering import planned
 

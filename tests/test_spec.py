@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 
 GOOD = """\
 name: myop

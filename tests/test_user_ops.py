@@ -14,7 +14,8 @@ from eulergen.cli import main
 from eulergen.generator.build import ensure_built, user_build_dir
 from eulergen.generator.derive import derive
 from eulergen.generator.numpy_module import load_module_from_source, render_numpy_module
-from eulergen.generator.spec import find_ops, load_spec
+from eulergen.generator.ops_path import find_ops
+from eulergen.generator.spec import load_spec
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.ops import OpLibrary
 from runs import first_loss
