@@ -117,8 +117,9 @@ def worker(args) -> None:
 def launch(args, world: int) -> list[dict]:
     """The world's processes; rank 0's results (a failed world: one error row)."""
     from eulergen.runtime.collective import free_port
+    from eulergen.runtime.nccl import ENV as NCCL_ENV
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "NCCL_NVLS_ENABLE": "0"}
+           "MASTER_PORT": str(free_port()), **NCCL_ENV}
     cmd = [sys.executable, __file__, "--worker", "--torch-port", str(free_port()),
            *(f"--{k}={v}" for k, v in (("preset", args.preset), ("batch", args.batch),
                                        ("seq", args.seq), ("dtype", args.dtype),

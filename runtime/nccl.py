@@ -12,6 +12,11 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.runtime.collective import CpuCollective, Rendezvous, select_gpu
 
+# What every process that may run NCCL has in its environment before NCCL initialises:
+# NVLink multicast off. Launchers put it in their ranks' environments; a rank started by
+# torchrun or srun sets it itself.
+ENV = {"NCCL_NVLS_ENABLE": "0"}
+
 
 class NcclCollective:
     """The GPU path: one NCCL communicator over CuPy arrays, on the current stream; the
@@ -25,7 +30,7 @@ class NcclCollective:
     WATCH_S = 0.1          # between looks at the other ranks' connections
 
     def __init__(self, rv: Rendezvous):
-        os.environ["NCCL_NVLS_ENABLE"] = "0"   # NVLink multicast off, before NCCL initialises
+        os.environ.update(ENV)
         import cupy
         from cupy.cuda import nccl
         select_gpu(rv)

@@ -11,6 +11,7 @@ import time
 
 from eulergen.errors import EulerError
 from eulergen.runtime.collective import collective_timeout, free_port
+from eulergen.runtime.nccl import ENV as NCCL_ENV
 
 POLL_S = 0.1
 
@@ -32,7 +33,7 @@ def run_workers(nproc: int, args: list[str]) -> int:
     status: 0, or the first failed rank's."""
     timeout = collective_timeout(os.environ)   # a bad value: one line, before any rank starts
     env = {**os.environ, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "NCCL_NVLS_ENABLE": "0"}
+           "MASTER_PORT": str(free_port()), **NCCL_ENV}
     procs = [subprocess.Popen([sys.executable, "-m", "eulergen", "train", *args],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(nproc)]

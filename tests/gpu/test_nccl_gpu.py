@@ -6,7 +6,6 @@ through NCCL (buckets overlapped with the backward, ZeRO-1, fp32 and bf16; captu
 the step's CUDA graphs and eager) against the single-process trainer."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -21,7 +20,6 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def nccl(cp):
     from eulergen.runtime.nccl import NcclCollective
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
     c = NcclCollective(Rendezvous(0, 1, 0, "127.0.0.1", free_port(), 60.0))
     yield c
     c.close()
