@@ -113,21 +113,23 @@ class CublasGemm:
     epilogues = False
     GEMM_DEFAULT = -1
 
-    def __init__(self, gemm_ex, handle, tf32: bool):
-        self.gemm_ex, self.handle, self.tf32 = gemm_ex, handle, tf32
+    def __init__(self, gemm_ex, tf32: bool):
+        """`gemm_ex(transb, transa, m, n, k, alpha, …, algo)`: cublasGemmEx on a handle
+        (runtime/cublas.py's Cublas.gemm_ex)."""
+        self.gemm_ex, self.tf32 = gemm_ex, tf32
 
     @classmethod
     def for_cupy(cls, tf32: bool, workspace=None, blas=None) -> CublasGemm:
         """On a cuBLAS handle of its own (`blas`, or a new one over `workspace`):
         runtime/cublas.py, callable while a stream captures."""
         from eulergen.runtime.cublas import Cublas
-        return cls(Cublas.gemm_ex, blas or Cublas(workspace), tf32)
+        return cls((blas or Cublas(workspace)).gemm_ex, tf32)
 
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
         m, n, k, kind, out_kind = operands(a, b, out, ta, tb)
         size = a.dtype.itemsize
         self.gemm_ex(
-            self.handle, OP_T if tb else OP_N, OP_T if ta else OP_N, n, m, k,
+            OP_T if tb else OP_N, OP_T if ta else OP_N, n, m, k,
             _ONE.ctypes.data, b.data.ptr, kind, b.strides[0] // size,
             a.data.ptr, kind, a.strides[0] // size,
             (_ONE if add else _ZERO).ctypes.data, out.data.ptr, out_kind,

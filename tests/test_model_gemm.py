@@ -43,7 +43,7 @@ def _column_major(ptr, rows, cols, ld, kind):
     return as_strided(buf, shape=(rows, cols), strides=(size, ld * size))
 
 
-def _gemm_ex(handle, ta, tb, m, n, k, alpha, A, a_type, lda, B, b_type, ldb, beta, C, c_type,
+def _gemm_ex(ta, tb, m, n, k, alpha, A, a_type, lda, B, b_type, ldb, beta, C, c_type,
              ldc, compute, algo):
     """C = alpha·op(A)·op(B) + beta·C, column-major, as cuBLAS defines it; bf16 operands
     are widened and the float32 result rounded once."""
@@ -75,7 +75,7 @@ def test_cublas_binding_computes_what_numpy_computes(ta, tb, add):
     b = wide[2:2 + N, :K] if tb else wide[1:1 + K, :N]
     out = rng.standard_normal((M, N)).astype(np.float32)
     want = out.copy()
-    CublasGemm(_gemm_ex, 0, tf32=False)(HostArray(a), HostArray(b), HostArray(out),
+    CublasGemm(_gemm_ex, tf32=False)(HostArray(a), HostArray(b), HostArray(out),
                                        ta=ta, tb=tb, add=add)
     numpy_gemm(a, b, want, ta=ta, tb=tb, add=add)
     np.testing.assert_allclose(out, want, rtol=1e-6)
@@ -84,7 +84,7 @@ def test_cublas_binding_computes_what_numpy_computes(ta, tb, add):
 def test_cublas_binding_refuses_a_column_strided_operand():
     a = np.ones((4, 8), np.float32)[:, ::2]
     with pytest.raises(ValueError, match="unit column stride"):
-        CublasGemm(_gemm_ex, 0, tf32=False)(HostArray(a), HostArray(np.ones((4, 4), np.float32)),
+        CublasGemm(_gemm_ex, tf32=False)(HostArray(a), HostArray(np.ones((4, 4), np.float32)),
                                             HostArray(np.ones((4, 4), np.float32)))
 
 
@@ -104,7 +104,7 @@ def test_bf16_gemms_sum_in_float32_and_round_once(ta, tb, a_shape, b_shape, add)
     wa, wb = from_bf16(a), from_bf16(b)
     want = to_bf16((wa.T if ta else wa) @ (wb.T if tb else wb) + (from_bf16(out) if add else 0))
     calls.clear()
-    CublasGemm(_gemm_ex, 0, tf32=True)(HostArray(a), HostArray(b), HostArray(out),
+    CublasGemm(_gemm_ex, tf32=True)(HostArray(a), HostArray(b), HostArray(out),
                                       ta=ta, tb=tb, add=add)
     # one bf16 rounding apart at most (numpy may sum the transposed product in another order)
     np.testing.assert_allclose(from_bf16(out), from_bf16(want), rtol=2.0 ** -8, atol=1e-6)
@@ -115,14 +115,14 @@ def test_bf16_gemms_sum_in_float32_and_round_once(ta, tb, a_shape, b_shape, add)
 def test_fp32_gemms_keep_tf32_compute():
     calls.clear()
     a = np.ones((2, 2), np.float32)
-    CublasGemm(_gemm_ex, 0, tf32=True)(HostArray(a), HostArray(a), HostArray(a.copy()))
+    CublasGemm(_gemm_ex, tf32=True)(HostArray(a), HostArray(a), HostArray(a.copy()))
     assert calls == [(R_32F, COMPUTE_32F_FAST_TF32)]
 
 
 def test_cublas_binding_refuses_mixed_dtypes():
     a = np.ones((2, 2), np.float32)
     with pytest.raises(ValueError, match="one dtype"):
-        CublasGemm(_gemm_ex, 0, tf32=False)(HostArray(a), HostArray(to_bf16(a)), HostArray(a))
+        CublasGemm(_gemm_ex, tf32=False)(HostArray(a), HostArray(to_bf16(a)), HostArray(a))
 
 
 # -- cuBLASLt (runtime/gemm.py LtGemm) through a stand-in of nvmath.bindings.cublasLt -------
