@@ -126,13 +126,13 @@ class CpuCollective:
                     conn, _ = server.accept()
                 except socket.timeout:
                     missing = min(set(range(1, rv.world_size)) - set(self._peers))
-                    self._fail(f"rank {missing} did not arrive at the rendezvous within "
+                    self.fail(f"rank {missing} did not arrive at the rendezvous within "
                                f"{self.timeout:g}s")
                 conn.settimeout(self.timeout)
                 rank = int(np.frombuffer(self._recv_from(conn, "?"), dtype="<i8")[0])
                 if rank in self._peers or not 0 < rank < rv.world_size:
                     conn.close()
-                    self._fail(f"a second process arrived as rank {rank}")
+                    self.fail(f"a second process arrived as rank {rank}")
                 self._peers[rank] = conn
         finally:
             server.close()
@@ -160,15 +160,15 @@ class CpuCollective:
             kind, size = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
             payload = _recv_exact(conn, size)
         except socket.timeout:
-            self._fail(f"rank {who} did not arrive at {what} within {self.timeout:g}s")
+            self.fail(f"rank {who} did not arrive at {what} within {self.timeout:g}s")
         except (ConnectionError, EOFError, OSError):
-            self._fail(f"rank {who} left (connection closed) during {what}")
+            self.fail(f"rank {who} left (connection closed) during {what}")
         if kind == b"E":   # the hub names the rank at fault
             self.close()
             raise EulerError(payload.decode(), key="collective")
         return payload
 
-    def _fail(self, message: str):
+    def fail(self, message: str):
         """Tell every other rank (best effort), close, raise the one line."""
         message = f"rank {self.rank}: {message}"
         for conn in self._peers.values():
@@ -290,7 +290,7 @@ class CpuCollective:
             except OSError:
                 head = b""
             if not head:
-                self._fail(f"rank {r} left (connection closed) during {what}")
+                self.fail(f"rank {r} left (connection closed) during {what}")
             if head[:1] == b"E":
                 self._recv_from(conn, r, what)   # raises the hub's line
 

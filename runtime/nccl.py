@@ -108,12 +108,16 @@ class NcclCollective:
                     self.comm.abort()
                     raise
             if now - start > self.timeout:
-                self.comm.abort()
-                self.store._fail(f"{what} did not finish within {self.timeout:g}s")
+                self.fail(f"{what} did not finish within {self.timeout:g}s")
             time.sleep(self.POLL_S)
 
     def check_peers(self, what: str) -> None:
         self.store.check_peers(what)
+
+    def fail(self, message: str):
+        """Abort the communicator (NCCL calls in flight end), tell the other ranks, raise."""
+        self.comm.abort()
+        self.store.fail(message)
 
     def close(self) -> None:
         self.comm.destroy()
