@@ -385,15 +385,17 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
     from rich.console import Console
 
+    from eulergen.runtime.arch import arch_of
+    from eulergen.runtime.attention import PLAN_SMS
     from eulergen.runtime.backend import NUMPY
     from eulergen.runtime.buckets import plan_buckets
     from eulergen.runtime.cublas import WORKSPACE_BYTES
     from eulergen.runtime.cuda_ops import workspace_elements
-    from eulergen.runtime.attention import PLAN_SMS
     from eulergen.runtime.decoder import plan_decoder
     from eulergen.runtime.memory import plan_table
-    from eulergen.runtime.model import arch_of, param_count, plan_model
+    from eulergen.runtime.model import plan_model
     from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.params import param_count
 
     from eulergen.runtime.budget import check_config
 
@@ -458,9 +460,9 @@ def _check_sampler_fits(cfg, lib, num_samples: int, dtype: str) -> None:
     """--num-samples is the KV cache's batch: refused before the cache is planned in full
     or allocated when it cannot fit."""
     from eulergen.runtime import budget
+    from eulergen.runtime.arch import arch_of
     from eulergen.runtime.attention import PLAN_SMS
     from eulergen.runtime.decoder import plan_decoder
-    from eulergen.runtime.model import arch_of
 
     seq = cfg.training.seq_len
     if num_samples * seq > budget.MAX_INDEX:

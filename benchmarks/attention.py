@@ -34,7 +34,7 @@ from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_decode, attention_forward)
 from eulergen.runtime.compile import compile_file  # noqa: E402
-from eulergen.runtime.ops import to_bf16  # noqa: E402
+from eulergen.runtime.bf16 import to_bf16  # noqa: E402
 
 CASES = [(8, 1024), (2, 4096)]
 H, KVH, D = 12, 4, 64

@@ -40,12 +40,13 @@ def run_eulergen(cfg, collective, zero: bool, warmup: int, iters: int) -> float:
     graphs with the NCCL calls inside; collective None: the plain step)."""
     import cupy
 
+    from eulergen.runtime.adamw import AdamW
+    from eulergen.runtime.arch import arch_of
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.buckets import plan_buckets
     from eulergen.runtime.data_parallel import DataParallel
-    from eulergen.runtime.model import arch_of, build
+    from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.adamw import AdamW
     t = cfg.training
     lib = OpLibrary(get_backend("cuda"))
     ranks = collective.world_size if collective is not None else 1

@@ -41,7 +41,8 @@ def main() -> int:
         return 2
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.cuda_ops import workspace_elements
-    from eulergen.runtime.ops import OpLibrary, to_bf16
+    from eulergen.runtime.bf16 import to_bf16
+    from eulergen.runtime.ops import OpLibrary
     lib = OpLibrary(get_backend("cuda"))
     op = lib.op("embedding")
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ from torch import nn
 
 from eulergen.errors import EulerError
 from eulergen.runtime.config import ModelConfig
-from eulergen.runtime.model import padded_vocab
+from eulergen.runtime.params import padded_vocab
 
 
 def _gelu_tanh(x):

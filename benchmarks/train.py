@@ -61,8 +61,8 @@ def _mfu(cfg, seconds: float) -> float | None:
     import cupy
 
     from eulergen.runtime import metrics
+    from eulergen.runtime.arch import arch_of
     from eulergen.runtime.backend import NUMPY
-    from eulergen.runtime.model import arch_of
     from eulergen.runtime.ops import OpLibrary
     from eulergen.runtime.train import flops_per_token
     t = cfg.training
@@ -120,10 +120,10 @@ def _device_used() -> int:
 def run_eulergen(cfg, warmup: int, iters: int, cuda_graph: bool = True) -> dict:
     import cupy
 
+    from eulergen.runtime.adamw import AdamW
     from eulergen.runtime.backend import get_backend
     from eulergen.runtime.model import build
     from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.adamw import AdamW
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()

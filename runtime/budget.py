@@ -30,7 +30,7 @@ def check_config(cfg) -> None:
     if m.num_layers > MAX_LAYERS:
         raise EulerError(f"{m.num_layers:,} layers: at most {MAX_LAYERS:,}",
                          key="model.num_layers")
-    from eulergen.runtime.model import padded_vocab
+    from eulergen.runtime.params import padded_vocab
     for key, value in (("model.hidden_dim", m.hidden_dim), ("model.mlp_hidden", m.mlp_hidden),
                        ("model.vocab_size", padded_vocab(m.vocab_size)),
                        ("model.max_seq_len", m.max_seq_len)):

@@ -42,11 +42,11 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16
+from eulergen.runtime.arch import arch_of
+from eulergen.runtime.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
-from eulergen.runtime.model import arch_of
 from eulergen.runtime.params import load_params, parameters, plan_params
-from eulergen.runtime.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
 from eulergen.runtime.tape import Linear, Norm, Op, Tape
 
 MIN_BUCKET = 16        # rows: the smallest padded multi-row run

@@ -30,7 +30,7 @@ each norm's backward does in its own pass.
 
 A value with a `part` is a view of some heads (axis 2) of another value, its root, and
 its gradient the same view of the root's: q, k and v are parts of `qkv`, which c_attn
-writes in one GEMM. Where the rope op allows it (model.rope_in_place) q_rope and k_rope
+writes in one GEMM. Where the rope op allows it (arch.rope_in_place) q_rope and k_rope
 are parts too, at q's and k's heads: rope rotates `qk` (q and k side by side) in place,
 in one call, into `qk_rope`.
 """

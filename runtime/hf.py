@@ -28,7 +28,7 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.runtime.hf_files import (CONFIG, INDEX, TOKENIZER, WEIGHTS, read_json,
                                        read_tensors, weight_files, write_folder)
-from eulergen.runtime.model import padded_vocab
+from eulergen.runtime.params import padded_vocab
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 # GPT-2's activation_function values and the op of the same function

@@ -26,11 +26,10 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16, gemm, step_control
-from eulergen.runtime.arch import Arch, arch_of, rope_in_place  # noqa: F401
+from eulergen.runtime.arch import Arch, arch_of
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import ALIGN, Memory, Plan, Planner, check_fits, upload
-from eulergen.runtime.params import (ParamSpec, load_params, padded_vocab,  # noqa: F401
-                                     param_count, parameters, plan_params)
+from eulergen.runtime.params import load_params, param_count, parameters, plan_params
 from eulergen.runtime.tape import Tape
 from eulergen.runtime.training_tape import record_training
 

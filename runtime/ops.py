@@ -49,7 +49,6 @@ from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError, suggest
 from eulergen.kinds import fused_stage
 from eulergen.runtime.backend import Backend
-from eulergen.runtime.bf16 import from_bf16, to_bf16  # noqa: F401  (part of this API)
 from eulergen.runtime.manifest import OpEntry, load_manifest, load_numpy_module
 
 BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"

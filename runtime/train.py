@@ -33,12 +33,14 @@ from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.runtime import bf16, budget, checkpoint, metrics, run_dir, step_control
 from eulergen.runtime.adamw import AdamW
+from eulergen.runtime.arch import arch_of
 from eulergen.runtime.buckets import plan_buckets
 from eulergen.runtime.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data import make_loaders
 from eulergen.runtime.data_parallel import DataParallel
+from eulergen.runtime.model import build, plan_model
+from eulergen.runtime.params import param_count
 from eulergen.runtime.prepare import check_prepared_with
-from eulergen.runtime.model import arch_of, build, param_count, plan_model
 from eulergen.runtime.sample import Sampler
 from eulergen.runtime.step_graph import StepResult, Stepper
 from eulergen.runtime.tokenizer import check_fits, load_tokenizer

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eulergen.generator.plan_attention import TilePlan, plan_tiles
-from eulergen.runtime.ops import from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
 
 import test_attention_runtime_emulated as emu
 from test_attention_runtime_emulated import FakeArray

@@ -4,7 +4,6 @@ flag at fault with the expected fragment, no traceback, and changes nothing on d
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 

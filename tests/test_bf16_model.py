@@ -25,13 +25,15 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16
+from eulergen.runtime.adamw import AdamW
+from eulergen.runtime.arch import arch_of
 from eulergen.runtime.backend import NUMPY, Backend
 from eulergen.runtime.config import load_config
 from eulergen.runtime.memory import Memory, storage
-from eulergen.runtime.model import GPT, arch_of, build, plan_model
-from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
+from eulergen.runtime.model import GPT, build, plan_model
+from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.tape import Linear
-from eulergen.runtime.adamw import AdamW
 
 GRAD_TOLERANCE = 2e-2
 LOSS_TOLERANCE = 1e-2
@@ -181,8 +183,8 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     from click.testing import CliRunner
 
     from eulergen.cli import main
-    from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.cublas import WORKSPACE_BYTES
+    from eulergen.runtime.cuda_ops import workspace_elements
     overrides = STRUCTURES["nanoeuler"] + COMMON + ["training.dtype=bf16"]
     result = CliRunner().invoke(main, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert result.exit_code == 0, result.output

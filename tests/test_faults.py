@@ -5,7 +5,6 @@ in one line; `sample` refuses weights it cannot sample and says when a sample is
 from __future__ import annotations
 
 import errno
-import hashlib
 import shutil
 import subprocess
 import sys

@@ -23,7 +23,8 @@ import pytest
 from eulergen import GENERATED_DIR
 from eulergen.runtime.backend import NUMPY, Backend
 from eulergen.runtime.kernels import bind
-from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.ops import OpLibrary
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]

@@ -9,11 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from eulergen.runtime.arch import arch_of, rope_in_place
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.decoder import build_decoder
 from eulergen.runtime.graph import model_graph
-from eulergen.runtime.model import arch_of, build, rope_in_place
+from eulergen.runtime.model import build
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.tape import Embedding, Linear, Norm, Op
 from test_model import STRUCTURES, _model, _tokens   # gpt2 and nanoeuler at a tiny size

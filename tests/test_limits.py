@@ -12,9 +12,10 @@ from eulergen.errors import EulerError
 from eulergen.generator.formula import FORMULA_MAX_DEPTH, parse, Where
 from eulergen.generator.spec import load_spec, symbol
 from eulergen.runtime import budget
+from eulergen.runtime.arch import arch_of
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
-from eulergen.runtime.model import arch_of, plan_model
+from eulergen.runtime.model import plan_model
 from eulergen.runtime.ops import OpLibrary
 from eulergen.userfiles import YAML_MAX_DEPTH, load_json, load_yaml
 

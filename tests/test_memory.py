@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
+from eulergen.runtime.arch import arch_of
 from eulergen.runtime.backend import NUMPY, Backend
 from eulergen.runtime.config import load_config
 from eulergen.runtime.cuda_ops import workspace_elements
 from eulergen.runtime.memory import upload
-from eulergen.runtime.model import arch_of, plan_model
+from eulergen.runtime.model import plan_model
 from eulergen.runtime.ops import OpLibrary
 from test_runtime_kernels import OPS, dev, emu, libs, needs_manifest  # noqa: F401 (fixtures)
 

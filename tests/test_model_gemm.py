@@ -20,7 +20,7 @@ from eulergen.runtime import gemm
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.gemm import (COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_T, R_16BF, R_32F,
                                    CublasGemm, numpy_gemm)
-from eulergen.runtime.ops import from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
 
 
 class HostArray:

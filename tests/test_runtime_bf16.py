@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.ops import from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
 
 
 def test_widening_is_exact_and_rounding_is_idempotent():

@@ -20,7 +20,8 @@ from eulergen.runtime import kernels as K
 from eulergen.runtime.backend import Backend, get_backend
 from eulergen.runtime.cuda_ops import workspace_elements
 from eulergen.runtime.manifest import load_manifest, load_numpy_module
-from eulergen.runtime.ops import OpLibrary, from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.ops import OpLibrary
 
 MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}

@@ -12,13 +12,14 @@ from eulergen import PACKAGE_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
 from eulergen.runtime import checkpoint
+from eulergen.runtime.arch import arch_of
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.config import load_config
 from eulergen.runtime.data import write_shard
 from eulergen.runtime.decoder import build_decoder, plan_decoder
-from eulergen.runtime.model import arch_of, build
-from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.draw import pick, uniforms
+from eulergen.runtime.model import build
+from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.sample import Sampler, TextStream
 from eulergen.runtime.train import Trainer
 

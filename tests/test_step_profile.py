@@ -10,7 +10,6 @@ import pytest
 
 from eulergen import PACKAGE_DIR
 from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
 from eulergen.runtime.model import build
 from eulergen.runtime.ops import OpLibrary
 from eulergen.runtime.adamw import AdamW

@@ -9,11 +9,12 @@ import json
 import numpy as np
 import pytest
 
+from eulergen.runtime.arch import arch_of
 from eulergen.runtime.backend import NUMPY
 from eulergen.runtime.buckets import param_ready, plan_buckets
 from eulergen.runtime.checkpoint import load
 from eulergen.runtime.config import load_config
-from eulergen.runtime.model import arch_of, build
+from eulergen.runtime.model import build
 from eulergen.runtime.ops import OpLibrary
 from test_ddp import _cfg, _on_ranks, _train, max_rel
 

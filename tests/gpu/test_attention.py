@@ -37,7 +37,7 @@ from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_forward)
 from eulergen.runtime.compile import compile_file  # noqa: E402
-from eulergen.runtime.ops import from_bf16, to_bf16  # noqa: E402
+from eulergen.runtime.bf16 import from_bf16, to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 _FOLDER = Path(tempfile.mkdtemp(prefix="eg-attn-gpu-"))

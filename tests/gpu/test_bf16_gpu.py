@@ -20,7 +20,7 @@ import pytest
 from eulergen.errors import EulerError
 from eulergen.runtime import bf16, checkpoint
 from eulergen.runtime.config import load_config
-from eulergen.runtime.ops import from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
 
 pytestmark = pytest.mark.gpu
 

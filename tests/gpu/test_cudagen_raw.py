@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR, launch
-from eulergen.runtime.ops import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
+from eulergen.runtime.bf16 import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from eulergen.runtime import gemm
-from eulergen.runtime.ops import from_bf16, to_bf16
+from eulergen.runtime.bf16 import from_bf16, to_bf16
 
 pytestmark = pytest.mark.gpu
 

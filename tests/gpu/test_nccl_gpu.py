@@ -86,10 +86,11 @@ def test_zero_s_sum_of_squares_of_a_share_is_the_gradients_on_the_device(libs, c
     (bf16) and their dot (cuBLAS, into device memory) give the arena's sum of squares."""
     import numpy as np
 
+    from eulergen.runtime.arch import arch_of
     from eulergen.runtime.bf16 import from_bf16, to_bf16
     from eulergen.runtime.buckets import plan_buckets
     from eulergen.runtime.data_parallel import DataParallel
-    from eulergen.runtime.model import arch_of, build
+    from eulergen.runtime.model import build
     cfg = _cfg("unused.bin", "unused", dtype)
     t = cfg.training
     plan = plan_buckets(arch_of(cfg.model, libs[0]), 1, zero=True, bucket_mb=0.1,
