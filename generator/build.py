@@ -208,7 +208,8 @@ def plan_build(root: Path, specs: dict[str, Path], *, embedding: bool, force: bo
                log=None) -> Output:
     """Everything `root` should hold for these specs (name -> spec path)."""
     prev_manifest = {} if force else _previous(root)
-    prev = prev_manifest.get("ops", {})
+    prev = prev_manifest.get("ops")
+    prev = prev if isinstance(prev, dict) else {}   # a damaged manifest: build it all again
     fingerprint = generator_fingerprint()
     out = Output(root, common_key=_template_key(fingerprint, "common.cuh.j2"))
     common = _reusable({"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",

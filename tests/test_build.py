@@ -84,18 +84,23 @@ def test_second_build_derives_nothing_and_writes_nothing(generated, few_ops):
     assert not any(s.startswith(("deriving", "new", "changed")) for s in said), said
 
 
-def test_a_run_whose_ops_are_built_never_imports_sympy():
+def test_a_run_whose_ops_are_built_never_imports_sympy(generated, few_ops):
     """`eulergen train` on built ops: ensure_built hashes inputs and reads the manifest; the
     common header and the embedding are reused by their keys, so nothing imports sympy
     (seconds of start-up where its bytecode is not cached)."""
+    build.run_build(echo=lambda s: None)
     code = ("import sys\n"
-            "from eulergen.generator.build import ensure_built\n"
-            "ensure_built()\n"
+            "from pathlib import Path\n"
+            "from eulergen.generator import build, ops_path\n"
+            "build.GENERATED_DIR = Path(sys.argv[1])\n"
+            "real = ops_path.find_ops\n"
+            f"ops_path.find_ops = lambda d=(): {{n: p for n, p in real(d).items() if n in {FEW!r}}}\n"
+            "build.ensure_built()\n"
             "from eulergen.runtime.config import load_config\n"
             "load_config(None, [])\n"
             "print('sympy' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code, str(generated)], capture_output=True,
+                         text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False", out.stderr
 
 
@@ -106,6 +111,16 @@ def test_a_changed_embedding_template_renders_it_again(generated, few_ops, monke
     out = build.plan_build(generated, {}, embedding=True)
     assert out.ops["embedding"]["build_key"] == "another key" != entry["build_key"]
     assert out.common_key == "another key"
+
+
+def test_a_damaged_manifest_is_built_again_not_a_traceback(generated, few_ops):
+    build.run_build(echo=lambda s: None)
+    good = (generated / "manifest.json").read_bytes()
+    (generated / "manifest.json").write_text('{"ops": [], "common_key": 3}')
+    said = []
+    assert build.run_build(echo=said.append) == 0
+    assert (generated / "manifest.json").read_bytes() == good
+    assert any(s.startswith("deriving") for s in said)
 
 
 def test_check_fails_on_a_hand_edit_and_writes_nothing(generated, few_ops):
