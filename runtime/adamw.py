@@ -29,9 +29,9 @@ class AdamW:
         plan, mem = model.mem.plan, model.mem
         rest = [s.name for s in model.specs if not s.decay]
         decay_end = plan.span(rest)[0] if rest else plan.arena("params").size
-        self.spans = shards.owned if shards else (Span(0, plan.arena("params").size, 0),)
+        spans = shards.owned if shards else (Span(0, plan.arena("params").size, 0),)
         self.groups = []
-        for s in self.spans:
+        for s in spans:
             for lo, hi, wd in ((s.lo, min(s.hi, decay_end), t.weight_decay),
                                (max(s.lo, decay_end), s.hi, 0.0)):
                 if lo < hi:

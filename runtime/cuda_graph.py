@@ -1,6 +1,8 @@
 """CUDA graphs of a decoder step: captured once on a side stream (CuPy stream capture),
 replayed on the current stream, with the by-value kernel arguments that change from one
 replay to the next (a position, a draw's step) written into the graph before a launch.
+`capture` alone (no live arguments) is also how the training step is captured
+(runtime/step_graph.py).
 
     graph = Graph.capture(tape.forward, live)      # live: {"pos0": 0, "step": 0, …}
     live["pos0"] = 17; graph.launch(live)          # the step at position 17

@@ -30,6 +30,7 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.runtime import step_control
 from eulergen.runtime.cuda_graph import capture
+from eulergen.runtime.memory import upload
 from eulergen.runtime.step_control import AT, RECORD
 
 RING = 3   # steps of pinned buffers: the host runs at most two steps ahead of the GPU
@@ -122,7 +123,6 @@ class Stepper:
         return int(record[AT["updates"]]), step_control.guard_state(record)
 
     def load_state(self, updates: int, guard: dict) -> None:
-        from eulergen.runtime.memory import upload
         record = np.zeros(self.record.size)
         step_control.restore(record, updates, guard)
         upload(self._settled(), record)

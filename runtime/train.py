@@ -140,9 +140,9 @@ class Trainer:
                            buckets=plan)
         self.model.set_accumulation(t.gradient_accumulation, ranks)
         self.dp = DataParallel(self.model, collective, plan) if plan is not None else None
-        self.optim = AdamW(self.model, t, self.dp if plan is not None and plan.zero else None)
-        rule = step_control.StepRule.of(t, self.optim.slots, ranks,
-                                        zero=plan is not None and plan.zero)
+        zero = plan is not None and plan.zero
+        self.optim = AdamW(self.model, t, self.dp if zero else None)
+        rule = step_control.StepRule.of(t, self.optim.slots, ranks, zero=zero)
         self.stepper = Stepper(self.model, self.optim, rule, cuda_graph=t.cuda_graph, dp=self.dp)
         self.step = 0   # the last step whose result is back; `launched` may be one ahead
         self.result = Result(self.run_dir)
