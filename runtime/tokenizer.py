@@ -7,6 +7,7 @@ each document, or None), `digest` (what identifies it in a prepared folder's man
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -106,8 +107,12 @@ class HFTokenizer:
         self.eot = next((i for i in map(self._tok.token_to_id, _EOT_NAMES) if i is not None), None)
         self.digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
         self._json = data
-        unk = json.loads(data).get("model", {}).get("unk_token")
-        self._unk = None if unk is None else self._tok.token_to_id(unk)
+
+    @functools.cached_property
+    def _unk(self) -> int | None:
+        # read from the JSON when a prompt is first checked: loading (train, prepare) skips it
+        unk = json.loads(self._json).get("model", {}).get("unk_token")
+        return None if unk is None else self._tok.token_to_id(unk)
 
     def unknown(self, text: str) -> int | None:
         """The character offset of the first piece of `text` this tokenizer can only encode
