@@ -505,7 +505,7 @@ def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
 
 def _prompt_ids(tok, text: str, key: str) -> list[int]:
     """`text` as ids, refusing text the tokenizer can only encode as its unknown token."""
-    at = getattr(tok, "unknown", lambda _: None)(text)
+    at = tok.unknown(text)
     if at is not None:
         raise EulerError(f"character {at} ({text[at]!r}) is not in the tokenizer's vocabulary "
                          f"({tok.name} would encode it as its unknown token)", key=key)

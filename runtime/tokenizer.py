@@ -35,8 +35,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def unknown(self, text: str) -> int | None:
+        """The character offset of the first piece of `text` this tokenizer can only encode
+        as its unknown token (None: it encodes all of it; byte-level ones always do)."""
+        return None
 
-class ByteTokenizer:
+
+class ByteTokenizer(Tokenizer):
     """Token id = byte value of the UTF-8 text; byte 0 ends a document."""
     name = BYTE
     vocab_size = 256
@@ -50,7 +55,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) != BYTE_EOT).decode("utf-8", errors="replace")
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(Tokenizer):
     """GPT-2's BPE (50257 ids, <|endoftext|> = 50256) through tiktoken."""
 
     def __init__(self, encoding_name: str = GPT2, *, key: str = "data.tokenizer"):
@@ -89,7 +94,7 @@ class TiktokenTokenizer:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizers` JSON file."""
 
     def __init__(self, path: str | Path, *, key: str = "data.tokenizer"):
@@ -115,8 +120,6 @@ class HFTokenizer:
         return None if unk is None else self._tok.token_to_id(unk)
 
     def unknown(self, text: str) -> int | None:
-        """The character offset of the first piece of `text` this tokenizer can only encode
-        as its unknown token (None: it encodes all of it)."""
         if self._unk is None:
             return None
         enc = self._tok.encode(text, add_special_tokens=False)
