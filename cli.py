@@ -392,7 +392,7 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     from eulergen.runtime.cublas import WORKSPACE_BYTES
     from eulergen.runtime.cuda_ops import workspace_elements
     from eulergen.runtime.decoder import plan_decoder
-    from eulergen.runtime.memory import plan_table
+    from eulergen.runtime.memory import plan_table, storage
     from eulergen.runtime.model import plan_model
     from eulergen.runtime.ops import OpLibrary
     from eulergen.runtime.params import param_count
@@ -411,8 +411,7 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     # kernels' and cuBLASLt's workspaces included, whatever this machine runs on
     dtype = "float32" if t.dtype == "fp32" else "bf16"
     buckets = None if inference or nproc == 1 else plan_buckets(
-        arch, nproc, zero=bool(t.zero), bucket_mb=t.bucket_mb,
-        itemsize=2 if dtype == "bf16" else 4)
+        arch, nproc, zero=bool(t.zero), bucket_mb=t.bucket_mb, itemsize=storage(dtype).itemsize)
     p = (plan_decoder(arch, t.batch_size, t.seq_len, dtype=dtype, sms=PLAN_SMS) if inference
          else plan_model(arch, t.batch_size, t.seq_len, workspace=workspace_elements,
                          dtype=dtype, gemm_workspace=WORKSPACE_BYTES, buckets=buckets))
@@ -505,7 +504,7 @@ def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
 
 def _prompt_ids(tok, text: str, key: str) -> list[int]:
     """`text` as ids, refusing text the tokenizer can only encode as its unknown token."""
-    at = getattr(tok, "unknown", lambda _: None)(text)
+    at = tok.unknown(text)
     if at is not None:
         raise EulerError(f"character {at} ({text[at]!r}) is not in the tokenizer's vocabulary "
                          f"({tok.name} would encode it as its unknown token)", key=key)

@@ -37,6 +37,10 @@ class Bucket:
     def size(self) -> int:
         return self.hi - self.lo
 
+    def share(self, rank: int) -> int:
+        """ZeRO: where rank `rank`'s share starts (rank = ranks: where the tail starts)."""
+        return self.lo + rank * self.shard
+
 
 @dataclass(frozen=True)
 class Span:
@@ -63,10 +67,10 @@ class BucketPlan:
             return (Span(0, self.total, 0),)
         spans, at = [], 0
         for b in self.buckets:
-            lo = b.lo + rank * b.shard
+            lo = b.share(rank)
             spans.append(Span(lo, lo + b.shard, at))
             at += b.shard
-            tail = b.lo + self.ranks * b.shard
+            tail = b.share(self.ranks)
             if tail < b.hi:
                 spans.append(Span(tail, b.hi, at, tail=True))
                 at += b.hi - tail

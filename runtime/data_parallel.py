@@ -80,7 +80,7 @@ class DataParallel:
                 if not self.zero:
                     self.c.all_reduce_sum(g[b.lo:b.hi])
                     continue
-                mine, split = b.lo + self.rank * b.shard, b.lo + self.ranks * b.shard
+                mine, split = b.share(self.rank), b.share(self.ranks)
                 if b.shard:
                     self.c.reduce_scatter(g[b.lo:split], g[mine:mine + b.shard])
                 if split < b.hi:
@@ -126,8 +126,8 @@ class DataParallel:
         with self.c.group():
             for b in self.plan.buckets:
                 if b.shard:
-                    mine = b.lo + self.rank * b.shard
-                    self.c.all_gather(a[mine:mine + b.shard], a[b.lo:b.lo + self.ranks * b.shard])
+                    mine = b.share(self.rank)
+                    self.c.all_gather(a[mine:mine + b.shard], a[b.lo:b.share(self.ranks)])
 
     # -- checkpoints (between steps, the device idle) ----------------------------------------
 

@@ -7,6 +7,7 @@ each document, or None), `digest` (what identifies it in a prepared folder's man
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -34,8 +35,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def unknown(self, text: str) -> int | None:
+        """The character offset of the first piece of `text` this tokenizer can only encode
+        as its unknown token (None: it encodes all of it; byte-level ones always do)."""
+        return None
 
-class ByteTokenizer:
+
+class ByteTokenizer(Tokenizer):
     """Token id = byte value of the UTF-8 text; byte 0 ends a document."""
     name = BYTE
     vocab_size = 256
@@ -49,7 +55,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) != BYTE_EOT).decode("utf-8", errors="replace")
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(Tokenizer):
     """GPT-2's BPE (50257 ids, <|endoftext|> = 50256) through tiktoken."""
 
     def __init__(self, encoding_name: str = GPT2, *, key: str = "data.tokenizer"):
@@ -88,7 +94,7 @@ class TiktokenTokenizer:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizers` JSON file."""
 
     def __init__(self, path: str | Path, *, key: str = "data.tokenizer"):
@@ -106,12 +112,14 @@ class HFTokenizer:
         self.eot = next((i for i in map(self._tok.token_to_id, _EOT_NAMES) if i is not None), None)
         self.digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
         self._json = data
-        unk = json.loads(data).get("model", {}).get("unk_token")
-        self._unk = None if unk is None else self._tok.token_to_id(unk)
+
+    @functools.cached_property
+    def _unk(self) -> int | None:
+        # read from the JSON when a prompt is first checked: loading (train, prepare) skips it
+        unk = json.loads(self._json).get("model", {}).get("unk_token")
+        return None if unk is None else self._tok.token_to_id(unk)
 
     def unknown(self, text: str) -> int | None:
-        """The character offset of the first piece of `text` this tokenizer can only encode
-        as its unknown token (None: it encodes all of it)."""
         if self._unk is None:
             return None
         enc = self._tok.encode(text, add_special_tokens=False)

@@ -60,6 +60,13 @@ def test_hf_tokenizer_json_with_its_end_of_text_id(tmp_path):
     assert tok.digest.startswith("sha256:")
 
 
+def test_hf_tokenizer_names_the_first_text_it_can_only_encode_as_unknown(tmp_path):
+    path = _word_level_json(tmp_path / "tok.json", ["[UNK]", "hello", "world", ENDOFTEXT])
+    tok = HFTokenizer(path)
+    assert tok.unknown("hello world") is None
+    assert tok.unknown("hello there world") == 6
+
+
 def test_missing_tokenizer_file_is_one_line_error(tmp_path):
     with pytest.raises(EulerError) as err:
         load_tokenizer(_data(tokenizer=tmp_path / "tok.json"))
