@@ -122,9 +122,7 @@ class OpLibrary:
         meets the tied LM head's). `fusion`: the op's fused variant of that name."""
         op = self._entry(name)
         side = self._side(op, fusion, "backward")
-        self._arity(op, "backward", inputs_and_douts,
-                    self._backward_arity(op) if side is op else len(side.inputs) + len(side.outputs),
-                    side)
+        self._arity(op, "backward", inputs_and_douts, self._backward_arity(op, side), side)
         pos0 = self._pos0(op, params)
         adds = self._accumulate(op, accumulate, out)
         p = self._params(op, params)
@@ -269,13 +267,15 @@ class OpLibrary:
         return load_numpy_module(op)
 
     @staticmethod
-    def _backward_arity(op: OpEntry) -> int:
+    def _backward_arity(op: OpEntry, side=None) -> int:
+        """The arrays a backward of `op` (of its fused variant's operands `side`) takes."""
         if op.kind == "update":
             raise EulerError(f"op {op.name!r} is an update op: it has `step`, no backward",
                              file=op.spec, key="kind")
         if op.kind == "attention":   # q, k, v, o, lse, do
             return 6
-        return len(op.inputs) + len(op.outputs)
+        side = side or op
+        return len(side.inputs) + len(side.outputs)
 
     @staticmethod
     def _side(op: OpEntry, fusion: str, call: str):
