@@ -46,6 +46,7 @@ from eulergen.runtime.arch import arch_of
 from eulergen.runtime.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
 from eulergen.runtime.graph import model_graph
 from eulergen.runtime.memory import Memory, Plan, Planner, check_fits, upload
+from eulergen.runtime.model import check_ids
 from eulergen.runtime.params import load_params, parameters, plan_params
 from eulergen.runtime.tape import Linear, Norm, Op, Tape
 
@@ -277,11 +278,7 @@ class Decoder:
         if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] == 0:
             raise EulerError(f"token ids of shape {ids.shape}: the decoder wants "
                              f"[{self.batch}, ≥ 1]", key="prompt")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.arch.vocab:
-            raise EulerError(f"token id {hi if hi >= self.arch.vocab else lo} is outside the "
-                             f"model's vocabulary of {self.arch.vocab}", key="model.vocab_size")
-        return ids
+        return check_ids(ids, self.arch.vocab)
 
     def rows(self, tokens: int, pos0: int) -> int:
         """The rows a run of `tokens` at `pos0` takes: one; on a GPU a padded bucket (a

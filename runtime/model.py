@@ -210,15 +210,9 @@ class GPT:
                 upload(self.mem[name], self.check_tokens(ids))
 
     def check_tokens(self, ids) -> np.ndarray:
-        """Ids as an array, checked on the host (an id past the table would index outside
-        it; the kernels would trap, and only at the next synchronisation)."""
-        ids = np.asarray(ids)
-        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-        if lo < 0 or hi >= self.arch.vocab:
-            raise EulerError(f"token id {hi if hi >= self.arch.vocab else lo} is outside the "
-                             f"model's vocabulary of {self.arch.vocab} (a dataset tokenized "
-                             "for another vocab?)", key="model.vocab_size")
-        return ids
+        """Ids as an array, checked on the host (check_ids)."""
+        return check_ids(np.asarray(ids), self.arch.vocab,
+                         " (a dataset tokenized for another vocab?)")
 
     def logits(self):
         self.tape.forward()
@@ -307,6 +301,17 @@ class GPT:
     def load_state_dict(self, state: dict) -> None:
         load_params(self.master, state)
         self.sync_weights()
+
+
+def check_ids(ids: np.ndarray, vocab: int, hint: str = "") -> np.ndarray:
+    """`ids`, refused where one is outside [0, vocab): an id past the table would index
+    outside it, and the kernels would trap only at the next synchronisation. `hint`
+    ends the message."""
+    lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    if lo < 0 or hi >= vocab:
+        raise EulerError(f"token id {hi if hi >= vocab else lo} is outside the model's "
+                         f"vocabulary of {vocab}{hint}", key="model.vocab_size")
+    return ids
 
 
 def ops_used(cfg) -> tuple[str, ...]:

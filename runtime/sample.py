@@ -56,11 +56,11 @@ class Sampler:
                                            dtype=self.dtype, tf32=tf32, graphs=graphs,
                                            notify=notify)
         self.batch = batch
-        self.vocab = model_cfg.vocab_size
         self.notify = notify
         self.drawn = dec.mem["drawn"]
         dec.live.update(temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, column=0)
-        dec.tail = Draw(lib.backend, dec.logits, self.vocab, dec.next_ids, self.drawn, dec.live)
+        dec.tail = Draw(lib.backend, dec.logits, dec.arch.vocab, dec.next_ids, self.drawn,
+                        dec.live)
         self._unfed = None   # [batch]: the last step's tokens, drawn but not yet in the cache
 
     def fit_prompt(self, prompt) -> list[int]:

@@ -103,32 +103,25 @@ class _Recorder:
             rows = g.row_blocks(node)[part]
             w, b = names[0], names[1] if len(names) > 1 else None
             bias, ones = (P[b][rows], m["ones"]) if b else (None, None)
-            if not tr:
-                return Linear(self._rows(buf(x)), P[w][rows], self._rows(buf(y)), None, None,
-                              None, bias, None, ones)
-            return Linear(self._rows(buf(x)), P[w][rows], self._rows(buf(y)),
-                          self._rows(self._dbuf(y)), self._dvalue(layer, x, rows=True),
-                          self._dparam(w, rows), bias, self._dparam(b, rows) if b else None,
-                          ones)
+            dy, dx, dw = ((self._rows(self._dbuf(y)), self._dvalue(layer, x, rows=True),
+                           self._dparam(w, rows)) if tr else (None, None, None))
+            return Linear(self._rows(buf(x)), P[w][rows], self._rows(buf(y)), dy, dx, dw, bias,
+                          self._dparam(b, rows) if tr and b else None, ones)
         outputs = tuple(buf(n) for n in node.outputs)
         if node.kind == "norm":
             x, branch = ((buf(n) for n in node.inputs) if node.fusion
                          else (buf(node.inputs[0]), None))
-            weights = tuple(P[n] for n in names)
-            if not tr:
-                return Norm(node.op, x, branch, weights, outputs, node.params)
             normed = node.outputs[0] if node.fusion else node.inputs[0]   # what it normalizes
-            return Norm(node.op, x, branch, weights, outputs, node.params,
-                        self._dbuf(node.outputs[-1]), self._dvalue(layer, normed),
-                        tuple(self._dparam(n) for n in names))
+            grads = ((self._dbuf(node.outputs[-1]), self._dvalue(layer, normed),
+                      tuple(self._dparam(n) for n in names)) if tr else ())
+            return Norm(node.op, x, branch, tuple(P[n] for n in names), outputs, node.params,
+                        *grads)
         # an activation with its linear's bias: each input's rows of it (Graph.bias_blocks)
         biases = [(names[0], rows) for rows in g.bias_blocks(node)] if node.bias and names else []
         inputs = (*(buf(n) for n in node.inputs), *(P[n][rows] for n, rows in biases))
         saved = tuple(buf(n) for n in node.saved)
-        fusion = "bias" if biases else ""
-        if not tr:
-            return Op(node.op, inputs, outputs, (), (), node.params, saved=saved, fusion=fusion)
-        douts = tuple(self._dbuf(n) for n in node.outputs if g.values[n].grad)
-        dins = (*(self._dvalue(layer, n) for n in node.inputs),
-                *(self._dparam(n, rows) for n, rows in biases))
-        return Op(node.op, inputs, outputs, douts, dins, node.params, saved=saved, fusion=fusion)
+        douts, dins = ((tuple(self._dbuf(n) for n in node.outputs if g.values[n].grad),
+                        (*(self._dvalue(layer, n) for n in node.inputs),
+                         *(self._dparam(n, rows) for n, rows in biases))) if tr else ((), ()))
+        return Op(node.op, inputs, outputs, douts, dins, node.params, saved=saved,
+                  fusion="bias" if biases else "")
