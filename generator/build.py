@@ -42,12 +42,19 @@ def generator_fingerprint() -> str:
     return h.hexdigest()
 
 
-def build_key(spec_bytes: bytes, kind: str, fingerprint: str) -> str:
+def _key(fingerprint: str, templates: list[Path], spec_bytes: bytes | None = None) -> str:
+    """The hash of what a build output renders from: the generator, the spec (if any),
+    then each template's name and bytes."""
     h = hashlib.sha256(fingerprint.encode())
-    h.update(b"spec\0" + spec_bytes)
-    for t in [TEMPLATES_DIR / "common.cuh.j2", *_templates_of(kind)]:
+    if spec_bytes is not None:
+        h.update(b"spec\0" + spec_bytes)
+    for t in templates:
         h.update(t.name.encode() + b"\0" + t.read_bytes())
     return h.hexdigest()
+
+
+def build_key(spec_bytes: bytes, kind: str, fingerprint: str) -> str:
+    return _key(fingerprint, [TEMPLATES_DIR / "common.cuh.j2", *_templates_of(kind)], spec_bytes)
 
 
 def _kind_of(spec_bytes: bytes) -> str:
@@ -179,10 +186,7 @@ def _previous(root: Path) -> dict:
 def _template_key(fingerprint: str, *templates: str) -> str:
     """The build key of what renders from templates alone (the common header, the
     embedding), so that an unchanged build need not render them (nor import sympy)."""
-    h = hashlib.sha256(fingerprint.encode())
-    for name in templates:
-        h.update(name.encode() + b"\0" + (TEMPLATES_DIR / name).read_bytes())
-    return h.hexdigest()
+    return _key(fingerprint, [TEMPLATES_DIR / name for name in templates])
 
 
 def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None:

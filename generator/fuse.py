@@ -17,6 +17,7 @@ so its split backward shares the op's column kernel.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from eulergen.errors import EulerError
@@ -53,6 +54,9 @@ def takes_add(op: ir.DerivedOp) -> bool:
             and all(o.role == "row" for o in op.outputs))
 
 
+# Cached: build, plan, render and the numpy module each ask for an op's variants, which a
+# DerivedOp (frozen, hashable) determines; a refused clash is raised again on every call.
+@functools.cache
 def add_variants(op: ir.DerivedOp) -> tuple[ir.DerivedOp, ir.DerivedOp] | None:
     """(add_forward, add_backward) of a row op that takes_add, else None."""
     if not takes_add(op):
@@ -88,6 +92,7 @@ def add_variants(op: ir.DerivedOp) -> tuple[ir.DerivedOp, ir.DerivedOp] | None:
     return forward, backward
 
 
+@functools.cache
 def bias_variant(op: ir.DerivedOp) -> ir.DerivedOp | None:
     """The `bias` variant of a pointwise op (inputs x…, then _bias_x…, role 'bias'), or
     None for other kinds."""
