@@ -63,7 +63,7 @@ def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
     if compile_ and not check_only:
         # The generator never imports the runtime: the CLI builds, then has it compile.
         try:
-            from eulergen.runtime.compile import compile_manifest
+            from eulergen.runtime.engine.compile import compile_manifest
             for root, _, _ in build_sets(ops_dirs):
                 click.echo(f"compiling kernels of {display_path(root, 'manifest.json')}")
                 compile_manifest(root / "manifest.json")
@@ -78,13 +78,13 @@ def build(check_only: bool, compile_: bool, ops_dirs: tuple[Path, ...]) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def plot(run_dir: Path) -> None:
     """Write RUN_DIR/loss.png: train and validation loss against step."""
-    from eulergen.runtime.metrics import PLOT_FILE, plot_run
-    from eulergen.runtime.run_dir import refuse_foreign
+    from eulergen.runtime.train.metrics import PLOT_FILE, plot_run
+    from eulergen.runtime.train.run_dir import refuse_foreign
     refuse_foreign(run_dir, PLOT_FILE)
     click.echo(f"wrote {plot_run(run_dir)}")
 
 
-# -- data: prepare, tokenizer (runtime/prepare.py, sources.py, tokenizer.py) ----------------
+# -- data: prepare, tokenizer (runtime/data/prepare.py, sources.py, tokenizer.py) ----------------
 
 class _TokenCount(click.ParamType):
     """A count of tokens: 20000, 10M, 1.5G."""
@@ -112,7 +112,7 @@ def _warn(message: str) -> None:
 
 
 def _sources(sources, dataset, subset, split, text_key):
-    from eulergen.runtime.sources import HubDataset, LocalFiles
+    from eulergen.runtime.data.sources import HubDataset, LocalFiles
     if dataset and sources:
         raise EulerError("give local SOURCES or --dataset, not both", key="--dataset")
     return HubDataset(dataset, subset, split, text_key) if dataset else LocalFiles(list(sources), text_key)
@@ -141,9 +141,9 @@ def prepare(sources, out, dataset, subset, split, text_key, tokenizer_spec, work
     document a line), .parquet (a document a row), folders or globs of them."""
     import shlex
 
-    from eulergen.runtime.prepare import Settings, progress_bar, train_glob
-    from eulergen.runtime.prepare import prepare as run_prepare
-    from eulergen.runtime.tokenizer import tokenizer_named
+    from eulergen.runtime.data.prepare import Settings, progress_bar, train_glob
+    from eulergen.runtime.data.prepare import prepare as run_prepare
+    from eulergen.runtime.data.tokenizer import tokenizer_named
 
     source = _sources(sources, dataset, subset, split, text_key)
     tok = tokenizer_named(tokenizer_spec, key="--tokenizer")
@@ -173,8 +173,8 @@ def tokenizer() -> None:
 def tokenizer_train(sources, vocab_size, out, text_key, on_bad_text) -> None:
     """Train a byte-level BPE (GPT-2's kind, Hugging Face tokenizers) on SOURCES, the
     files `eulergen prepare` reads; write it as a tokenizer.json."""
-    from eulergen.runtime.sources import checked
-    from eulergen.runtime.tokenizer import train_bpe
+    from eulergen.runtime.data.sources import checked
+    from eulergen.runtime.data.tokenizer import train_bpe
 
     docs = _sources(sources, None, None, "train", text_key).documents()
     tok = train_bpe((d.text for d in checked(docs, on_bad_text, _warn) if d.text), vocab_size, out)
@@ -182,13 +182,13 @@ def tokenizer_train(sources, vocab_size, out, text_key, on_bad_text) -> None:
     click.echo(f"use it: eulergen prepare --tokenizer {out} …, and --set data.tokenizer={out}")
 
 
-# -- training: train, plan, sample (runtime/train.py, memory.py, sample.py) ----------------
+# -- training: train, plan, sample (runtime/train/trainer.py, memory.py, sample.py) ----------------
 
 def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_dir=False,
                 per_device=True):
     """The run's config; without a file, the built-in default of the device the run resolves
     to (`per_device`; an --init-from run brings its own model)."""
-    from eulergen.runtime.config import load_config
+    from eulergen.runtime.train.config import load_config
     extra = [f"run_dir={run_dir}"] if run_dir else []
     extra += [f"training.device={device}"] if device else []
     return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir,
@@ -198,7 +198,7 @@ def _run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_
 def _finds_gpu() -> bool:
     """Whether training.device auto runs on a GPU here. Quiet: the run's own get_backend
     says why not, once."""
-    from eulergen.runtime.backend import get_backend
+    from eulergen.runtime.engine.backend import get_backend
     return get_backend("auto", notice=lambda line: None).is_gpu
 
 
@@ -209,7 +209,7 @@ def _default_named(cfg) -> str:
 
 def _resume_config(resume, overrides, device):
     """A resumed run's saved config, with the --set overrides and --device."""
-    from eulergen.runtime.train import resume_config
+    from eulergen.runtime.train.trainer import resume_config
     return resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])])
 
 
@@ -217,10 +217,10 @@ def _library(cfg, ops_dirs, *, build: bool):
     """The OpLibrary for a run: its ops regenerated first where stale (`build`), then the
     built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
     the kernels the disk cache lacks start compiling now, side by side, while the run
-    starts (runtime/compile.py prefetch): the first launches then find them compiled."""
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.model import ops_used
-    from eulergen.runtime.ops import OpLibrary
+    starts (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.model.gpt import ops_used
+    from eulergen.runtime.engine.ops import OpLibrary
 
     manifests = []
     if build:
@@ -228,7 +228,7 @@ def _library(cfg, ops_dirs, *, build: bool):
         manifests = ensure_built(ops_used(cfg.model), ops_dirs) or []
     lib = OpLibrary(get_backend(cfg.training.device), manifests)
     if lib.backend.is_gpu:
-        from eulergen.runtime.compile import prefetch
+        from eulergen.runtime.engine.compile import prefetch
         # a name that is no op is left to arch_of, which names the config key at fault
         prefetch(lib.ops[n] for n in (*ops_used(cfg.model), "embedding") if n in lib.ops)
     return lib
@@ -246,8 +246,9 @@ def _limit_blas_threads() -> None:
 def _resume_import(run: Path):
     """(imported weights, their record) for a resume of an --init-from run that has no
     checkpoint yet (it restarts from those weights, not from its seed), else (None, None)."""
-    from eulergen.runtime import checkpoint, hf
-    from eulergen.runtime.train import recorded_init
+    from eulergen.runtime.train import checkpoint
+    from eulergen.runtime.interop import hf
+    from eulergen.runtime.train.trainer import recorded_init
     source = recorded_init(run)
     if source is None or checkpoint.latest(run) is not None:
         return None, None
@@ -276,11 +277,11 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     """Train a GPT on generated kernels (no arguments: a small byte-level model on the
     standard library's source, a few minutes on a CPU)."""
     _limit_blas_threads()
-    from eulergen.runtime import collective as coll
-    from eulergen.runtime import gemm
-    from eulergen.runtime.data_parallel import connect
-    from eulergen.runtime.memory import format_bytes
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.distributed import collective as coll
+    from eulergen.runtime.engine import gemm
+    from eulergen.runtime.distributed.data_parallel import connect
+    from eulergen.runtime.model.memory import format_bytes
+    from eulergen.runtime.train.trainer import Trainer
 
     rv = coll.Rendezvous.from_env()
     if nproc > 1:
@@ -300,7 +301,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         imported, source = _resume_import(resume)
     elif init_from is not None:
         # read and checked in full before the run folder is touched
-        from eulergen.runtime import hf
+        from eulergen.runtime.interop import hf
         imported = hf.load_folder(hf.locate(init_from))
         source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
         given = _run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device,
@@ -349,8 +350,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
 def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, init_from,
                  ops_dirs) -> None:
     """--nproc: one run folder named here (each rank would otherwise pick its own), the GPU
-    count checked, then the ranks as `python -m eulergen train` (runtime/workers.py)."""
-    from eulergen.runtime.workers import check_gpus, run_workers
+    count checked, then the ranks as `python -m eulergen train` (runtime/distributed/workers.py)."""
+    from eulergen.runtime.distributed.workers import check_gpus, run_workers
     if rv is not None:
         raise EulerError(f"--nproc starts its own ranks, but this process is already rank "
                          f"{rv.rank} of {rv.world_size} (torchrun, srun): leave --nproc out",
@@ -385,19 +386,19 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
     from rich.console import Console
 
-    from eulergen.runtime.arch import arch_of
-    from eulergen.runtime.attention import PLAN_SMS
-    from eulergen.runtime.backend import NUMPY
-    from eulergen.runtime.buckets import plan_buckets
-    from eulergen.runtime.cublas import WORKSPACE_BYTES
-    from eulergen.runtime.cuda_ops import workspace_elements
-    from eulergen.runtime.decoder import plan_decoder
-    from eulergen.runtime.memory import plan_table, storage
-    from eulergen.runtime.model import plan_model
-    from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.params import param_count
+    from eulergen.runtime.model.arch import arch_of
+    from eulergen.runtime.engine.attention import PLAN_SMS
+    from eulergen.runtime.engine.backend import NUMPY
+    from eulergen.runtime.distributed.buckets import plan_buckets
+    from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
+    from eulergen.runtime.generate.decoder import plan_decoder
+    from eulergen.runtime.model.memory import plan_table, storage
+    from eulergen.runtime.model.gpt import plan_model
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.model.params import param_count
 
-    from eulergen.runtime.budget import check_config
+    from eulergen.runtime.train.budget import check_config
 
     cfg = _run_config(config_path, overrides)
     check_config(cfg)   # a million layers would be a million-layer table
@@ -432,9 +433,9 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     with. Weights that do not fit the config's model (another architecture, an unpadded
     vocab) are one error naming the weights file and the tensor."""
     _limit_blas_threads()
-    from eulergen.runtime.evaluate import load_into, open_model
-    from eulergen.runtime.sample import Sampler, sampling_dtype
-    from eulergen.runtime.tokenizer import check_fits, load_tokenizer
+    from eulergen.runtime.train.evaluate import load_into, open_model
+    from eulergen.runtime.generate.sample import Sampler, sampling_dtype
+    from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
     import numpy as np
@@ -458,10 +459,10 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
 def _check_sampler_fits(cfg, lib, num_samples: int, dtype: str) -> None:
     """--num-samples is the KV cache's batch: refused before the cache is planned in full
     or allocated when it cannot fit."""
-    from eulergen.runtime import budget
-    from eulergen.runtime.arch import arch_of
-    from eulergen.runtime.attention import PLAN_SMS
-    from eulergen.runtime.decoder import plan_decoder
+    from eulergen.runtime.train import budget
+    from eulergen.runtime.model.arch import arch_of
+    from eulergen.runtime.engine.attention import PLAN_SMS
+    from eulergen.runtime.generate.decoder import plan_decoder
 
     seq = cfg.training.seq_len
     if num_samples * seq > budget.MAX_INDEX:
@@ -495,7 +496,7 @@ def _sampling_options(f):
 
 def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
     """Sampler.samples' settings from the options, checked before a model is loaded."""
-    from eulergen.runtime.sample import check_settings
+    from eulergen.runtime.generate.sample import check_settings
     settings = dict(temperature=temperature, top_k=top_k or None,
                     top_p=None if top_p == 1 else top_p, seed=seed)
     check_settings(settings["temperature"], settings["top_k"], settings["top_p"], max_new_tokens)
@@ -526,7 +527,7 @@ def _utf8(text: str, key: str) -> str:
 def _printer(tok):
     """(stream, on_step): a TextStream over `tok` and the on_step that prints the first
     row's tokens through it as they come (its end of text not shown); flush at the end."""
-    from eulergen.runtime.sample import TextStream
+    from eulergen.runtime.generate.sample import TextStream
     stream = TextStream(tok.decode)
 
     def show(tokens):
@@ -602,7 +603,7 @@ def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, op
         click.echo(stream.flush())
 
 
-# -- Hugging Face out, and evaluation (runtime/hf.py, evaluate.py) ---------------------------
+# -- Hugging Face out, and evaluation (runtime/interop/hf.py, evaluate.py) ---------------------------
 
 @main.command()
 @click.argument("run", metavar="RUN_OR_CKPT")
@@ -613,9 +614,9 @@ def export(run, out) -> None:
     tied embeddings, the vocab unpadded) with the run's tokenizer as tokenizer.json."""
     import json
 
-    from eulergen.runtime import hf
-    from eulergen.runtime.evaluate import open_model
-    from eulergen.runtime.tokenizer import hf_tokenizer_json, load_tokenizer
+    from eulergen.runtime.interop import hf
+    from eulergen.runtime.train.evaluate import open_model
+    from eulergen.runtime.data.tokenizer import hf_tokenizer_json, load_tokenizer
 
     weights = open_model(run)
     files, eot = {}, None
@@ -645,7 +646,7 @@ def eval_(run, dataset, batch_size, seq_len, max_batches, device, ops_dirs) -> N
     """Mean cross-entropy and perplexity of a checkpoint (or a transformers folder) over
     every whole window of a dataset (builtin:stdlib: its held-out split)."""
     _limit_blas_threads()
-    from eulergen.runtime.evaluate import evaluate, open_model
+    from eulergen.runtime.train.evaluate import evaluate, open_model
 
     weights = open_model(run, device)
     seq = seq_len or weights.cfg.training.seq_len

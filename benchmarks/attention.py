@@ -31,10 +31,10 @@ from eulergen.generator import derive, spec  # noqa: E402
 from eulergen.generator.plan_attention import (ROLES, TilePlan, plan_attention,  # noqa: E402
                                                plan_tiles)
 from eulergen.generator.render_attention import render_attention  # noqa: E402
-from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
+from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_decode, attention_forward)
-from eulergen.runtime.compile import compile_file  # noqa: E402
-from eulergen.runtime.bf16 import to_bf16  # noqa: E402
+from eulergen.runtime.engine.compile import compile_file  # noqa: E402
+from eulergen.runtime.engine.bf16 import to_bf16  # noqa: E402
 
 CASES = [(8, 1024), (2, 4096)]
 H, KVH, D = 12, 4, 64
@@ -325,7 +325,7 @@ def decode_sweep() -> None:
     """Device time a call (us, CUDA graphs) of the decode kernel under other plans (key
     tile, rows a block) and split targets (blocks a launch aims for per SM): the data for
     plan_tiles' and attention.DECODE_BLOCKS_PER_SM's defaults."""
-    from eulergen.runtime import attention
+    from eulergen.runtime.engine import attention
     targets = (1, 2, 4, 8)
     print(f"decode d={D} T={DECODE_CACHE}: gpu us a call by plan and blocks per SM")
     for change in ({}, {"dec_tile": 32}, {"dec_tile": 128}, {"dec_rows": 1}, {"dec_rows": 2},

@@ -40,13 +40,13 @@ def run_eulergen(cfg, collective, zero: bool, warmup: int, iters: int) -> float:
     graphs with the NCCL calls inside; collective None: the plain step)."""
     import cupy
 
-    from eulergen.runtime.adamw import AdamW
-    from eulergen.runtime.arch import arch_of
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.buckets import plan_buckets
-    from eulergen.runtime.data_parallel import DataParallel
-    from eulergen.runtime.model import build
-    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.train.adamw import AdamW
+    from eulergen.runtime.model.arch import arch_of
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.distributed.buckets import plan_buckets
+    from eulergen.runtime.distributed.data_parallel import DataParallel
+    from eulergen.runtime.model.gpt import build
+    from eulergen.runtime.engine.ops import OpLibrary
     t = cfg.training
     lib = OpLibrary(get_backend("cuda"))
     ranks = collective.world_size if collective is not None else 1
@@ -88,8 +88,8 @@ def run_torch_ddp(cfg, rank: int, world: int, port: int, warmup: int, iters: int
 
 def worker(args) -> None:
     """One rank: every system in turn; rank 0 prints a RESULT line for each."""
-    from eulergen.runtime.collective import Rendezvous
-    from eulergen.runtime.nccl import NcclCollective
+    from eulergen.runtime.distributed.collective import Rendezvous
+    from eulergen.runtime.distributed.nccl import NcclCollective
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = config(args.preset, args.batch, args.seq, args.dtype)
     warmup, iters = args.warmup, args.iters
@@ -117,8 +117,8 @@ def worker(args) -> None:
 
 def launch(args, world: int) -> list[dict]:
     """The world's processes; rank 0's results (a failed world: one error row)."""
-    from eulergen.runtime.collective import free_port
-    from eulergen.runtime.nccl import ENV as NCCL_ENV
+    from eulergen.runtime.distributed.collective import free_port
+    from eulergen.runtime.distributed.nccl import ENV as NCCL_ENV
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), **NCCL_ENV}
     cmd = [sys.executable, __file__, "--worker", "--torch-port", str(free_port()),

@@ -39,10 +39,10 @@ def main() -> int:
     except Exception as err:
         print(f"benchmarks/embedding.py needs a CUDA GPU with CuPy: {err}", file=sys.stderr)
         return 2
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.cuda_ops import workspace_elements
-    from eulergen.runtime.bf16 import to_bf16
-    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.bf16 import to_bf16
+    from eulergen.runtime.engine.ops import OpLibrary
     lib = OpLibrary(get_backend("cuda"))
     op = lib.op("embedding")
     rng = np.random.default_rng(0)

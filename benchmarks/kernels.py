@@ -68,8 +68,8 @@ class Bench:
                  norm_shape: tuple[int, int] = (NORM_ROWS, NORM_COLS)):
         import cupy
         import torch
-        from eulergen.runtime.backend import get_backend
-        from eulergen.runtime.ops import OpLibrary
+        from eulergen.runtime.engine.backend import get_backend
+        from eulergen.runtime.engine.ops import OpLibrary
         self.cp, self.torch = cupy, torch
         self.F = torch.nn.functional
         self.lib = OpLibrary(get_backend("cuda"))
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     ops = {n: o for n, o in bench.lib.ops.items() if o.kind in
            ("pointwise", "row", "pair", "update", "embedding") and (not wanted or n in wanted)}
     say(f"device: {bench.lib.backend.device}; torch {torch.__version__}, cupy {cupy.__version__}")
-    from eulergen.runtime.compile import compile_file, op_options
+    from eulergen.runtime.engine.compile import compile_file, op_options
     for name, op in sorted(ops.items()):
         say(f"compile {name}: {compile_file(op.cuda, op_options(op)).from_cache}")
     copy = copy_gbps()

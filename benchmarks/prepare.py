@@ -34,10 +34,10 @@ import numpy as np  # noqa: E402
 
 from common import say  # noqa: E402
 from eulergen.errors import EulerError  # noqa: E402
-from eulergen.runtime.data import write_shard  # noqa: E402
-from eulergen.runtime.prepare import Settings, prepare  # noqa: E402
-from eulergen.runtime.sources import LocalFiles  # noqa: E402
-from eulergen.runtime.tokenizer import TiktokenTokenizer, train_bpe  # noqa: E402
+from eulergen.runtime.data.loader import write_shard  # noqa: E402
+from eulergen.runtime.data.prepare import Settings, prepare  # noqa: E402
+from eulergen.runtime.data.sources import LocalFiles  # noqa: E402
+from eulergen.runtime.data.tokenizer import TiktokenTokenizer, train_bpe  # noqa: E402
 
 SHARD_TOKENS = 10_000_000     # several shards in a few hundred MB, as a real run writes them
 VAL_TOKENS = 1_000_000

@@ -39,7 +39,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 
 def eulergen_weights(cfg, lib):
     """GPT-2's init for the preset, as a host state dict (eulergen's names and shapes)."""
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.gpt import build
     model = build(cfg.model, lib, 1, 1, training=False)
     model.init_weights(0)
     return model.state_dict()
@@ -107,10 +107,10 @@ def main() -> None:
     import cupy
     import torch
 
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.config import load_config
-    from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.sample import Sampler
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.train.config import load_config
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.generate.sample import Sampler
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -29,7 +29,7 @@ MARK = "eulergen-startup: first step done"
 # The child: `eulergen train`, with a print when the first train_step has finished.
 CHILD = f"""
 import sys
-from eulergen.runtime import train
+from eulergen.runtime.train import trainer as train
 step = train.Trainer.train_step
 def first(self):
     out = step(self)

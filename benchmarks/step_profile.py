@@ -19,7 +19,7 @@ of the outer span is its `rest` line. Lines of the blocks' layers are summed int
 (h.*.), `n` saying how many calls it holds. Times are medians over the steps.
 
 GEMM and attention lines give TFLOP/s against the GPU's dense peak at the step's GEMM
-precision (bf16, or TF32 for fp32 storage; runtime/metrics.py); attention counts causal
+precision (bf16, or TF32 for fp32 storage; runtime/train/metrics.py); attention counts causal
 flash FLOPs (forward 2 GEMMs, backward 5 with the recompute, half the T×T square each).
 Memory-bound lines give the bytes their arrays hold (each input and output once: the
 fewest a kernel can move) against a device-to-device copy measured in the same run.
@@ -174,7 +174,7 @@ def _attention_flops(q) -> float:
 
 
 def _embedding_bytes(node, backward: bool) -> int:
-    """The bytes the embedding's kernels move (runtime/cuda_ops.py). Forward: ids, a table
+    """The bytes the embedding's kernels move (runtime/engine/cuda_ops.py). Forward: ids, a table
     row per token (and its position's), the output. The deterministic backward: the sort
     reads the ids and writes int64 keys per token and an int32 first-rank per table row,
     the merge reads and writes the keys, the table kernel reads keys, first-ranks and
@@ -198,7 +198,7 @@ class Timed:
     """A tape node in a stand-in that times its forward and backward."""
 
     def __init__(self, node, spans: Spans, names: Names):
-        from eulergen.runtime import tape
+        from eulergen.runtime.model import tape
         self.node, self.spans, n = node, spans, node
         flops = (0.0, 0.0)
         if isinstance(n, tape.Linear):   # its bytes and FLOPs: its GEMMs' lines
@@ -323,11 +323,12 @@ _MISSING = object()
 
 def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     """One configuration's lines and wall time; `copy`: the copy bandwidth, GB/s."""
-    from eulergen.runtime import bf16, gemm, metrics
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.model import build
-    from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.adamw import AdamW
+    from eulergen.runtime.engine import bf16, gemm
+    from eulergen.runtime.train import metrics
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.model.gpt import build
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.train.adamw import AdamW
 
     t = cfg.training
     backend = get_backend(t.device)

@@ -2,7 +2,7 @@
 for the GPU tests (same weights ⇒ same loss and gradients) and the baseline for
 benchmarks/train.py.
 
-Same math as runtime/model.py and the op specs: pre-norm blocks; layernorm (weight and
+Same math as runtime/model/gpt.py and the op specs: pre-norm blocks; layernorm (weight and
 bias) or rmsnorm (weight); gelu (tanh), gelu_erf, silu, relu, relu2, or gated swiglu
 (silu(a)·b) / geglu (gelu_tanh(a)·b) with a = c_fc rows 0..F-1, b = rows F..2F-1;
 learned positions or RoPE on pairs (k, k + hd/2) with θ = t·base^(-2k/hd); causal
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eulergen.errors import EulerError
-from eulergen.runtime.config import ModelConfig
-from eulergen.runtime.params import padded_vocab
+from eulergen.runtime.train.config import ModelConfig
+from eulergen.runtime.model.params import padded_vocab
 
 
 def _gelu_tanh(x):
@@ -117,7 +117,7 @@ class TorchGPT(nn.Module):
         super().__init__()
         _check_supported(cfg)
         self.cfg = cfg
-        # eulergen's padded rows (runtime/model.py padded_vocab): the same shapes, the same loss
+        # eulergen's padded rows (runtime/model/gpt.py padded_vocab): the same shapes, the same loss
         # (over the real ids only)
         self.wte = nn.Embedding(padded_vocab(cfg.vocab_size), cfg.hidden_dim)
         if cfg.positions == "learned":
@@ -156,7 +156,7 @@ class TorchGPT(nn.Module):
         logits = self.ln_f(x) @ self.wte.weight.T
         if targets is None:
             return logits, None
-        # padded rows take no part in the loss (runtime/model.py GPT._mask_padding)
+        # padded rows take no part in the loss (runtime/model/gpt.py GPT._mask_padding)
         real = logits[..., :self.cfg.vocab_size]
         loss = F.cross_entropy(real.reshape(B * T, -1).float(), targets.reshape(-1).long())
         return logits, loss

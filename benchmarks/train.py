@@ -14,10 +14,10 @@ parameters, bf16 matmuls, SDPA's flash kernel with enable_gqa), eager and torch.
 ratios against torch.compile, the bar a PyTorch user reaches in two lines.
 A step is what a training loop does: forward, loss, backward, the loss read to the host,
 global grad-norm clipping at 1.0, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices;
-torch: fused=True). eulergen runs it as the trainer does (runtime/step_graph.py: one CUDA
+torch: fused=True). eulergen runs it as the trainer does (runtime/train/step_graph.py: one CUDA
 graph per stage, training.cuda_graph; --eager adds a row of the same kernels launched
 without the graphs), its spike guard off as torch has none. Random tokens, fixed per run (ANCHORS.md's setup). tokens/s is B·T
-over the median step time; MFU is tokens/s × FLOPs per token (runtime/metrics.py) over the
+over the median step time; MFU is tokens/s × FLOPs per token (runtime/train/metrics.py) over the
 GPU's dense peak at the precision (TF32 or bf16). Peak memory: eulergen's CuPy pool after
 the steps (the pool keeps every block it ever held, so that is its peak); torch's
 max_memory_allocated. eulergen's plan: the bytes `eulergen plan` lays out for the same run;
@@ -48,7 +48,7 @@ LR = 6e-4
 
 def config(preset: str, batch: int, seq: int, dtype: str, *overrides: str):
     """The benchmarked run's config; `overrides` come last (a device, a smaller model)."""
-    from eulergen.runtime.config import load_config
+    from eulergen.runtime.train.config import load_config
     return load_config(None, [f"model.preset={preset}", f"training.batch_size={batch}",
                               f"training.seq_len={seq}", "training.device=cuda",
                               "training.weight_decay=0.1", "training.grad_clip=1.0",
@@ -60,11 +60,11 @@ def _mfu(cfg, seconds: float) -> float | None:
     """Model FLOPs utilisation of one step, counted as the trainer counts it."""
     import cupy
 
-    from eulergen.runtime import metrics
-    from eulergen.runtime.arch import arch_of
-    from eulergen.runtime.backend import NUMPY
-    from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.train import flops_per_token
+    from eulergen.runtime.train import metrics
+    from eulergen.runtime.model.arch import arch_of
+    from eulergen.runtime.engine.backend import NUMPY
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.train.trainer import flops_per_token
     t = cfg.training
     flops = flops_per_token(arch_of(cfg.model, OpLibrary(NUMPY)), t.seq_len)
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
@@ -95,9 +95,9 @@ def _median_step(step, warmup: int, iters: int, sync) -> float:
 
 def eulergen_stepper(model, optim, t, cuda_graph: bool = True, dp=None):
     """(a Stepper as the trainer makes it, its one-step call: launch, then the loss read
-    back, so the step has ended). `dp`: a rank's DataParallel (runtime/data_parallel.py)."""
-    from eulergen.runtime.step_control import StepRule
-    from eulergen.runtime.step_graph import Stepper
+    back, so the step has ended). `dp`: a rank's DataParallel (runtime/distributed/data_parallel.py)."""
+    from eulergen.runtime.train.step_control import StepRule
+    from eulergen.runtime.train.step_graph import Stepper
     ranks = dp.ranks if dp is not None else 1
     rule = StepRule.of(t, optim.slots, ranks, zero=dp is not None and dp.zero)
     stepper = Stepper(model, optim, rule, cuda_graph=cuda_graph, dp=dp)
@@ -120,10 +120,10 @@ def _device_used() -> int:
 def run_eulergen(cfg, warmup: int, iters: int, cuda_graph: bool = True) -> dict:
     import cupy
 
-    from eulergen.runtime.adamw import AdamW
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.model import build
-    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.train.adamw import AdamW
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.model.gpt import build
+    from eulergen.runtime.engine.ops import OpLibrary
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()

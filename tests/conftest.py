@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from eulergen import PACKAGE_DIR
-from eulergen.runtime.data import write_shard
+from eulergen.runtime.data.loader import write_shard
 
 
 @pytest.fixture(scope="module")

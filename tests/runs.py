@@ -27,7 +27,7 @@ def kill_minus_nine_then_resume(args: list[str], sets_of, tmp_path: Path, timeou
     tmp_path/straight to the end, and in tmp_path/killed until its first checkpoint, kills
     that one with SIGKILL and resumes it with --resume; every run must succeed. `timeout`
     bounds each run, `wait` the wait for the checkpoint, polled every `poll` seconds."""
-    from eulergen.runtime import checkpoint
+    from eulergen.runtime.train import checkpoint
     killed = tmp_path / "killed"
     done = subprocess.run(args + [a for s in sets_of(tmp_path / "straight") for a in ("--set", s)],
                           capture_output=True, text=True, timeout=timeout)

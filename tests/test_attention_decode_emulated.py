@@ -1,4 +1,4 @@
-"""runtime/attention.py's attention_decode end to end without a GPU: the generated decode
+"""runtime/engine/attention.py's attention_decode end to end without a GPU: the generated decode
 kernels compiled by g++ over tests/attention_emulator/ (see test_attention_runtime_emulated.py,
 whose stand-in cupy and kernel library this reuses), against the generated numpy decode.
 Covers the split-K merge (many splits, and one), GQA rows, prefill chunks, rows that see no
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eulergen.generator.plan_attention import TilePlan, plan_tiles
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 import test_attention_runtime_emulated as emu
 from test_attention_runtime_emulated import FakeArray
@@ -26,7 +26,7 @@ def decode(monkeypatch_module):
     cupy = emu._fake_cupy()
     cupy.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(FakeArray)
     monkeypatch_module.setitem(sys.modules, "cupy", cupy)
-    from eulergen.runtime import attention
+    from eulergen.runtime.engine import attention
     built = {}
 
     def run(name, q, k_cache, v_cache, pos0, *, sms, out=None, rows=None, **params):

@@ -11,8 +11,8 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.generator.numpy_attention import render_attention_module
-from eulergen.runtime.backend import get_backend
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.engine.backend import get_backend
+from eulergen.runtime.engine.ops import OpLibrary
 
 import attention_ops
 

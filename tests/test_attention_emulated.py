@@ -21,7 +21,7 @@ from eulergen import TEMPLATES_DIR
 from eulergen.generator.numpy_attention import render_attention_module
 from eulergen.generator.plan_attention import HEAD_DIMS, TilePlan, plan_attention
 from eulergen.generator.render_attention import render_attention
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 import attention_ops
 

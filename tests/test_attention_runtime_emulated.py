@@ -1,4 +1,4 @@
-"""runtime/attention.py end to end without a GPU: a stand-in `cupy` whose arrays are numpy
+"""runtime/engine/attention.py end to end without a GPU: a stand-in `cupy` whose arrays are numpy
 arrays and whose kernels are the generated .cu compiled by g++ into a shared library over
 tests/attention_emulator/. This checks what the GPU tests would otherwise be the first to
 see: argument order and C types against the rendered signatures, strides of views into a
@@ -23,7 +23,7 @@ from eulergen.generator.numpy_attention import render_attention_module
 from eulergen.generator.plan_attention import plan_attention
 from eulergen.generator.render_attention import render_attention
 from eulergen.launch import AttentionRowdot
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 import attention_ops
 
@@ -110,7 +110,7 @@ def _library(name: str, folder: Path, **plan):
 @pytest.fixture(scope="module")
 def runtime(monkeypatch_module):
     monkeypatch_module.setitem(sys.modules, "cupy", _fake_cupy())
-    from eulergen.runtime.attention import (AttentionKernels, attention_backward,
+    from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,
                                             attention_forward)
     rendered, derived, lib, mod = _library("causal_attention",
                                            Path(tempfile.mkdtemp(prefix="eg-attn-rt-")))

@@ -24,16 +24,16 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime import bf16
-from eulergen.runtime.adamw import AdamW
-from eulergen.runtime.arch import arch_of
-from eulergen.runtime.backend import NUMPY, Backend
-from eulergen.runtime.config import load_config
-from eulergen.runtime.memory import Memory, storage
-from eulergen.runtime.model import GPT, build, plan_model
-from eulergen.runtime.bf16 import from_bf16, to_bf16
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.tape import Linear
+from eulergen.runtime.engine import bf16
+from eulergen.runtime.train.adamw import AdamW
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.engine.backend import NUMPY, Backend
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.model.memory import Memory, storage
+from eulergen.runtime.model.gpt import GPT, build, plan_model
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.model.tape import Linear
 
 GRAD_TOLERANCE = 2e-2
 LOSS_TOLERANCE = 1e-2
@@ -159,7 +159,7 @@ def test_an_fp32_plan_has_no_bf16_arenas(lib):
 
 
 def test_the_gpu_plan_sizes_the_kernels_workspace_for_bf16(lib):
-    from eulergen.runtime.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
     arch = arch_of(_cfg("gpt2").model, lib)
     asked = []
 
@@ -183,8 +183,8 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     from click.testing import CliRunner
 
     from eulergen.cli import main
-    from eulergen.runtime.cublas import WORKSPACE_BYTES
-    from eulergen.runtime.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
     overrides = STRUCTURES["nanoeuler"] + COMMON + ["training.dtype=bf16"]
     result = CliRunner().invoke(main, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert result.exit_code == 0, result.output
@@ -208,7 +208,7 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
 
 
 def test_bf16_is_refused_where_it_cannot_run(lib, tmp_path):
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.trainer import Trainer
     cfg = load_config(None, ["training.dtype=bf16", f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(EulerError, match="numpy backend trains in fp32 only") as err:
         Trainer(cfg, lib, progress=False, tensorboard=False)
@@ -225,7 +225,7 @@ def test_bf16_is_refused_where_it_cannot_run(lib, tmp_path):
 
 
 def test_auto_is_bf16_on_a_bf16_gpu_and_fp32_elsewhere_and_the_run_records_which(lib, tmp_path):
-    from eulergen.runtime.train import CONFIG_FILE, Trainer
+    from eulergen.runtime.train.trainer import CONFIG_FILE, Trainer
     h200 = Backend("cuda", np, True, "H200 (sm_90)", 90)
     turing = Backend("cuda", np, True, "Tesla T4 (sm_75)", 75)
     assert [bf16.plan_dtype("auto", b) for b in (h200, turing, NUMPY)] == \

@@ -96,7 +96,7 @@ def test_a_run_whose_ops_are_built_never_imports_sympy(generated, few_ops):
             "real = ops_path.find_ops\n"
             f"ops_path.find_ops = lambda d=(): {{n: p for n, p in real(d).items() if n in {FEW!r}}}\n"
             "build.ensure_built()\n"
-            "from eulergen.runtime.config import load_config\n"
+            "from eulergen.runtime.train.config import load_config\n"
             "load_config(None, [])\n"
             "print('sympy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code, str(generated)], capture_output=True,
@@ -248,7 +248,7 @@ def test_output_does_not_depend_on_the_hash_seed(tmp_path):
 
 
 def test_compile_without_cupy_is_a_one_line_error(generated, few_ops, monkeypatch):
-    monkeypatch.setitem(sys.modules, "eulergen.runtime.compile", None)  # import fails
+    monkeypatch.setitem(sys.modules, "eulergen.runtime.engine.compile", None)  # import fails
     result = CliRunner().invoke(main, ["build", "--compile"])
     assert result.exit_code == 2 and "--compile needs CuPy" in result.output
     assert "Traceback" not in result.output
@@ -268,7 +268,7 @@ def test_check_ignores_build_keys_but_not_content(generated, few_ops):
 
 def test_a_fast_math_op_is_marked_so_in_its_manifest_and_the_runtime_reads_it(
         generated, few_ops, tmp_path):
-    from eulergen.runtime.manifest import load_manifest
+    from eulergen.runtime.engine.manifest import load_manifest
     folder = _user_ops(tmp_path, MISH + "fast_math: true\n")
     (manifest,) = build.ensure_built(["mish"], [folder], echo=lambda _: None)
     assert json.loads(manifest.read_text())["ops"]["mish"]["fast_math"] is True

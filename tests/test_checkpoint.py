@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint
+from eulergen.runtime.train import checkpoint
 
 
 def _tensors(seed):
@@ -114,7 +114,7 @@ def test_non_numpy_tensor_is_refused_before_writing(tmp_path):
 
 _KILL_LOOP = """
 import sys, numpy as np
-from eulergen.runtime import checkpoint
+from eulergen.runtime.train import checkpoint
 big = {"w": np.ones((2048, 2048), np.float32)}
 step = 0
 while True:

@@ -7,7 +7,7 @@ import pytest
 
 from eulergen import CONFIG_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.config import (GPU_DEFAULT, ModelConfig, as_dict, config_from_dict,
+from eulergen.runtime.train.config import (GPU_DEFAULT, ModelConfig, as_dict, config_from_dict,
                                      derive_val_dataset, load_config)
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime.config import load_config
-from eulergen.runtime.data import (HEADER_BYTES, DataLoader, make_loaders, open_tokens,
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.data.loader import (HEADER_BYTES, DataLoader, make_loaders, open_tokens,
                                    stdlib_files, stdlib_tokens, write_shard)
-from eulergen.runtime.tokenizer import BYTE_EOT
+from eulergen.runtime.data.tokenizer import BYTE_EOT
 
 
 def _header(magic, version, count):

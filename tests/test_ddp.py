@@ -1,4 +1,4 @@
-"""Data-parallel training on numpy (runtime/collective.py, the DataLoader's rank slices,
+"""Data-parallel training on numpy (runtime/distributed/collective.py, the DataLoader's rank slices,
 the Stepper's gradient buckets, `eulergen train --nproc`): the CPU collective's reductions in
 rank order, its one-line errors, disjoint shards, and N ranks x B matching 1 x N·B."""
 from __future__ import annotations
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.collective import CpuCollective, Rendezvous, free_port, select_gpu
-from eulergen.runtime.config import load_config
-from eulergen.runtime.data import DataLoader
-from eulergen.runtime.nccl import NcclCollective
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.train import Trainer
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.distributed.collective import CpuCollective, Rendezvous, free_port, select_gpu
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.data.loader import DataLoader
+from eulergen.runtime.distributed.nccl import NcclCollective
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.train.trainer import Trainer
 from runs import losses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +204,8 @@ def test_more_ranks_on_a_node_than_gpus_is_one_line(monkeypatch):
 
 
 def test_nproc_larger_than_the_gpus_is_one_line_before_any_rank_starts(monkeypatch):
-    from eulergen.runtime import backend, workers
+    from eulergen.runtime.engine import backend
+    from eulergen.runtime.distributed import workers
     gpus = type("xp", (), {"cuda": type("cuda", (), {"runtime": type("rt", (), {
         "getDeviceCount": staticmethod(lambda: 1)})})})
     monkeypatch.setattr(backend, "get_backend", lambda device, notice=None: type(

@@ -1,4 +1,4 @@
-"""The device draw (runtime/draw.py SOURCE) without a GPU: compiled by g++ over the
+"""The device draw (runtime/generate/draw.py SOURCE) without a GPU: compiled by g++ over the
 attention emulator (tests/attention_emulator: a block's threads as fibers, barriers and
 shuffles among them) and run on the rows numpy's `pick` draws from, with the same
 uniforms. Its weights are integers and its sums exact, so the ids must be the same; the
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eulergen.runtime.draw import SOURCE, pick, uniforms
+from eulergen.runtime.generate.draw import SOURCE, pick, uniforms
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]

@@ -17,11 +17,11 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.train import Trainer
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.train.trainer import Trainer
 
 from test_run_dir import cli_sets, tiny, tree_digest
 
@@ -137,7 +137,7 @@ def test_a_real_full_tmpfs_during_a_save_keeps_the_earlier_checkpoints(lib, shar
     script = ("from eulergen.cli import main; main(['train', '--device', 'numpy', "
               + ", ".join(repr(a) for a in cli_sets(sets)) + "])")
     shell = (f"mount -t tmpfs -o size={size_k}k tmpfs {mnt} && {sys.executable} -c \"{script}\"; "
-             f"rc=$?; ls {run}; {sys.executable} -c \"from eulergen.runtime import checkpoint; "
+             f"rc=$?; ls {run}; {sys.executable} -c \"from eulergen.runtime.train import checkpoint; "
              f"print('loaded', checkpoint.load('{run}').step)\"; exit $rc")
     got = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True,
                          timeout=300)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.manifest import load_manifest, load_numpy_module
+from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
 from test_cuda_emulated import (MANIFEST, OPS, SUFFIX, TOL, _params, _row_geometry,
                                 _runtime_variant, as_tuple, close, f32, geometry,
                                 inputs_as_stored, launch, stored, value)

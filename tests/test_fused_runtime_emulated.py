@@ -1,4 +1,4 @@
-"""The CUDA side of the fused variants' calls (runtime/cuda_ops.py `fusion=`, bias_ops.py)
+"""The CUDA side of the fused variants' calls (runtime/engine/cuda_ops.py `fusion=`, bias_ops.py)
 end to end without a GPU: OpLibrary on a stand-in `cupy` whose arrays are numpy arrays,
 launching generated/cuda's kernels compiled by g++ over tests/cudagen_emulator into a
 shared library (as tests/test_attention_runtime_emulated.py does for attention). It checks
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
-from eulergen.runtime.backend import NUMPY, Backend
-from eulergen.runtime.kernels import bind
-from eulergen.runtime.bf16 import from_bf16, to_bf16
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.engine.backend import NUMPY, Backend
+from eulergen.runtime.engine.kernels import bind
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.ops import OpLibrary
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]

@@ -1,4 +1,4 @@
-"""The model graph as data (runtime/graph.py) and what the training tape and the decoder
+"""The model graph as data (runtime/model/graph.py) and what the training tape and the decoder
 build from it: node order, the fused adds and biases, the values training keeps, the
 gradient wiring of the residual stream and the tied table, q, k and v as parts of one qkv
 buffer in training and in the decoder, and rope in place over them where the op allows it."""
@@ -9,14 +9,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from eulergen.runtime.arch import arch_of, rope_in_place
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.decoder import build_decoder
-from eulergen.runtime.graph import model_graph
-from eulergen.runtime.model import build
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.tape import Embedding, Linear, Norm, Op
+from eulergen.runtime.model.arch import arch_of, rope_in_place
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.generate.decoder import build_decoder
+from eulergen.runtime.model.graph import model_graph
+from eulergen.runtime.model.gpt import build
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.model.tape import Embedding, Linear, Norm, Op
 from test_model import STRUCTURES, _model, _tokens   # gpt2 and nanoeuler at a tiny size
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face in and out (runtime/hf.py, hf_files.py, evaluate.py, the tokenizer forms):
+"""Hugging Face in and out (runtime/interop/hf.py, hf_files.py, evaluate.py, the tokenizer forms):
 small random transformers models, GPT-2's and Llama's, with GPT-2's vocabulary of 50257
 and a small one, on the numpy backend against transformers on the CPU.
 
@@ -19,12 +19,13 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime import hf, tokenizer as T
-from eulergen.runtime.backend import get_backend
-from eulergen.runtime.config import config_from_dict
-from eulergen.runtime.evaluate import evaluate, open_model
-from eulergen.runtime.model import build
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.interop import hf
+from eulergen.runtime.data import tokenizer as T
+from eulergen.runtime.engine.backend import get_backend
+from eulergen.runtime.train.config import config_from_dict
+from eulergen.runtime.train.evaluate import evaluate, open_model
+from eulergen.runtime.model.gpt import build
+from eulergen.runtime.engine.ops import OpLibrary
 from runs import first_loss
 
 torch = pytest.importorskip("torch")
@@ -270,7 +271,7 @@ def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib
 
 def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_weights(
         tmp_path_factory, tmp_path, monkeypatch):
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.trainer import Trainer
     folder, _ = saved(tmp_path_factory, "gpt2", 256)
     short = ["--device", "numpy", "--set", "training.total_steps=2", "--set",
              "training.warmup_steps=1", "--set", "training.batch_size=2", "--set",
@@ -300,7 +301,7 @@ def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_wei
 def test_eval_is_the_mean_loss_transformers_gives(tmp_path_factory, tmp_path, lib):
     folder, ref = saved(tmp_path_factory, "llama", 97)
     data = tmp_path / "d_val_000000.bin"
-    from eulergen.runtime.data import write_shard
+    from eulergen.runtime.data.loader import write_shard
     ids = np.random.default_rng(5).integers(0, 97, 4 * S + 1)
     write_shard(data, ids)
     result = evaluate(open_model(folder, "numpy"), lib, str(data), batch=2, seq=S)

@@ -1,6 +1,7 @@
 """Who imports whom (DESIGN.md): no cycle inside generator/ or runtime/, counting the imports
 inside functions too; the generator never imports the runtime, nor the runtime the generator;
-eulergen/launch.py, which both share, imports neither."""
+runtime/'s sub-packages import only those below them (runtime.LAYERS); eulergen/launch.py,
+which both share, imports neither."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +9,7 @@ import ast
 import pytest
 
 from eulergen import PACKAGE_DIR
+from eulergen.runtime import LAYERS
 
 
 def _imports(path) -> set[str]:
@@ -22,12 +24,22 @@ def _imports(path) -> set[str]:
     return found
 
 
+def _modules(package: str) -> dict[str, object]:
+    """Dotted name below `package` (`engine.ops`) -> file, sub-packages included."""
+    root = PACKAGE_DIR / package
+    return {".".join(p.relative_to(root).with_suffix("").parts): p
+            for p in sorted(root.rglob("*.py")) if p.stem != "__init__"}
+
+
 def _graph(package: str) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports."""
-    modules = {p.stem: p for p in (PACKAGE_DIR / package).glob("*.py") if p.stem != "__init__"}
+    modules = _modules(package)
     prefix = f"eulergen.{package}."
-    return {name: {m[len(prefix):].split(".")[0] for m in _imports(path) if m.startswith(prefix)}
-            & set(modules) - {name} for name, path in modules.items()}
+    graph = {}
+    for name, path in modules.items():
+        found = {m[len(prefix):] for m in _imports(path) if m.startswith(prefix)}
+        graph[name] = {m for m in modules if m in found or any(f.startswith(m + ".") for f in found)} - {name}
+    return graph
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -66,9 +78,25 @@ def test_no_import_cycle_inside_a_package(package):
 
 @pytest.mark.parametrize("package,other", [("generator", "runtime"), ("runtime", "generator")])
 def test_generator_and_runtime_do_not_import_each_other(package, other):
-    for path in sorted((PACKAGE_DIR / package).glob("*.py")):
+    for name, path in _modules(package).items():
         bad = sorted(m for m in _imports(path) if m.startswith(f"eulergen.{other}"))
-        assert not bad, f"{package}/{path.name} imports {bad[0]}"
+        assert not bad, f"{package}/{name} imports {bad[0]}"
+
+
+def test_every_runtime_module_lives_in_a_layer_and_each_layer_says_what_it_owns():
+    assert set(_modules("runtime")) == {n for n in _modules("runtime") if n.split(".")[0] in LAYERS}, \
+        f"runtime/ modules outside {LAYERS}: {sorted(n for n in _modules('runtime') if '.' not in n)}"
+    for layer in LAYERS:
+        init = PACKAGE_DIR / "runtime" / layer / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"runtime/{layer}/__init__.py has no docstring"
+
+
+def test_runtime_layers_import_only_the_layers_below_them():
+    for name, deps in _graph("runtime").items():
+        layer = LAYERS.index(name.split(".")[0])
+        for dep in deps:
+            assert LAYERS.index(dep.split(".")[0]) <= layer, \
+                f"runtime/{name.replace('.', '/')}.py imports runtime/{dep.replace('.', '/')}.py, a layer above it"
 
 
 def test_the_shared_leaves_import_no_package():
@@ -79,6 +107,6 @@ def test_the_shared_leaves_import_no_package():
 def test_suggest_is_imported_from_errors_only():
     """One "did you mean": every module takes `suggest` from eulergen.errors, not through
     another module that happens to import it."""
-    for path in sorted(PACKAGE_DIR.glob("*/*.py")) + sorted(PACKAGE_DIR.glob("*.py")):
+    for path in sorted(PACKAGE_DIR.glob("*/*.py")) + sorted(PACKAGE_DIR.glob("*/*/*.py")) + sorted(PACKAGE_DIR.glob("*.py")):
         via = sorted(m[:-len(".suggest")] for m in _imports(path) if m.endswith(".suggest"))
         assert via in ([], ["eulergen.errors"]), f"{path.name} imports suggest from {via}"

@@ -11,12 +11,12 @@ from bad_inputs.cases import bomb
 from eulergen.errors import EulerError
 from eulergen.generator.formula import FORMULA_MAX_DEPTH, parse, Where
 from eulergen.generator.spec import load_spec, symbol
-from eulergen.runtime import budget
-from eulergen.runtime.arch import arch_of
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.model import plan_model
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.train import budget
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.model.gpt import plan_model
+from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.userfiles import YAML_MAX_DEPTH, load_json, load_yaml
 
 

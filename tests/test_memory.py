@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime.arch import arch_of
-from eulergen.runtime.backend import NUMPY, Backend
-from eulergen.runtime.config import load_config
-from eulergen.runtime.cuda_ops import workspace_elements
-from eulergen.runtime.memory import upload
-from eulergen.runtime.model import plan_model
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.engine.backend import NUMPY, Backend
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.cuda_ops import workspace_elements
+from eulergen.runtime.model.memory import upload
+from eulergen.runtime.model.gpt import plan_model
+from eulergen.runtime.engine.ops import OpLibrary
 from test_runtime_kernels import OPS, dev, emu, libs, needs_manifest  # noqa: F401 (fixtures)
 
 TINY = ["model.preset=nanoeuler", "model.hidden_dim=256", "model.num_heads=4",

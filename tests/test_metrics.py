@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime.metrics import (RunLogger, flops_per_token, peak_flops, plot_run,
+from eulergen.runtime.train.metrics import (RunLogger, flops_per_token, peak_flops, plot_run,
                                       read_metrics)
 
 

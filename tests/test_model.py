@@ -9,13 +9,13 @@ import pytest
 
 from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.arch import arch_of
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.gemm import numpy_gemm
-from eulergen.runtime.model import build, plan_model
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.params import param_count, parameters
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.gemm import numpy_gemm
+from eulergen.runtime.model.gpt import build, plan_model
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.model.params import param_count, parameters
 
 # The two presets' structure at a size where central differences over every parameter
 # tensor take a second: GPT-2 (layernorm, gelu, learned positions, biases) and nanoeuler

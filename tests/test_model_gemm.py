@@ -3,7 +3,7 @@ on the CPU: stand-ins for cublasGemmEx and for nvmath-python's cuBLASLt read the
 through the very pointers, leading dimensions, transpose flags, data types and epilogue
 attributes the bindings pass, in fp32 and in bf16 (uint16 bits: widened, summed in
 float32, rounded once, as cuBLAS with CUBLAS_COMPUTE_32F), refusing a leading dimension
-cuBLAS would refuse. And the choice between them (runtime/gemm.py) where one is missing."""
+cuBLAS would refuse. And the choice between them (runtime/engine/gemm.py) where one is missing."""
 from __future__ import annotations
 
 import ctypes
@@ -16,11 +16,11 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from eulergen.errors import EulerError
-from eulergen.runtime import gemm
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.gemm import (COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_T, R_16BF, R_32F,
+from eulergen.runtime.engine import gemm
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.engine.gemm import (COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_T, R_16BF, R_32F,
                                    CublasGemm, numpy_gemm)
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 
 class HostArray:
@@ -125,7 +125,7 @@ def test_cublas_binding_refuses_mixed_dtypes():
         CublasGemm(_gemm_ex, tf32=False)(HostArray(a), HostArray(to_bf16(a)), HostArray(a))
 
 
-# -- cuBLASLt (runtime/gemm.py LtGemm) through a stand-in of nvmath.bindings.cublasLt -------
+# -- cuBLASLt (runtime/engine/gemm.py LtGemm) through a stand-in of nvmath.bindings.cublasLt -------
 
 
 class FakeLt:

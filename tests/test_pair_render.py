@@ -13,7 +13,7 @@ from eulergen.generator.render import _pair_kernel
 from eulergen.generator.ops_path import find_ops
 from eulergen.generator.spec import load_spec
 from eulergen.launch import Pair
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.manifest import load_manifest
 
 TRANSCENDENTAL = re.compile(r"\b(powf|eg_sinf|eg_cosf|expf|logf)\(")
 

@@ -12,7 +12,7 @@ from eulergen.generator import plan as planner, plan_ops
 from eulergen.generator.derive import derive
 from eulergen.generator.ops_path import find_ops
 from eulergen.generator.spec import load_spec
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.manifest import load_manifest
 
 MANIFEST = load_manifest(GENERATED_DIR / "manifest.json")
 

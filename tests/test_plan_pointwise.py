@@ -51,8 +51,8 @@ def test_tiles():
 
 def test_the_built_swiglu_kernels_take_their_dtype_tile_for_two_and_three_operands():
     """swiglu reads a, b forward and a, b, dy backward: POINTWISE_TILE either way."""
-    from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.backend import get_backend
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.engine.backend import get_backend
     lib = OpLibrary(get_backend("numpy"))
     for stage in ("forward", "backward"):        # reads a, b; then a, b, dy
         for dt in ("f32", "bf16"):
@@ -61,8 +61,8 @@ def test_the_built_swiglu_kernels_take_their_dtype_tile_for_two_and_three_operan
 
 
 def test_the_built_relu_kernels_take_the_light_tile():
-    from eulergen.runtime.ops import OpLibrary
-    from eulergen.runtime.backend import get_backend
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.engine.backend import get_backend
     lib = OpLibrary(get_backend("numpy"))
     for name in ("relu_forward_f32", "relu_backward_bf16"):
         g = lib.op("relu").kernels[name].geometry

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 from eulergen import PACKAGE_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime import prepare as prep
-from eulergen.runtime.data import HEADER_BYTES, open_tokens
-from eulergen.runtime.prepare import STATE_FILE, Settings, prepare
-from eulergen.runtime.sources import HubDataset, LocalFiles
-from eulergen.runtime.tokenizer import ByteTokenizer, train_bpe
+from eulergen.runtime.data import prepare as prep
+from eulergen.runtime.data.loader import HEADER_BYTES, open_tokens
+from eulergen.runtime.data.prepare import STATE_FILE, Settings, prepare
+from eulergen.runtime.data.sources import HubDataset, LocalFiles
+from eulergen.runtime.data.tokenizer import ByteTokenizer, train_bpe
 
 # Documents the tests own: this package's Python source, one file a document.
 DOCS = [p.read_text(encoding="utf-8") for p in sorted((PACKAGE_DIR / "runtime").glob("*.py"))]

@@ -18,8 +18,8 @@ from eulergen.generator.derive import derive
 from eulergen.generator.render import render_op
 from eulergen.generator.spec import load_spec
 from eulergen.kinds import fused_stage
-from eulergen.runtime.compile import op_options
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.compile import op_options
+from eulergen.runtime.engine.manifest import load_manifest
 
 from rendering import planned
 
@@ -107,7 +107,7 @@ ALIGNED_ROW_KERNELS = [(op, k) for op, k in ROW_KERNELS if OPS[op].kernels[k].ge
 @pytest.mark.parametrize("op,kernel", ALIGNED_ROW_KERNELS, ids=[k for _, k in ALIGNED_ROW_KERNELS])
 def test_each_aligned_row_kernel_has_an_unaligned_twin_with_its_launch_facts(op, kernel):
     """The runtime allocates outputs, sizes the grid and the workspace from the aligned kernel
-    and then launches the `_unaligned` one where row_aligned says no (runtime/cuda_ops.py):
+    and then launches the `_unaligned` one where row_aligned says no (runtime/engine/cuda_ops.py):
     the two take the same arguments and the same geometry but for `aligned`."""
     k = OPS[op].kernels[kernel]
     twin = OPS[op].kernels[f"{kernel[:-len(k.dtype)]}unaligned_{k.dtype}"]

@@ -17,11 +17,11 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint, run_dir
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.train import Trainer, resume_config
+from eulergen.runtime.train import checkpoint, run_dir
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.train.trainer import Trainer, resume_config
 
 
 def tiny(shard: Path, run: Path, **training) -> list[str]:
@@ -143,7 +143,7 @@ def test_a_lock_left_by_a_killed_trainer_does_not_block_the_next_resume(lib, sha
     Trainer(load_config(None, tiny(shard, run, total_steps=2)), lib, progress=False,
             tensorboard=False).run()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from eulergen.runtime.run_dir import RunLock;"
+        [sys.executable, "-c", "import sys, time; from eulergen.runtime.train.run_dir import RunLock;"
          f"lock = RunLock({str(run)!r}).acquire(); print('locked', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
     try:

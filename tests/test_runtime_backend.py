@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime import backend as backend_mod
-from eulergen.runtime.backend import get_backend
+from eulergen.runtime.engine import backend as backend_mod
+from eulergen.runtime.engine.backend import get_backend
 
 
 @pytest.fixture

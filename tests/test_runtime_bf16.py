@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 
 def test_widening_is_exact_and_rounding_is_idempotent():
@@ -43,7 +43,7 @@ def test_matches_torch_bfloat16_rounding():
     np.testing.assert_array_equal(to_bf16(x), want)
 
 
-# -- the CUDA text of runtime/bf16.py's kernels, compiled by g++, against its numpy forms --
+# -- the CUDA text of runtime/engine/bf16.py's kernels, compiled by g++, against its numpy forms --
 
 _CTYPE = {"float32": ("float", np.float32), "uint16": ("unsigned short", np.uint16)}
 
@@ -62,7 +62,7 @@ def snippets(tmp_path_factory):
     import subprocess
     from pathlib import Path
 
-    from eulergen.runtime import bf16
+    from eulergen.runtime.engine import bf16
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
     emulator = Path(__file__).resolve().parent / "attention_emulator"
@@ -110,7 +110,7 @@ def test_the_cuda_rounding_is_to_bf16s(snippets):
 
 
 def test_the_cuda_add_is_the_numpy_form(snippets):
-    from eulergen.runtime import bf16
+    from eulergen.runtime.engine import bf16
     a, b = to_bf16(_awkward(20_000, 3)), to_bf16(_awkward(20_000, 4))
     got, want = np.zeros_like(a), np.zeros_like(a)
     snippets.add(_ptr(a), _ptr(b), _ptr(got), a.size)
@@ -121,7 +121,7 @@ def test_the_cuda_add_is_the_numpy_form(snippets):
 
 
 def test_the_cuda_row_norms_are_the_numpy_forms(snippets):
-    from eulergen.runtime import bf16
+    from eulergen.runtime.engine import bf16
     rng = np.random.default_rng(5)
     g = to_bf16(rng.standard_normal((64, 256)).astype(np.float32) * 1e-3)
     got, want = np.zeros(64, np.float32), np.zeros(64, np.float32)
@@ -133,7 +133,7 @@ def test_the_cuda_row_norms_are_the_numpy_forms(snippets):
 
 
 def test_bits_are_the_patterns_a_fill_needs():
-    from eulergen.runtime import bf16
+    from eulergen.runtime.engine import bf16
     assert bf16.bits(1.0) == 0x3F80 and bf16.bits(-np.inf) == 0xFF80 and bf16.bits(0.0) == 0
 
 
@@ -143,7 +143,7 @@ def test_no_kernel_parameter_name_occurs_inside_another_identifier():
     NVRTC refuses the kernel (seen on the H200). Every name occurs only as a whole word."""
     import re
 
-    from eulergen.runtime import bf16
+    from eulergen.runtime.engine import bf16
     kernels = [(ins + ", " + outs, op) for ins, outs, op in bf16.ELEMENTWISE.values()]
     kernels.append((bf16.ROW_NORMS[0] + ", " + bf16.ROW_NORMS[1], " ".join(bf16.ROW_NORMS[2:5])))
     for params, code in kernels:

@@ -16,12 +16,12 @@ import pytest
 
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime import kernels as K
-from eulergen.runtime.backend import Backend, get_backend
-from eulergen.runtime.cuda_ops import workspace_elements
-from eulergen.runtime.manifest import load_manifest, load_numpy_module
-from eulergen.runtime.bf16 import from_bf16, to_bf16
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.engine import kernels as K
+from eulergen.runtime.engine.backend import Backend, get_backend
+from eulergen.runtime.engine.cuda_ops import workspace_elements
+from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.ops import OpLibrary
 
 MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
@@ -512,7 +512,7 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
     workspace, so a planned step allocates nothing; nor does the table gradient take a
     fill: the run sums write all of it. Ids 0 and 1 here take thousands of tokens each
     (long runs), id 2 a few (a short run)."""
-    from eulergen.runtime.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
     gpu, ref = libs
     rng = np.random.default_rng(8)
     ids = rng.integers(0, 2, (2, 5000)).astype(np.int32)   # several sort tiles

@@ -7,7 +7,7 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.launch import Pointwise
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.manifest import load_manifest
 
 POINTWISE = {"shape": "pointwise", "threads": 256, "vec": 4, "unroll": 1}
 GOOD = {"format": 2, "generator": "0.1.0", "ops": {"gelu": {
@@ -89,7 +89,7 @@ def test_an_operand_without_a_role_names_the_key(tmp_path):
 
 
 def test_a_pair_op_lists_its_index_roles_and_a_bad_list_names_the_key(tmp_path):
-    from eulergen.runtime.ops import BUILTIN_MANIFEST
+    from eulergen.runtime.engine.ops import BUILTIN_MANIFEST
     rope = load_manifest(BUILTIN_MANIFEST).ops["rope"]
     assert rope.index == {"pos": "position", "k": "pair", "D": "head_dim"}
     assert load_manifest(write(tmp_path, GOOD)).ops["gelu"].index == {}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime.backend import get_backend
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.engine.backend import get_backend
+from eulergen.runtime.engine.ops import OpLibrary
 
 MODULES = {
     "scale": """
@@ -219,7 +219,7 @@ def test_a_stale_module_that_disagrees_with_the_manifest_is_reported(tmp_path):
         lib.forward("scale", np.float32([1]))
 
 
-# ---- the embedding on numpy (no generated module: runtime/ops.py holds it) -----------------
+# ---- the embedding on numpy (no generated module: runtime/engine/ops.py holds it) -----------------
 
 def test_embedding_backward_adds_or_writes_each_gradient_as_accumulate_says(lib):
     rng = np.random.default_rng(0)

@@ -11,17 +11,17 @@ from click.testing import CliRunner
 from eulergen import PACKAGE_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint
-from eulergen.runtime.arch import arch_of
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.data import write_shard
-from eulergen.runtime.decoder import build_decoder, plan_decoder
-from eulergen.runtime.draw import pick, uniforms
-from eulergen.runtime.model import build
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.sample import Sampler, TextStream
-from eulergen.runtime.train import Trainer
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.data.loader import write_shard
+from eulergen.runtime.generate.decoder import build_decoder, plan_decoder
+from eulergen.runtime.generate.draw import pick, uniforms
+from eulergen.runtime.model.gpt import build
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.generate.sample import Sampler, TextStream
+from eulergen.runtime.train.trainer import Trainer
 
 VOCAB, SEQ = 50, 12
 SMALL = ["model.hidden_dim=32", "model.num_layers=2", f"model.vocab_size={VOCAB}",
@@ -328,7 +328,7 @@ def test_chat_answers_each_line_until_quit(run):
 
 
 def test_chat_turns_continue_one_conversation(run, monkeypatch):
-    from eulergen.runtime import sample as sample_module
+    from eulergen.runtime.generate import sample as sample_module
     calls = []
     original = sample_module.Sampler.samples
 

@@ -1,6 +1,6 @@
 """The path from `eulergen train` to its first step holds nothing slow that the run does not
 need: no torch, transformers or matplotlib imported by then (tensorboardX would import
-torch: runtime/metrics.py keeps it out), and TensorBoard events are written all the same."""
+torch: runtime/train/metrics.py keeps it out), and TensorBoard events are written all the same."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import sys
 HEAVY = ("torch", "transformers", "matplotlib", "datasets", "pyarrow", "tiktoken")
 CHILD = """
 import json, sys
-from eulergen.runtime import train
+from eulergen.runtime.train import trainer as train
 step = train.Trainer.train_step
 def first(self):
     if not hasattr(self, "_loaded"):

@@ -1,4 +1,4 @@
-"""Step control (runtime/step_control.py): the loss sum, the spike guard, the clip scale,
+"""Step control (runtime/train/step_control.py): the loss sum, the spike guard, the clip scale,
 the update count and the update's control slots, computed where the step runs. Its numpy
 form gives the bits the trainer's host logic gave before the step moved onto the device
 (kept below as the reference), and its CUDA text, compiled by g++ against the CUDA
@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime import step_control as sc
-from eulergen.runtime.config import load_config
+from eulergen.runtime.model import loss as model_loss
+from eulergen.runtime.train import step_control as sc
+from eulergen.runtime.train.config import load_config
 
 SLOTS = ("skip", "grad_scale", "lr", "step")   # adamw's control slots
 
 
 @dataclass
 class HostGuard:
-    """The trainer's SpikeGuard as it ran on the host (runtime/train.py before the step
+    """The trainer's SpikeGuard as it ran on the host (runtime/train/trainer.py before the step
     control moved onto the device): the reference."""
     factor: float
     loss_mean: float = 0.0
@@ -163,7 +164,7 @@ inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dsqrt_rn(double a) { return std::sqrt(a); }
 %s
 extern "C" void run_mean(const float* x, float* out, long long n) {
-  emu_launch(dim3(1), dim3(EG_THREADS), [&] { eg_loss_mean(x, out, n); });
+  emu_launch(dim3(1), dim3(EG_LOSS_THREADS), [&] { eg_loss_mean(x, out, n); });
 }
 extern "C" void run_accumulate(double* rec, const float* loss, int first) {
   emu_launch(dim3(1), dim3(1), [&] { eg_step_accumulate(rec, loss, first); });
@@ -188,7 +189,7 @@ def cuda(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
     folder = tmp_path_factory.mktemp("step_control")
-    (folder / "step.cpp").write_text(HARNESS % sc.CUDA)
+    (folder / "step.cpp").write_text(HARNESS % (model_loss.CUDA + sc.CUDA))
     emulator = Path(__file__).resolve().parent / "cudagen_emulator"
     # no contraction into fused multiply-adds, as the kernels' __dmul_rn / __dadd_rn
     subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-I",
@@ -257,7 +258,7 @@ def test_the_cuda_loss_mean_sums_in_a_fixed_order(cuda):
     x = np.random.default_rng(1).standard_normal(1000).astype(np.float32) + 3
     out = np.zeros(1, np.float32)
     cuda.run_mean(_p(x), _p(out), x.size)
-    threads = sc.LOSS_MEAN_THREADS
+    threads = model_loss.THREADS
     part = [0.0] * threads
     for t in range(threads):
         for v in x[t::threads]:

@@ -1,4 +1,4 @@
-"""The GPU side of runtime/step_graph.py without a GPU: a stand-in `cupy` (numpy arrays,
+"""The GPU side of runtime/train/step_graph.py without a GPU: a stand-in `cupy` (numpy arrays,
 copies done at once, a capture that records nothing but is undone, so that only replays
 take effect, as on the device) and a stand-in model whose loss is its batch's mean id.
 
@@ -17,8 +17,8 @@ import types
 import numpy as np
 import pytest
 
-from eulergen.runtime import step_control
-from eulergen.runtime.step_graph import Stepper
+from eulergen.runtime.train import step_control
+from eulergen.runtime.train.step_graph import Stepper
 
 SLOTS = ("skip", "grad_scale", "lr", "step")
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from eulergen import PACKAGE_DIR
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.model import build
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.adamw import AdamW
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.model.gpt import build
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.train.adamw import AdamW
 
 
 def _step_profile():
@@ -106,7 +106,7 @@ def test_the_gemm_lines_count_six_flops_per_weight_and_token(lib):
 def test_the_embedding_backward_bytes_follow_its_kernels(lib):
     cfg = _cfg("gpt2")
     model, _ = _model(lib, cfg)
-    from eulergen.runtime.tape import Embedding
+    from eulergen.runtime.model.tape import Embedding
     (emb,) = [n for n in model.tape.nodes if isinstance(n, Embedding)]
     ids = np.arange(B * T) % 5
     model.load_tokens(ids.reshape(B, T))

@@ -10,13 +10,13 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.tokenizer import (ENDOFTEXT, ByteTokenizer, HFTokenizer, check_fits,
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.data.tokenizer import (ENDOFTEXT, ByteTokenizer, HFTokenizer, check_fits,
                                         hf_tokenizer_json, load_tokenizer, tokenizer_named,
                                         train_bpe)
-from eulergen.runtime.train import Trainer
+from eulergen.runtime.train.trainer import Trainer
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -10,7 +10,7 @@ import pytest
 
 from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.config import load_config
+from eulergen.runtime.train.config import load_config
 
 torch = pytest.importorskip("torch")
 
@@ -157,9 +157,9 @@ def test_unsupported_ops_are_named():
 @pytest.mark.parametrize("preset", ["gpt2", "nanoeuler"])
 def test_matches_eulergen_numpy_model_loss_and_grads(preset):
     """Same weights and batch: the numpy backend of eulergen and this model agree."""
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.ops import OpLibrary
-    model_mod = pytest.importorskip("eulergen.runtime.model")
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.engine.ops import OpLibrary
+    model_mod = pytest.importorskip("eulergen.runtime.model.gpt")
     lib = OpLibrary(get_backend("numpy"))
     m = _tiny(preset)
     if not all(name in lib.ops for name in (m.norm, m.activation, m.attention, "cross_entropy")):

@@ -13,11 +13,11 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.runtime import checkpoint
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.config import load_config
-from eulergen.runtime.ops import OpLibrary
-from eulergen.runtime.train import Trainer, learning_rate, resume_config
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.train.trainer import Trainer, learning_rate, resume_config
 from runs import kill_minus_nine_then_resume, losses
 
 
@@ -158,7 +158,7 @@ def test_plan_command_prints_every_buffer_and_the_total(tmp_path):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """get_backend('auto') finds a GPU here (the resolution logic's view of one)."""
-    from eulergen.runtime import backend
+    from eulergen.runtime.engine import backend
     monkeypatch.setattr(backend, "_cuda_backend",
                         lambda: backend.Backend("cuda", np, True, "fake GPU (sm_90)", 90))
 

@@ -8,7 +8,7 @@ import json
 from click.testing import CliRunner
 
 from eulergen.cli import main
-from eulergen.runtime.config import load_config
+from eulergen.runtime.train.config import load_config
 
 SHORT = ["--set", "training.total_steps=2", "--set", "training.warmup_steps=1",
          "--set", "training.eval_every=0", "--set", "training.sample_tokens=0",

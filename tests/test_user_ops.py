@@ -16,8 +16,8 @@ from eulergen.generator.derive import derive
 from eulergen.generator.numpy_module import load_module_from_source, render_numpy_module
 from eulergen.generator.ops_path import find_ops
 from eulergen.generator.spec import load_spec
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.engine.ops import OpLibrary
 from runs import first_loss
 
 MISH = """\

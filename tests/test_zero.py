@@ -1,5 +1,5 @@
-"""Gradient buckets and ZeRO-1 on the CPU collective (runtime/buckets.py,
-runtime/data_parallel.py): buckets cover the arena and are final when issued, a rank's
+"""Gradient buckets and ZeRO-1 on the CPU collective (runtime/distributed/buckets.py,
+runtime/distributed/data_parallel.py): buckets cover the arena and are final when issued, a rank's
 shares partition it, the GPU's stream order on stand-ins, N ranks x B with ZeRO train as
 1 x N·B, a ZeRO checkpoint resumes on another world size."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from eulergen.runtime.arch import arch_of
-from eulergen.runtime.backend import NUMPY
-from eulergen.runtime.buckets import param_ready, plan_buckets
-from eulergen.runtime.checkpoint import load
-from eulergen.runtime.config import load_config
-from eulergen.runtime.model import build
-from eulergen.runtime.ops import OpLibrary
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.distributed.buckets import param_ready, plan_buckets
+from eulergen.runtime.train.checkpoint import load
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.model.gpt import build
+from eulergen.runtime.engine.ops import OpLibrary
 from test_ddp import _cfg, _on_ranks, _train, max_rel
 
 SMALL = ["model.hidden_dim=32", "model.num_layers=2", "model.num_heads=2",
@@ -89,7 +89,7 @@ def test_on_the_gpu_buckets_reduce_on_a_side_stream_the_step_stream_waits_for():
     import contextlib
     import types
 
-    from eulergen.runtime.data_parallel import DataParallel
+    from eulergen.runtime.distributed.data_parallel import DataParallel
     log, current = [], ["step"]
 
     class Stream:
@@ -220,7 +220,7 @@ def test_a_zero_checkpoint_resumes_on_one_rank_and_a_one_rank_one_on_two(shard, 
 
 
 def _stop_at_3(shard, run_dir, batch, collective=None, **training):
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.trainer import Trainer
     cfg = load_config(None, _cfg(shard, run_dir, batch, **training))
     Trainer(cfg, LIB, progress=False, tensorboard=False, collective=collective).run(stop_after=3)
 

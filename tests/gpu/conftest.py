@@ -16,6 +16,6 @@ def cp():
 @pytest.fixture(scope="module")
 def libs(cp):
     """(CUDA, numpy) op libraries over the same generated ops."""
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.ops import OpLibrary
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.engine.ops import OpLibrary
     return OpLibrary(get_backend("cuda")), OpLibrary(get_backend("numpy"))

@@ -34,10 +34,10 @@ from eulergen.errors import EulerError  # noqa: E402
 from eulergen.generator.numpy_attention import render_attention_module  # noqa: E402
 from eulergen.generator.plan_attention import plan_attention  # noqa: E402
 from eulergen.generator.render_attention import render_attention  # noqa: E402
-from eulergen.runtime.attention import (AttentionKernels, attention_backward,  # noqa: E402
+from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_forward)
-from eulergen.runtime.compile import compile_file  # noqa: E402
-from eulergen.runtime.bf16 import from_bf16, to_bf16  # noqa: E402
+from eulergen.runtime.engine.compile import compile_file  # noqa: E402
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 _FOLDER = Path(tempfile.mkdtemp(prefix="eg-attn-gpu-"))

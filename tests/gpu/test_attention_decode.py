@@ -25,9 +25,9 @@ from eulergen import TEMPLATES_DIR  # noqa: E402
 from eulergen.errors import EulerError  # noqa: E402
 from eulergen.generator.plan_attention import TilePlan, plan_attention, plan_tiles  # noqa: E402
 from eulergen.generator.render_attention import render_attention  # noqa: E402
-from eulergen.runtime.attention import AttentionKernels, attention_decode  # noqa: E402
-from eulergen.runtime.compile import compile_file  # noqa: E402
-from eulergen.runtime.bf16 import from_bf16, to_bf16  # noqa: E402
+from eulergen.runtime.engine.attention import AttentionKernels, attention_decode  # noqa: E402
+from eulergen.runtime.engine.compile import compile_file  # noqa: E402
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

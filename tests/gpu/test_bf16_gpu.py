@@ -1,5 +1,5 @@
 """bf16 mixed precision on the GPU (`pytest -m gpu tests/gpu/test_bf16_gpu.py`): the
-runtime's bf16 kernels (runtime/bf16.py) against their numpy forms; the bf16 model's loss
+runtime's bf16 kernels (runtime/engine/bf16.py) against their numpy forms; the bf16 model's loss
 and every gradient against the fp32 model with the same weights; a bf16 step's memory
 against its plan; 300 steps on builtin:stdlib ending within 1% of the fp32 run; a NaN
 stopping the run; a bf16 run's checkpoint in an fp32 model and the sampler. (Resume in
@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime import bf16, checkpoint
-from eulergen.runtime.config import load_config
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine import bf16
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +53,7 @@ def test_the_bf16_kernels_give_the_numpy_forms_bits(cp):
 
 
 def _grads(lib, cfg, weights, x, y, dtype):
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.gpt import build
     t = cfg.training
     model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=False)
     model.load_state_dict(weights)
@@ -66,7 +67,7 @@ def _grads(lib, cfg, weights, x, y, dtype):
 
 @pytest.mark.parametrize("structure", sorted(STRUCTURES))
 def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(libs, structure):
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.gpt import build
     cuda, _ = libs
     cfg = _cfg(structure)
     t = cfg.training
@@ -116,7 +117,7 @@ def _stdlib(run_dir, dtype, steps=300):
 
 def test_300_bf16_steps_on_stdlib_end_within_1_percent_of_fp32(libs, tmp_path):
     """The built-in CPU default model (d 128, 3 layers, T 64, B 16) on builtin:stdlib."""
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.trainer import Trainer
     cuda, _ = libs
     runs = {dtype: Trainer(_stdlib(tmp_path / dtype, dtype), cuda, progress=False,
                            tensorboard=False).run() for dtype in ("fp32", "bf16")}
@@ -130,8 +131,8 @@ def test_300_bf16_steps_on_stdlib_end_within_1_percent_of_fp32(libs, tmp_path):
     assert all(v.dtype == np.float32 for v in ck.params.values())
     assert ck.optim.keys() == ref.optim.keys()
     # what `eulergen sample RUN` does with it: a KV-cache decoder (bf16 on this GPU)
-    from eulergen.runtime.evaluate import load_into, open_model
-    from eulergen.runtime.sample import Sampler
+    from eulergen.runtime.train.evaluate import load_into, open_model
+    from eulergen.runtime.generate.sample import Sampler
     weights = open_model(tmp_path / "bf16")
     assert weights.cfg.training.dtype == "bf16"
     sampler = Sampler(weights.cfg.model, cuda, seq_len=weights.cfg.training.seq_len)
@@ -141,7 +142,7 @@ def test_300_bf16_steps_on_stdlib_end_within_1_percent_of_fp32(libs, tmp_path):
 
 
 def test_a_nan_in_bf16_stops_the_run_naming_the_step(libs, tmp_path):
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.trainer import Trainer
     cuda, _ = libs
     cfg = load_config(None, [f"run_dir={tmp_path / 'nan'}", "training.total_steps=8",
                              "training.warmup_steps=2", "training.checkpoint_every=3",

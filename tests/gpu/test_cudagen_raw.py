@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR, launch
-from eulergen.runtime.bf16 import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16  # bf16 lives in uint16 arrays (bits)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def geometry(op: str, name: str):
 
 
 def numpy_module(op: str):
-    from eulergen.runtime.manifest import load_manifest, load_numpy_module
+    from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
     return load_numpy_module(load_manifest(MANIFEST).ops[op])
 
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,7 @@ def _case(cp, gpu, rng, kind: str):
 
 
 def _workspace(gpu, shape) -> int:
-    from eulergen.runtime.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
     return workspace_elements(gpu.op("embedding"), "backward", shape, table_rows=V)
 
 
@@ -149,8 +149,8 @@ def test_an_id_outside_the_table_fails_the_launch(cp, tmp_path):
     script = tmp_path / "bad_id.py"
     script.write_text(
         "import cupy as cp, numpy as np\n"
-        "from eulergen.runtime.backend import get_backend\n"
-        "from eulergen.runtime.ops import OpLibrary\n"
+        "from eulergen.runtime.engine.backend import get_backend\n"
+        "from eulergen.runtime.engine.ops import OpLibrary\n"
         "lib = OpLibrary(get_backend('cuda'))\n"
         "wte = cp.zeros((10, 8), cp.float32)\n"
         "lib.forward('embedding', cp.asarray(np.int32([[1, 10, 2]])), wte, None)\n"

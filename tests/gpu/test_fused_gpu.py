@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.manifest import load_manifest
 from test_kernels import (MANIFEST, as_f64, check, device, domain, host_values,  # noqa: E402
                           poisoned, progress, reference)
 
@@ -146,8 +146,8 @@ def test_an_accumulated_step_adds_the_fused_gradients_on_its_second_micro_step(s
     gradients and the activation's bias gradient are written on the first and added on the
     second (through the tape's scratch); the stream's gradient is added into in the norms'
     own kernels on both."""
-    from eulergen.runtime.config import load_config
-    from eulergen.runtime.model import build
+    from eulergen.runtime.train.config import load_config
+    from eulergen.runtime.model.gpt import build
     from test_model_gpu import COMMON, STRUCTURES   # noqa: E402
     gpu, _ = libs
     cfg = load_config(None, STRUCTURES[structure] + COMMON).model

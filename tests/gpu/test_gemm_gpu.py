@@ -1,4 +1,4 @@
-"""cuBLASLt on the GPU (`pytest -m gpu tests/gpu/test_gemm_gpu.py`): runtime/gemm.py's
+"""cuBLASLt on the GPU (`pytest -m gpu tests/gpu/test_gemm_gpu.py`): runtime/engine/gemm.py's
 LtGemm, with and without its bias epilogues, against cublasGemmEx (the path without
 nvmath-python) and float64 numpy, in bf16 and fp32 (TF32 off), accumulating or not; a
 model's Lt GEMMs in the planned workspace, its gradients over two micro-steps against the
@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime import gemm
-from eulergen.runtime.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine import gemm
+from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -163,7 +163,7 @@ def test_a_model_runs_lt_in_its_planned_workspace_and_accumulates_as_cublas(libs
     gradient is off by order 1."""
     from test_model_gpu import _batch, _cfg   # noqa: E402  (tests/gpu is on the path)
 
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.gpt import build
     cuda, _ = libs
     cfg = _cfg("gpt2")
     t = cfg.training

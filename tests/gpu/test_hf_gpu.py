@@ -41,9 +41,9 @@ def _hf_model(kind, vocab):
 def test_imported_loss_and_every_gradient_equal_transformers_on_cuda(libs, tmp_path, kind, vocab):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from eulergen.runtime import hf
-    from eulergen.runtime.config import config_from_dict
-    from eulergen.runtime.model import build
+    from eulergen.runtime.interop import hf
+    from eulergen.runtime.train.config import config_from_dict
+    from eulergen.runtime.model.gpt import build
 
     cuda, _ = libs
     ref = _hf_model(kind, vocab)

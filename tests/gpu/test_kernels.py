@@ -28,7 +28,7 @@ import yaml
 
 from eulergen import GENERATED_DIR, PACKAGE_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.manifest import load_manifest
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +55,7 @@ def domain(op, name) -> tuple[float, float]:
 
 def host_values(rng, shape, lo, hi, dtype) -> np.ndarray:
     """float64 values exactly representable in the storage dtype."""
-    from eulergen.runtime.bf16 import from_bf16, to_bf16
+    from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
     x = rng.uniform(lo, hi, size=shape).astype(np.float32)
     if dtype == "bf16":
         x = from_bf16(to_bf16(x))
@@ -63,7 +63,7 @@ def host_values(rng, shape, lo, hi, dtype) -> np.ndarray:
 
 
 def device(cp, host: np.ndarray, dtype: str):
-    from eulergen.runtime.bf16 import to_bf16
+    from eulergen.runtime.engine.bf16 import to_bf16
     x32 = host.astype(np.float32)
     return cp.asarray(to_bf16(x32) if dtype == "bf16" else x32)
 
@@ -75,7 +75,7 @@ def poisoned(cp, shape, np_dtype):
 
 
 def as_f64(cp, a) -> np.ndarray:
-    from eulergen.runtime.bf16 import from_bf16
+    from eulergen.runtime.engine.bf16 import from_bf16
     h = cp.asnumpy(a)
     return (from_bf16(h) if h.dtype == np.uint16 else h).astype(np.float64)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from eulergen import PACKAGE_DIR
-from eulergen.runtime.config import load_config
+from eulergen.runtime.train.config import load_config
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def _batch(cfg, seed=0):
 
 
 def _run(lib, cfg, weights, x, y):
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.gpt import build
     t = cfg.training
     model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=False)
     if weights is None:
@@ -137,12 +137,12 @@ def _growth_hook():
 
 def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps=3):
     """Builds the model and runs training steps on one batch as the trainer runs them
-    (runtime/step_graph.py: clipped to norm 1, step control and AdamW on the device; eager
+    (runtime/train/step_graph.py: clipped to norm 1, step control and AdamW on the device; eager
     unless `cuda_graph`); the model, its Stepper and the pool's size after each step."""
-    from eulergen.runtime.model import build
-    from eulergen.runtime.step_control import StepRule
-    from eulergen.runtime.step_graph import Stepper
-    from eulergen.runtime.adamw import AdamW
+    from eulergen.runtime.model.gpt import build
+    from eulergen.runtime.train.step_control import StepRule
+    from eulergen.runtime.train.step_graph import Stepper
+    from eulergen.runtime.train.adamw import AdamW
     t = cfg.training
     model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype)
     model.init_weights(0)
@@ -184,7 +184,7 @@ def test_training_steps_stay_within_the_plan(libs, cp):
 def test_the_built_in_default_trains_on_the_gpu(libs, tmp_path):
     """`eulergen train` with no arguments on a GPU: the GPU's default model (head dim 64)
     on the CUDA backend, a short run whose validation loss falls."""
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.trainer import Trainer
     cuda, _ = libs
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "training.total_steps=60",
                              "training.warmup_steps=5", "training.eval_every=20",
@@ -198,7 +198,7 @@ def test_the_built_in_default_trains_on_the_gpu(libs, tmp_path):
 
 def test_a_plan_larger_than_the_gpu_is_refused_before_allocating(libs, cp):
     from eulergen.errors import EulerError
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.gpt import build
     cuda, _ = libs
     cfg = load_config(None, ["model.preset=gpt2"])
     pool = cp.get_default_memory_pool()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from eulergen.runtime.collective import Rendezvous, free_port
-from eulergen.runtime.config import load_config
-from eulergen.runtime.train import Trainer
+from eulergen.runtime.distributed.collective import Rendezvous, free_port
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.train.trainer import Trainer
 from test_ddp import max_rel   # tests/ is on the path
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def nccl(cp):
-    from eulergen.runtime.nccl import NcclCollective
+    from eulergen.runtime.distributed.nccl import NcclCollective
     c = NcclCollective(Rendezvous(0, 1, 0, "127.0.0.1", free_port(), 60.0))
     yield c
     c.close()
@@ -86,11 +86,11 @@ def test_zero_s_sum_of_squares_of_a_share_is_the_gradients_on_the_device(libs, c
     (bf16) and their dot (cuBLAS, into device memory) give the arena's sum of squares."""
     import numpy as np
 
-    from eulergen.runtime.arch import arch_of
-    from eulergen.runtime.bf16 import from_bf16, to_bf16
-    from eulergen.runtime.buckets import plan_buckets
-    from eulergen.runtime.data_parallel import DataParallel
-    from eulergen.runtime.model import build
+    from eulergen.runtime.model.arch import arch_of
+    from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
+    from eulergen.runtime.distributed.buckets import plan_buckets
+    from eulergen.runtime.distributed.data_parallel import DataParallel
+    from eulergen.runtime.model.gpt import build
     cfg = _cfg("unused.bin", "unused", dtype)
     t = cfg.training
     plan = plan_buckets(arch_of(cfg.model, libs[0]), 1, zero=True, bucket_mb=0.1,
@@ -120,7 +120,7 @@ def test_the_trainer_through_nccl_matches_the_single_process_trainer(libs, shard
         return Trainer(cfg, lib, progress=False, tensorboard=False,
                        collective=collective).run().losses
     alone = run("alone")
-    from eulergen.runtime.nccl import NcclCollective
+    from eulergen.runtime.distributed.nccl import NcclCollective
     for zero in (0, 1):
         runs = {}
         for graph in (True, False):

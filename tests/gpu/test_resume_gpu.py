@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime import checkpoint
-from eulergen.runtime.config import load_config
-from eulergen.runtime.train import Trainer, resume_config
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.train.trainer import Trainer, resume_config
 from runs import kill_minus_nine_then_resume, losses  # tests/ is on the path
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eulergen import GENERATED_DIR
-from eulergen.runtime.manifest import load_manifest
+from eulergen.runtime.engine.manifest import load_manifest
 
 from masked_logits import masked_rows
 

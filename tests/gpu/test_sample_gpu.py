@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.config import load_config
+from eulergen.runtime.train.config import load_config
 
 pytestmark = pytest.mark.gpu
 
@@ -34,8 +34,8 @@ TOLERANCE = 1e-4
 
 
 def _models(lib, structure, batch, weights=None, **options):
-    from eulergen.runtime.decoder import build_decoder
-    from eulergen.runtime.model import build
+    from eulergen.runtime.generate.decoder import build_decoder
+    from eulergen.runtime.model.gpt import build
     cfg = load_config(None, STRUCTURES[structure] + COMMON).model
     dec = build_decoder(cfg, lib, batch, SEQ, **options)
     full = build(cfg, lib, batch, SEQ, training=False)
@@ -81,7 +81,7 @@ def test_cuda_cached_logits_equal_full_recomputation_through_crops(libs, structu
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("structure", sorted(STRUCTURES))
 def test_cuda_greedy_sampling_equals_greedy_over_full_recomputation(libs, structure, batch):
-    from eulergen.runtime.sample import Sampler
+    from eulergen.runtime.generate.sample import Sampler
     cuda, _ = libs
     cfg, dec, full, _ = _models(cuda, structure, batch)
     sampler = Sampler(cfg, cuda, batch=batch, seq_len=SEQ, params=dec.mem.arenas["params"],
@@ -159,8 +159,8 @@ def test_the_device_draw_picks_numpys_ids(cp, settings):
     """GPT-2's vocab, rows of logits shaped like a model's (a few large, a long tail):
     every id numpy's pick draws with the same uniforms (module docstring of draw.py: they
     may differ only where an exp's last bit decides, which these rows do not hit)."""
-    from eulergen.runtime.backend import get_backend
-    from eulergen.runtime.draw import Draw, pick, uniforms
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.generate.draw import Draw, pick, uniforms
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((16, 50304)) * 2).astype(np.float32)
     x[:, rng.integers(0, 50257, 40)] += 8.0
@@ -180,8 +180,8 @@ def test_the_device_draw_picks_numpys_ids(cp, settings):
 
 def _trained(cuda, tmp_path_factory):
     """The built-in small model (byte-level) after 300 steps on builtin:stdlib, fp32."""
-    from eulergen.runtime.evaluate import open_model
-    from eulergen.runtime.train import Trainer
+    from eulergen.runtime.train.evaluate import open_model
+    from eulergen.runtime.train.trainer import Trainer
     run = tmp_path_factory.mktemp("trained") / "run"
     cfg = load_config(None, [f"run_dir={run}", "training.total_steps=300",
                              "training.warmup_steps=20", "training.eval_every=0",
@@ -197,8 +197,8 @@ def trained(libs, tmp_path_factory):
 
 
 def _sampler(cuda, weights, dtype, batch=1):
-    from eulergen.runtime.evaluate import load_into
-    from eulergen.runtime.sample import Sampler
+    from eulergen.runtime.train.evaluate import load_into
+    from eulergen.runtime.generate.sample import Sampler
     sampler = Sampler(weights.cfg.model, cuda, batch=batch, dtype=dtype,
                       seq_len=weights.cfg.training.seq_len)
     load_into(sampler.decoder, weights)

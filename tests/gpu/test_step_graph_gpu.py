@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from eulergen.errors import EulerError
-from eulergen.runtime.config import load_config
-from eulergen.runtime.train import Trainer
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.train.trainer import Trainer
 from test_model_gpu import _cfg, _three_planned_steps  # noqa: E402  (tests/gpu is on the path)
 
 pytestmark = pytest.mark.gpu
@@ -101,8 +101,8 @@ def test_garbage_the_collector_finds_while_capturing_cannot_invalidate_the_captu
     """A cuBLAS handle left in a reference cycle (an earlier run's) is destroyed when the
     cyclic collector runs, and cublasDestroy synchronizes the device: inside a capture that
     invalidates it. cuda_graph.capture collects before and not during."""
-    from eulergen.runtime.cublas import Cublas
-    from eulergen.runtime.cuda_graph import capture
+    from eulergen.runtime.engine.cublas import Cublas
+    from eulergen.runtime.engine.cuda_graph import capture
     x = cp.zeros(1 << 16, cp.float32)
     x += 1   # compiled and loaded before any capture
 

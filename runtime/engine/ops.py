@@ -1,0 +1,392 @@
+"""One call API over both backends (docs/internals.md, "runtime/engine/ops.py").
+
+    lib = OpLibrary(get_backend("auto"))
+    y = lib.forward("rmsnorm", x, w, eps=1e-5)
+    dx, dw = lib.backward("rmsnorm", x, w, dy, eps=1e-5)
+    lib.forward("gelu", x, out=y)              # write into a planned buffer
+    lib.step("adamw", p, g, m, v, lr=3e-4, step=1)   # or control=: a device array of lr, step…
+    lib.forward("rope", q, out=q, pos0=t)      # pair ops: first position (KV-cache decoding)
+    o = lib.decode("causal_attention", q, k_cache, v_cache, pos0)   # attention over a KV cache
+    loss, dx = lib.fused("cross_entropy", x, target, dloss, out=(loss, x))
+    gelu = lib.op("gelu"); lib.forward(gelu, x, out=y)   # an entry, resolved once (the model's)
+    h, y = lib.forward("rmsnorm", x, r, w, fusion="add")  # fused variants (the manifest's
+    dx, dw = lib.backward("rmsnorm", h, w, dy, dh, fusion="add")   # `fusions`), below
+    y = lib.forward("gelu", x, b, fusion="bias")          # gelu(x + b), b [F] over rows
+    dx, db = lib.backward("gelu", x, b, dy, fusion="bias")
+
+On numpy, the calls run the generated numpy modules (the same derived math as the
+kernels); on a GPU they launch the op's generated kernels (runtime/engine/cuda_ops.py and
+runtime/engine/kernels.py), which check shapes, dtypes and contiguity before the launch.
+
+Results: `forward` returns one array bare and several as a tuple (spec order);
+`backward` always returns a tuple, one gradient per differentiable input in input order
+(the module's GRADS), so a tape can zip it with the inputs; `fused` returns the forward
+outputs followed by the gradients; with `out=` the given arrays come back.
+
+bf16 on the GPU: CuPy has no bfloat16 dtype, so a bf16 tensor is a uint16 array holding
+the bf16 bit patterns (the top half of the float32 bits). `to_bf16` rounds float32 to
+nearest-even into that form and `from_bf16` widens it back exactly (runtime/engine/bf16.py,
+with the runtime's other steps on bf16 arrays); a kernel's dtype
+(f32 or bf16) follows its first floating input. Compute inside kernels is fp32; per-row
+scalar outputs such as a loss stay float32 whatever the storage dtype. The numpy
+backend computes in float32 or float64 and has no bf16.
+
+Fused variants (generator/fuse.py), `fusion=` on forward and backward, with the arrays
+the manifest's `fusions` names: `add` (norm-shaped row ops): forward (x, branch,
+weights…) -> (h = x + branch, outputs…); backward (h, weights…, d_outputs…, dh) -> (dx =
+dh + the op's dx at h, d_weights…), so `out=` may give dh's array as dx (an in-place add
+into the stream's gradient). `bias` (pointwise ops): forward (x…, b…) -> the op of x + b,
+each x [..., F] and its b [F]; backward (x…, b…, d_outputs…) -> (dx…, db…), db the column
+sums of dx.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from eulergen import GENERATED_DIR
+from eulergen.errors import EulerError, suggest
+from eulergen.kinds import fused_stage
+from eulergen.runtime.engine.backend import Backend
+from eulergen.runtime.engine.manifest import OpEntry, load_manifest, load_numpy_module
+
+BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
+
+
+class OpLibrary:
+    """The ops of the built-in manifest and of any extra manifests (user ops), by name.
+
+    A later manifest's op replaces an earlier one of the same name: the spec loader has
+    already refused such a clash unless the user's spec says `override: true`."""
+
+    def __init__(self, backend: Backend, manifests: list[str | Path] = ()):
+        self.backend = backend
+        self.ops: dict[str, OpEntry] = {}
+        self._cuda = None
+        if backend.is_gpu:
+            from eulergen.runtime.engine.cuda_ops import CudaOps
+            self._cuda = CudaOps()
+        self._missing_builtin = not BUILTIN_MANIFEST.exists()
+        paths = ([] if self._missing_builtin else [BUILTIN_MANIFEST]) + [Path(p) for p in manifests]
+        for path in paths:
+            self.ops.update(load_manifest(path).ops)
+
+    def op(self, name: str) -> OpEntry:
+        try:
+            return self.ops[name]
+        except KeyError:
+            pass
+        hint = suggest(name, self.ops)
+        if self._missing_builtin:
+            hint += f"; {BUILTIN_MANIFEST} is missing: run `eulergen build`"
+        raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
+
+    def workspace_elements(self, op: OpEntry, stage: str, shape, *, dtype: str = "f32",
+                           table_rows: int = 0, fusion: str = "") -> int:
+        """The float32 elements a `stage` call of `op` (its `fusion` variant) over `dtype`
+        ("f32" | "bf16") inputs of `shape` needs from the caller's `workspace=` on this
+        backend (a memory plan asks): the CUDA kernels' temporaries
+        (cuda_ops.workspace_elements); numpy needs none."""
+        if not self._cuda:
+            return 0
+        from eulergen.runtime.engine.cuda_ops import workspace_elements
+        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion)
+
+    def _entry(self, op: str | OpEntry) -> OpEntry:
+        """A call's op: its name, looked up here, or its entry, resolved once by the caller."""
+        return op if isinstance(op, OpEntry) else self.op(op)
+
+    # -- the calls: each takes an op's name or its OpEntry (`lib.op(name)`) ---------------
+
+    def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "", **params):
+        """`fusion`: the op's fused variant of that name (module docstring)."""
+        op = self._entry(name)
+        side = self._side(op, fusion, "forward")
+        self._arity(op, "forward", inputs, len(side.inputs), side)
+        pos0 = self._pos0(op, params)
+        p = self._params(op, params)
+        if self._cuda:
+            got = self._cuda.forward(op, inputs, _tuple(out), p, pos0, fusion)
+            return got[0] if len(got) == 1 else tuple(got)
+        got = getattr(self._module(op), fused_stage("forward", fusion))(
+            *inputs, **p, **self._numpy_pos0(op, pos0))
+        return self._deliver(op, "forward", got, out, len(side.outputs))
+
+    def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
+                 accumulate=False, fusion: str = "", **params):
+        """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
+        (`workspace_elements` says how big); numpy needs none and ignores it.
+        `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
+        all or one per gradient (GRADS order); the embedding op only (its table gradient
+        meets the tied LM head's). `fusion`: the op's fused variant of that name."""
+        op = self._entry(name)
+        side = self._side(op, fusion, "backward")
+        self._arity(op, "backward", inputs_and_douts, self._backward_arity(op, side), side)
+        pos0 = self._pos0(op, params)
+        adds = self._accumulate(op, accumulate, out)
+        p = self._params(op, params)
+        if self._cuda:
+            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0,
+                                             workspace, adds, fusion))
+        if op.kind == "embedding" and op.numpy is None:
+            return _NumpyEmbedding.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
+        got = getattr(self._module(op), fused_stage("backward", fusion))(
+            *inputs_and_douts, **p, **self._numpy_pos0(op, pos0))
+        grads = self._deliver(op, "backward", got, out, len(side.grads))
+        return grads if isinstance(grads, tuple) else (grads,)
+
+    def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None,
+               keys: int | None = None, workspace=None, **params):
+        """Attention of new queries q [B, Tq, H, D], at positions pos0 … pos0+Tq-1, over a KV
+        cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 are valid (later rows are never
+        read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence.
+        On the GPU, `keys` fixes the split of the cache whatever pos0 is and `workspace`
+        is its planned (part, counts) (runtime/engine/attention.py attention_decode); numpy needs
+        neither."""
+        from eulergen.runtime.engine.attention import decode_geometry
+        op = self._entry(name)
+        if op.kind != "attention":
+            raise EulerError(f"op {op.name!r} is {op.kind}: decode is for attention ops",
+                             file=op.spec, key="kind")
+        p = self._params(op, params)
+        pos0 = int(pos0)
+        if self._cuda:   # checked there, once per layout of the arrays
+            return self._cuda.decode(op, q, k_cache, v_cache, pos0, out, p, keys, workspace)
+        decode_geometry(q, k_cache, v_cache, pos0)
+        got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
+        return self._deliver(op, "decode", got, out, 1)
+
+    def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,
+             **params) -> None:
+        """An update op's step, in place. Its kernels read the values that change between
+        steps from `control`, an array on this backend holding `control_slots(op)` (skip,
+        grad_scale, then the op's runtime params; float32 on the GPU, as the kernels read
+        it, float32 or float64 on numpy), so that a captured step replays with new ones;
+        without it the runtime params come by value (`lr=`, `step=`) and a control array of
+        them is made for this call (not skipped, grads unscaled).
+        `copy`: a bf16 (uint16) array the bf16 kernel writes the updated weight into,
+        rounded (GPU only: numpy has no bf16)."""
+        op = self._entry(name)
+        if op.kind != "update":
+            raise EulerError(f"op {op.name!r} is {op.kind}, not an update op: call forward/backward",
+                             file=op.spec, key="kind")
+        self._arity(op, "step", state_and_grads, len(op.inputs))
+        runtime = [k for k, v in op.params.items() if v is None]
+        slots = self.control_slots(op)
+        if control is None:
+            given = self._params(op, params)
+            values = {"skip": 0.0, "grad_scale": 1.0, **given}
+            control = self.backend.xp.asarray(np.array([values[s] for s in slots],
+                                                       np.float32 if self._cuda else np.float64))
+        else:
+            passed = [k for k in params if k in runtime]
+            if passed:
+                raise EulerError(f"{op.name}.step: {passed[0]!r} comes from control= when "
+                                 "that is given", file=op.spec, key=f"params.{passed[0]}")
+            dtypes = (np.float32,) if self._cuda else (np.float32, np.float64)
+            if control.dtype not in dtypes or tuple(control.shape) != (len(slots),):
+                raise EulerError(f"{op.name}.step: control= must be "
+                                 f"{' or '.join(np.dtype(d).name for d in dtypes)} "
+                                 f"[{len(slots)}] ({', '.join(slots)}), got {control.dtype} "
+                                 f"{tuple(control.shape)}", file=op.spec, key="control")
+            given = self._params(op, {**params, **dict.fromkeys(runtime, 0.0)})
+        fixed = {k: v for k, v in given.items() if k not in runtime}
+        if self._cuda:
+            self._cuda.step(op, state_and_grads, fixed, control, copy)
+            return
+        if copy is not None:
+            raise EulerError(f"{op.name}.step: copy= is a bf16 copy; the numpy backend has "
+                             "no bf16", file=op.spec, key="copy")
+        self._module(op).step(*state_and_grads, control, **fixed)
+
+    def control_slots(self, name: str | OpEntry) -> tuple[str, ...]:
+        """What each element of an update op's `control` array holds, as its kernels (and
+        its numpy module, on numpy) were generated to read them."""
+        op = self._entry(name)
+        if self._cuda:
+            return op.kernel("step", "f32").control
+        return tuple(self._module(op).CONTROL)
+
+    def fused(self, name: str | OpEntry, *inputs_and_douts, out=None, **params) -> tuple:
+        """Forward and backward in one call: the forward outputs, then the gradients.
+
+        On a GPU this is the op's `fwdbwd` kernel (cross-entropy: loss and dlogits in one
+        pass, without storing probabilities). On numpy it is forward then backward of the
+        same generated module; the outputs are copied into `out` only after both ran, so
+        a gradient buffer may alias an input (dlogits over logits) here too."""
+        op = self._entry(name)
+        n_in = len(op.inputs)
+        self._arity(op, "fused", inputs_and_douts, self._backward_arity(op))
+        inputs = inputs_and_douts[:n_in]
+        p = self._params(op, params)
+        if self._cuda:
+            return tuple(self._cuda.fused(op, inputs_and_douts, _tuple(out), p))
+        module = self._module(op)
+        fwd = module.forward(*inputs, **p)
+        fwd = fwd if isinstance(fwd, tuple) else (fwd,)
+        grads = module.backward(*inputs_and_douts, **p)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        return self._deliver(op, "fused", fwd + grads, out,
+                             len(op.outputs) + len(op.grads), bare=False)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _pos0(op: OpEntry, params: dict) -> int:
+        """Pair ops take `pos0=`, the position of the first token (decoding with a KV
+        cache): a launch argument on the GPU and a keyword of the generated numpy module,
+        not a spec parameter."""
+        return int(params.pop("pos0", 0)) if op.kind == "pair" else 0
+
+    @staticmethod
+    def _numpy_pos0(op: OpEntry, pos0: int) -> dict:
+        return {"pos0": pos0} if op.kind == "pair" else {}
+
+    @staticmethod
+    def _accumulate(op: OpEntry, accumulate, out) -> tuple[bool, ...]:
+        """`accumulate=` as one flag per gradient."""
+        flags = (tuple(bool(a) for a in accumulate) if isinstance(accumulate, (tuple, list))
+                 else (bool(accumulate),) * len(op.grads))
+        if len(flags) != len(op.grads):
+            raise EulerError(f"{op.name}.backward: accumulate= has {len(flags)} flags, expected "
+                             f"{len(op.grads)} ({', '.join(op.grads)})", file=op.spec,
+                             key="accumulate")
+        if any(flags) and op.kind != "embedding":
+            raise EulerError(f"{op.name}.backward: accumulate= is for the embedding op; add "
+                             "other gradients yourself", file=op.spec, key="accumulate")
+        if any(flags) and out is None:
+            raise EulerError(f"{op.name}.backward: accumulate= needs out= (the arrays to add "
+                             "into)", file=op.spec, key="accumulate")
+        return flags
+
+    @staticmethod
+    def _module(op: OpEntry):
+        if op.kind == "embedding" and op.numpy is None:
+            return _NumpyEmbedding
+        return load_numpy_module(op)
+
+    @staticmethod
+    def _backward_arity(op: OpEntry, side=None) -> int:
+        """The arrays a backward of `op` (of its fused variant's operands `side`) takes."""
+        if op.kind == "update":
+            raise EulerError(f"op {op.name!r} is an update op: it has `step`, no backward",
+                             file=op.spec, key="kind")
+        if op.kind == "attention":   # q, k, v, o, lse, do
+            return 6
+        side = side or op
+        return len(side.inputs) + len(side.outputs)
+
+    @staticmethod
+    def _side(op: OpEntry, fusion: str, call: str):
+        """The operands a call takes and gives: the op's own, or a fused variant's
+        (manifest.Operands)."""
+        if not fusion:
+            return op
+        if fusion not in op.fusions:
+            have = ", ".join(op.fusions) or "none"
+            raise EulerError(f"op {op.name!r} has no fused variant {fusion!r} (it has: {have}; "
+                             "a build older than the fusions: run `eulergen build`)",
+                             file=op.spec, key="fusion")
+        return getattr(op.fusions[fusion], call)
+
+    @staticmethod
+    def _arity(op: OpEntry, call: str, args: tuple, want: int, side=None) -> None:
+        if len(args) != want:
+            side = side or op
+            names = [o.name for o in side.inputs]
+            if call in ("backward", "fused"):
+                names += ([f"d{o.name}" for o in side.outputs] if op.kind != "attention"
+                          else ["o", "lse", "do"])
+            raise EulerError(f"{op.name}.{call} takes {want} arrays ({', '.join(names)}), "
+                             f"got {len(args)}", file=op.spec, key=call)
+
+    @staticmethod
+    def _params(op: OpEntry, given: dict) -> dict:
+        unknown = [k for k in given if k not in op.params]
+        if unknown:
+            raise EulerError(f"op {op.name!r} has no parameter {unknown[0]!r}"
+                             f"{suggest(unknown[0], op.params)}; "
+                             f"parameters: {', '.join(op.params) or 'none'}",
+                             file=op.spec, key=f"params.{unknown[0]}")
+        merged = {**op.params, **given}
+        missing = [k for k, v in merged.items() if v is None]
+        if missing:
+            raise EulerError(f"op {op.name!r} needs parameter {missing[0]!r} at each call "
+                             "(it has no default)", file=op.spec, key=f"params.{missing[0]}")
+        return merged
+
+    def _deliver(self, op: OpEntry, call: str, got, out, count: int, bare: bool = True):
+        """Return the module's results, or copy them into the caller's `out` arrays."""
+        results = got if isinstance(got, tuple) else (got,)
+        if len(results) != count:
+            raise EulerError(f"numpy module returned {len(results)} arrays from {call}, "
+                             f"the manifest says {count} (stale build: run `eulergen build`)",
+                             file=str(op.numpy), key=call)
+        if out is None:
+            return results[0] if bare and count == 1 else tuple(results)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if len(outs) != count:
+            raise EulerError(f"{op.name}.{call}: out= has {len(outs)} arrays, expected {count}",
+                             file=op.spec, key="out")
+        for n, (dst, src) in enumerate(zip(outs, results)):
+            if src is None or dst is None:   # an absent optional input has no gradient
+                continue
+            if tuple(dst.shape) != tuple(src.shape):
+                raise EulerError(f"{op.name}.{call}: out[{n}] has shape {tuple(dst.shape)}, "
+                                 f"the result has {tuple(src.shape)}", file=op.spec, key="out")
+        for dst, src in zip(outs, results):
+            if src is not None and dst is not None:
+                self.backend.xp.copyto(dst, src, casting="same_kind")
+        return outs[0] if bare and count == 1 else tuple(outs)
+
+
+class _NumpyEmbedding:
+    """The embedding op on numpy. It has no formula (DESIGN.md: pure data movement), so no
+    generated module: out = wte[ids] (+ wpe[:T]); the backward adds rows in token order
+    (np.add.at is sequential), the order the GPU kernel sums each id's rows in. The ids
+    are on the host here, so their range is checked before use (np.take would wrap a
+    negative id)."""
+
+    @staticmethod
+    def _check(ids, wte, call: str) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= wte.shape[0]):
+            raise EulerError(f"embedding.{call}: ids span [{ids.min()}, {ids.max()}], the table "
+                             f"has {wte.shape[0]} rows", key="ids")
+
+    @staticmethod
+    def forward(ids, wte, wpe):
+        _NumpyEmbedding._check(ids, wte, "forward")
+        out = np.take(wte, ids, axis=0)
+        if wpe is not None:
+            out += wpe[: ids.shape[-1]]
+        return out
+
+    @staticmethod
+    def backward(ids, wte, wpe, dout, *, out=None, accumulate=(False, False)):
+        """(dwte, dwpe): into `out` where given (added to where `accumulate` says), else new."""
+        _NumpyEmbedding._check(ids, wte, "backward")
+        out = out or (None, None)
+        for name, g, w in zip(("dwte", "dwpe"), out, (wte, wpe)):
+            if g is not None and w is not None and g.shape != w.shape:
+                raise EulerError(f"embedding.backward: out {name} has shape {g.shape}, "
+                                 f"expected {w.shape}", key="out")
+        C = wte.shape[1]
+        dwte = out[0] if out[0] is not None else np.zeros_like(wte)
+        if not accumulate[0]:
+            dwte[...] = 0
+        np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
+        if wpe is None:
+            return dwte, None
+        T = ids.shape[-1]
+        dwpe = out[1] if len(out) > 1 and out[1] is not None else np.zeros_like(wpe)
+        if accumulate[1]:
+            dwpe[:T] += dout.reshape(-1, T, C).sum(axis=0)
+        else:
+            dwpe[T:] = 0
+            np.sum(dout.reshape(-1, T, C), axis=0, out=dwpe[:T])
+        return dwte, dwpe
+
+
+def _tuple(out):
+    return None if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)

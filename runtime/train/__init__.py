@@ -1,0 +1,4 @@
+"""Training: the run's config, its size budget, the step (step control, the graphed
+Stepper), the optimizer, checkpoints, run folders, metrics, the Trainer, and evaluation.
+
+The top of the runtime: imports any package before it in LAYERS."""

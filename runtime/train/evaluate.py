@@ -1,0 +1,117 @@
+"""What `eulergen eval`, `sample`, `chat` and `export` read, and the evaluation itself.
+
+A model comes from a run folder (its latest checkpoint), one checkpoint folder, or a
+transformers save_pretrained folder or Hub id (runtime/interop/hf.py), as a config and weights.
+`evaluate` is the mean cross-entropy over every whole window of a dataset: the files in
+order, windows of T + 1 tokens at stride T (each token a target once), B windows a
+batch, the last partial batch left out; its exp is the perplexity.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eulergen.errors import EulerError
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.interop import hf
+from eulergen.runtime.train.config import RunConfig, config_from_dict
+from eulergen.runtime.data.loader import open_tokens, resolve_files
+from eulergen.runtime.model.gpt import build
+
+HF_CONTEXT = 1024   # an imported model's default context: Llama configs allow 128k positions
+
+
+@dataclass(frozen=True)
+class Weights:
+    cfg: RunConfig
+    params: dict        # eulergen names -> host arrays
+    file: str           # where they came from, for errors
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A save_pretrained folder: its config.json names transformers architectures (a run
+    folder's config.json holds eulergen's sections)."""
+    try:
+        return "architectures" in hf.read_json(path / hf.CONFIG)
+    except EulerError:
+        return False
+
+
+def open_model(spec: str | Path, device: str | None = None) -> Weights:
+    """The config and weights of a run, a checkpoint, an HF folder or a Hub id."""
+    path = Path(spec)
+    training = {"device": device} if device else {}
+    if not path.exists() or is_hf_folder(path):
+        imported = hf.load_folder(hf.locate(spec, key="RUN_OR_CKPT"))
+        tokenizer = str(imported.tokenizer) if imported.tokenizer else (
+            "gpt2" if imported.architecture == hf.GPT2 and imported.model["vocab_size"] == 50257
+            else "byte")
+        raw = {"model": imported.model, "data": {"tokenizer": tokenizer},
+               "training": {"seq_len": min(imported.model["max_seq_len"], HF_CONTEXT),
+                            **training}}
+        config = str(imported.folder / hf.CONFIG)
+        return Weights(config_from_dict(raw, source=config), imported.params, config)
+    ck = checkpoint.load(path, require=("config",))
+    raw = dict(ck.state["config"])
+    if device:
+        raw["training"] = {**raw["training"], **training}
+    cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
+    return Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE))
+
+
+def load_into(model, weights: Weights) -> None:
+    """model.load_state_dict, with a misfit named by the weights' file."""
+    try:
+        model.load_state_dict(weights.params)
+    except EulerError as err:
+        raise EulerError(err.message, file=weights.file, key=err.key) from None
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float          # mean cross-entropy per token, nats
+    tokens: int          # targets evaluated
+    windows: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def windows(dataset: str, seq: int, vocab: int, cache_dir=None):
+    """Every [T + 1] window of the dataset's files in order (builtin:stdlib: its held-out
+    split), each id checked against the vocab."""
+    files = resolve_files(dataset, cache_dir, split="val")
+    for file in files:
+        tokens = open_tokens(file)
+        for start in range(0, len(tokens) - seq, seq):
+            row = np.asarray(tokens[start:start + seq + 1], dtype=np.int32)
+            if int(row.max()) >= vocab:
+                raise EulerError(f"token id {int(row.max())} is outside the model's vocabulary "
+                                 f"of {vocab} (data made with another tokenizer?)", file=str(file))
+            yield row
+
+
+def evaluate(weights: Weights, lib, dataset: str, *, batch: int, seq: int,
+             max_batches: int | None = None, cache_dir=None) -> EvalResult:
+    model = build(weights.cfg.model, lib, batch, seq, training=False)
+    load_into(model, weights)
+    total, count, rows = 0.0, 0, []
+    for row in windows(dataset, seq, weights.cfg.model.vocab_size, cache_dir):
+        rows.append(row)
+        if len(rows) < batch:
+            continue
+        chunk = np.stack(rows)
+        rows = []
+        model.load_tokens(chunk[:, :-1], chunk[:, 1:])
+        total += float(model.loss()[0])     # a batch's mean over B·T tokens
+        count += 1
+        if max_batches is not None and count >= max_batches:
+            break
+    if not count:
+        raise EulerError(f"fewer tokens than one batch of {batch} windows of {seq + 1}",
+                         file=dataset, key="--data")
+    return EvalResult(total / count, count * batch * seq, count * batch)
