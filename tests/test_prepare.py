@@ -25,7 +25,7 @@ from eulergen.runtime.data.sources import HubDataset, LocalFiles
 from eulergen.runtime.data.tokenizer import ByteTokenizer, train_bpe
 
 # Documents the tests own: this package's Python source, one file a document.
-DOCS = [p.read_text(encoding="utf-8") for p in sorted((PACKAGE_DIR / "runtime").glob("*.py"))]
+DOCS = [p.read_text(encoding="utf-8") for p in sorted((PACKAGE_DIR / "runtime").rglob("*.py"))]
 
 
 @pytest.fixture(scope="module")

@@ -280,7 +280,7 @@ def test_the_inference_plan_holds_the_kv_cache(lib):
 def run(tmp_path_factory):
     """A byte-level model trained for a few steps on this package's source."""
     root = tmp_path_factory.mktemp("sample")
-    text = b"".join(p.read_bytes() for p in sorted((PACKAGE_DIR / "runtime").glob("*.py")))
+    text = b"".join(p.read_bytes() for p in sorted((PACKAGE_DIR / "runtime").rglob("*.py")))
     write_shard(root / "text_train.bin", np.frombuffer(text, dtype=np.uint8))
     cfg = load_config(None, [
         f"run_dir={root / 'run'}", f"data.dataset={root / 'text_train.bin'}",
