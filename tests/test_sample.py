@@ -195,7 +195,7 @@ def test_streaming_and_reading_every_drawn_steps_give_the_same_tokens(lib):
 
 
 def test_a_prompt_the_tokenizer_cannot_encode_is_one_error():
-    from eulergen.cli import _prompt_ids
+    from eulergen.cli.sample import _prompt_ids
 
     class Words:   # a word-level tokenizer that knows "a" and "b"
         name = "words.json"

@@ -1,0 +1,69 @@
+"""What the commands share: the --ops option, warnings, the run's config and op library,
+and numpy's BLAS threads."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+ops_option = click.option(
+    "--ops", "ops_dirs", multiple=True, type=click.Path(path_type=Path),
+    help="Extra directory of op specs (repeatable); also EULERGEN_OPS_PATH.")
+
+
+def warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
+def run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_dir=False,
+               per_device=True):
+    """The run's config; without a file, the built-in default of the device the run resolves
+    to (`per_device`; an --init-from run brings its own model)."""
+    from eulergen.runtime.train.config import load_config
+    extra = [f"run_dir={run_dir}"] if run_dir else []
+    extra += [f"training.device={device}"] if device else []
+    return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir,
+                       finds_gpu=finds_gpu if per_device else None)
+
+
+def finds_gpu() -> bool:
+    """Whether training.device auto runs on a GPU here. Quiet: the run's own get_backend
+    says why not, once."""
+    from eulergen.runtime.engine.backend import get_backend
+    return get_backend("auto", notice=lambda line: None).is_gpu
+
+
+def default_named(cfg) -> str:
+    """', the built-in GPU default' (or CPU): which one a run without a file took."""
+    return f", the built-in {cfg.default.upper()} default" if cfg.default else ""
+
+
+def library(cfg, ops_dirs):
+    """The OpLibrary for a run: its ops regenerated first where stale, then the
+    built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
+    the kernels the disk cache lacks start compiling now, side by side, while the run
+    starts (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.model.gpt import ops_used
+    from eulergen.runtime.engine.ops import OpLibrary
+
+    from eulergen.generator.build import ensure_built
+
+    manifests = ensure_built(ops_used(cfg.model), ops_dirs) or []
+    lib = OpLibrary(get_backend(cfg.training.device), manifests)
+    if lib.backend.is_gpu:
+        from eulergen.runtime.engine.compile import prefetch
+        # a name that is no op is left to arch_of, which names the config key at fault
+        prefetch(lib.ops[n] for n in (*ops_used(cfg.model), "embedding") if n in lib.ops)
+    return lib
+
+
+def limit_blas_threads() -> None:
+    """One BLAS thread on numpy: on a 2-core machine a second OpenBLAS thread makes the
+    model's small GEMMs 10-50x slower whenever the other core is busy. Must run before
+    numpy loads OpenBLAS; a user's own setting wins."""
+    import os
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
