@@ -44,18 +44,18 @@ def library(cfg, ops_dirs):
     built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
     the kernels the disk cache lacks start compiling now, side by side, while the run
     starts (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
-    from eulergen.runtime.engine.backend import get_backend
-    from eulergen.runtime.model.gpt import ops_used
-    from eulergen.runtime.engine.ops import OpLibrary
-
     from eulergen.generator.build import ensure_built
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.model.arch import ops_used
 
-    manifests = ensure_built(ops_used(cfg.model), ops_dirs) or []
+    names = ops_used(cfg.model)
+    manifests = ensure_built(names, ops_dirs) or []
     lib = OpLibrary(get_backend(cfg.training.device), manifests)
     if lib.backend.is_gpu:
         from eulergen.runtime.engine.compile import prefetch
         # a name that is no op is left to arch_of, which names the config key at fault
-        prefetch(lib.ops[n] for n in (*ops_used(cfg.model), "embedding") if n in lib.ops)
+        prefetch(lib.ops[n] for n in (*names, "embedding") if n in lib.ops)
     return lib
 
 

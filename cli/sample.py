@@ -14,11 +14,10 @@ from eulergen.errors import EulerError
 def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     """The tokenizer and a KV-cache Sampler over a run folder's latest checkpoint (or one
     checkpoint folder, or a transformers folder or Hub id), with the config it was trained
-    with. Weights that do not fit the config's model (another architecture, an unpadded
-    vocab) are one error naming the weights file and the tensor."""
+    with (runtime/train/evaluate.py open_sampler)."""
     limit_blas_threads()
-    from eulergen.runtime.train.evaluate import load_into, open_model
-    from eulergen.runtime.generate.sample import Sampler, sampling_dtype
+    from eulergen.runtime.train.evaluate import open_model, open_sampler
+    from eulergen.runtime.generate.sample import sampling_dtype
     from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
@@ -31,32 +30,10 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     tok = load_tokenizer(cfg.data)
     check_fits(tok, cfg.model.vocab_size)
     lib = library(cfg, ops_dirs)
-    dtype = sampling_dtype(dtype, lib.backend)
-    _check_sampler_fits(cfg, lib, num_samples, dtype)
-    # the context it was trained on: learned positions past training.seq_len never moved
-    sampler = Sampler(cfg.model, lib, batch=num_samples, seq_len=cfg.training.seq_len,
-                      dtype=dtype, notify=lambda m: click.echo(m, err=True))
-    load_into(sampler.decoder, weights)
+    sampler = open_sampler(weights, lib, batch=num_samples,
+                           dtype=sampling_dtype(dtype, lib.backend),
+                           notify=lambda m: click.echo(m, err=True))
     return tok, sampler
-
-
-def _check_sampler_fits(cfg, lib, num_samples: int, dtype: str) -> None:
-    """--num-samples is the KV cache's batch: refused before the cache is planned in full
-    or allocated when it cannot fit."""
-    from eulergen.runtime.train import budget
-    from eulergen.runtime.model.arch import arch_of
-    from eulergen.runtime.engine.attention import PLAN_SMS
-    from eulergen.runtime.generate.decoder import plan_decoder
-
-    seq = cfg.training.seq_len
-    if num_samples * seq > budget.MAX_INDEX:
-        raise EulerError(f"{num_samples:,} samples of {seq} tokens: at most "
-                         f"{budget.MAX_INDEX:,} tokens in one batch", key="--num-samples")
-    budget.check_fits(cfg, arch_of(cfg.model, lib), lib.backend,
-                      lambda a: plan_decoder(a, num_samples, seq, dtype=dtype,
-                                             sms=PLAN_SMS if lib.backend.is_gpu else 0),
-                      what="sampling",
-                      batch=("--num-samples", num_samples, 1))
 
 
 def _sampling_options(f):
