@@ -1,5 +1,5 @@
-"""What the commands share: the --ops option, warnings, the run's config and op library,
-and numpy's BLAS threads."""
+"""What the commands share: the --ops option, warnings, the built-in default's name, a
+run's op library, and numpy's BLAS threads."""
 from __future__ import annotations
 
 import sys
@@ -14,24 +14,6 @@ ops_option = click.option(
 
 def warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
-
-
-def run_config(config_path, overrides, run_dir=None, device=None, *, fresh_run_dir=False,
-               per_device=True):
-    """The run's config; without a file, the built-in default of the device the run resolves
-    to (`per_device`; an --init-from run brings its own model)."""
-    from eulergen.runtime.train.config import load_config
-    extra = [f"run_dir={run_dir}"] if run_dir else []
-    extra += [f"training.device={device}"] if device else []
-    return load_config(config_path, [*overrides, *extra], fresh_run_dir=fresh_run_dir,
-                       finds_gpu=finds_gpu if per_device else None)
-
-
-def finds_gpu() -> bool:
-    """Whether training.device auto runs on a GPU here. Quiet: the run's own get_backend
-    says why not, once."""
-    from eulergen.runtime.engine.backend import get_backend
-    return get_backend("auto", notice=lambda line: None).is_gpu
 
 
 def default_named(cfg) -> str:

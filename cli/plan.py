@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import default_named, ops_option, run_config
+from eulergen.cli.common import default_named, ops_option
 
 
 @click.command()
@@ -28,6 +28,7 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     from eulergen.runtime.model.memory import plan_table
     from eulergen.runtime.model.params import param_count
     from eulergen.runtime.train.resolve import resolve
+    from eulergen.runtime.train.start import run_config
 
     cfg = run_config(config_path, overrides)
     manifests = []

@@ -1,34 +1,14 @@
-"""`eulergen train` (runtime/train/trainer.py): the run's config from a file, a resumed run
-or an imported model, its ops built, then one process, a rank of a launcher's, or --nproc
-ranks of its own (runtime/distributed/workers.py)."""
+"""`eulergen train`: where the run starts (runtime/train/start.py: a file, a resumed run or an
+imported model), its ops built, then the Trainer (runtime/train/trainer.py) in one process,
+a rank of a launcher's, or --nproc ranks of its own (runtime/distributed/workers.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
 
-from eulergen.cli.common import (default_named, library, limit_blas_threads, ops_option,
-                                 run_config)
+from eulergen.cli.common import default_named, library, limit_blas_threads, ops_option
 from eulergen.errors import EulerError
-
-
-def _resume_config(resume, overrides, device):
-    """A resumed run's saved config, with the --set overrides and --device."""
-    from eulergen.runtime.train.trainer import resume_config
-    return resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])])
-
-
-def _resume_import(run: Path):
-    """(imported weights, their record) for a resume of an --init-from run that has no
-    checkpoint yet (it restarts from those weights, not from its seed), else (None, None)."""
-    from eulergen.runtime.train import checkpoint
-    from eulergen.runtime.interop import hf
-    from eulergen.runtime.train.trainer import recorded_init
-    source = recorded_init(run)
-    if source is None or checkpoint.latest(run) is not None:
-        return None, None
-    folder = Path(source["folder"])
-    return hf.load_folder(folder if folder.is_dir() else hf.locate(source["init_from"])), source
 
 
 @click.command()
@@ -56,6 +36,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     from eulergen.runtime.engine import gemm
     from eulergen.runtime.distributed.data_parallel import connect
     from eulergen.runtime.model.memory import format_bytes
+    from eulergen.runtime.train.start import start
     from eulergen.runtime.train.trainer import Trainer
 
     rv = coll.Rendezvous.from_env()
@@ -64,38 +45,16 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
                      ops_dirs)
         return
     # under a launcher every rank must name the same folder: the config's, not a fresh one
-    fresh = rv is None
-
-    imported = source = None
-    if resume is not None:
-        if config_path is not None or run_dir is not None or init_from is not None:
-            raise EulerError("--resume continues a run with its saved config and weights: give "
-                             "--set overrides, not --config, --run-dir or --init-from",
-                             key="--resume")
-        cfg = _resume_config(resume, overrides, device)
-        imported, source = _resume_import(resume)
-    elif init_from is not None:
-        # read and checked in full before the run folder is touched
-        from eulergen.runtime.interop import hf
-        imported = hf.load_folder(hf.locate(init_from))
-        source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
-        given = run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device,
-                            per_device=False)
-        sets = hf.run_overrides(imported, given, overrides)
-        cfg = run_config(config_path, [*sets, *overrides], run_dir, device, fresh_run_dir=fresh,
-                          per_device=False)
-    else:
-        # no run folder named: a new one per run, so running the same command twice works;
-        # a named folder that holds checkpoints is refused by the Trainer (never overwritten)
-        cfg = run_config(config_path, overrides, run_dir, device, fresh_run_dir=fresh)
+    begin = start(config_path, overrides, resume=resume, run_dir=run_dir, device=device,
+                  init_from=init_from, fresh_run_dir=rv is None)
+    cfg = begin.cfg
     if rv is not None and cfg.training.device != "numpy":
         coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
     lib = library(cfg, ops_dirs)
     collective = connect(rv, lib.backend) if rv is not None else None
     try:
-        trainer = Trainer(cfg, lib, resume=resume is not None,
-                          initial=imported.params if imported else None, init_from=source,
-                          collective=collective)
+        trainer = Trainer(cfg, lib, resume=resume is not None, initial=begin.initial,
+                          init_from=begin.source, collective=collective)
         if rv is not None and rv.rank:
             trainer.run()   # rank 0 reports
             return
@@ -127,11 +86,12 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
     """--nproc: one run folder named here (each rank would otherwise pick its own), the GPU
     count checked, then the ranks as `python -m eulergen train` (runtime/distributed/workers.py)."""
     from eulergen.runtime.distributed.workers import check_gpus, run_workers
+    from eulergen.runtime.train.start import resumed_config, run_config
     if rv is not None:
         raise EulerError(f"--nproc starts its own ranks, but this process is already rank "
                          f"{rv.rank} of {rv.world_size} (torchrun, srun): leave --nproc out",
                          key="--nproc")
-    cfg = _resume_config(resume, overrides, device) if resume \
+    cfg = resumed_config(resume, overrides, device) if resume \
         else run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     run_dir = None if resume else cfg.run_dir
     check_gpus(nproc, cfg.training.device)
