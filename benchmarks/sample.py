@@ -111,6 +111,7 @@ def main() -> None:
     from eulergen.runtime.train.config import load_config
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.generate.sample import Sampler
+    from eulergen.runtime.model.arch import arch_of
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -148,8 +149,8 @@ def main() -> None:
                          agreement(tokens, reference)))
             say(f"B={batch} {name}: {batch * new / seconds:,.0f} tok/s")
         for dtype in ("float32", "bf16"):
-            sampler = Sampler(cfg.model, lib, batch=batch, seq_len=cfg.model.max_seq_len,
-                              dtype=dtype)
+            sampler = Sampler(arch_of(cfg.model, lib), lib, batch=batch,
+                              seq_len=cfg.model.max_seq_len, dtype=dtype)
             sampler.decoder.load_state_dict(weights)
             seconds, tokens = timed(lambda: sampler.samples(prompt, new, temperature=0), runs)
             ttft, _ = timed(lambda: sampler.samples(prompt, 1, temperature=0), runs)

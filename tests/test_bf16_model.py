@@ -30,7 +30,8 @@ from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY, Backend
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.model.memory import Memory, storage
-from eulergen.runtime.model.gpt import GPT, build, plan_model
+from eulergen.runtime.model.gpt import GPT, build
+from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.model.tape import Linear

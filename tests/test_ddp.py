@@ -338,7 +338,7 @@ def test_train_nproc_2_matches_the_in_process_ranks(shard, tmp_path):
     run = _nproc_2(*_sets(shard, tmp_path / "cli", 4))
     assert "2 ranks x B=4" in run.stderr and run.stderr.count("eulergen train:") == 1
     cli, threads = losses(tmp_path / "cli"), _two_ranks(shard, tmp_path / "threads")
-    # not bits: the CLI's workers run OpenBLAS on one thread (cli.py), pytest may not
+    # not bits: the CLI's workers run OpenBLAS on one thread (cli/common.py), pytest may not
     assert cli.keys() == threads.keys()
     assert all(abs(cli[k] - threads[k]) <= 1e-6 * threads[k] for k in cli), (cli, threads)
 

@@ -225,7 +225,7 @@ def test_rope_in_place_gives_the_loss_and_gradients_of_rope_out_of_place(lib):
 
 
 def test_the_decoder_runs_c_attn_as_one_gemm_with_q_k_v_as_views(lib):
-    dec = build_decoder(_cfg("nanoeuler"), lib, 2, 6)
+    dec = build_decoder(arch_of(_cfg("nanoeuler"), lib), lib, 2, 6)
     assert dec.mem.plan.buffer("qkv").shape == (2, 6, 4 + 2 * 2, 2)
     assert "lse" not in dec.mem.plan.index and "q" not in dec.mem.plan.index
     views = dec._views(3)

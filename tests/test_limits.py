@@ -15,7 +15,7 @@ from eulergen.runtime.train import budget
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.train.config import load_config
-from eulergen.runtime.model.gpt import plan_model
+from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.userfiles import YAML_MAX_DEPTH, load_json, load_yaml
 

@@ -13,7 +13,7 @@ from eulergen.runtime.engine.backend import NUMPY, Backend
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.engine.cuda_ops import workspace_elements
 from eulergen.runtime.model.memory import upload
-from eulergen.runtime.model.gpt import plan_model
+from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.ops import OpLibrary
 from test_runtime_kernels import OPS, dev, emu, libs, needs_manifest  # noqa: F401 (fixtures)
 

@@ -13,7 +13,8 @@ from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.engine.gemm import numpy_gemm
-from eulergen.runtime.model.gpt import build, plan_model
+from eulergen.runtime.model.gpt import build
+from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.model.params import param_count, parameters
 

@@ -41,7 +41,7 @@ def lib():
 def _models(lib, structure, batch):
     """A float64 decoder and a full-window model reading the same weights."""
     cfg = load_config(None, STRUCTURES[structure]).model
-    dec = build_decoder(cfg, lib, batch, SEQ, dtype="float64")
+    dec = build_decoder(arch_of(cfg, lib), lib, batch, SEQ, dtype="float64")
     full = build(cfg, lib, batch, SEQ, training=False, dtype="float64",
                  shared={"params": dec.mem.arenas["params"]})
     full.init_weights(7)
@@ -94,7 +94,7 @@ def test_appending_several_tokens_equals_prefilling_them(lib, structure):
 @pytest.mark.parametrize("structure", sorted(STRUCTURES))
 def test_greedy_sampling_equals_greedy_over_full_recomputation(lib, structure, batch):
     cfg, dec, full = _models(lib, structure, batch)
-    sampler = Sampler(cfg, lib, batch=batch, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, lib, batch=batch, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float64")
     prompt = [3, 1, 4, 1, 5]
     rows = sampler.samples(prompt, 20, temperature=0)
@@ -175,7 +175,7 @@ def test_temperature_zero_is_argmax_and_a_seed_repeats_its_draws():
 
 def test_seeded_samples_repeat_and_rows_differ(lib):
     cfg, dec, _ = _models(lib, "gpt2", 3)
-    sampler = Sampler(cfg, lib, batch=3, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, lib, batch=3, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float64")
     first = sampler.samples([1, 2], 15, temperature=1.0, seed=11)
     assert first == sampler.samples([1, 2], 15, temperature=1.0, seed=11)
@@ -185,7 +185,7 @@ def test_seeded_samples_repeat_and_rows_differ(lib):
 
 def test_streaming_and_reading_every_drawn_steps_give_the_same_tokens(lib):
     cfg, dec, _ = _models(lib, "nanoeuler", 2)
-    sampler = Sampler(cfg, lib, batch=2, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, lib, batch=2, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float64")
     seen = []
     settings = dict(temperature=1.0, top_k=20, seed=4)
@@ -195,7 +195,7 @@ def test_streaming_and_reading_every_drawn_steps_give_the_same_tokens(lib):
 
 
 def test_a_prompt_the_tokenizer_cannot_encode_is_one_error():
-    from eulergen.cli import _prompt_ids
+    from eulergen.cli.sample import _prompt_ids
 
     class Words:   # a word-level tokenizer that knows "a" and "b"
         name = "words.json"
@@ -214,7 +214,7 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_one_error():
 
 def test_a_row_ends_at_the_stop_token(lib):
     cfg, dec, _ = _models(lib, "gpt2", 1)
-    sampler = Sampler(cfg, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float64")
     (greedy,) = sampler.samples([7], 10, temperature=0)
     stop = greedy[3]
@@ -227,7 +227,7 @@ def test_a_row_ends_at_the_stop_token(lib):
 def test_a_prompt_longer_than_the_context_keeps_its_end_and_says_so(lib):
     cfg, dec, _ = _models(lib, "gpt2", 1)
     notes = []
-    sampler = Sampler(cfg, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float64", notify=notes.append)
     long_prompt = list(range(30))
     (row,) = sampler.samples(long_prompt, 3, temperature=0)
@@ -246,7 +246,7 @@ def test_a_prompt_longer_than_the_context_keeps_its_end_and_says_so(lib):
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")])
 def test_bad_settings_are_one_error_naming_the_setting(lib, settings, key):
     cfg, dec, _ = _models(lib, "gpt2", 1)
-    sampler = Sampler(cfg, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, lib, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float64")
     with pytest.raises(EulerError, match=key):
         sampler.samples([1], 2, **settings)

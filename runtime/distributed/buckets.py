@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eulergen.runtime.model.graph import model_graph
 from eulergen.runtime.model.memory import ALIGN, Planner
 from eulergen.runtime.model.params import parameters, plan_params
 
@@ -87,7 +86,7 @@ def param_ready(a) -> dict[str, int]:
     (the tied table: the embedding's, the very last node)."""
     names = {s.name for s in parameters(a)}
     ready = {}
-    g = model_graph(a)
+    g = a.graph
     for i, (layer, node, _) in enumerate(reversed(g.steps())):
         for name in g.parameter_names(node, layer, names):
             ready[name] = i
@@ -103,7 +102,7 @@ def plan_buckets(a, ranks: int, *, zero: bool = False, bucket_mb: float = 25.0,
     layout = p.plan()
     total = layout.arena("params").size
     ready = param_ready(a)
-    nodes = len(model_graph(a).steps())
+    nodes = len(a.graph.steps())
     cap = max(ALIGN, int(bucket_mb * MIB / itemsize))
     runs: list[list] = []   # [lo, ready] of each bucket, in arena order
     prev = None

@@ -1,7 +1,7 @@
 """The KV-cache inference graph: a forward-only model that keeps every layer's keys and
 values, so that a new token costs one position's work instead of the whole window's.
 
-    dec = build_decoder(cfg.model, lib, batch=B, seq=S, dtype="bf16")   # S ≤ max_seq_len
+    dec = build_decoder(arch, lib, batch=B, seq=S, dtype="bf16")   # S ≤ arch.max_seq
     logits = dec.prefill(ids)        # host ids [B, Tp]: the cache filled from position 0
     logits = dec.decode(next_ids)    # host ids [B] (or [B, 1]): one position more
     logits = dec.step()              # the id the device input holds (a tail drew it)
@@ -42,9 +42,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
-from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.generate.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
-from eulergen.runtime.model.graph import model_graph
 from eulergen.runtime.model.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.model.gpt import check_ids
 from eulergen.runtime.model.params import load_params, parameters, plan_params
@@ -65,7 +63,7 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 
         raise EulerError(f"sampling context {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
     B, T = batch, seq
-    g = model_graph(a)
+    g = a.graph
     p = Planner()
     plan_params(p, a, dtype)
     attention = next(n for n in g.block if n.kind == "attention")
@@ -130,7 +128,7 @@ class Decoder:
         self.live = {"pos0": 0}
         self.tail = None
         self.length = 0                                  # cache positions holding tokens
-        self.graph = model_graph(arch)
+        self.graph = arch.graph
         gpu = self.backend.is_gpu
         self.graphs = gpu if graphs is None else graphs and gpu
         self.notify = notify or (lambda m: print(m, file=sys.stderr))
@@ -326,20 +324,23 @@ class Decoder:
         load_params(self.params, state)
 
 
-def build_decoder(cfg, lib, batch: int, seq: int, *, dtype: str = "float32",
+def decode_sms(backend) -> int:
+    """plan_decoder's `sms` for a decoder on `backend`: the GPU's SMs, 0 on numpy."""
+    if not backend.is_gpu:
+        return 0
+    from eulergen.runtime.engine.attention import _sm_count
+    return _sm_count()
+
+
+def build_decoder(arch, lib, batch: int, seq: int, *, dtype: str = "float32",
                   params=None, tf32: bool = False, graphs: bool | None = None,
                   notify: Callable[[str], None] | None = None) -> Decoder:
-    """Plan, allocate and make a KV-cache model; `params` is an existing params arena to
-    read the weights from (a training model's: nothing is copied); `graphs`: capture CUDA
-    graphs (default: on a GPU)."""
-    arch = arch_of(cfg, lib)
+    """Plan, allocate and make a KV-cache model of an Arch (runtime/model/arch.py arch_of);
+    `params` is an existing params arena to read the weights from (a training model's:
+    nothing is copied); `graphs`: capture CUDA graphs (default: on a GPU)."""
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
-    sms = 0
-    if lib.backend.is_gpu:
-        from eulergen.runtime.engine.attention import _sm_count
-        sms = _sm_count()
-    plan = plan_decoder(arch, batch, seq, dtype=dtype, sms=sms)
+    plan = plan_decoder(arch, batch, seq, dtype=dtype, sms=decode_sms(lib.backend))
     shared = {"params": params} if params is not None else None
     check_fits(plan, lib.backend, shared)
     return Decoder(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq,

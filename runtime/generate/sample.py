@@ -1,6 +1,6 @@
 """Text generation over the KV-cache model (runtime/generate/decoder.py).
 
-    sampler = Sampler(cfg.model, lib, batch=4, seq_len=1024)     # bf16 on a bf16 GPU
+    sampler = Sampler(arch, lib, batch=4, seq_len=1024)     # bf16 on a bf16 GPU
     rows = sampler.samples(prompt_ids, 200, temperature=0.8, top_k=40, top_p=0.95, seed=1,
                            on_step=lambda tokens: ...)      # one new token per row
 
@@ -39,20 +39,21 @@ def sampling_dtype(choice: str, backend) -> str:
 
 
 class Sampler:
-    """`params`: an existing params arena (the training model's, in `dtype`) to sample from
-    without a copy; `seq_len`: the context (default model.max_seq_len), which a model with
+    """A decoder of an Arch (runtime/model/arch.py arch_of) with the draw as its tail.
+    `params`: an existing params arena (the training model's, in `dtype`) to sample from
+    without a copy; `seq_len`: the context (default the Arch's max_seq), which a model with
     learned positions should keep to what it was trained on; `dtype`: the decoder's plan
     dtype (default: sampling_dtype's auto); `graphs`: CUDA graphs (default: on a GPU);
     `notify`: where one-line notices go."""
 
-    def __init__(self, model_cfg, lib, *, batch: int = 1, seq_len: int | None = None,
+    def __init__(self, arch, lib, *, batch: int = 1, seq_len: int | None = None,
                  params=None, dtype: str | None = None, tf32: bool = False,
                  graphs: bool | None = None, notify: Callable[[str], None] = _stderr):
         if batch < 1:
             raise EulerError(f"num_samples {batch}: want at least 1", key="num_samples")
-        self.seq = seq_len or model_cfg.max_seq_len
+        self.seq = seq_len or arch.max_seq
         self.dtype = dtype or sampling_dtype("auto", lib.backend)
-        self.decoder = dec = build_decoder(model_cfg, lib, batch, self.seq, params=params,
+        self.decoder = dec = build_decoder(arch, lib, batch, self.seq, params=params,
                                            dtype=self.dtype, tf32=tf32, graphs=graphs,
                                            notify=notify)
         self.batch = batch

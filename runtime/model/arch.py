@@ -1,5 +1,6 @@
-"""The model's shape (`Arch`) and the ops it runs (`ModelOps`), from a ModelConfig checked
-against the op library: what the plan, the training tape and the decoder are built for.
+"""The model's shape (`Arch`), the ops it runs (`ModelOps`) and its forward pass as data
+(`Arch.graph`), from a ModelConfig checked against the op library once a run: what the
+plans, the training tape, data parallel's buckets and the decoder are built for.
 """
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.attention import head_dims
+from eulergen.runtime.model.graph import Graph, model_graph
 from eulergen.runtime.model.params import padded_vocab
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
@@ -44,6 +46,12 @@ class Arch:
     norm_params: dict = field(hash=False)
     rope_params: dict = field(hash=False)
     ops: ModelOps = field(repr=False)
+    graph: Graph = field(init=False, repr=False, compare=False)   # model_graph of the rest
+
+    def __post_init__(self):
+        # made once a shape (budget's one- and two-layer copies get their own): whoever
+        # holds the Arch reads this graph, none makes another
+        object.__setattr__(self, "graph", model_graph(self))
 
     @property
     def vocab_rows(self) -> int:
@@ -72,6 +80,12 @@ def _need_op(lib, name: str, key: str, kinds: tuple[str, ...]):
 def _op_params(op, wanted: dict) -> dict:
     """The config values an op declares as parameters (eps, base), and nothing else."""
     return {k: v for k, v in wanted.items() if k in op.params}
+
+
+def ops_used(cfg) -> tuple[str, ...]:
+    """The ops a run of this ModelConfig calls: what `eulergen train` builds before it starts."""
+    return tuple(dict.fromkeys((cfg.norm, cfg.activation, cfg.attention, "cross_entropy", "adamw")
+                               + (("rope",) if cfg.positions == "rope" else ())))
 
 
 def arch_of(cfg, lib) -> Arch:

@@ -1,5 +1,5 @@
-"""The GPT model: its memory plan, and its forward pass recorded on a tape, for the shape
-runtime/model/arch.py checks against the ops it names.
+"""The GPT model over its memory plan (runtime/model/plan.py), its forward pass recorded on
+a tape, for the shape runtime/model/arch.py checks against the ops it names.
 
 Pre-norm blocks, x → x + attn(norm(x)) → x + mlp(norm(x)), with the norm, the
 activation and the attention named by op (ModelConfig.norm / activation / attention),
@@ -25,136 +25,17 @@ import math
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.engine import bf16, gemm
+from eulergen.runtime.engine import bf16
 from eulergen.runtime.model.loss import loss_mean
 from eulergen.runtime.model.arch import Arch, arch_of
-from eulergen.runtime.model.graph import model_graph
-from eulergen.runtime.model.memory import ALIGN, Memory, Plan, Planner, check_fits, upload
-from eulergen.runtime.model.params import load_params, param_count, parameters, plan_params
+from eulergen.runtime.model.memory import Memory, Plan, check_fits, upload
+from eulergen.runtime.model.params import load_params, param_count, parameters
+from eulergen.runtime.model.plan import plan_on
 from eulergen.runtime.model.tape import Tape
 from eulergen.runtime.model.training_tape import record_training
 
 # the padded vocab rows' logit in bf16 storage, rounded once here, not at every step
 _NEG_INF_BF16 = bf16.bits(-np.inf)
-
-
-def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
-               dtype: str = "float32", workspace=None, gemm_workspace: int = 0,
-               buckets=None) -> Plan:
-    """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
-    the values a backward reads, once for all blocks the values none reads (`proj`) and
-    every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
-    numpy) or "bf16" (mixed precision: float32 master weights and AdamW moments beside a
-    bf16 copy the kernels read, bf16 gradients, activations and workspace, the per-row
-    float32 values in `stats`). `workspace(op, stage, shape, dtype=, table_rows=,
-    fusion=)`: the float32 elements a backward call needs from the kernels' workspace, as
-    OpLibrary.workspace_elements answers it (what `build` passes;
-    cuda_ops.workspace_elements for the GPU's plan on any machine); None: none.
-    `gemm_workspace`: the bytes of the GEMM libraries' workspace (gemm.workspace_bytes: on
-    a GPU, so that a captured step's GEMMs allocate nothing), its own arena `gemm`; 0: none.
-    `buckets`: data-parallel training's BucketPlan (runtime/distributed/buckets.py): with ZeRO-1 the
-    AdamW moments hold one rank's share; the rank's loss and sum of squares have a slot
-    each for the collectives."""
-    if seq > a.max_seq:
-        raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
-                         key="training.seq_len")
-    B, T, N, d = batch, seq, batch * seq, a.d
-    g, lead = model_graph(a), (batch, seq)
-    kept = g.kept()
-    master = "float32" if dtype == "bf16" else dtype   # weights, moments, per-row values
-    p = Planner()
-
-    def add(arena: str, name: str, shape, per_row: bool = False) -> None:
-        """A buffer of the storage dtype, or a float32 per-row one (bf16: in `stats`)."""
-        if per_row:
-            p.add("stats" if master != dtype else arena, name, shape, master)
-        else:
-            p.add(arena, name, shape, dtype)
-
-    plan_params(p, a, master)
-    total = p.plan().arena("params").size
-    if master != dtype:
-        p.add("params_bf16", "params_bf16", (total,), dtype)   # refreshed after every update
-    if training:
-        # same layout as params: a parameter's gradient / moments sit at its offset
-        p.add("grads", "grads", (total,), dtype)
-        moments = buckets.moments if buckets is not None and buckets.zero else total
-        for arena in ("adam_m", "adam_v"):
-            p.add(arena, arena, (moments,), master)
-
-    # what a block hands on is the next block's x and ln_1, and after the last the head's;
-    # parts (q, k, v of qkv) are views of their root's buffers
-    block = [g.values[n] for n in g.order(g.block)
-             if n not in g.handoff and not g.values[n].part]
-    for layer in range(a.layers):
-        for v in block:
-            if v.name in kept:
-                add("activations", f"h.{layer}.{v.name}", v.shape(lead), v.per_row)
-    for name in dict.fromkeys([head for _, head in g.handoff.values()] + g.order(g.head)):
-        add("activations", name, g.values[name].shape(lead))
-    add("activations", "losses", (N,), per_row=True)   # the fused cross-entropy writes dlogits
-    add("activations", "loss", (1,), per_row=True)     # over the logits
-
-    for slot, v in _first((v.buffer, v) for v in block if v.name not in kept).items():
-        add("workspace", slot, v.shape(lead), v.per_row)
-    add("workspace", "dloss", (N,), per_row=True)      # d(mean loss)/d(row loss), constant
-    if a.bias:
-        add("workspace", "ones", (1, N))                # bias gradients as a GEMM: 1ᵀ·dy
-    if training:
-        values = [g.values[n] for n in g.order(g.stem + g.block + g.head)
-                  if not g.values[n].part]
-        # one buffer per gradient, shared by every block; the logits hold their own
-        for name, v in _first((v.grad, v) for v in values
-                              if v.grad and v.grad not in g.values).items():
-            add("workspace", name, v.shape(lead))
-        # parameter gradients a node adds on a later micro-step pass through here (the
-        # norms add into the stream's gradient in their own pass): a norm's weights, the
-        # activation's biases
-        biases = len(a.ops.activation.inputs) * a.ffn if a.bias else 0
-        add("workspace", "scratch", (max(len(a.norm_weights) * d, biases, 1),))
-        if master != dtype:
-            add("stats", "grad_rows", (total // _norm_row(total),), per_row=True)
-        add("workspace", "grad_norm", (1,), per_row=True)   # cuBLAS writes it on the device
-        if buckets is not None:
-            add("workspace", "dp_loss", (1,), per_row=True)
-            add("workspace", "dp_sumsq", (1,), per_row=True)
-            if buckets.zero:   # the norms of a rank's share, each row's (bf16) or span's
-                if master != dtype:
-                    add("stats", "shard_rows", (buckets.moments // ALIGN,), per_row=True)
-                else:
-                    add("workspace", "shard_norms", (len(buckets.owned(0)),), per_row=True)
-        # float32 workspace of the generated backward kernels, reused call after call
-        # (one stream: a call's kernels have read it before the next call writes it)
-        kdt = "bf16" if dtype == "bf16" else "f32"
-        kernel_ws = 0 if workspace is None else max(
-            workspace(a.ops.norm, "backward", (B, T, d), dtype=kdt),
-            workspace(a.ops.norm, "backward", (B, T, d), dtype=kdt, fusion="add"),
-            workspace(a.ops.activation, "backward", (B, T, a.ffn), dtype=kdt,
-                      fusion="bias" if a.bias else ""),
-            workspace(a.ops.attention, "backward", (B, T, a.heads, a.head_dim), dtype=kdt),
-            workspace(a.ops.embedding, "backward", (B, T), dtype=kdt,
-                      table_rows=a.vocab_rows))
-        if kernel_ws:
-            p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
-    if gemm_workspace:
-        p.add("gemm", "gemm_ws", (gemm_workspace,), "uint8")
-    p.add("tokens", "idx", (B, T), "int32")
-    p.add("tokens", "targets", (B, T), "int32")
-    return p.plan()
-
-
-def _norm_row(total: int) -> int:
-    """The row length of the bf16 gradient norm: the gradients as a [rows, K] matrix whose
-    row norms one reduction writes (K divides the arena: a multiple of memory.ALIGN)."""
-    return math.gcd(total, 4096)
-
-
-def _first(pairs) -> dict:
-    """(key, value) pairs as a dict of each key's first value, in order of first appearance."""
-    out = {}
-    for key, value in pairs:
-        out.setdefault(key, value)
-    return out
 
 
 class GPT:
@@ -188,7 +69,7 @@ class GPT:
         self.tape = Tape(self.backend, lib, memory["scratch"] if self.training else None,
                          memory["kernel_ws"] if "kernel_ws" in memory else None, tf32=tf32,
                          gemm_ws=memory["gemm_ws"] if "gemm_ws" in memory else None)
-        self.graph = model_graph(arch)
+        self.graph = arch.graph
         record_training(self)
 
     def _views(self, arena: str) -> dict:
@@ -315,21 +196,22 @@ def check_ids(ids: np.ndarray, vocab: int, hint: str = "") -> np.ndarray:
     return ids
 
 
-def ops_used(cfg) -> tuple[str, ...]:
-    """The ops a run of this ModelConfig calls: what `eulergen train` builds before it starts."""
-    return tuple(dict.fromkeys((cfg.norm, cfg.activation, cfg.attention, "cross_entropy", "adamw")
-                               + (("rope",) if cfg.positions == "rope" else ())))
-
-
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
           shared: dict | None = None, tf32: bool = False, buckets=None) -> GPT:
-    """Plan, allocate and record a model: the one call the trainer and sampler make.
-    `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy)."""
+    """Resolve, plan, allocate and record a model from a ModelConfig (what evaluation and
+    the tests make; a training run resolves its own once, runtime/train/resolve.py).
+    `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy); `shared`:
+    arenas allocated already (Memory's)."""
     arch = arch_of(cfg, lib)
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
-    plan = plan_model(arch, batch, seq, training=training, dtype=dtype,
-                      workspace=lib.workspace_elements,
-                      gemm_workspace=gemm.workspace_bytes(lib.backend), buckets=buckets)
+    plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, buckets=buckets)
+    return allocate(arch, lib, plan, batch, seq, shared=shared, tf32=tf32)
+
+
+def allocate(arch: Arch, lib, plan: Plan, batch: int, seq: int, *,
+             shared: dict | None = None, tf32: bool = False) -> GPT:
+    """The GPT of a planned Arch: the plan checked against the GPU's free memory, then
+    allocated (but the arenas in `shared`) and its tape recorded."""
     check_fits(plan, lib.backend, shared)
     return GPT(arch, lib, Memory(plan, lib.backend.xp, shared=shared), batch, seq, tf32=tf32)

@@ -1,4 +1,5 @@
-"""What `eulergen eval`, `sample`, `chat` and `export` read, and the evaluation itself.
+"""What `eulergen eval`, `sample`, `chat` and `export` read, the evaluation itself, and the
+sampler over what they read.
 
 A model comes from a run folder (its latest checkpoint), one checkpoint folder, or a
 transformers save_pretrained folder or Hub id (runtime/interop/hf.py), as a config and weights.
@@ -15,10 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.runtime.train import checkpoint
+from eulergen.runtime.train import budget, checkpoint
 from eulergen.runtime.interop import hf
 from eulergen.runtime.train.config import RunConfig, config_from_dict
 from eulergen.runtime.data.loader import open_tokens, resolve_files
+from eulergen.runtime.generate.decoder import decode_sms, plan_decoder
+from eulergen.runtime.generate.sample import Sampler
+from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.model.gpt import build
 
 HF_CONTEXT = 1024   # an imported model's default context: Llama configs allow 128k positions
@@ -68,6 +72,27 @@ def load_into(model, weights: Weights) -> None:
         model.load_state_dict(weights.params)
     except EulerError as err:
         raise EulerError(err.message, file=weights.file, key=err.key) from None
+
+
+def open_sampler(weights: Weights, lib, *, batch: int, dtype: str, notify) -> Sampler:
+    """A KV-cache Sampler of `batch` rows (--num-samples) over `weights`, in the context
+    they were trained on (learned positions past training.seq_len never moved). A batch
+    the cache cannot hold is refused before the cache is planned in full or allocated;
+    weights that do not fit the config's model (another architecture, an unpadded vocab)
+    are one error naming the weights file and the tensor."""
+    cfg = weights.cfg
+    seq = cfg.training.seq_len
+    if batch * seq > budget.MAX_INDEX:
+        raise EulerError(f"{batch:,} samples of {seq} tokens: at most "
+                         f"{budget.MAX_INDEX:,} tokens in one batch", key="--num-samples")
+    arch = arch_of(cfg.model, lib)
+    budget.check_fits(cfg, arch, lib.backend,
+                      lambda a: plan_decoder(a, batch, seq, dtype=dtype,
+                                             sms=decode_sms(lib.backend)),
+                      what="sampling", batch=("--num-samples", batch, 1))
+    sampler = Sampler(arch, lib, batch=batch, seq_len=seq, dtype=dtype, notify=notify)
+    load_into(sampler.decoder, weights)
+    return sampler
 
 
 @dataclass(frozen=True)

@@ -24,27 +24,25 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
-from eulergen.runtime.engine import bf16
-from eulergen.runtime.train import budget, checkpoint, metrics, run_dir, step_control
+from eulergen.runtime.train import checkpoint, metrics, run_dir, step_control
 from eulergen.runtime.train.adamw import AdamW
-from eulergen.runtime.model.arch import arch_of
-from eulergen.runtime.distributed.buckets import plan_buckets
 from eulergen.runtime.train.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data.loader import make_loaders
 from eulergen.runtime.distributed.data_parallel import DataParallel
-from eulergen.runtime.model.gpt import build, plan_model
+from eulergen.runtime.model.gpt import allocate
 from eulergen.runtime.model.params import param_count
 from eulergen.runtime.data.prepare import check_prepared_with
 from eulergen.runtime.generate.sample import Sampler
 from eulergen.runtime.train.step_graph import StepResult, Stepper
 from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
+from eulergen.runtime.train.resolve import resolve
 
 CONFIG_FILE = "config.json"
 INIT_FILE = "init_from.json"   # an --init-from run's weights: a resume before its first checkpoint
@@ -87,29 +85,15 @@ class Trainer:
     def __init__(self, cfg: RunConfig, lib, *, resume: bool = False, progress: bool = True,
                  tensorboard: bool = True, cache_dir=None, initial: dict | None = None,
                  init_from: dict | None = None, collective=None):
-        self.cfg, self.lib = cfg, lib
-        t = cfg.training
+        self.lib = lib
         self.collective = collective
         self.writer = collective is None or collective.rank == 0   # owns the run folder
         ranks = collective.world_size if collective is not None else 1
         if collective is not None:   # before any work: every rank must train the same run
             collective.check_same(as_dict(cfg), "config")
-        budget.check_config(cfg)
-        arch = arch_of(cfg.model, lib)   # a config the ops cannot run fails here, before any work
-        dtype = bf16.plan_dtype(t.dtype, lib.backend)   # and bf16 where it cannot run
-        if t.dtype == "auto":   # the run records what it trains in: a resume repeats it
-            t = replace(t, dtype="bf16" if dtype == "bf16" else "fp32")
-            cfg = self.cfg = replace(cfg, training=t)
-
-        def buckets(a):
-            return None if collective is None else plan_buckets(
-                a, ranks, zero=bool(t.zero), bucket_mb=t.bucket_mb,
-                itemsize=2 if dtype == "bf16" else 4)
-        budget.check_fits(cfg, arch, lib.backend,
-                          lambda a: plan_model(a, t.batch_size, t.seq_len, dtype=dtype,
-                                               buckets=buckets(a)),
-                          what="training", batch=("training.batch_size", t.batch_size,
-                                                  TrainingConfig.batch_size))
+        resolved = resolve(cfg, lib, ranks=ranks if collective is not None else None)
+        cfg = self.cfg = resolved.cfg
+        t = cfg.training
         self.run_dir = Path(cfg.run_dir)
         if self.writer:   # the other ranks only read it (rank 0 may hold its lock already)
             run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
@@ -136,12 +120,12 @@ class Trainer:
             raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
                              f"{self.val_data.batches:,} of B={t.batch_size}, T={t.seq_len}",
                              key="training.eval_steps")
-        plan = buckets(arch)
-        self.model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=t.tf32,
-                           buckets=plan)
+        self.model = allocate(resolved.arch, lib, resolved.plan, t.batch_size, t.seq_len,
+                              tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation, ranks)
-        self.dp = DataParallel(self.model, collective, plan) if plan is not None else None
-        zero = plan is not None and plan.zero
+        buckets = resolved.buckets
+        self.dp = DataParallel(self.model, collective, buckets) if buckets is not None else None
+        zero = buckets is not None and buckets.zero
         self.optim = AdamW(self.model, t, self.dp if zero else None)
         rule = step_control.StepRule.of(t, self.optim.slots, ranks, zero=zero)
         self.stepper = Stepper(self.model, self.optim, rule, cuda_graph=t.cuda_graph, dp=self.dp)
@@ -159,7 +143,7 @@ class Trainer:
             self._open_run_folder(resume, tensorboard, progress, init_from)
         self.launched = self.step
         self.flops_per_token = flops_per_token(self.model.arch, t.seq_len)
-        precision = "bf16" if dtype == "bf16" else "tf32" if t.tf32 else "fp32"
+        precision = "bf16" if resolved.dtype == "bf16" else "tf32" if t.tf32 else "fp32"
         self.peak = metrics.peak_flops(lib.backend.device, precision) \
             if lib.backend.is_gpu else None
 
@@ -316,7 +300,7 @@ class Trainer:
                             dtype=np.int64)
         # the weights the training tape reads, in their dtype: nothing is copied
         in_bf16 = self.model.bf16
-        sampler = Sampler(self.cfg.model, self.lib, seq_len=self.cfg.training.seq_len,
+        sampler = Sampler(self.model.arch, self.lib, seq_len=self.cfg.training.seq_len,
                           params=self.model.mem.arenas["params_bf16" if in_bf16 else "params"],
                           dtype="bf16" if in_bf16 else "float32")
         ids = sampler.generate(prompt, n, top_k=40, temperature=0.8, seed=self.cfg.training.seed)

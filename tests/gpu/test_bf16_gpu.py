@@ -133,9 +133,11 @@ def test_300_bf16_steps_on_stdlib_end_within_1_percent_of_fp32(libs, tmp_path):
     # what `eulergen sample RUN` does with it: a KV-cache decoder (bf16 on this GPU)
     from eulergen.runtime.train.evaluate import load_into, open_model
     from eulergen.runtime.generate.sample import Sampler
+    from eulergen.runtime.model.arch import arch_of
     weights = open_model(tmp_path / "bf16")
     assert weights.cfg.training.dtype == "bf16"
-    sampler = Sampler(weights.cfg.model, cuda, seq_len=weights.cfg.training.seq_len)
+    sampler = Sampler(arch_of(weights.cfg.model, cuda), cuda,
+                      seq_len=weights.cfg.training.seq_len)
     load_into(sampler.decoder, weights)
     ids = sampler.generate(np.arange(8), 16, top_k=40, temperature=0.8, seed=0)
     assert len(ids) == 16 and all(0 <= i < weights.cfg.model.vocab_size for i in ids)

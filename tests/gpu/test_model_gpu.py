@@ -196,6 +196,19 @@ def test_the_built_in_default_trains_on_the_gpu(libs, tmp_path):
     assert result.sample
 
 
+def test_eulergen_plan_on_any_machine_is_the_plan_the_trainer_allocates(libs, tmp_path):
+    """`eulergen plan`'s plan (resolve for a GPU from the numpy library: no GPU needed) is
+    buffer for buffer what the Trainer allocates on this GPU (bf16 by training.dtype auto)."""
+    from eulergen.runtime.train.resolve import resolve
+    from eulergen.runtime.train.trainer import Trainer
+    cuda, numpy = libs
+    cfg = load_config(None, STRUCTURES["nanoeuler"] + COMMON + [f"run_dir={tmp_path / 'run'}"])
+    trainer = Trainer(cfg, cuda, progress=False, tensorboard=False)
+    trainer.run(stop_after=0)   # releases the run folder
+    assert trainer.cfg.training.dtype == "bf16"
+    assert trainer.model.mem.plan == resolve(cfg, numpy, for_gpu=True).plan
+
+
 def test_a_plan_larger_than_the_gpu_is_refused_before_allocating(libs, cp):
     from eulergen.errors import EulerError
     from eulergen.runtime.model.gpt import build

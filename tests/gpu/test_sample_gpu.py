@@ -35,9 +35,10 @@ TOLERANCE = 1e-4
 
 def _models(lib, structure, batch, weights=None, **options):
     from eulergen.runtime.generate.decoder import build_decoder
+    from eulergen.runtime.model.arch import arch_of
     from eulergen.runtime.model.gpt import build
     cfg = load_config(None, STRUCTURES[structure] + COMMON).model
-    dec = build_decoder(cfg, lib, batch, SEQ, **options)
+    dec = build_decoder(arch_of(cfg, lib), lib, batch, SEQ, **options)
     full = build(cfg, lib, batch, SEQ, training=False)
     if weights is None:
         full.init_weights(3)
@@ -84,7 +85,7 @@ def test_cuda_greedy_sampling_equals_greedy_over_full_recomputation(libs, struct
     from eulergen.runtime.generate.sample import Sampler
     cuda, _ = libs
     cfg, dec, full, _ = _models(cuda, structure, batch)
-    sampler = Sampler(cfg, cuda, batch=batch, seq_len=SEQ, params=dec.mem.arenas["params"],
+    sampler = Sampler(dec.arch, cuda, batch=batch, seq_len=SEQ, params=dec.mem.arenas["params"],
                       dtype="float32")
     prompt = list(range(5, 25))
     rows = np.asarray(sampler.samples(prompt, 50, temperature=0))
@@ -199,7 +200,8 @@ def trained(libs, tmp_path_factory):
 def _sampler(cuda, weights, dtype, batch=1):
     from eulergen.runtime.train.evaluate import load_into
     from eulergen.runtime.generate.sample import Sampler
-    sampler = Sampler(weights.cfg.model, cuda, batch=batch, dtype=dtype,
+    from eulergen.runtime.model.arch import arch_of
+    sampler = Sampler(arch_of(weights.cfg.model, cuda), cuda, batch=batch, dtype=dtype,
                       seq_len=weights.cfg.training.seq_len)
     load_into(sampler.decoder, weights)
     return sampler

@@ -1,0 +1,51 @@
+"""What the commands share: the --ops option, warnings, the built-in default's name, a
+run's op library, and numpy's BLAS threads."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+ops_option = click.option(
+    "--ops", "ops_dirs", multiple=True, type=click.Path(path_type=Path),
+    help="Extra directory of op specs (repeatable); also EULERGEN_OPS_PATH.")
+
+
+def warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
+
+
+def default_named(cfg) -> str:
+    """', the built-in GPU default' (or CPU): which one a run without a file took."""
+    return f", the built-in {cfg.default.upper()} default" if cfg.default else ""
+
+
+def library(cfg, ops_dirs):
+    """The OpLibrary for a run: its ops regenerated first where stale, then the
+    built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
+    the kernels the disk cache lacks start compiling now, side by side, while the run
+    starts (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
+    from eulergen.generator.build import ensure_built
+    from eulergen.runtime.engine.backend import get_backend
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.model.arch import ops_used
+
+    names = ops_used(cfg.model)
+    manifests = ensure_built(names, ops_dirs) or []
+    lib = OpLibrary(get_backend(cfg.training.device), manifests)
+    if lib.backend.is_gpu:
+        from eulergen.runtime.engine.compile import prefetch
+        # a name that is no op is left to arch_of, which names the config key at fault
+        prefetch(lib.ops[n] for n in (*names, "embedding") if n in lib.ops)
+    return lib
+
+
+def limit_blas_threads() -> None:
+    """One BLAS thread on numpy: on a 2-core machine a second OpenBLAS thread makes the
+    model's small GEMMs 10-50x slower whenever the other core is busy. Must run before
+    numpy loads OpenBLAS; a user's own setting wins."""
+    import os
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+

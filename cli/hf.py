@@ -1,0 +1,60 @@
+"""`eulergen export` and `eulergen eval` (runtime/interop/hf.py, runtime/train/evaluate.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from eulergen.cli.common import library, limit_blas_threads, ops_option, warn
+from eulergen.errors import EulerError
+
+
+@click.command()
+@click.argument("run", metavar="RUN_OR_CKPT")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="The folder to write (new, empty, or an earlier export).")
+def export(run, out) -> None:
+    """Write a checkpoint as a transformers folder (GPT2LMHeadModel or LlamaForCausalLM,
+    tied embeddings, the vocab unpadded) with the run's tokenizer as tokenizer.json."""
+    import json
+
+    from eulergen.runtime.interop import hf
+    from eulergen.runtime.train.evaluate import open_model
+    from eulergen.runtime.data.tokenizer import hf_tokenizer_json, load_tokenizer
+
+    weights = open_model(run)
+    files, eot = {}, None
+    try:
+        tok = load_tokenizer(weights.cfg.data)
+        eot = tok.eot
+        text = hf_tokenizer_json(tok)
+        files = {hf.TOKENIZER: text,
+                 "tokenizer_config.json": json.dumps(hf.tokenizer_config(text, eot)).encode()}
+    except EulerError as err:
+        warn(f"no tokenizer written: {err}")
+    arch = hf.export_folder(weights.cfg.model, weights.params, out, tokenizer_files=files, eot=eot)
+    click.echo(f"wrote {out}: {arch}{' with its tokenizer' if files else ''} "
+               f"(transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+
+
+@click.command("eval")
+@click.argument("run", metavar="RUN_OR_CKPT")
+@click.option("--data", "dataset", required=True,
+              help="A data.dataset value: a glob of token shards, a .bin file, builtin:stdlib.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), help="[default: the run's training.seq_len]")
+@click.option("--max-batches", type=click.IntRange(min=1), help="Stop after N batches [default: all].")
+@click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
+@ops_option
+def eval_(run, dataset, batch_size, seq_len, max_batches, device, ops_dirs) -> None:
+    """Mean cross-entropy and perplexity of a checkpoint (or a transformers folder) over
+    every whole window of a dataset (builtin:stdlib: its held-out split)."""
+    limit_blas_threads()
+    from eulergen.runtime.train.evaluate import evaluate, open_model
+
+    weights = open_model(run, device)
+    seq = seq_len or weights.cfg.training.seq_len
+    result = evaluate(weights, library(weights.cfg, ops_dirs), dataset,
+                      batch=batch_size, seq=seq, max_batches=max_batches)
+    click.echo(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  "
+               f"({result.tokens:,} tokens, {result.windows:,} windows of {seq})")
