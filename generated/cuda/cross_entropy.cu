@@ -696,7 +696,7 @@ __device__ __forceinline__ void cross_entropy_backward(const scalar_t* x_ptr, co
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_backward<float, true, 6, 8, false, 1, false, true>(x, target, dloss, dx, rows, cols);
@@ -705,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_unalign
   cross_entropy_backward<float, true, 6, 8, false, 1, false, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, target, dloss, dx, rows, cols);
@@ -714,7 +714,7 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_backward_unalign
   cross_entropy_backward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_backward_held_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_backward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, target, dloss, dx, rows, cols);
@@ -1081,7 +1081,7 @@ __device__ __forceinline__ void cross_entropy_backward_online(const scalar_t* x_
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_block_f32(const float* x, const int* target, const float* dloss, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_backward_online<float, false, 10, 1, false, 2, true, true>(x, target, dloss, dx, rows, cols);
@@ -1090,7 +1090,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_backward_blo
   cross_entropy_backward_online<float, false, 10, 1, false, 2, true, false>(x, target, dloss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) cross_entropy_backward_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, target, dloss, dx, rows, cols);
@@ -1331,7 +1331,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_fwdbwd<float, true, 6, 8, false, 1, false, true>(x, target, dloss, loss, dx, rows, cols);
@@ -1340,7 +1340,7 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_unaligned
   cross_entropy_fwdbwd<float, true, 6, 8, false, 1, false, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, target, dloss, loss, dx, rows, cols);
@@ -1349,7 +1349,7 @@ extern "C" __global__ void __launch_bounds__(256) cross_entropy_fwdbwd_unaligned
   cross_entropy_fwdbwd<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) cross_entropy_fwdbwd_held_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_fwdbwd<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, target, dloss, loss, dx, rows, cols);
@@ -1729,7 +1729,7 @@ __device__ __forceinline__ void cross_entropy_fwdbwd_online(const scalar_t* x_pt
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fwdbwd_block_f32(const float* x, const int* target, const float* dloss, float* loss, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2, true, true>(x, target, dloss, loss, dx, rows, cols);
@@ -1738,7 +1738,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) cross_entropy_fwdbwd_block
   cross_entropy_fwdbwd_online<float, false, 10, 1, false, 2, true, false>(x, target, dloss, loss, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) cross_entropy_fwdbwd_block_bf16(const __nv_bfloat16* x, const int* target, const float* dloss, float* loss, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   cross_entropy_fwdbwd_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, target, dloss, loss, dx, rows, cols);

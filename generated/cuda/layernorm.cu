@@ -257,7 +257,7 @@ __device__ __forceinline__ void layernorm_forward(const scalar_t* x_ptr, const s
   }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_forward_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward<float, true, 6, 4, false, 1, false, true>(x, w, b, y, eps, rows, cols);
@@ -266,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(128) layernorm_forward_unaligned_f3
   layernorm_forward<float, true, 6, 4, false, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_f32(const float* x, const float* w, const float* b, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward<float, false, 2, 1, false, 1, false, true>(x, w, b, y, eps, rows, cols);
@@ -275,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_block_unali
   layernorm_forward<float, false, 2, 1, false, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, w, b, y, eps, rows, cols);
@@ -284,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_unaligned
   layernorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, w, b, y, eps, rows, cols);
@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) layernorm_forward_held_unal
   layernorm_forward<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, w, b, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, b, y, eps, rows, cols);
@@ -663,7 +663,7 @@ __device__ __forceinline__ void layernorm_backward(const scalar_t* x_ptr, const 
   }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_backward_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward<float, true, 6, 4, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
@@ -672,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(128) layernorm_backward_unaligned_f
   layernorm_backward<float, true, 6, 4, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward<float, false, 4, 1, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
@@ -681,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_unali
   layernorm_backward<float, false, 4, 1, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward<__nv_bfloat16, true, 3, 4, false, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
@@ -690,7 +690,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_unaligne
   layernorm_backward<__nv_bfloat16, true, 3, 4, false, 1, false, false>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, b, dy, dx, dw_partials, db_partials, eps, rows, cols);
@@ -990,7 +990,7 @@ __device__ __forceinline__ void layernorm_backward_rows(const scalar_t* x_ptr, c
   }
 }
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_backward_rows_block_f32(const float* x, const float* w, const float* b, const float* dy, float* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_rows<float, false, 4, 1, false, 1, false, true>(x, w, b, dy, dx, rowstats, eps, rows, cols);
@@ -999,7 +999,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) layernorm_backward_rows_blo
   layernorm_backward_rows<float, false, 4, 1, false, 1, false, false>(x, w, b, dy, dx, rowstats, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_backward_rows_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_rows<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, b, dy, dx, rowstats, eps, rows, cols);
@@ -1272,7 +1272,7 @@ __device__ __forceinline__ void layernorm_forward_add(const scalar_t* x_ptr, con
   }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_forward_add_f32(const float* x, const float* _branch, const float* w, const float* b, float* _stream, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward_add<float, true, 6, 4, false, 1, false, true>(x, _branch, w, b, _stream, y, eps, rows, cols);
@@ -1281,7 +1281,7 @@ extern "C" __global__ void __launch_bounds__(128) layernorm_forward_add_unaligne
   layernorm_forward_add<float, true, 6, 4, false, 1, false, false>(x, _branch, w, b, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_add_block_f32(const float* x, const float* _branch, const float* w, const float* b, float* _stream, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward_add<float, false, 2, 1, false, 1, false, true>(x, _branch, w, b, _stream, y, eps, rows, cols);
@@ -1290,7 +1290,7 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_add_block_u
   layernorm_forward_add<float, false, 2, 1, false, 1, false, false>(x, _branch, w, b, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, w, b, _stream, y, eps, rows, cols);
@@ -1299,7 +1299,7 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_forward_add_unaligne
   layernorm_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, w, b, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, w, b, _stream, y, eps, rows, cols);
@@ -1308,7 +1308,7 @@ extern "C" __global__ void __launch_bounds__(256) layernorm_forward_add_held_una
   layernorm_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, _branch, w, b, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_forward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_forward_add<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, _branch, w, b, _stream, y, eps, rows, cols);
@@ -1686,7 +1686,7 @@ __device__ __forceinline__ void layernorm_backward_add(const scalar_t* x_ptr, co
   }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_backward_add_f32(const float* x, const float* w, const float* b, const float* dy, const float* d_stream, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_add<float, true, 6, 4, false, 1, false, true>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
@@ -1695,7 +1695,7 @@ extern "C" __global__ void __launch_bounds__(128) layernorm_backward_add_unalign
   layernorm_backward_add<float, true, 6, 4, false, 1, false, false>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_add_block_f32(const float* x, const float* w, const float* b, const float* dy, const float* d_stream, float* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_add<float, false, 4, 1, false, 1, false, true>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
@@ -1704,7 +1704,7 @@ extern "C" __global__ void __launch_bounds__(512) layernorm_backward_add_block_u
   layernorm_backward_add<float, false, 4, 1, false, 1, false, false>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_add<__nv_bfloat16, true, 3, 4, false, 1, false, true>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
@@ -1713,7 +1713,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) layernorm_backward_add_unal
   layernorm_backward_add<__nv_bfloat16, true, 3, 4, false, 1, false, false>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_add<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, b, dy, d_stream, dx, dw_partials, db_partials, eps, rows, cols);
@@ -2022,7 +2022,7 @@ __device__ __forceinline__ void layernorm_backward_rows_add(const scalar_t* x_pt
   }
 }
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_backward_rows_add_block_f32(const float* x, const float* w, const float* b, const float* dy, const float* d_stream, float* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_rows_add<float, false, 4, 1, false, 1, false, true>(x, w, b, dy, d_stream, dx, rowstats, eps, rows, cols);
@@ -2031,7 +2031,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) layernorm_backward_rows_add
   layernorm_backward_rows_add<float, false, 4, 1, false, 1, false, false>(x, w, b, dy, d_stream, dx, rowstats, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_backward_rows_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w) | reinterpret_cast<unsigned long long>(b)) % 16 != 0) __trap();
   layernorm_backward_rows_add<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, b, dy, d_stream, dx, rowstats, eps, rows, cols);
@@ -2117,7 +2117,7 @@ __device__ __forceinline__ void layernorm_wgrad_cols(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_wgrad_cols_f32(const float* x, const float* dy, const float* rowstats, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
   layernorm_wgrad_cols<float, 4, true>(x, dy, rowstats, dw_partials, db_partials, eps, rows, cols);
@@ -2126,7 +2126,7 @@ extern "C" __global__ void __launch_bounds__(128) layernorm_wgrad_cols_unaligned
   layernorm_wgrad_cols<float, 4, false>(x, dy, rowstats, dw_partials, db_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) layernorm_wgrad_cols_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float* db_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
   layernorm_wgrad_cols<__nv_bfloat16, 4, true>(x, dy, rowstats, dw_partials, db_partials, eps, rows, cols);

@@ -263,7 +263,7 @@ __device__ __forceinline__ void relu_backward_bias(const T* x_ptr, const T* _bia
       }
     }
   }
-  // the workspace starts 16-byte aligned (runtime/cuda_ops.py, WORKSPACE_ALIGN)
+  // the workspace starts 16-byte aligned (runtime/engine/cuda_ops.py, WORKSPACE_ALIGN)
   float* d_bias_x_out = d_bias_x_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
   if (ALIGNED) {
     eg_store_n<V>(d_bias_x_out, 0, d_bias_x_acc);

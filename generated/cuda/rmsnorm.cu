@@ -193,7 +193,7 @@ __device__ __forceinline__ void rmsnorm_forward(const scalar_t* x_ptr, const sca
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_forward_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward<float, true, 6, 4, false, 1, false, true>(x, w, y, eps, rows, cols);
@@ -202,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_forward_unaligned_f32(
   rmsnorm_forward<float, true, 6, 4, false, 1, false, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_f32(const float* x, const float* w, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward<float, false, 2, 1, false, 1, false, true>(x, w, y, eps, rows, cols);
@@ -211,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_block_unalign
   rmsnorm_forward<float, false, 2, 1, false, 1, false, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, w, y, eps, rows, cols);
@@ -220,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_unaligned_b
   rmsnorm_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, w, y, eps, rows, cols);
@@ -229,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_held_unalig
   rmsnorm_forward<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, w, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, y, eps, rows, cols);
@@ -486,7 +486,7 @@ __device__ __forceinline__ void rmsnorm_backward(const scalar_t* x_ptr, const sc
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward<float, true, 6, 4, false, 1, false, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
@@ -495,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_unaligned_f32
   rmsnorm_backward<float, true, 6, 4, false, 1, false, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_f32(const float* x, const float* w, const float* dy, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward<float, false, 4, 1, false, 1, false, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
@@ -504,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_unalign
   rmsnorm_backward<float, false, 4, 1, false, 1, false, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward<__nv_bfloat16, true, 3, 4, true, 1, false, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
@@ -513,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_unaligned_bf1
   rmsnorm_backward<__nv_bfloat16, true, 3, 4, true, 1, false, false>(x, w, dy, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, dx, dw_partials, eps, rows, cols);
@@ -735,7 +735,7 @@ __device__ __forceinline__ void rmsnorm_backward_rows(const scalar_t* x_ptr, con
   }
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block_f32(const float* x, const float* w, const float* dy, float* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_rows<float, false, 4, 1, false, 1, false, true>(x, w, dy, dx, rowstats, eps, rows, cols);
@@ -744,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block
   rmsnorm_backward_rows<float, false, 4, 1, false, 1, false, false>(x, w, dy, dx, rowstats, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, __nv_bfloat16* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_rows<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, dx, rowstats, eps, rows, cols);
@@ -946,7 +946,7 @@ __device__ __forceinline__ void rmsnorm_forward_add(const scalar_t* x_ptr, const
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_forward_add_f32(const float* x, const float* _branch, const float* w, float* _stream, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<float, true, 6, 4, false, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
@@ -955,7 +955,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_forward_add_unaligned_
   rmsnorm_forward_add<float, true, 6, 4, false, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_add_block_f32(const float* x, const float* _branch, const float* w, float* _stream, float* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<float, false, 2, 1, false, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
@@ -964,7 +964,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_add_block_una
   rmsnorm_forward_add<float, false, 2, 1, false, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
@@ -973,7 +973,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_unaligned_
   rmsnorm_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
@@ -982,7 +982,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_held_unali
   rmsnorm_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, const __nv_bfloat16* w, __nv_bfloat16* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_forward_add<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
@@ -1247,7 +1247,7 @@ __device__ __forceinline__ void rmsnorm_backward_add(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_add_f32(const float* x, const float* w, const float* dy, const float* d_stream, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_add<float, true, 6, 4, false, 1, false, true>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
@@ -1256,7 +1256,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_add_unaligned
   rmsnorm_backward_add<float, true, 6, 4, false, 1, false, false>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_add_block_f32(const float* x, const float* w, const float* dy, const float* d_stream, float* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_add<float, false, 4, 1, false, 1, false, true>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
@@ -1265,7 +1265,7 @@ extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_add_block_una
   rmsnorm_backward_add<float, false, 4, 1, false, 1, false, false>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_add<__nv_bfloat16, true, 3, 4, true, 1, false, true>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
@@ -1274,7 +1274,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_add_unaligned
   rmsnorm_backward_add<__nv_bfloat16, true, 3, 4, true, 1, false, false>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_add<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, d_stream, dx, dw_partials, eps, rows, cols);
@@ -1505,7 +1505,7 @@ __device__ __forceinline__ void rmsnorm_backward_rows_add(const scalar_t* x_ptr,
   }
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_add_block_f32(const float* x, const float* w, const float* dy, const float* d_stream, float* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_rows_add<float, false, 4, 1, false, 1, false, true>(x, w, dy, d_stream, dx, rowstats, eps, rows, cols);
@@ -1514,7 +1514,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_add_b
   rmsnorm_backward_rows_add<float, false, 4, 1, false, 1, false, false>(x, w, dy, d_stream, dx, rowstats, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, float* rowstats, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
   rmsnorm_backward_rows_add<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, d_stream, dx, rowstats, eps, rows, cols);
@@ -1588,7 +1588,7 @@ __device__ __forceinline__ void rmsnorm_wgrad_cols(const scalar_t* x_ptr, const 
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_f32(const float* x, const float* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<float>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
   rmsnorm_wgrad_cols<float, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);
@@ -1597,7 +1597,7 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_unaligned_f
   rmsnorm_wgrad_cols<float, 4, false>(x, dy, rowstats, dw_partials, eps, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
-  // Launched for such operands only (runtime/kernels.py, row_aligned): anything else is a
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
   // caller's bug, stopped here rather than read and written at the wrong columns.
   if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
   rmsnorm_wgrad_cols<__nv_bfloat16, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);

@@ -240,7 +240,7 @@ __device__ __forceinline__ void softmax_forward(const scalar_t* x_ptr, scalar_t*
   }
 }
 extern "C" __global__ void __launch_bounds__(128) softmax_forward_f32(const float* x, float* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward<float, true, 6, 4, false, 1, false, true>(x, y, rows, cols);
@@ -249,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(128) softmax_forward_unaligned_f32(
   softmax_forward<float, true, 6, 4, false, 1, false, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, y, rows, cols);
@@ -258,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_unaligned_b
   softmax_forward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_forward_held_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, y, rows, cols);
@@ -605,7 +605,7 @@ __device__ __forceinline__ void softmax_forward_online(const scalar_t* x_ptr, sc
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_f32(const float* x, float* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_online<float, false, 10, 1, false, 2, true, true>(x, y, rows, cols);
@@ -614,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_block_unal
   softmax_forward_online<float, false, 10, 1, false, 2, true, false>(x, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_block_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, y, rows, cols);
@@ -872,7 +872,7 @@ __device__ __forceinline__ void softmax_backward(const scalar_t* x_ptr, const sc
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward<float, true, 6, 8, false, 1, false, true>(x, dy, dx, rows, cols);
@@ -881,7 +881,7 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_f32
   softmax_backward<float, true, 6, 8, false, 1, false, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, dy, dx, rows, cols);
@@ -890,7 +890,7 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_unaligned_bf1
   softmax_backward<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_backward_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, dy, dx, rows, cols);
@@ -1336,7 +1336,7 @@ __device__ __forceinline__ void softmax_backward_online(const scalar_t* x_ptr, c
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_f32(const float* x, const float* dy, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_online<float, false, 5, 1, false, 1, true, true>(x, dy, dx, rows, cols);
@@ -1345,7 +1345,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_block_una
   softmax_backward_online<float, false, 5, 1, false, 1, true, false>(x, dy, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) softmax_backward_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, dy, dx, rows, cols);
@@ -1603,7 +1603,7 @@ __device__ __forceinline__ void softmax_forward_add(const scalar_t* x_ptr, const
   }
 }
 extern "C" __global__ void __launch_bounds__(128) softmax_forward_add_f32(const float* x, const float* _branch, float* _stream, float* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add<float, true, 6, 4, false, 1, false, true>(x, _branch, _stream, y, rows, cols);
@@ -1612,7 +1612,7 @@ extern "C" __global__ void __launch_bounds__(128) softmax_forward_add_unaligned_
   softmax_forward_add<float, true, 6, 4, false, 1, false, false>(x, _branch, _stream, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, _stream, y, rows, cols);
@@ -1621,7 +1621,7 @@ extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_unaligned_
   softmax_forward_add<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, _stream, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_forward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, _stream, y, rows, cols);
@@ -1991,7 +1991,7 @@ __device__ __forceinline__ void softmax_forward_add_online(const scalar_t* x_ptr
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_add_block_f32(const float* x, const float* _branch, float* _stream, float* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add_online<float, false, 5, 1, false, 1, true, true>(x, _branch, _stream, y, rows, cols);
@@ -2000,7 +2000,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_forward_add_block_
   softmax_forward_add_online<float, false, 5, 1, false, 1, true, false>(x, _branch, _stream, y, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) softmax_forward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* _branch, __nv_bfloat16* _stream, __nv_bfloat16* y, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_branch)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(y))) % 16 != 0) __trap();
   softmax_forward_add_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, _branch, _stream, y, rows, cols);
@@ -2267,7 +2267,7 @@ __device__ __forceinline__ void softmax_backward_add(const scalar_t* x_ptr, cons
   }
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_add_f32(const float* x, const float* dy, const float* d_stream, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(d_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_add<float, true, 6, 8, false, 1, false, true>(x, dy, d_stream, dx, rows, cols);
@@ -2276,7 +2276,7 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_add_unaligned
   softmax_backward_add<float, true, 6, 8, false, 1, false, false>(x, dy, d_stream, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256) softmax_backward_add_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(d_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_add<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, dy, d_stream, dx, rows, cols);
@@ -2285,7 +2285,7 @@ extern "C" __global__ void __launch_bounds__(256) softmax_backward_add_unaligned
   softmax_backward_add<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, d_stream, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) softmax_backward_add_held_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(d_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_add<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, dy, d_stream, dx, rows, cols);
@@ -2746,7 +2746,7 @@ __device__ __forceinline__ void softmax_backward_add_online(const scalar_t* x_pt
   }
 }
 extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_add_block_f32(const float* x, const float* dy, const float* d_stream, float* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(d_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_add_online<float, false, 5, 1, false, 1, true, true>(x, dy, d_stream, dx, rows, cols);
@@ -2755,7 +2755,7 @@ extern "C" __global__ void __launch_bounds__(1024, 1) softmax_backward_add_block
   softmax_backward_add_online<float, false, 5, 1, false, 1, true, false>(x, dy, d_stream, dx, rows, cols);
 }
 extern "C" __global__ void __launch_bounds__(512, 2) softmax_backward_add_block_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, long long rows, int cols) {
-  // Launched for row operands at one offset from a 16-byte boundary only (runtime/kernels.py,
+  // Launched for row operands at one offset from a 16-byte boundary only (runtime/engine/kernels.py,
   // row_aligned): anything else is a caller's bug, stopped here.
   if (((reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dy)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(d_stream)) | (reinterpret_cast<unsigned long long>(x) ^ reinterpret_cast<unsigned long long>(dx))) % 16 != 0) __trap();
   softmax_backward_add_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, dy, d_stream, dx, rows, cols);

@@ -333,7 +333,7 @@ __device__ __forceinline__ void swiglu_backward_bias(const T* a_ptr, const T* b_
       }
     }
   }
-  // the workspace starts 16-byte aligned (runtime/cuda_ops.py, WORKSPACE_ALIGN)
+  // the workspace starts 16-byte aligned (runtime/engine/cuda_ops.py, WORKSPACE_ALIGN)
   float* d_bias_a_out = d_bias_a_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
   if (ALIGNED) {
     eg_store_n<V>(d_bias_a_out, 0, d_bias_a_acc);
@@ -342,7 +342,7 @@ __device__ __forceinline__ void swiglu_backward_bias(const T* a_ptr, const T* b_
     for (int e_ = 0; e_ < V; ++e_)
       if (e_ < n_) d_bias_a_out[e_] = d_bias_a_acc[e_];
   }
-  // the workspace starts 16-byte aligned (runtime/cuda_ops.py, WORKSPACE_ALIGN)
+  // the workspace starts 16-byte aligned (runtime/engine/cuda_ops.py, WORKSPACE_ALIGN)
   float* d_bias_b_out = d_bias_b_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
   if (ALIGNED) {
     eg_store_n<V>(d_bias_b_out, 0, d_bias_b_acc);
