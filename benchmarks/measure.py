@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import statistics
 import sys
@@ -275,7 +274,6 @@ def main() -> None:
     r.update(seconds=seconds, tokens_per_s=args.batch * args.seq / seconds,
              mfu=_mfu(cfg, seconds, r.get("device_name")))
     emit(args.result, r)
-    gc.collect()
 
 
 if __name__ == "__main__":
