@@ -11,7 +11,7 @@ Each world size is one set of processes under torchrun's variables (RANK, WORLD_
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT; NCCL_NVLS_ENABLE=0), which run the systems one after
 another on random tokens (a rank's own); rank 0 reports each system's median step. At one
 GPU eulergen also runs without a collective: what the data-parallel path costs there.
-The step is benchmarks/train.py's (the trainer's Stepper: clip at 1.0, AdamW, the loss
+The step is benchmarks/measure.py's (the trainer's Stepper: clip at 1.0, AdamW, the loss
 read back; the spike guard off).
 Targets (issue 26): efficiency >= 0.95 at 2 GPUs and >= 0.90 at 8, and >= PyTorch DDP's.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import say  # noqa: E402
-from train import (_median_step, _tokens, config, eulergen_stepper, torch_model,  # noqa: E402
-                   torch_step)
+from measure import (_median_step, _tokens, config, eulergen_stepper, torch_model,  # noqa: E402
+                     torch_step)
 
 SYSTEMS = ("eulergen", "eulergen ZeRO-1", "torch DDP compile")
 ALONE = "eulergen, no collective"
@@ -80,7 +80,7 @@ def run_torch_ddp(cfg, rank: int, world: int, port: int, warmup: int, iters: int
     ddp = DistributedDataParallel(model, device_ids=[rank], gradient_as_bucket_view=True)
     forward = torch.compile(ddp)
     x, y = (torch.as_tensor(a, device="cuda") for a in _tokens(cfg, seed=rank))
-    seconds = _median_step(lambda: torch_step(forward, model, optim, x, y, cfg.training),
+    seconds = _median_step(lambda: torch_step(forward, model, optim, x, y, cfg.training).item(),
                            warmup, iters, torch.cuda.synchronize)
     dist.destroy_process_group()
     return seconds

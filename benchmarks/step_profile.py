@@ -6,7 +6,7 @@ inside the update kernel), each between two CUDA events.
     python benchmarks/step_profile.py --json profile.json   # the tables as JSON too
     EULERGEN_GEMM=cublas python benchmarks/step_profile.py  # cublasGemmEx, no bias epilogues
 
-The step is the trainer's (benchmarks/train.py's `eulergen_stepper`: tokens, forward, loss,
+The step is the trainer's (benchmarks/measure.py's `eulergen_stepper`: tokens, forward, loss,
 backward, grad norm, step control with clip at 1.0, AdamW), on random tokens; plain steps
 (replayed as CUDA graphs, as `train` runs them), timed for the wall time, alternate with
 instrumented ones (the same kernels launched eagerly, on a Stepper of their own). The instrumentation lives here: the tape's nodes are
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from common import copy_gbps, say  # noqa: E402
-from train import config, eulergen_stepper  # noqa: E402
+from measure import config, eulergen_stepper  # noqa: E402
 
 KINDS = ("gemm", "attention fwd", "attention bwd", "norm", "activation", "add", "embedding",
          "loss", "optimizer", "other")

@@ -149,6 +149,33 @@ def test_preset_ratios_follow_a_changed_width():
     assert m.num_kv_heads == 8
 
 
+@pytest.mark.parametrize("preset, params", [
+    ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+def test_the_larger_gpt2_presets_have_gpt2s_parameter_counts(preset, params):
+    """Hugging Face's counts of GPT-2 medium, large and XL, plus our 47 padded vocab rows."""
+    from eulergen.runtime.engine.backend import NUMPY
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.model.arch import arch_of
+    from eulergen.runtime.model.params import param_count
+    m = load_config(None, [f"model.preset={preset}"]).model
+    assert m.head_dim == 64
+    assert param_count(arch_of(m, OpLibrary(NUMPY))) == params + 47 * m.hidden_dim
+
+
+@pytest.mark.parametrize("size", ["medium", "large", "xl"])
+def test_the_nanoeuler_sizes_are_nanoeuler_at_gpt2s_shapes(size):
+    nano = load_config(None, [f"model.preset=nanoeuler-{size}"]).model
+    gpt2 = load_config(None, [f"model.preset=gpt2-{size}"]).model
+    shape = ("hidden_dim", "num_layers", "num_heads", "vocab_size", "max_seq_len")
+    assert [getattr(nano, k) for k in shape] == [getattr(gpt2, k) for k in shape]
+    widened = load_config(None, ["model.preset=nanoeuler", f"model.hidden_dim={nano.hidden_dim}",
+                                 f"model.num_heads={nano.num_heads}",
+                                 f"model.num_kv_heads={nano.num_kv_heads}"]).model
+    assert nano == ModelConfig(**{**vars(widened), "preset": nano.preset,
+                                  "num_layers": nano.num_layers})
+    assert 2 <= nano.num_heads // nano.num_kv_heads <= 5
+
+
 def test_as_dict_round_trips_exactly():
     cfg = load_config(CONFIG_DIR / "nanoeuler.json", ["training.batch_size=2"])
     assert config_from_dict(json.loads(json.dumps(as_dict(cfg)))) == cfg
@@ -175,6 +202,8 @@ def test_unknown_key_suggests_nearest_with_file_and_line(tmp_path):
     ("training.schedule=cosin", "training.schedule: 'cosin' is not one of cosine, linear, constant "
                                 "(did you mean 'cosine'?)"),
     ("model.preset=gtp2", "model.preset: unknown preset 'gtp2' (did you mean 'gpt2'?)"),
+    ("model.preset=gpt2-meduim", "model.preset: unknown preset 'gpt2-meduim' "
+                                 "(did you mean 'gpt2-medium'?)"),
     ("trainig.seed=1", "trainig.seed: unknown section (did you mean 'training'?)"),
     ("training.learning_rate=0", "training.learning_rate: must be positive, got 0.0"),
     ("model.activation=no-such op", "model.activation: 'no-such op' is not an op name"),

@@ -180,3 +180,14 @@ def test_a_model_larger_than_the_machine_names_the_key_and_both_sizes(monkeypatc
     assert time.perf_counter() - started < 1.0
     assert text == ("model.hidden_dim: the training plan needs 576.13 TiB; this machine has "
                     "16.00 GiB of memory free (see `eulergen plan`)")
+
+
+def test_gpt2_xl_at_a_batch_of_1024_is_refused_before_its_plan_is_made(monkeypatch):
+    lib = OpLibrary(NUMPY)
+    monkeypatch.setattr(budget, "available", lambda backend: (128 * 2**30, "memory"))
+    cfg = load_config(None, ["model.preset=gpt2-xl", "training.batch_size=1024"])
+    text = error(lambda: budget.check_fits(cfg, arch_of(cfg.model, lib), NUMPY,
+                                           lambda a: plan_model(a, 1024, 1024), what="training",
+                                           batch=("training.batch_size", 1024, 16)))
+    assert text.startswith("training.batch_size: the training plan needs ")
+    assert text.endswith(" TiB; this machine has 128.00 GiB of memory free (see `eulergen plan`)")

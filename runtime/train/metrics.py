@@ -144,8 +144,10 @@ def plot_run(run_dir: str | Path) -> Path:
 
 def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), as in the PaLM appendix and nanoGPT:
-    6 per parameter used in matmuls plus attention's 12·L·H·hd·T. Pass num_params without
-    the learned position table (a lookup, no FLOPs); the tied token table counts (LM head)."""
+    6 per parameter used in matmuls plus attention's 12·L·H·hd·T (QKᵀ and PV over the full
+    T×T square, H query heads: not halved for the causal mask, so at long T a causal kernel
+    does about half of what this counts). Pass num_params without the learned position
+    table (a lookup, no FLOPs); the tied token table counts (LM head)."""
     return 6.0 * num_params + 12.0 * num_layers * num_heads * head_dim * seq_len
 
 
