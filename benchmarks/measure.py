@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from isolated import emit  # noqa: E402
 
 LR = 6e-4
-MODES = ("eager", "default", "max-autotune-no-cudagraphs", "max-autotune")
+MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 SDPA = ("auto", "flash", "cudnn")
 
 

@@ -14,7 +14,7 @@ through benchmarks/isolated.py): torch.compile(dynamic=False) after torch._dynam
 no graph or allocator pool shared with another configuration (only inductor's on-disk
 caches, which shorten a later configuration's compile, `first s`, not its steps), and a
 failure is its row's reason while the rest go on; `--deadline` stops the run in time to
-print its tables. Torch's modes (`--modes`): eager, default,
+print its tables. Torch's modes (`--modes`): eager, default, reduce-overhead (CUDA graphs),
 max-autotune-no-cudagraphs, max-autotune (CUDA graphs); each that ran is a row, each that
 did not says why, and the fastest compile mode is the bar (torch eager where none ran).
 llm.c's train_gpt2cu (benchmarks/llmc.py) is a second peer for gpt2 at T=1024 in bf16.
