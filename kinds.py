@@ -27,13 +27,3 @@ KINDS = {k.name: k for k in (
     Kind("embedding", "embedding.cu.j2", "embedding.cu.j2", spec=False),
 )}
 SPEC_KINDS = tuple(name for name, k in KINDS.items() if k.spec)
-
-# The fused variants an op may have, by the kind that has them (generator/fuse.py makes
-# them, the manifest lists an op's under `fusions`): `add`, a residual add folded into a
-# norm; `bias`, a bias broadcast over rows folded into a pointwise op.
-FUSIONS = {"add": "row", "bias": "pointwise"}
-
-
-def fused_stage(stage: str, fusion: str = "") -> str:
-    """The stage name of a fused variant's kernels: `backward` of `add` is backward_add."""
-    return f"{stage}_{fusion}" if fusion else stage

@@ -22,7 +22,7 @@ from eulergen.files import write_atomic
 from eulergen.generator import ir, ops_path
 from eulergen.kinds import KINDS
 
-FORMAT = 2
+FORMAT = 3
 COMMON = "eulergen_common.cuh"
 
 def _sha(data: bytes) -> str:
@@ -101,10 +101,7 @@ def _operands(ops: tuple[ir.Operand, ...]) -> list[dict]:
 
 
 def _kernels(rendered: ir.RenderedCuda) -> dict:
-    return {k.name: {"args": [list(a) for a in k.args], "dtype": k.dtype, "pass": k.stage,
-                     "geometry": k.geometry.to_json(),
-                     **({"control": list(k.control)} if k.control else {})}
-            for k in rendered.kernels}
+    return {k.name: k.to_json() for k in rendered.kernels}
 
 
 def _fusions(derived: ir.DerivedOp) -> dict:

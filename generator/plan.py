@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from eulergen import launch
+from eulergen import launch, signature
 from eulergen.generator import ir
 
-DTYPES = ("f32", "bf16")
+DTYPES = signature.DTYPES             # every storage dtype, planned in this order
 VEC = {"f32": 4, "bf16": 8}           # elements in one 16-byte access
 CTYPE = {"f32": "float", "bf16": "__nv_bfloat16"}
 
@@ -342,16 +342,17 @@ EMBEDDING_MERGE_GROUP = 8             # tiles whose lower bounds a merge thread 
 EMBEDDING_MERGE_MIN_BLOCKS = 4
 
 
-def embedding_launch(stage: str, dtype: str) -> launch.Geometry:
-    if stage == "forward":
+def embedding_launch(part: str, dtype: str) -> launch.Geometry:
+    """The forward's launch (part '') or that of one part of the backward."""
+    if not part:
         return launch.EmbeddingForward(EMBEDDING_THREADS, _GRID_MAX)
-    if stage == "backward_wpe":
+    if part == "wpe":
         return launch.EmbeddingWpe(EMBEDDING_THREADS, VEC[dtype], _GRID_MAX)
-    if stage == "backward_sort":
+    if part == "sort":
         return launch.EmbeddingSort(EMBEDDING_SORT_THREADS, EMBEDDING_TILE)
-    if stage == "backward_merge":
+    if part == "merge":
         return launch.EmbeddingMerge(EMBEDDING_THREADS)
-    if stage == "backward_wte_long":
+    if part == "wte_long":
         return launch.EmbeddingWteLong(EMBEDDING_LONG_THREADS, 32, EMBEDDING_LONG_RUN, VEC[dtype],
                                        EMBEDDING_LONG_GRID)
     return launch.EmbeddingWte(EMBEDDING_WTE_THREADS, 32,

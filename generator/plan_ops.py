@@ -15,7 +15,8 @@ from eulergen.generator.plan import (CTYPE, DTYPES, EMBEDDING_FETCH, EMBEDDING_L
                                      pair_launch, pointwise_launch, reduce_args, update_launch)
 from eulergen.generator.plan_attention import AttentionPlan, plan_attention
 from eulergen.generator.plan_row import RowPlan, plan_row
-from eulergen.kinds import KINDS, fused_stage
+from eulergen.kinds import KINDS
+from eulergen.signature import KernelSig, select, variant_name
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,11 @@ class StagePlan:
     operands `loads` (read) and `stores` (written), and its entry point for each dtype. A
     bias variant's stage reads `biases` ([cols], among the loads) and writes the partial
     rows of the gradients `partials` (float32)."""
-    name: str                        # <op>_<stage>; the entry points add _<dtype>
-    stage: str
+    name: str                        # <op>_<label>; the entry points add _<dtype>
+    label: str                       # the stage's name: forward, backward_bias, reduce_bias…
     loads: tuple[str, ...]
     stores: tuple[str, ...]
-    sigs: tuple[ir.KernelSig, ...]   # in DTYPES order, each with its geometry
+    sigs: tuple[KernelSig, ...]      # in DTYPES order, each with its geometry
     biases: tuple[str, ...] = ()
     partials: tuple[str, ...] = ()
 
@@ -43,7 +44,7 @@ class OpPlan:
     bias: tuple[StagePlan, ...] = ()
 
     @property
-    def sigs(self) -> tuple[ir.KernelSig, ...]:
+    def sigs(self) -> tuple[KernelSig, ...]:
         return tuple(sig for st in self.stages + self.bias for sig in st.sigs)
 
 
@@ -66,11 +67,15 @@ def _floats(op: ir.DerivedOp) -> tuple[tuple[str, str], ...]:
     return tuple((p.name, "float") for p in op.params)
 
 
-def _stage(op: ir.DerivedOp, stage: str, loads, stores, args, geometry) -> StagePlan:
-    """`args(dtype)`: the entry point's parameters; `geometry(dtype)`: its launch."""
-    name = f"{op.name}_{stage}"
-    return StagePlan(name, stage, tuple(loads), tuple(stores), tuple(
-        ir.KernelSig(f"{name}_{dt}", args(dt), dt, stage, geometry(dt)) for dt in DTYPES))
+def _stage(op: ir.DerivedOp, stage: str, loads, stores, args, geometry, *, part: str = "",
+           fusion: str = "") -> StagePlan:
+    """`args(dtype)`: the entry point's parameters; `geometry(dtype)`: its launch. Its name
+    is the part's (or the stage's) of the fused variant: forward, reduce_bias."""
+    label = variant_name(part or stage, fusion)
+    name = f"{op.name}_{label}"
+    return StagePlan(name, label, tuple(loads), tuple(stores), tuple(
+        KernelSig(f"{name}_{dt}", args(dt), dt, stage, geometry(dt), part=part, fusion=fusion)
+        for dt in DTYPES))
 
 
 def plan_pointwise(op: ir.DerivedOp) -> OpPlan:
@@ -110,18 +115,19 @@ def _bias_stages(op: ir.DerivedOp) -> tuple[StagePlan, ...]:
                        [g for g in grads if g not in partials], partials))
     planned = []
     for stage, loads, stores, partials in stages:
-        label = fused_stage(stage, "bias")
+        label = variant_name(stage, "bias")
         args = {dt: _pointers(dt, loads, stores)
                 + tuple((f"{g}_partials", "float*") for g in partials)
                 + _floats(op) + (("rows", "long long"), ("cols", "int")) for dt in DTYPES}
-        sigs = tuple(ir.KernelSig(f"{op.name}_{label}{'' if aligned else '_unaligned'}_{dt}",
-                                  args[dt], dt, label, bias_launch(dt, stage, aligned))
+        sigs = tuple(KernelSig(f"{op.name}_{label}{'' if aligned else '_unaligned'}_{dt}",
+                               args[dt], dt, stage, bias_launch(dt, stage, aligned),
+                               fusion="bias")
                      for dt in DTYPES for aligned in (True, False))
         planned.append(StagePlan(f"{op.name}_{label}", label, tuple(loads), tuple(stores),
                                  sigs, biases, partials))
     if grads:
-        planned.append(_stage(op, fused_stage("reduce", "bias"), ["partials"], ["dw"],
-                              reduce_args, lambda dt: WGRAD_REDUCE_LAUNCH))
+        planned.append(_stage(op, "backward", ["partials"], ["dw"], reduce_args,
+                              lambda dt: WGRAD_REDUCE_LAUNCH, part="reduce", fusion="bias"))
     return tuple(planned)
 
 
@@ -211,53 +217,63 @@ def plan_update(op: ir.DerivedOp) -> OpPlan:
     name = f"{op.name}_step"
     return OpPlan(KINDS["update"].template, (StagePlan(
         name, "step", tuple(o.name for o in op.inputs), tuple(state), tuple(
-            ir.KernelSig(f"{name}_{dt}", args(dt), dt, "step", update_launch(dt), control)
+            KernelSig(f"{name}_{dt}", args(dt), dt, "step", update_launch(dt), control=control)
             for dt in DTYPES)),))
 
 
 @dataclass(frozen=True)
 class EmbeddingPlan:
-    """The embedding's kernels (templates/embedding.cu.j2): every stage's entry point for
-    each dtype, and the constants of the template its geometry does not hold."""
-    sigs: tuple[ir.KernelSig, ...]
+    """The embedding's kernels (templates/embedding.cu.j2): the forward's and each of the
+    backward's parts' entry point for each dtype, and the constants of the template its
+    geometry does not hold."""
+    sigs: tuple[KernelSig, ...]
     fetch: int = EMBEDDING_FETCH
     merge_group: int = EMBEDDING_MERGE_GROUP
     merge_min_blocks: int = EMBEDDING_MERGE_MIN_BLOCKS
     warp_rows: int = EMBEDDING_WTE_WARP_ROWS
     long_rows: int = EMBEDDING_LONG_ROWS
 
-    def sig(self, stage: str, dtype: str) -> ir.KernelSig:
-        return next(k for k in self.sigs if (k.stage, k.dtype) == (stage, dtype))
+    def sig(self, part: str, dtype: str = DTYPES[0]) -> KernelSig:
+        """The backward's `part` kernel (the forward's: part '')."""
+        (sig,) = select(self.sigs, "backward" if part else "forward", dtype, part=part)
+        return sig
 
 
-def _embedding_args(stage: str, c: str) -> tuple[tuple[str, str], ...]:
-    """The parameters of one embedding stage over storage C type `c`."""
+def _embedding_args(part: str, c: str) -> tuple[tuple[str, str], ...]:
+    """The parameters of the forward (part '') or one part of the backward over storage C
+    type `c`."""
     return {
-        "forward": (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
-                    ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"),
-                    ("V", "int")),
-        "backward_sort": (("ids", "const int*"), ("tiled", "long long*"), ("first", "int*"),
-                          ("runs", "int*"), ("n", "int"), ("V", "int")),
-        "backward_merge": (("tiled", "const long long*"), ("keys", "long long*"),
-                           ("first", "int*"), ("n", "int")),
-        "backward_wte": (("dout", f"const {c}*"), ("keys", "const long long*"),
-                         ("first", "const int*"), ("runs", "int*"), ("dwte", f"{c}*"),
-                         ("n", "int"), ("V", "int"), ("C", "int"), ("vec", "int"),
-                         ("accumulate", "int")),
-        "backward_wte_long": (("dout", f"const {c}*"), ("keys", "const long long*"),
-                              ("first", "const int*"), ("runs", "const int*"),
-                              ("dwte", f"{c}*"), ("n", "int"), ("C", "int"), ("vec", "int"),
-                              ("accumulate", "int")),
-        "backward_wpe": (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"), ("T", "int"),
-                         ("C", "int"), ("accumulate", "int")),
-    }[stage]
+        "": (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
+             ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"), ("V", "int")),
+        "sort": (("ids", "const int*"), ("tiled", "long long*"), ("first", "int*"),
+                 ("runs", "int*"), ("n", "int"), ("V", "int")),
+        "merge": (("tiled", "const long long*"), ("keys", "long long*"), ("first", "int*"),
+                  ("n", "int")),
+        "wte": (("dout", f"const {c}*"), ("keys", "const long long*"), ("first", "const int*"),
+                ("runs", "int*"), ("dwte", f"{c}*"), ("n", "int"), ("V", "int"), ("C", "int"),
+                ("vec", "int"), ("accumulate", "int")),
+        "wte_long": (("dout", f"const {c}*"), ("keys", "const long long*"),
+                     ("first", "const int*"), ("runs", "const int*"), ("dwte", f"{c}*"),
+                     ("n", "int"), ("C", "int"), ("vec", "int"), ("accumulate", "int")),
+        "wpe": (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"), ("T", "int"),
+                ("C", "int"), ("accumulate", "int")),
+    }[part]
 
 
-EMBEDDING_STAGES = ("forward", "backward_sort", "backward_merge", "backward_wte",
-                    "backward_wte_long", "backward_wpe")
+# The forward (''), then the backward's kernels in launch order.
+EMBEDDING_PARTS = ("", "sort", "merge", "wte", "wte_long", "wpe")
+
+
+def embedding_label(stage: str, part: str) -> str:
+    """An embedding kernel's name without the op and the dtype, as the template names its
+    signatures: forward, backward_sort, …"""
+    return f"{stage}_{part}" if part else stage
 
 
 def plan_embedding() -> EmbeddingPlan:
+    stages = [("backward" if part else "forward", part) for part in EMBEDDING_PARTS]
     return EmbeddingPlan(tuple(
-        ir.KernelSig(f"embedding_{stage}_{dt}", _embedding_args(stage, CTYPE[dt]), dt, stage,
-                     embedding_launch(stage, dt)) for dt in DTYPES for stage in EMBEDDING_STAGES))
+        KernelSig(f"embedding_{embedding_label(stage, part)}_{dt}",
+                  _embedding_args(part, CTYPE[dt]), dt, stage, embedding_launch(part, dt),
+                  part=part)
+        for dt in DTYPES for stage, part in stages))

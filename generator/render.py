@@ -15,7 +15,8 @@ from eulergen.generator.emit import block, dtype_values, param_names, render_tem
 from eulergen.generator.hoist import hoist, row_constant_names
 from eulergen.generator.render_attention import render_attention
 from eulergen.generator.render_row import render_row
-from eulergen.kinds import KINDS, fused_stage
+from eulergen.kinds import KINDS
+from eulergen.signature import KernelSig, variant_name
 
 
 def template_of(op: ir.DerivedOp) -> str:
@@ -57,15 +58,15 @@ def _pointwise(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.Rendere
     body: ir.PointwiseDerived = op.body
     fused = fuse.bias_variant(op).body
     code = {"forward": body.forward, "backward": body.backward,
-            fused_stage("forward", "bias"): fused.forward,
-            fused_stage("backward", "bias"): fused.backward}
+            variant_name("forward", "bias"): fused.forward,
+            variant_name("backward", "bias"): fused.backward}
 
     def kernel(st: plan_ops.StagePlan) -> dict:
-        return {"impl": st.name, "title": _title(st.stage, st.loads, st.stores + st.partials),
+        return {"impl": st.name, "title": _title(st.label, st.loads, st.stores + st.partials),
                 "loads": st.loads, "stores": st.stores, "ptrs": _ptrs(st.loads, st.stores),
-                "code": block(code[st.stage]), "entries": _entries(st), "biases": st.biases,
+                "code": block(code[st.label]), "entries": _entries(st), "biases": st.biases,
                 "rows": [a for a in st.loads if a not in st.biases], "partials": st.partials}
-    reduce = next((st for st in plan.bias if st.stage == fused_stage("reduce", "bias")), None)
+    reduce = next((st for st in plan.bias if st.label == variant_name("reduce", "bias")), None)
     source = render_template(plan.template, header=head, op=op.name,
                              kernels=[kernel(st) for st in plan.stages],
                              bias_kernels=[kernel(st) for st in plan.bias if st is not reduce],
@@ -102,8 +103,8 @@ def _pair_kernel(kernel: str, stage: str, loads: list[str], stores: list[str], c
 def _pair(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCuda:
     body: ir.PairDerived = op.body
     code = {"forward": body.forward, "backward": body.backward}
-    kernels = [dict(_pair_kernel(st.name, st.stage, list(st.loads), list(st.stores),
-                                 code[st.stage], body.index), entries=_entries(st))
+    kernels = [dict(_pair_kernel(st.name, st.label, list(st.loads), list(st.stores),
+                                 code[st.label], body.index), entries=_entries(st))
                for st in plan.stages]
     source = render_template(plan.template, header=head, op=op.name, kernels=kernels,
                              params=param_names(op),
@@ -128,7 +129,7 @@ def _update(op: ir.DerivedOp, plan: plan_ops.OpPlan, head: str) -> ir.RenderedCu
     return ir.RenderedCuda(source, plan.sigs)
 
 
-def _update_impl_args(sig: ir.KernelSig, copy: str) -> str:
+def _update_impl_args(sig: KernelSig, copy: str) -> str:
     """What an entry point passes its device impl: its parameters, with the weight's bf16
     copy (a null pointer where the entry point has none) between the operands and control."""
     names = [n for n, _ in sig.args if n != copy]
@@ -141,14 +142,14 @@ def _update_impl_args(sig: ir.KernelSig, copy: str) -> str:
 def render_embedding(plan: plan_ops.EmbeddingPlan, header_line: str) -> ir.RenderedCuda:
     """Token/position embedding kernels, printed from plan_ops.plan_embedding();
     `{"kind": "embedding"}` in the manifest."""
-    sig = lambda stage: plan.sig(stage, DTYPES[0])  # noqa: E731  (alike in each dtype)
-    dtypes = [dict(d, sigs={k.stage: k for k in plan.sigs if k.dtype == d["name"]})
-              for d in dtype_values(DTYPES)]
-    tile = sig("backward_sort").geometry.tile
+    # a dtype's kernels as the template names them: forward, backward_sort, …
+    dtypes = [dict(d, sigs={plan_ops.embedding_label(k.stage, k.part): k for k in plan.sigs
+                            if k.dtype == d["name"]}) for d in dtype_values(DTYPES)]
+    tile = plan.sig("sort").geometry.tile   # the geometry is alike in each dtype
     source = render_template(
         KINDS["embedding"].template, header=header_line, dtypes=dtypes, fetch=plan.fetch,
         tile=tile, tile_steps=tile.bit_length(), merge_group=plan.merge_group,
         merge_min_blocks=plan.merge_min_blocks, warp_rows=plan.warp_rows,
-        long_run=sig("backward_wte_long").geometry.long_run,
-        long_threads=sig("backward_wte_long").geometry.threads, long_rows=plan.long_rows)
+        long_run=plan.sig("wte_long").geometry.long_run,
+        long_threads=plan.sig("wte_long").geometry.threads, long_rows=plan.long_rows)
     return ir.RenderedCuda(source, plan.sigs)

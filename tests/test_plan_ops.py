@@ -74,11 +74,12 @@ def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_w
     assert MANIFEST.ops["adamw"].kernel("step", "bf16").control == bf16.control
 
 
-def test_the_embedding_plan_has_every_stage_in_every_dtype():
+def test_the_embedding_plan_has_its_forward_and_every_backward_part_in_every_dtype():
     plan = plan_ops.plan_embedding()
-    assert {(k.stage, k.dtype) for k in plan.sigs} == {
-        (s, d) for s in plan_ops.EMBEDDING_STAGES for d in planner.DTYPES}
-    assert isinstance(plan.sig("backward_wte_long", "bf16").geometry, launch.EmbeddingWteLong)
+    assert {(k.stage, k.part, k.dtype) for k in plan.sigs} == {
+        ("backward" if p else "forward", p, d) for p in plan_ops.EMBEDDING_PARTS
+        for d in planner.DTYPES}
+    assert isinstance(plan.sig("wte_long", "bf16").geometry, launch.EmbeddingWteLong)
 
 
 _ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\((.*?)\) \{',

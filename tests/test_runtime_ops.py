@@ -10,6 +10,7 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.backend import get_backend
+from eulergen.runtime.engine.manifest import FORMAT
 from eulergen.runtime.engine.ops import OpLibrary
 
 MODULES = {
@@ -95,7 +96,7 @@ def write_manifest(folder, ops=OPS, modules=MODULES):
     (folder / "numpy").mkdir(parents=True, exist_ok=True)
     for name, text in modules.items():
         (folder / "numpy" / f"{name}.py").write_text(textwrap.dedent(text))
-    manifest = {"format": 2, "generator": "test",
+    manifest = {"format": FORMAT, "generator": "test",
                 "ops": {n: {**o, "spec": f"ops/{n}.yaml", "spec_sha256": "0" * 64,
                             "numpy": f"numpy/{n}.py", "kernels": {}} for n, o in ops.items()}}
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -8,7 +8,6 @@ from __future__ import annotations
 from math import prod
 
 from eulergen.errors import EulerError
-from eulergen.kinds import fused_stage
 from eulergen.runtime.engine.kernels import storage_dtype_name
 from eulergen.runtime.engine.launch_args import carve, outputs
 from eulergen.runtime.engine.manifest import OpEntry
@@ -30,7 +29,7 @@ def bias_layout(op: OpEntry, stage: str, dtype: str, shape) -> list[tuple[int, i
     if stage != "backward":
         return []
     cols = shape[-1]
-    kernel = op.kernel(fused_stage("backward", FUSION), dtype)
+    kernel = op.kernel("backward", dtype, fusion=FUSION)
     groups = kernel.geometry.launch(prod(shape[:-1]), cols).partials
     return [(groups, cols)] * len(_grads(op)[1])
 
@@ -38,10 +37,8 @@ def bias_layout(op: OpEntry, stage: str, dtype: str, shape) -> list[tuple[int, i
 def _kernel(op: OpEntry, stage: str, dtype: str, itemsize: int, cols: int, arrays):
     """The stage's entry point for 16-byte access where every row of every operand takes it
     (whole vectors a row, each array on a 16-byte boundary), else the one for any."""
-    kernels = [k for k in op.kernels.values()
-               if k.stage == fused_stage(stage, FUSION) and k.dtype == dtype]
     aligned = (cols * itemsize % 16 == 0 and all(a.data.ptr % 16 == 0 for a in arrays))
-    return next(k for k in kernels if k.geometry.aligned == aligned)
+    return op.kernel(stage, dtype, fusion=FUSION, aligned=aligned)
 
 
 def bias_call(cuda, op: OpEntry, stage: str, args: tuple, out, params: dict,
@@ -68,7 +65,7 @@ def bias_call(cuda, op: OpEntry, stage: str, args: tuple, out, params: dict,
     dtype = storage_dtype_name(x)
     row_grads, bias_grads = _grads(op) if stage == "backward" else ((), ())
     writes = list(row_grads + bias_grads) if stage == "backward" else [o.name for o in side.outputs]
-    results = outputs(op.kernel(fused_stage(stage, FUSION), dtype), writes,
+    results = outputs(op.kernel(stage, dtype, fusion=FUSION), writes,
                       [(cols,) if w in bias_grads else shape for w in writes], out, op,
                       f"{stage} (bias)")
     rows = x.size // cols
@@ -87,7 +84,7 @@ def bias_call(cuda, op: OpEntry, stage: str, args: tuple, out, params: dict,
     at = kernel.geometry.launch(rows, cols)
     launcher.launch(kernel, at, values)
     if bias_grads:
-        reduce = op.kernel(fused_stage("reduce", FUSION), dtype)
+        reduce = op.kernel("backward", dtype, part="reduce", fusion=FUSION)
         for g in bias_grads:
             launcher.launch(reduce, reduce.geometry.launch(cols), {
                 "partials": values[f"{g}_partials"], "dw": values[g],

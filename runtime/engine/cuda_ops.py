@@ -19,12 +19,12 @@ from math import prod
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.kinds import fused_stage
 from eulergen.runtime.engine.bias_ops import bias_call, bias_layout
 from eulergen.runtime.engine.kernels import (NULL, Launcher, row_aligned, row_kernel,
                                       storage_dtype_name, wgrad_split)
 from eulergen.runtime.engine.launch_args import carve, elements, outputs, same_shape
 from eulergen.runtime.engine.manifest import OpEntry
+from eulergen.signature import select
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,10 @@ def _row_layout(op: OpEntry, stage: str, dtype: str, rows: int, cols: int,
     if not sig.wgrads:
         return False, []
     if wgrad_split(op, dtype, cols, fusion):
-        by_cols = op.kernel("wgrad_cols", dtype).geometry
+        by_cols = op.kernel("backward", dtype, part="cols").geometry
         groups = by_cols.launch(rows, cols).partials
         return True, [(rows, by_cols.row_stats)] + [(groups, cols)] * len(sig.wgrads)
-    kernel = row_kernel(op, fused_stage(stage, fusion), dtype, cols)
+    kernel = row_kernel(op, stage, dtype, cols, fusion=fusion)
     partials = kernel.geometry.launch(rows, cols).partials
     return False, [(partials, cols)] * len(sig.wgrads)
 
@@ -100,7 +100,7 @@ def _embedding_layout(op: OpEntry, n: int, rows: int) -> list[tuple[int]]:
     """The backward's workspace for n ids into a table of `rows`, as carve lays it out:
     int64 sort keys, tiled and merged; an int32 first-key rank per table row; and the int32
     list of the runs longer than the geometry's long_run keys (a count, then their ids)."""
-    long_run = op.kernel("backward_wte_long", "f32").geometry.long_run
+    long_run = op.kernel("backward", "f32", part="wte_long").geometry.long_run
     return [(2 * n,), (2 * n,), (rows,), (1 + n // (long_run + 1),)]
 
 
@@ -203,7 +203,7 @@ class CudaOps:
 
     def fused(self, op: OpEntry, args: tuple, out, params: dict) -> tuple:
         n_in, n_out = len(op.inputs), len(op.outputs)
-        has_fwdbwd = any(k.stage == "fwdbwd" for k in op.kernels.values())
+        has_fwdbwd = bool(select(op.kernels.values(), "fwdbwd"))
         if op.kind == "row" and has_fwdbwd:
             return self._row(op, "fwdbwd", args, out, params)
         # No one-pass kernel: forward, then backward into fresh buffers, so that a gradient
@@ -257,8 +257,8 @@ class CudaOps:
         rows = x.size // cols
         dtype = storage_dtype_name(x)
         split, layout = _row_layout(op, stage, dtype, rows, cols, fusion)
-        kstage = fused_stage("backward_rows" if split else stage, fusion)
-        kernel = row_kernel(op, kstage, dtype, cols)
+        part = "rows" if split else ""
+        kernel = row_kernel(op, stage, dtype, cols, part=part, fusion=fusion)
         results = outputs(kernel, sig.writes, [by_role[r] for r in sig.write_roles], out, op,
                            stage)
         values = dict(zip(sig.names, args))
@@ -269,7 +269,7 @@ class CudaOps:
                               [values[n].data.ptr for n in sig.weight_ptrs],
                               cols * x.itemsize, bool(sig.wgrads))
         if not aligned:
-            kernel = row_kernel(op, kstage, dtype, cols, aligned=False)
+            kernel = row_kernel(op, stage, dtype, cols, aligned=False, part=part, fusion=fusion)
         if not rows:
             for g in sig.wgrads:
                 values[g].fill(0)
@@ -287,11 +287,11 @@ class CudaOps:
         at = kernel.geometry.launch(rows, cols)
         launcher.launch(kernel, at, values)
         if split:
-            cols_kernel = row_kernel(op, "wgrad_cols", dtype, cols, aligned)
+            cols_kernel = row_kernel(op, "backward", dtype, cols, aligned, part="cols")
             at = cols_kernel.geometry.launch(rows, cols)
             launcher.launch(cols_kernel, at, values)
         partials = at.partials
-        red = op.kernel("wgrad_reduce", dtype) if sig.wgrads else None
+        red = op.kernel("backward", dtype, part="reduce") if sig.wgrads else None
         for g in sig.wgrads:
             launcher.launch(red, red.geometry.launch(cols), {
                 "partials": values[f"{g}_partials"], "dw": values[g],
@@ -400,7 +400,7 @@ class CudaOps:
         if wpe is not None:
             names, shapes = names + ["dwpe"], shapes + [wpe.shape]
         given = None if out is None else tuple(g for g in out if g is not None)
-        wte_k = op.kernel("backward_wte", dtype)
+        wte_k = op.kernel("backward", dtype, part="wte")
         grads = outputs(wte_k, names, shapes, given, op, "backward")
         add_wte, add_wpe = accumulate
         n = ids.size
@@ -418,10 +418,10 @@ class CudaOps:
         sums = {"dout": dout, "keys": keys, "first": first, "runs": runs, "dwte": grads[0],
                 "n": n, "C": C, "vec": int(use_vec), "accumulate": int(add_wte)}
         launcher.launch(wte_k, wte_k.geometry.launch(V, C, use_vec), dict(sums, V=V))
-        long_k = op.kernel("backward_wte_long", dtype)
+        long_k = op.kernel("backward", dtype, part="wte_long")
         launcher.launch(long_k, long_k.geometry.launch(runs.size - 1, C, use_vec), sums)
         if wpe is not None:
-            wpe_k = op.kernel("backward_wpe", dtype)
+            wpe_k = op.kernel("backward", dtype, part="wpe")
             launcher.launch(wpe_k, wpe_k.geometry.launch(T * C), {
                 "dout": dout, "dwpe": grads[1], "B": n // T, "T": T, "C": C,
                 "accumulate": int(add_wpe)})
@@ -440,7 +440,8 @@ class CudaOps:
         tiled, keys, first, runs = carve(op, workspace, layout)
         tiled, keys = tiled.view(np.int64), keys.view(np.int64)
         first, runs = first.view(np.int32), runs.view(np.int32)
-        sort_k, merge_k = op.kernel("backward_sort", dtype), op.kernel("backward_merge", dtype)
+        sort_k = op.kernel("backward", dtype, part="sort")
+        merge_k = op.kernel("backward", dtype, part="merge")
         launcher = self.launcher(op)
         launcher.launch(sort_k, sort_k.geometry.launch(n),
                         {"ids": ids, "tiled": tiled, "first": first, "runs": runs, "n": n,

@@ -17,9 +17,9 @@ from functools import lru_cache
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.kinds import fused_stage
 from eulergen.launch import BlockHeld, BlockPerRow, Launch, WarpPerRow
-from eulergen.runtime.engine.manifest import Kernel, OpEntry
+from eulergen.runtime.engine.manifest import OpEntry
+from eulergen.signature import KernelSig, select
 
 # What a pointer's pointee is stored as, and what a scalar argument is passed as.
 _STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
@@ -68,7 +68,7 @@ def _arg_types(args: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str, CType
 _NULL_POINTER = np.uint64(0)
 
 
-def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) -> tuple:
+def bind(op: OpEntry, kernel: KernelSig, values: dict, *, contiguous: bool = True) -> tuple:
     """The argument tuple for one launch, after checking every value against its C type."""
     import cupy
     device = cupy.cuda.runtime.getDevice()
@@ -91,7 +91,7 @@ def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) 
     return tuple(args)
 
 
-def _where(op: OpEntry, kernel: Kernel, name: str, ctext: str) -> str:
+def _where(op: OpEntry, kernel: KernelSig, name: str, ctext: str) -> str:
     return f"{op.name}: kernel {kernel.name}: argument {name!r} ({ctext})"
 
 
@@ -118,7 +118,7 @@ class Launcher:
         self._compiled = None
         self._functions: dict[str, object] = {}   # a lookup costs about 1 us a launch
 
-    def function(self, kernel: Kernel):
+    def function(self, kernel: KernelSig):
         fn = self._functions.get(kernel.name)
         if fn is None:
             if self._compiled is None:
@@ -130,7 +130,7 @@ class Launcher:
             fn = self._functions[kernel.name] = self._compiled.function(kernel.name)
         return fn
 
-    def launch(self, kernel: Kernel, at: Launch, values: dict, *, contiguous: bool = True) -> None:
+    def launch(self, kernel: KernelSig, at: Launch, values: dict, *, contiguous: bool = True) -> None:
         args = bind(self.op, kernel, values, contiguous=contiguous)
         launch(self.function(kernel), at, args, _arg_names(kernel.args))
 
@@ -168,16 +168,17 @@ def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: boo
     return True
 
 
-def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True) -> Kernel:
+def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True, *,
+               part: str = "", fusion: str = "") -> KernelSig:
     """The warp-per-row kernel for rows it holds in registers, else the block_held one for
-    rows a block holds (where the dtype has one), else the block-per-row one (a stage of one
-    layout, or none, such as wgrad_cols: its kernel); of each, the `aligned` variant
-    (row_aligned) or the one for any operands. The two variants launch alike: a memory
-    planner may ask for either."""
-    candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
-                  and k.geometry.aligned == aligned]
-    if not candidates:
-        return op.kernel(stage, dtype)   # none of (stage, dtype): raises, naming those there are
+    rows a block holds (where the dtype has one), else the block-per-row one (a part of one
+    layout, or none, such as the split backward's cols: its kernel); of each, the `aligned`
+    variant (row_aligned) or the one for any operands. The two variants launch alike: a
+    memory planner may ask for either."""
+    candidates = select(op.kernels.values(), stage, dtype, part=part, fusion=fusion,
+                        aligned=aligned)
+    if not candidates:   # none: raises, naming those there are
+        return op.kernel(stage, dtype, part=part, fusion=fusion, aligned=aligned)
     warp = [k for k in candidates if isinstance(k.geometry, WarpPerRow)]
     held = [k for k in candidates if isinstance(k.geometry, BlockHeld)]
     block = [k for k in candidates if isinstance(k.geometry, BlockPerRow)]
@@ -190,8 +191,7 @@ def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = T
 
 def wgrad_split(op: OpEntry, dtype: str, cols: int, fusion: str = "") -> bool:
     """Whether a backward (of the op's `fusion` variant) with weight gradients over rows of
-    `cols` takes the split kernels (`backward_rows`, then `wgrad_cols`: generator/plan.py
+    `cols` takes the split kernels (its `rows` part, then `cols`: generator/plan.py
     WGRAD_SPLIT_COLS)."""
-    stage = fused_stage("backward_rows", fusion)
-    return any(k.stage == stage and k.dtype == dtype
-               and cols >= k.geometry.split_cols for k in op.kernels.values())
+    return any(cols >= k.geometry.split_cols
+               for k in select(op.kernels.values(), "backward", dtype, part="rows", fusion=fusion))

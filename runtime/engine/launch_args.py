@@ -9,10 +9,11 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.kernels import DTYPE_OF, parse_ctype
-from eulergen.runtime.engine.manifest import Kernel, OpEntry
+from eulergen.runtime.engine.manifest import OpEntry
+from eulergen.signature import KernelSig
 
 
-def outputs(kernel: Kernel, names, shapes, given, op: OpEntry, call: str) -> tuple:
+def outputs(kernel: KernelSig, names, shapes, given, op: OpEntry, call: str) -> tuple:
     """The caller's `out` arrays (shape-checked here, dtype-checked in bind) or new ones in
     the storage type the kernel writes (a weight gradient, written by the reduce kernel
     rather than this one, is in the storage dtype)."""

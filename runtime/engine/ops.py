@@ -47,9 +47,9 @@ import numpy as np
 
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError, suggest
-from eulergen.kinds import fused_stage
 from eulergen.runtime.engine.backend import Backend
 from eulergen.runtime.engine.manifest import OpEntry, load_manifest, load_numpy_module
+from eulergen.signature import variant_name
 
 BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
 
@@ -109,7 +109,7 @@ class OpLibrary:
         if self._cuda:
             got = self._cuda.forward(op, inputs, _tuple(out), p, pos0, fusion)
             return got[0] if len(got) == 1 else tuple(got)
-        got = getattr(self._module(op), fused_stage("forward", fusion))(
+        got = getattr(self._module(op), variant_name("forward", fusion))(
             *inputs, **p, **self._numpy_pos0(op, pos0))
         return self._deliver(op, "forward", got, out, len(side.outputs))
 
@@ -131,7 +131,7 @@ class OpLibrary:
                                              workspace, adds, fusion))
         if op.kind == "embedding" and op.numpy is None:
             return _NumpyEmbedding.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
-        got = getattr(self._module(op), fused_stage("backward", fusion))(
+        got = getattr(self._module(op), variant_name("backward", fusion))(
             *inputs_and_douts, **p, **self._numpy_pos0(op, pos0))
         grads = self._deliver(op, "backward", got, out, len(side.grads))
         return grads if isinstance(grads, tuple) else (grads,)
