@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from eulergen.launch import Geometry, from_json as geometry_from_json
 
 DTYPES = ("f32", "bf16")   # storage dtypes; compute is fp32
+# The first slots of an update step's `control` argument, before the op's runtime params:
+# whether the step is skipped, and the factor every grad input is scaled by.
+CONTROL = ("skip", "grad_scale")
 
 
 class BadSignature(ValueError):

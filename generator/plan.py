@@ -172,8 +172,7 @@ def held_shape(dtype: str, *, stage: str, wgrad: bool, cached: int = 1) -> RowSh
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """A row op's plan: its template and whether it has a fused forward+backward."""
-    template: str                    # file under templates/
+    """A row op's plan: its dtypes and whether it has a fused forward+backward."""
     dtypes: tuple[str, ...]
     fwdbwd: bool = False             # row op whose outputs are all per-row scalars
 

@@ -1,5 +1,5 @@
-"""Row planning: every choice a row op's kernels make, as a frozen RowPlan that
-generator/render_row.py prints through templates/row.cu.j2. The stages' steps are
+"""Row planning: every choice a row op's kernels make, as a frozen RowPlan that the row
+kind (generator/kinds/row.py) prints through templates/row.cu.j2. The stages' steps are
 generator/row_schedule.py's; here each stage's impls become kernels with their pointers
 (roles and C types), cached operands, row scalars, per-layout and per-dtype blocks
 (plan.RowShape) and entry points, whose signatures (KernelSig) are made once.
@@ -14,7 +14,6 @@ from eulergen.generator.emit import param_names
 from eulergen.generator.hoist import row_constant_names
 from eulergen.generator.row_schedule import (RowLayout, RowNames, RowStats, Stage, Step, Sweep,
                                              row_names, stages, variants)
-from eulergen.kinds import KINDS
 from eulergen.signature import KernelSig, variant_name
 
 
@@ -129,7 +128,6 @@ class RowPlan:
     """A row op's kernels: per stage and impl a RowKernel, the split backward's column kernel
     and the weight-gradient reduce; `signatures` are the manifest's, in the .cu's order."""
     op: str
-    template: str
     kernels: tuple[RowKernel, ...]
     split: WgradCols | None
     reduce: WgradReduce | None
@@ -313,7 +311,7 @@ def _add_kernels(op: ir.DerivedOp, names, stats: tuple[str, ...]) -> tuple[RowKe
 def plan_row(op: ir.DerivedOp) -> RowPlan:
     """Every choice of a row op's kernels: stages, impls, steps, pointers, shapes, entry
     points."""
-    p = planner.KernelPlan(KINDS["row"].template, planner.DTYPES,
+    p = planner.KernelPlan(planner.DTYPES,
                            fwdbwd=all(o.role == "scalar" for o in op.outputs))
     o = row_names(op)
     names = row_constant_names()
@@ -324,7 +322,7 @@ def plan_row(op: ir.DerivedOp) -> RowPlan:
     split = _wgrad_cols(o, wgrad_step, stats) if wgrad_step else None
     rows, cols, reduce = signatures(op, p, kernels, split)
     return RowPlan(
-        op=op.name, template=p.template,
+        op=op.name,
         kernels=tuple(replace(k, entries=e) for k, e in zip(kernels, rows)),
         split=replace(split, entries=cols) if split else None,
         reduce=WgradReduce(planner.REDUCE_X, planner.REDUCE_Y, reduce) if reduce else None)

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from eulergen import launch
-from eulergen.generator import plan as planner, plan_ops
+from eulergen.generator import plan as planner
+from eulergen.generator.kinds import embedding
 
 EXAMPLES = [
     planner.pointwise_launch("bf16", 1, False),
@@ -23,7 +24,7 @@ EXAMPLES = [
     planner.wgrad_cols_launch("bf16", 2, True),
     planner.WGRAD_REDUCE_LAUNCH,
     planner.bias_launch("bf16", "backward", True),
-    *(planner.embedding_launch(part, "bf16") for part in plan_ops.EMBEDDING_PARTS),
+    *(planner.embedding_launch(part, "bf16") for part in embedding.PARTS),
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
     launch.AttentionRowdot(256, 8),

@@ -10,7 +10,8 @@ import pytest
 from eulergen import GENERATED_DIR
 from eulergen.generator.derive import derive
 from eulergen.generator.ops_path import find_ops
-from eulergen.generator.plan_ops import plan_embedding, plan_op
+from eulergen.generator.kinds.embedding import plan_embedding
+from eulergen.generator.plan_ops import plan_op
 from eulergen.generator.spec import load_spec
 from eulergen.runtime.engine.manifest import load_manifest
 from eulergen.signature import BadSignature, KernelSig, select

@@ -12,7 +12,6 @@ from pathlib import Path
 from types import ModuleType
 
 from eulergen.errors import EulerError
-from eulergen.kinds import KINDS
 from eulergen.signature import BadSignature, KernelSig, select
 
 FORMAT = 3
@@ -142,9 +141,6 @@ def _fusions(items, file: Path, where: str) -> dict[str, Fusion]:
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
     where = f"ops.{name}"
     kind = _need(o, "kind", str, file, where)
-    if kind not in KINDS:
-        raise EulerError(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})",
-                         file=str(file), key=f"{where}.kind")
     params = o.get("params") or {}
     if not isinstance(params, dict):
         raise EulerError("params should be an object name -> default", file=str(file),
