@@ -26,7 +26,7 @@ import pytest
 
 from eulergen import GENERATED_DIR
 from eulergen import launch as geometry_of
-from eulergen.runtime.engine.kernels import row_aligned
+from eulergen.runtime.engine.kinds.row import row_aligned
 from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 

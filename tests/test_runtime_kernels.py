@@ -19,6 +19,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine import kernels as K
 from eulergen.runtime.engine.backend import Backend, get_backend
 from eulergen.runtime.engine.cuda_ops import workspace_elements
+from eulergen.runtime.engine.kinds.row import row_aligned, row_kernel
 from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 from eulergen.runtime.engine.ops import OpLibrary
@@ -297,10 +298,10 @@ def test_row_kernel_takes_the_warp_then_the_held_block_then_the_long_row_block(n
     top = 8192
     for cols, layout in zip((768, 769, top, top + 1), layouts):
         for aligned in (True, False):
-            k = K.row_kernel(op, "forward", dtype, cols, aligned)
+            k = row_kernel(op, "forward", dtype, cols, aligned)
             assert (k.geometry.shape, k.geometry.aligned) == (layout, aligned), cols
             if name == "layernorm":
-                back = K.row_kernel(op, "backward", dtype, cols, aligned)
+                back = row_kernel(op, "backward", dtype, cols, aligned)
                 assert back.geometry.shape == ("warp_per_row" if cols <= 768
                                                else "block_per_row"), cols
 
@@ -345,14 +346,14 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
 
 
 def test_row_aligned_wants_one_offset_for_rows_and_whole_vectors_only_with_weights():
-    assert K.row_aligned([0x100, 0x210], [], row_bytes=34, wgrads=False)  # heads alike
-    assert not K.row_aligned([0x100, 0x204], [], row_bytes=32, wgrads=False)
-    assert not K.row_aligned([0x100, 0x200], [0x300], row_bytes=34, wgrads=False)
-    assert not K.row_aligned([0x104, 0x204], [0x300], row_bytes=32, wgrads=False)
-    assert not K.row_aligned([0x100, 0x200], [0x308], row_bytes=32, wgrads=False)
-    assert K.row_aligned([0x100, 0x200], [0x300], row_bytes=32, wgrads=False)
-    assert not K.row_aligned([0x100], [], row_bytes=34, wgrads=True)
-    assert K.row_aligned([0x100], [], row_bytes=48, wgrads=True)
+    assert row_aligned([0x100, 0x210], [], row_bytes=34, wgrads=False)  # heads alike
+    assert not row_aligned([0x100, 0x204], [], row_bytes=32, wgrads=False)
+    assert not row_aligned([0x100, 0x200], [0x300], row_bytes=34, wgrads=False)
+    assert not row_aligned([0x104, 0x204], [0x300], row_bytes=32, wgrads=False)
+    assert not row_aligned([0x100, 0x200], [0x308], row_bytes=32, wgrads=False)
+    assert row_aligned([0x100, 0x200], [0x300], row_bytes=32, wgrads=False)
+    assert not row_aligned([0x100], [], row_bytes=34, wgrads=True)
+    assert row_aligned([0x100], [], row_bytes=48, wgrads=True)
 
 
 @needs_manifest

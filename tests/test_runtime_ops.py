@@ -248,7 +248,7 @@ def test_embedding_ids_outside_the_table_are_refused_on_the_host(lib):
 
 def test_accumulate_is_refused_where_it_cannot_be_honoured(lib):
     x, dy = np.float32([1, 2]), np.float32([5, 7])
-    with pytest.raises(EulerError, match="accumulate= is for the embedding op"):
+    with pytest.raises(EulerError, match="accumulate= is not for a pointwise op"):
         lib.backward("scale", x, dy, out=(np.zeros(2, np.float32),), accumulate=True)
     with pytest.raises(EulerError, match="accumulate= needs out="):
         lib.backward("embedding", np.int32([[0]]), np.zeros((1, 2), np.float32), None,

@@ -1,7 +1,7 @@
 """Binding manifest kernels to CuPy arrays, and launching them.
 
 A kernel's manifest entry lists its arguments as (name, C type) in launch order; the
-callers in runtime/engine/ops.py name their arrays and scalars the same way (operand names,
+op kinds' calls (runtime/engine/kinds/) name their arrays and scalars the same way (operand names,
 `d<name>` for gradients, `rows`/`cols`/`n` for sizes, params by name). Everything a
 launch depends on is checked here before the launch: every argument present, pointer
 arguments CuPy arrays on the current device with the dtype the C type stores (bf16 is
@@ -17,9 +17,9 @@ from functools import lru_cache
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.launch import BlockHeld, BlockPerRow, Launch, WarpPerRow
+from eulergen.launch import Launch
 from eulergen.runtime.engine.manifest import OpEntry
-from eulergen.signature import KernelSig, select
+from eulergen.signature import KernelSig
 
 # What a pointer's pointee is stored as, and what a scalar argument is passed as.
 _STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
@@ -152,46 +152,3 @@ def launch(fn, at: Launch, args: tuple, names: tuple[str, ...]) -> None:
     fn(at.grid, at.block, args, shared_mem=at.shared_mem)
     for record in RECORDERS:
         record(fn, at, args, names)
-
-
-# ---- which of a stage's kernels a call takes -----------------------------------------
-
-def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: bool) -> bool:
-    """Whether the `aligned` variant of a row kernel (generator/plan.py) serves operands at
-    these addresses: its row operands all at one offset from a 16-byte boundary (each row
-    then splits at the same columns), and where it reads weights or sums weight gradients,
-    every row on a boundary (row_bytes, a row's bytes, a multiple of 16), weights too."""
-    if len({a % 16 for a in rows}) > 1:
-        return False
-    if weights or wgrads:
-        return row_bytes % 16 == 0 and all(a % 16 == 0 for a in rows + weights)
-    return True
-
-
-def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True, *,
-               part: str = "", fusion: str = "") -> KernelSig:
-    """The warp-per-row kernel for rows it holds in registers, else the block_held one for
-    rows a block holds (where the dtype has one), else the block-per-row one (a part of one
-    layout, or none, such as the split backward's cols: its kernel); of each, the `aligned`
-    variant (row_aligned) or the one for any operands. The two variants launch alike: a
-    memory planner may ask for either."""
-    candidates = select(op.kernels.values(), stage, dtype, part=part, fusion=fusion,
-                        aligned=aligned)
-    if not candidates:   # none: raises, naming those there are
-        return op.kernel(stage, dtype, part=part, fusion=fusion, aligned=aligned)
-    warp = [k for k in candidates if isinstance(k.geometry, WarpPerRow)]
-    held = [k for k in candidates if isinstance(k.geometry, BlockHeld)]
-    block = [k for k in candidates if isinstance(k.geometry, BlockPerRow)]
-    if warp and (not block or cols <= warp[0].geometry.max_cols):
-        return warp[0]
-    if held and cols <= held[0].geometry.max_cols:
-        return held[0]
-    return (block or candidates)[0]
-
-
-def wgrad_split(op: OpEntry, dtype: str, cols: int, fusion: str = "") -> bool:
-    """Whether a backward (of the op's `fusion` variant) with weight gradients over rows of
-    `cols` takes the split kernels (its `rows` part, then `cols`: generator/plan.py
-    WGRAD_SPLIT_COLS)."""
-    return any(cols >= k.geometry.split_cols
-               for k in select(op.kernels.values(), "backward", dtype, part="rows", fusion=fusion))

@@ -1,6 +1,6 @@
 """The arrays of a launch besides its inputs: the outputs a call was not given (in the
 storage type the kernel writes), shape checks among a call's arrays, and float32 views of a
-caller's workspace for the kernels' temporaries (runtime/engine/cuda_ops.py, bias_ops.py)."""
+caller's workspace for the kernels' temporaries (the op kinds' calls, runtime/engine/kinds/)."""
 from __future__ import annotations
 
 from math import prod
