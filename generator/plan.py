@@ -6,8 +6,8 @@ launch) and is a frozen value: the geometry travels in `KernelSig.geometry` to t
 manifest, and the runtime launches with its `launch(sizes)`. A row stage has a kernel per
 layout (warp_per_row, block_held, block_per_row), each correct for any row length, its
 max_cols / min_cols saying where it is the fast one, and each twice: `aligned` for operands
-that take 16-byte access throughout, `_unaligned` for any (runtime/kernels.row_aligned).
-generator/plan_ops.py makes the plans of pointwise, pair, update and embedding ops from
+that take 16-byte access throughout, `_unaligned` for any (the runtime's row kind,
+runtime/engine/kinds/row.row_aligned). The kinds (generator/kinds/) make their plans from
 these. What the constants were measured against: benchmarks/RESULTS.md, "Why the planner's
 constants are what they are".
 """

@@ -1,4 +1,4 @@
-"""Row kernels as rendered (generator/render_row.py, templates/row.cu.j2): the launch facts
+"""Row kernels as rendered (generator/kinds/row.py, templates/row.cu.j2): the launch facts
 the runtime reads from the manifest agree with what each kernel was compiled with, the
 block shapes the planner chose for the ops that were measured, and which sweeps of a block
 per row load and store evict-first. Their numbers are checked by tests/test_cuda_emulated.py
@@ -106,7 +106,7 @@ ALIGNED_ROW_KERNELS = [(op, k) for op, k in ROW_KERNELS if OPS[op].kernels[k].ge
 @pytest.mark.parametrize("op,kernel", ALIGNED_ROW_KERNELS, ids=[k for _, k in ALIGNED_ROW_KERNELS])
 def test_each_aligned_row_kernel_has_an_unaligned_twin_with_its_launch_facts(op, kernel):
     """The runtime allocates outputs, sizes the grid and the workspace from the aligned kernel
-    and then launches the `_unaligned` one where row_aligned says no (runtime/engine/cuda_ops.py):
+    and then launches the `_unaligned` one where row_aligned says no (runtime/engine/kinds/row.py):
     the two take the same arguments and the same geometry but for `aligned`."""
     k = OPS[op].kernels[kernel]
     twin = OPS[op].kernels[f"{kernel[:-len(k.dtype)]}unaligned_{k.dtype}"]

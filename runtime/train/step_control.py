@@ -31,7 +31,7 @@ SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its runni
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
 # `why`: the step's update was applied (0) or skipped, and for what
 APPLIED, LOSS_SPIKE, NORM_SPIKE, BAD_LOSS, BAD_NORM = range(5)
-# the update op's runtime params the trainer fills in its control slots (after kinds.py's)
+# the update op's runtime params the trainer fills in its control slots (after signature.CONTROL)
 RUNTIME_PARAMS = ("lr", "step")
 
 

@@ -105,7 +105,7 @@ def _backward(cuda, op: OpEntry, args: tuple, out, workspace, accumulate: tuple)
         return grads + ((None,) if wpe is None else ())
     launcher = cuda.launcher(op)
     V = wte.shape[0]
-    keys, first, runs = _sort(cuda, op, dtype, ids, V, workspace)
+    keys, first, runs = sort_keys(cuda, op, dtype, ids, V, workspace)
     use_vec = (C % wte_k.geometry.vec == 0
                and (dout.data.ptr | grads[0].data.ptr) % 16 == 0)
     sums = {"dout": dout, "keys": keys, "first": first, "runs": runs, "dwte": grads[0],
@@ -120,7 +120,7 @@ def _backward(cuda, op: OpEntry, args: tuple, out, workspace, accumulate: tuple)
             "accumulate": int(add_wpe)})
     return grads + ((None,) if wpe is None else ())
 
-def _sort(cuda, op: OpEntry, dtype: str, ids, rows: int, workspace):
+def sort_keys(cuda, op: OpEntry, dtype: str, ids, rows: int, workspace):
     """The keys id << 32 | position of `ids`, sorted (int64 [n]); for each of the
     table's `rows` n - the rank of its first key (0: absent; int32 [rows]); and the long
     runs' list, its count cleared (int32). In `workspace` or the library's own buffer:
