@@ -187,7 +187,7 @@ class AttentionDerived:
 @dataclass(frozen=True)
 class DerivedOp:
     name: str
-    kind: str                      # 'pointwise' | 'row' | 'pair' | 'update' | 'attention'
+    kind: str                      # its kind's name (generator/registry.py)
     inputs: tuple[Operand, ...]
     outputs: tuple[Operand, ...]
     params: tuple[Param, ...]

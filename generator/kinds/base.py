@@ -21,7 +21,7 @@ class OpKind:
     name: ClassVar[str]
     template: ClassVar[str]          # the file (in `folder`) its CUDA renders through
     templates: ClassVar[str]         # a glob (in `folder`) of every file rendering reads
-    folder: ClassVar[Path] = TEMPLATES_DIR
+    folder: Path = TEMPLATES_DIR            # a kind outside the package may set its own
     spec: ClassVar[bool] = True      # written as YAML specs (else: from templates alone)
     keys: ClassVar[frozenset[str]] = frozenset()   # spec keys besides spec.COMMON
     required: ClassVar[tuple[str, ...]] = ()
@@ -42,12 +42,12 @@ class OpKind:
         return render_template(self.template, self.folder, **ctx)
 
     # ---- the stages' questions ----------------------------------------------------------
-    # A kind of specs answers derive, check, plan, render and numpy_source (and may answer
-    # the four below); a kind without, render_alone.
+    # A kind of specs answers derive, check, plan, render and numpy_source, and those below
+    # where their defaults do not serve it; a kind without, render_alone.
 
-    def derive(self, spec, temps) -> tuple[object, tuple[ir.Operand, ...], tuple[ir.Operand, ...]]:
-        """(body, inputs, outputs) of an OpSpec's DerivedOp (generator/derive.py), CSE
-        temporaries drawn from `temps` (generator/differentiate.py)."""
+    def derive(self, spec, temps) -> tuple:
+        """(body, inputs, outputs: ir.Operands) of an OpSpec's DerivedOp
+        (generator/derive.py), CSE temporaries drawn from `temps` (differentiate.Temps)."""
         raise NotImplementedError(f"{self.name} ops are not derived")
 
     def check(self, spec, derived: ir.DerivedOp, mod) -> list:

@@ -63,6 +63,7 @@ def _check(op: OpEntry, call: str, ids, wte, wpe):
                          f"[≥ {T}, {C}]", file=op.spec, key="wpe")
     return T, C
 
+
 def _forward(cuda, op: OpEntry, inputs: tuple, out) -> tuple:
     ids, wte, wpe = inputs
     T, C = _check(op, "forward", ids, wte, wpe)
@@ -74,6 +75,7 @@ def _forward(cuda, op: OpEntry, inputs: tuple, out) -> tuple:
             "ids": ids, "wte": wte, "wpe": NULL if wpe is None else wpe, "out": y, "BT": bt,
             "T": T, "C": C, "V": wte.shape[0]})
     return (y,)
+
 
 def _backward(cuda, op: OpEntry, args: tuple, out, workspace, accumulate: tuple) -> tuple:
     """(dwte, dwpe), each written or, where `accumulate` says so, added to. No host
@@ -119,6 +121,7 @@ def _backward(cuda, op: OpEntry, args: tuple, out, workspace, accumulate: tuple)
             "dout": dout, "dwpe": grads[1], "B": n // T, "T": T, "C": C,
             "accumulate": int(add_wpe)})
     return grads + ((None,) if wpe is None else ())
+
 
 def sort_keys(cuda, op: OpEntry, dtype: str, ids, rows: int, workspace):
     """The keys id << 32 | position of `ids`, sorted (int64 [n]); for each of the
