@@ -106,7 +106,7 @@ class WarpPerRow(Geometry):
     registers hold them), correct for any. `wgrad`: a backward whose row workers (warps)
     each write a row of weight-gradient partials. `dx_may_alias_x`: a fused forward and
     backward that reads its row before it writes it. `aligned`: the variant for operands
-    that take 16-byte access throughout (runtime/kernels.row_aligned)."""
+    that take 16-byte access throughout (runtime/engine/kinds/row.row_aligned)."""
     shape: ClassVar[str] = "warp_per_row"
     threads: int
     rows_per_block: int
@@ -150,7 +150,7 @@ class BlockPerRow(Geometry):
     """A block a row for rows past min_cols: the first cols_per_thread elements a thread in
     registers, the rest re-read; a capped grid, but uncapped (a block a row) over rows of at
     most uncapped_cols (0: never). `split_cols`: a split backward's rows kernel, taken from
-    that many columns (runtime/kernels.wgrad_split)."""
+    that many columns (runtime/engine/kinds/row.wgrad_split)."""
     shape: ClassVar[str] = "block_per_row"
     threads: int
     threads_min: int

@@ -23,11 +23,15 @@ YAML_MAX_DEPTH = 64
 
 def read_text(path: str | Path, what: str) -> str:
     """A text file that must be UTF-8 (`what` names it in errors: 'spec', 'config')."""
-    path = Path(path)
     try:
-        data = path.read_bytes()
+        data = Path(path).read_bytes()
     except OSError as err:
         raise EulerError(f"cannot read {what}: {err.strerror}", file=str(path)) from None
+    return decode_text(data, path, what)
+
+
+def decode_text(data: bytes, path: str | Path, what: str) -> str:
+    """The bytes of the file at `path`, which must be UTF-8, as text."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

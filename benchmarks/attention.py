@@ -56,8 +56,7 @@ def kernels(tiles=None, configs=None, roles=ROLES) -> AttentionKernels:
     cu = folder / "causal_attention.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
-    return AttentionKernels("causal_attention", {k.name: k.geometry for k in rendered.kernels},
-                            {}, compiled.function)
+    return AttentionKernels("causal_attention", rendered.kernels, {}, compiled.function)
 
 
 class _Only:
@@ -67,15 +66,15 @@ class _Only:
     def __init__(self, ak: AttentionKernels, role: str):
         self.ak, self.role = ak, role
 
-    def kernel(self, *args):
-        return self.ak.kernel(*args)
+    def kernel(self, *args, **kw):
+        return self.ak.kernel(*args, **kw)
 
     def param_values(self, given):
         return self.ak.param_values(given)
 
-    def launch(self, name, at, args):
-        if self.role in name:
-            self.ak.launch(name, at, args)
+    def launch(self, kernel, at, args):
+        if self.role in kernel.name:
+            self.ak.launch(kernel, at, args)
 
 
 def ours(ak, B, T, dtype, split=False):

@@ -41,6 +41,7 @@ def main() -> int:
         return 2
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.engine.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.kinds.embedding import sort_keys
     from eulergen.runtime.engine.bf16 import to_bf16
     from eulergen.runtime.engine.ops import OpLibrary
     lib = OpLibrary(get_backend("cuda"))
@@ -72,7 +73,7 @@ def main() -> int:
                 bwd(True)()
 
             def sort():
-                lib._cuda._embedding_sort(op, dtype, ids, V, ws)
+                sort_keys(lib._cuda, op, dtype, ids, V, ws)
 
             times = {}
             for label, fn in (("fwd", fwd), ("sort", sort), ("bwd add", bwd(True)),

@@ -174,7 +174,7 @@ def _attention_flops(q) -> float:
 
 
 def _embedding_bytes(node, backward: bool) -> int:
-    """The bytes the embedding's kernels move (runtime/engine/cuda_ops.py). Forward: ids, a table
+    """The bytes the embedding's kernels move (runtime/engine/kinds/embedding.py). Forward: ids, a table
     row per token (and its position's), the output. The deterministic backward: the sort
     reads the ids and writes int64 keys per token and an int32 first-rank per table row,
     the merge reads and writes the keys, the table kernel reads keys, first-ranks and

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from eulergen.errors import EulerError
 from eulergen.generator import ir
-from eulergen.generator.spec import symbol
+from eulergen.generator.opspec import symbol
 
 BRANCH, STREAM = "_branch", "_stream"   # add: names no spec can declare (a leading _)
 
@@ -46,10 +46,10 @@ def _refuse_clashes(op: ir.DerivedOp, made: list[str]) -> None:
 
 
 def takes_add(op: ir.DerivedOp) -> bool:
-    """Whether a row op takes the `add` fusion: one differentiable row input, no index
-    input, every output per element."""
+    """Whether an op takes the `add` fusion: a row op (its body a RowDerived) with one
+    differentiable row input, no index input, every output per element."""
     rows = [o for o in op.inputs if o.role == "row"]
-    return (op.kind == "row" and len(rows) == 1 and rows[0].differentiable
+    return (isinstance(op.body, ir.RowDerived) and len(rows) == 1 and rows[0].differentiable
             and all(o.role in ("row", "weight") for o in op.inputs)
             and all(o.role == "row" for o in op.outputs))
 
@@ -95,8 +95,8 @@ def add_variants(op: ir.DerivedOp) -> tuple[ir.DerivedOp, ir.DerivedOp] | None:
 @functools.cache
 def bias_variant(op: ir.DerivedOp) -> ir.DerivedOp | None:
     """The `bias` variant of a pointwise op (inputs x…, then _bias_x…, role 'bias'), or
-    None for other kinds."""
-    if op.kind != "pointwise":
+    None for an op whose body is not a PointwiseDerived."""
+    if not isinstance(op.body, ir.PointwiseDerived):
         return None
     names = [o.name for o in op.inputs]
     biases = [bias_name(x) for x in names]

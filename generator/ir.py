@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from eulergen.launch import Geometry
+from eulergen.signature import KernelSig
 
 if TYPE_CHECKING:   # sympy costs 0.5-3 s to import: a run whose ops are built never needs it
     import sympy as sp
@@ -187,7 +187,7 @@ class AttentionDerived:
 @dataclass(frozen=True)
 class DerivedOp:
     name: str
-    kind: str                      # 'pointwise' | 'row' | 'pair' | 'update' | 'attention'
+    kind: str                      # its kind's name (generator/registry.py)
     inputs: tuple[Operand, ...]
     outputs: tuple[Operand, ...]
     params: tuple[Param, ...]
@@ -195,27 +195,6 @@ class DerivedOp:
     where: Location
     spec_sha256: str               # hash of the spec file's bytes, for headers and caches
     fast_math: bool = False
-
-
-@dataclass(frozen=True)
-class KernelSig:
-    """One `extern "C"` kernel in a rendered .cu file, as the manifest records it."""
-    name: str                          # e.g. rmsnorm_backward_bf16
-    args: tuple[tuple[str, str], ...]  # (name, C type) in launch order
-    dtype: str                         # 'f32' | 'bf16' (storage; compute is fp32)
-    stage: str                         # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
-    geometry: Geometry                 # its launch (eulergen/launch.py): the manifest's `geometry`
-    control: tuple[str, ...] = ()      # update steps: the slots of the `control` argument
-
-    @property
-    def c_params(self) -> str:
-        """The C parameter list the template prints: the one place it is spelled out."""
-        return ", ".join(f"{ctype} {name}" for name, ctype in self.args)
-
-    @property
-    def call_args(self) -> str:
-        """The parameters' names, as an entry point passes them on to its device impl."""
-        return ", ".join(name for name, _ in self.args)
 
 
 @dataclass(frozen=True)

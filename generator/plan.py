@@ -6,8 +6,8 @@ launch) and is a frozen value: the geometry travels in `KernelSig.geometry` to t
 manifest, and the runtime launches with its `launch(sizes)`. A row stage has a kernel per
 layout (warp_per_row, block_held, block_per_row), each correct for any row length, its
 max_cols / min_cols saying where it is the fast one, and each twice: `aligned` for operands
-that take 16-byte access throughout, `_unaligned` for any (runtime/kernels.row_aligned).
-generator/plan_ops.py makes the plans of pointwise, pair, update and embedding ops from
+that take 16-byte access throughout, `_unaligned` for any (the runtime's row kind,
+runtime/engine/kinds/row.row_aligned). The kinds (generator/kinds/) make their plans from
 these. What the constants were measured against: benchmarks/RESULTS.md, "Why the planner's
 constants are what they are".
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from eulergen import launch
+from eulergen import launch, signature
 from eulergen.generator import ir
 
-DTYPES = ("f32", "bf16")
+DTYPES = signature.DTYPES             # every storage dtype, planned in this order
 VEC = {"f32": 4, "bf16": 8}           # elements in one 16-byte access
 CTYPE = {"f32": "float", "bf16": "__nv_bfloat16"}
 
@@ -172,8 +172,7 @@ def held_shape(dtype: str, *, stage: str, wgrad: bool, cached: int = 1) -> RowSh
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """A row op's plan: its template and whether it has a fused forward+backward."""
-    template: str                    # file under templates/
+    """A row op's plan: its dtypes and whether it has a fused forward+backward."""
     dtypes: tuple[str, ...]
     fwdbwd: bool = False             # row op whose outputs are all per-row scalars
 
@@ -342,16 +341,17 @@ EMBEDDING_MERGE_GROUP = 8             # tiles whose lower bounds a merge thread 
 EMBEDDING_MERGE_MIN_BLOCKS = 4
 
 
-def embedding_launch(stage: str, dtype: str) -> launch.Geometry:
-    if stage == "forward":
+def embedding_launch(part: str, dtype: str) -> launch.Geometry:
+    """The forward's launch (part '') or that of one part of the backward."""
+    if not part:
         return launch.EmbeddingForward(EMBEDDING_THREADS, _GRID_MAX)
-    if stage == "backward_wpe":
+    if part == "wpe":
         return launch.EmbeddingWpe(EMBEDDING_THREADS, VEC[dtype], _GRID_MAX)
-    if stage == "backward_sort":
+    if part == "sort":
         return launch.EmbeddingSort(EMBEDDING_SORT_THREADS, EMBEDDING_TILE)
-    if stage == "backward_merge":
+    if part == "merge":
         return launch.EmbeddingMerge(EMBEDDING_THREADS)
-    if stage == "backward_wte_long":
+    if part == "wte_long":
         return launch.EmbeddingWteLong(EMBEDDING_LONG_THREADS, 32, EMBEDDING_LONG_RUN, VEC[dtype],
                                        EMBEDDING_LONG_GRID)
     return launch.EmbeddingWte(EMBEDDING_WTE_THREADS, 32,

@@ -20,6 +20,7 @@ from eulergen import launch
 from eulergen.errors import EulerError
 from eulergen.generator import ir
 from eulergen.generator.plan import CTYPE, DTYPES
+from eulergen.signature import KernelSig
 
 HEAD_DIMS = (64, 128)
 
@@ -32,6 +33,10 @@ _HEAD_SYMBOLS = frozenset({H, N_HEADS, SCALE})
 
 ROWDOT_WARPS = 8  # rows per block of the rowdot kernel (one warp a row)
 ROLES = ("forward", "backward_dkv", "backward_dq", "rowdot", "decode")
+# Each role's kernel as the runtime finds it: the op's call (its signature's stage) and part.
+_CALL = {"forward": ("forward", ""), "backward_dkv": ("backward", "dkv"),
+         "backward_dq": ("backward", "dq"), "rowdot": ("backward", "rowdot"),
+         "decode": ("decode", "")}
 
 
 @dataclass(frozen=True)
@@ -228,7 +233,7 @@ class AttentionKernel:
     """One extern "C" kernel: its signature (with its launch geometry, which holds the head
     dim, threads, rows a block owns, streamed tile, shared memory and mask mode) and what
     else the template instantiates it with."""
-    sig: ir.KernelSig
+    sig: KernelSig
     call: tuple[str, ...]         # the arguments passed on to the device function (no params)
     targ: int = 0                 # after the warps: slabs a warp (forward, dq), pairing (dkv),
                                   # rows (decode); rowdot has none
@@ -257,7 +262,7 @@ class AttentionPlan:
     kernels: tuple[AttentionKernel, ...]        # per dtype: per head dim its roles, then rowdot
 
     @property
-    def sigs(self) -> tuple[ir.KernelSig, ...]:
+    def sigs(self) -> tuple[KernelSig, ...]:
         return tuple(k.sig for k in self.kernels)
 
 
@@ -266,10 +271,10 @@ def _kernel(op: str, role: str, dtype: str, t: TilePlan | None, mode: str,
     """`t`: the tiles of the kernel's (head dim, dtype); rowdot, which takes any D, has none."""
     args = kernel_args(role, dtype, params)
     call = tuple(a for a, _ in args if a not in params)
-    stage = role if role in ("forward", "decode") else "backward"
+    stage, part = _CALL[role]
     if role == "rowdot":
-        sig = ir.KernelSig(f"{op}_backward_rowdot_{dtype}", tuple(args), dtype, stage,
-                           launch.AttentionRowdot(32 * ROWDOT_WARPS, ROWDOT_WARPS))
+        sig = KernelSig(f"{op}_backward_rowdot_{dtype}", tuple(args), dtype, stage,
+                        launch.AttentionRowdot(32 * ROWDOT_WARPS, ROWDOT_WARPS), part=part)
         return AttentionKernel(sig, call)
     warps, block_rows, targ, tile, rows = {
         "forward": (t.fwd_warps, 16 * t.fwd_warps * t.fwd_mtiles, t.fwd_mtiles, t.fwd_block_n,
@@ -284,7 +289,8 @@ def _kernel(op: str, role: str, dtype: str, t: TilePlan | None, mode: str,
                  smem_bytes=t.smem_bytes(role), mask=mode)
     geometry = (launch.AttentionDecode(**flash) if role == "decode"
                 else launch.AttentionTiles(**flash, role=role))
-    sig = ir.KernelSig(f"{op}_{role}_d{t.head_dim}_{dtype}", tuple(args), dtype, stage, geometry)
+    sig = KernelSig(f"{op}_{role}_d{t.head_dim}_{dtype}", tuple(args), dtype, stage, geometry,
+                    part=part)
     return AttentionKernel(sig, call, targ, rows)
 
 

@@ -1,8 +1,8 @@
-"""Row planning: every choice a row op's kernels make, as a frozen RowPlan that
-generator/render_row.py prints through templates/row.cu.j2. The stages' steps are
+"""Row planning: every choice a row op's kernels make, as a frozen RowPlan that the row
+kind (generator/kinds/row.py) prints through templates/row.cu.j2. The stages' steps are
 generator/row_schedule.py's; here each stage's impls become kernels with their pointers
 (roles and C types), cached operands, row scalars, per-layout and per-dtype blocks
-(plan.RowShape) and entry points, whose signatures (ir.KernelSig) are made once.
+(plan.RowShape) and entry points, whose signatures (KernelSig) are made once.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from eulergen.generator.emit import param_names
 from eulergen.generator.hoist import row_constant_names
 from eulergen.generator.row_schedule import (RowLayout, RowNames, RowStats, Stage, Step, Sweep,
                                              row_names, stages, variants)
-from eulergen.kinds import KINDS, fused_stage
+from eulergen.signature import KernelSig, variant_name
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def _ptr(name: str, role: str, *, const: bool, storage: str = "T") -> RowPtr:
 class Entry:
     """One `extern "C"` entry point: its signature, and the template arguments of the impl
     it instantiates (a row kernel's layout and shape)."""
-    sig: ir.KernelSig
+    sig: KernelSig
     ctype: str
     aligned: bool
     layout: RowLayout | None = None
@@ -63,7 +63,10 @@ class RowKernel:
     """One device impl of a stage (`impl`: two-pass, or `_online`) and its entry points."""
     kernel: str                      # the entry points' name stem
     impl: str
-    stage: str
+    stage: str                       # its name: forward, backward_rows_add…
+    call: str                        # its signatures' stage, part and fusion
+    part: str
+    fusion: str
     online: bool                     # an online sum joins one of its sweeps
     layouts: tuple[RowLayout, ...]
     title: str
@@ -125,13 +128,12 @@ class RowPlan:
     """A row op's kernels: per stage and impl a RowKernel, the split backward's column kernel
     and the weight-gradient reduce; `signatures` are the manifest's, in the .cu's order."""
     op: str
-    template: str
     kernels: tuple[RowKernel, ...]
     split: WgradCols | None
     reduce: WgradReduce | None
 
     @property
-    def signatures(self) -> tuple[ir.KernelSig, ...]:
+    def signatures(self) -> tuple[KernelSig, ...]:
         entries = [e for k in self.kernels for e in k.entries]
         entries += list(self.split.entries if self.split else ())
         entries += list(self.reduce.entries if self.reduce else ())
@@ -141,9 +143,11 @@ class RowPlan:
 def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
             layouts: tuple[RowLayout, ...], fusion: str = "") -> RowKernel:
     """The kernel of stage `st` (of the op's `fusion` variant): its block shapes are the
-    stage's, its names the variant's (kinds.fused_stage)."""
+    stage's, its names the variant's (signature.variant_name)."""
     op, where = o.op, dict(file=o.op.where.file, line=o.op.where.line)
-    label = fused_stage(st.name, fusion)
+    label = variant_name(st.name, fusion)
+    # the split backward's rows kernel is a part of the backward; the others are their call's
+    call, part = ("backward", "rows") if st.name == "backward_rows" else (st.name, "")
     if st.name == "backward_rows":   # long rows only
         layouts = tuple(lay for lay in layouts if lay.name == "block_per_row")
     uses = frozenset().union(*(s.uses for s in steps))
@@ -202,7 +206,8 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
                                   for v in s.cached))
              if isinstance(s, Sweep) else s for s in steps]
     return RowKernel(
-        kernel=f"{op.name}_{label}", impl=f"{op.name}_{label}{suffix}", stage=label,
+        kernel=f"{op.name}_{label}", impl=f"{op.name}_{label}{suffix}", stage=label, call=call,
+        part=part, fusion=fusion,
         online=bool(suffix), layouts=layouts,
         title=f"{label}: {', '.join(st.writes + st.wgrads)} from {', '.join(st.reads)}",
         ptrs=tuple(ptrs), steps=tuple(steps), wgrads=st.wgrads,
@@ -259,7 +264,8 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
                     geometry = planner.row_launch(dt, lay.name, wgrad=bool(k.wgrads), shape=shape,
                                                   aligned=aligned, fwdbwd=k.stage == "fwdbwd",
                                                   split_cols=dict(k.split_cols)[dt])
-                    entries.append(Entry(ir.KernelSig(name, args, dt, k.stage, geometry),
+                    entries.append(Entry(KernelSig(name, args, dt, k.call, geometry,
+                                                   part=k.part, fusion=k.fusion),
                                          planner.CTYPE[dt], aligned, lay, shape))
         rows.append(tuple(entries))
     cols = []
@@ -268,16 +274,16 @@ def signatures(op: ir.DerivedOp, p: planner.KernelPlan, kernels: tuple[RowKernel
             args = _entry_args(op, split.ptrs, dt)
             for aligned in (True, False):
                 name = f"{op.name}_wgrad_cols{'' if aligned else '_unaligned'}_{dt}"
-                cols.append(Entry(ir.KernelSig(name, args, dt, "wgrad_cols",
-                                               planner.wgrad_cols_launch(dt, len(split.stats),
-                                                                         aligned)),
+                cols.append(Entry(KernelSig(name, args, dt, "backward",
+                                            planner.wgrad_cols_launch(dt, len(split.stats),
+                                                                      aligned), part="cols"),
                                   planner.CTYPE[dt], aligned))
     reduce = []
     if any(k.wgrads for k in kernels):
         for dt in p.dtypes:
-            reduce.append(Entry(ir.KernelSig(f"{op.name}_wgrad_reduce_{dt}",
-                                             planner.reduce_args(dt), dt,
-                                             "wgrad_reduce", planner.WGRAD_REDUCE_LAUNCH),
+            reduce.append(Entry(KernelSig(f"{op.name}_wgrad_reduce_{dt}",
+                                          planner.reduce_args(dt), dt, "backward",
+                                          planner.WGRAD_REDUCE_LAUNCH, part="reduce"),
                                 planner.CTYPE[dt], True))
     return rows, tuple(cols), tuple(reduce)
 
@@ -305,7 +311,7 @@ def _add_kernels(op: ir.DerivedOp, names, stats: tuple[str, ...]) -> tuple[RowKe
 def plan_row(op: ir.DerivedOp) -> RowPlan:
     """Every choice of a row op's kernels: stages, impls, steps, pointers, shapes, entry
     points."""
-    p = planner.KernelPlan(KINDS["row"].template, planner.DTYPES,
+    p = planner.KernelPlan(planner.DTYPES,
                            fwdbwd=all(o.role == "scalar" for o in op.outputs))
     o = row_names(op)
     names = row_constant_names()
@@ -316,7 +322,7 @@ def plan_row(op: ir.DerivedOp) -> RowPlan:
     split = _wgrad_cols(o, wgrad_step, stats) if wgrad_step else None
     rows, cols, reduce = signatures(op, p, kernels, split)
     return RowPlan(
-        op=op.name, template=p.template,
+        op=op.name,
         kernels=tuple(replace(k, entries=e) for k, e in zip(kernels, rows)),
         split=replace(split, entries=cols) if split else None,
         reduce=WgradReduce(planner.REDUCE_X, planner.REDUCE_Y, reduce) if reduce else None)

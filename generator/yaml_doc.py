@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from eulergen.errors import EulerError, Where
-from eulergen.userfiles import compose_yaml, construct_yaml, read_text
+from eulergen.userfiles import compose_yaml, construct_yaml, decode_text, read_text
 
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -16,9 +16,10 @@ _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 class YamlDoc:
     """A loaded YAML mapping and the line of every key path in it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, data: bytes | None = None):
+        """`data`: the file's bytes, where the caller has read them already."""
         self.file = str(path)
-        text = read_text(path, "spec")
+        text = read_text(path, "spec") if data is None else decode_text(data, path, "spec")
         self.bytes = text.encode("utf-8")
         self.lines: dict[tuple, int] = {}
         # bounded (aliases expanded, depth) and duplicate keys refused while composing

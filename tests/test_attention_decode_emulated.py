@@ -40,7 +40,7 @@ def decode(monkeypatch_module):
                 roles=("decode",))
             sigs = {k.name: k for k in rendered.kernels}
             ak = attention.AttentionKernels(
-                name, {k.name: k.geometry for k in rendered.kernels},
+                name, rendered.kernels,
                 {p.name: p.default for p in derived.params},
                 lambda kernel, sigs=sigs, lib=lib: emu.FakeKernel(lib, sigs[kernel]))
             built[name, rows] = ak, mod

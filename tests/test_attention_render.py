@@ -69,8 +69,9 @@ def test_the_plan_holds_every_kernel_in_order_with_its_geometry():
     assert plan.sigs == tuple(k.sig for k in plan.kernels)
     for k in plan.kernels:
         g = k.sig.geometry
-        assert k.role == g.role and k.sig.stage == (
-            k.role if k.role in ("forward", "decode") else "backward")
+        assert k.role == g.role and (k.sig.stage, k.sig.part) == (
+            (k.role, "") if k.role in ("forward", "decode") else
+            ("backward", k.role.removeprefix("backward_")))
         assert isinstance(g, {"decode": AttentionDecode, "rowdot": AttentionRowdot}.get(
             k.role, AttentionTiles))
         assert k.call == tuple(a for a, _ in k.sig.args)   # causal attention has no params

@@ -115,7 +115,7 @@ def runtime(monkeypatch_module):
     rendered, derived, lib, mod = _library("causal_attention",
                                            Path(tempfile.mkdtemp(prefix="eg-attn-rt-")))
     sigs = {k.name: k for k in rendered.kernels}
-    ak = AttentionKernels("causal_attention", {k.name: k.geometry for k in rendered.kernels},
+    ak = AttentionKernels("causal_attention", rendered.kernels,
                           {}, lambda name: FakeKernel(lib, sigs[name]))
     return ak, attention_forward, attention_backward, mod
 

@@ -26,7 +26,7 @@ import pytest
 
 from eulergen import GENERATED_DIR
 from eulergen import launch as geometry_of
-from eulergen.runtime.engine.kernels import row_aligned
+from eulergen.runtime.engine.kinds.row import row_aligned
 from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 
@@ -52,6 +52,12 @@ def geometry(op: str, kernel: str):
 
 def _ops(*kinds) -> list[str]:
     return sorted(n for n, o in OPS.items() if o["kind"] in kinds)
+
+
+def has_kernel(op: str, stage: str, part: str = "", fusion: str = "") -> bool:
+    """Whether an op has a kernel of that stage, part and fusion (the manifest's JSON)."""
+    return any((k["stage"], k.get("part", ""), k.get("fusion", "")) == (stage, part, fusion)
+               for k in OPS[op]["kernels"].values())
 
 
 def _runner(op: str) -> str:
@@ -347,14 +353,14 @@ def test_row_kernels_match_numpy(name, cols, layout, dtype):
 @pytest.mark.parametrize("name", _ops("row"))
 def test_row_cases_launch_every_block_kernel_with_warps_no_power_of_two(name):
     """The split backward's rows kernels by SPLIT_CASES, the others by ROW_CASES."""
-    split = {k for k, v in OPS[name]["kernels"].items() if v["pass"] == "backward_rows"}
+    split = {k for k, v in OPS[name]["kernels"].items()
+             if (v["stage"], v.get("part"), v.get("fusion")) == ("backward", "rows", None)}
     row = powers_of_two_only(name, [c for c, layout in ROW_CASES if layout != "warp"])
     assert not set(row) - split and not set(powers_of_two_only(name, SPLIT_CASES)) & split
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("name", [n for n in _ops("row") if any(
-    k["pass"] == "wgrad_reduce" for k in OPS[n]["kernels"].values())])
+@pytest.mark.parametrize("name", [n for n in _ops("row") if has_kernel(n, "backward", "reduce")])
 def test_weight_gradient_reduce_sums_partials_and_may_accumulate(name, dtype):
     k = f"{name}_wgrad_reduce_{dtype}"
     reduce = geometry(name, k)
@@ -371,7 +377,7 @@ def test_weight_gradient_reduce_sums_partials_and_may_accumulate(name, dtype):
 
 
 def _split_ops() -> list[str]:
-    return [n for n in _ops("row") if any(k["pass"] == "wgrad_cols" for k in OPS[n]["kernels"].values())]
+    return [n for n in _ops("row") if has_kernel(n, "backward", "cols")]
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

@@ -63,8 +63,8 @@ def test_a_user_norm_gets_the_add_fusion_the_op_of_the_sum_with_the_stream_gradi
     want_dx, want_dg = mod.backward(h, g, dy)
     np.testing.assert_allclose(dx, want_dx + dh, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(dg, want_dg, rtol=1e-12)
-    stages = {s.stage for s in plan_op(d).signatures}
-    assert {"forward_add", "backward_add", "backward_rows_add"} <= stages
+    kinds = {(s.stage, s.part, s.fusion) for s in plan_op(d).signatures}
+    assert {("forward", "", "add"), ("backward", "", "add"), ("backward", "rows", "add")} <= kinds
     assert _fusions(d)["add"]["forward"]["inputs"][:2] == [
         {"name": "x", "role": "row", "differentiable": False},
         {"name": "_branch", "role": "row", "differentiable": False}]

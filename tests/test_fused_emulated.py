@@ -17,7 +17,7 @@ import pytest
 from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
 from test_cuda_emulated import (MANIFEST, OPS, SUFFIX, TOL, _params, _row_geometry,
                                 _runtime_variant, as_tuple, close, f32, geometry,
-                                inputs_as_stored, launch, stored, value)
+                                has_kernel, inputs_as_stored, launch, stored, value)
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +97,7 @@ def test_add_fusion_writes_the_sum_and_its_norm_and_adds_into_the_stream_gradien
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("cols", [17, 1250])
-@pytest.mark.parametrize("name", [n for n in ADD_OPS if any(
-    k["pass"] == "backward_rows_add" for k in OPS[n]["kernels"].values())])
+@pytest.mark.parametrize("name", [n for n in ADD_OPS if has_kernel(n, "backward", "rows", "add")])
 def test_add_fusion_split_backward_shares_the_op_s_column_kernel(name, cols, dtype):
     """backward_rows_add writes dx (added to d_stream) and the row values the op's own
     wgrad_cols reads: the weight gradients of the fused backward are the op's."""

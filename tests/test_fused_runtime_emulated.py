@@ -1,4 +1,4 @@
-"""The CUDA side of the fused variants' calls (runtime/engine/cuda_ops.py `fusion=`, bias_ops.py)
+"""The CUDA side of the fused variants' calls (`fusion=`: runtime/engine/kinds/row.py, pointwise.py)
 end to end without a GPU: OpLibrary on a stand-in `cupy` whose arrays are numpy arrays,
 launching generated/cuda's kernels compiled by g++ over tests/cudagen_emulator into a
 shared library (as tests/test_attention_runtime_emulated.py does for attention). It checks

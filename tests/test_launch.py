@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from eulergen import launch
-from eulergen.generator import plan as planner, plan_ops
+from eulergen.generator import plan as planner
+from eulergen.generator.kinds import embedding
 
 EXAMPLES = [
     planner.pointwise_launch("bf16", 1, False),
@@ -23,7 +24,7 @@ EXAMPLES = [
     planner.wgrad_cols_launch("bf16", 2, True),
     planner.WGRAD_REDUCE_LAUNCH,
     planner.bias_launch("bf16", "backward", True),
-    *(planner.embedding_launch(stage, "bf16") for stage in plan_ops.EMBEDDING_STAGES),
+    *(planner.embedding_launch(part, "bf16") for part in embedding.PARTS),
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
     launch.AttentionRowdot(256, 8),
@@ -91,6 +92,6 @@ def test_attention_grids_take_kv_heads_only_for_the_dkv_kernel():
 
 
 def test_embedding_dwte_counts_column_units_of_a_vector_only_when_vectorized():
-    g = planner.embedding_launch("backward_wte", "f32")
+    g = planner.embedding_launch("wte", "f32")
     assert g.launch(300, 768, True).grid == (-(-300 // g.rows), 768 // 4 // 32)
     assert g.launch(300, 768, False).grid == (-(-300 // g.rows), 768 // 32)

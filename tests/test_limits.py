@@ -10,7 +10,8 @@ import pytest
 from bad_inputs.cases import bomb
 from eulergen.errors import EulerError
 from eulergen.generator.formula import FORMULA_MAX_DEPTH, parse, Where
-from eulergen.generator.spec import load_spec, symbol
+from eulergen.generator.opspec import symbol
+from eulergen.generator.spec import load_spec
 from eulergen.runtime.train import budget
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY

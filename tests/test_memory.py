@@ -39,7 +39,8 @@ def test_row_backward_takes_its_partials_from_the_given_workspace(name, cols, li
     got = gpu.backward(name, dev(x), *map(dev, weights), dev(dy), workspace=workspace)
     for g, w in zip(got, ref.backward(name, x, *weights, dy)):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
-    launch = next(v for k, _, _, v in emu.launches if OPS[name].kernels[k].stage == "backward")
+    launch = next(v for k, _, _, v in emu.launches
+                  if (OPS[name].kernels[k].stage, OPS[name].kernels[k].part) == ("backward", ""))
     partials = [v for k, v in launch.items() if k.endswith("_partials")]
     assert len(partials) == len(weights)
     assert all(np.shares_memory(p, workspace) for p in partials)

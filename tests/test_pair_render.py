@@ -9,7 +9,7 @@ import pytest
 
 from eulergen import GENERATED_DIR
 from eulergen.generator.derive import derive
-from eulergen.generator.render import _pair_kernel
+from eulergen.generator.kinds.pair import kernel_values
 from eulergen.generator.ops_path import find_ops
 from eulergen.generator.spec import load_spec
 from eulergen.launch import Pair
@@ -28,7 +28,7 @@ def _rope_kernels() -> list[dict]:
         ptrs = [(n, t) for n, t in entry.kernel(stage, "f32").args if t.endswith("*")]
         loads = [n for n, t in ptrs if t.startswith("const ")]
         stores = [n for n, t in ptrs if not t.startswith("const ")]
-        kernels.append(_pair_kernel(f"rope_{stage}", stage, loads, stores, code, body.index))
+        kernels.append(kernel_values(f"rope_{stage}", stage, loads, stores, code, body.index))
     return kernels
 
 

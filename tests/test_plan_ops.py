@@ -10,6 +10,7 @@ import pytest
 from eulergen import GENERATED_DIR, launch
 from eulergen.generator import plan as planner, plan_ops
 from eulergen.generator.derive import derive
+from eulergen.generator.kinds import embedding
 from eulergen.generator.ops_path import find_ops
 from eulergen.generator.spec import load_spec
 from eulergen.runtime.engine.manifest import load_manifest
@@ -38,7 +39,7 @@ def test_a_pointwise_plan_has_a_stage_per_pass_with_the_dtype_tiles():
 
 def test_a_pointwise_backward_reads_the_forward_outputs_its_formula_reuses():
     op = derive(load_spec(find_ops()["silu"]))
-    (_, bwd) = plan_ops.plan_pointwise(op).stages
+    (_, bwd) = plan_ops.plan_op(op).stages
     reused = [o.name for o in op.outputs if o.name in op.body.backward.uses]
     assert bwd.loads == tuple(["x"] + reused + ["dy"])
 
@@ -74,11 +75,12 @@ def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_w
     assert MANIFEST.ops["adamw"].kernel("step", "bf16").control == bf16.control
 
 
-def test_the_embedding_plan_has_every_stage_in_every_dtype():
-    plan = plan_ops.plan_embedding()
-    assert {(k.stage, k.dtype) for k in plan.sigs} == {
-        (s, d) for s in plan_ops.EMBEDDING_STAGES for d in planner.DTYPES}
-    assert isinstance(plan.sig("backward_wte_long", "bf16").geometry, launch.EmbeddingWteLong)
+def test_the_embedding_plan_has_its_forward_and_every_backward_part_in_every_dtype():
+    plan = embedding.plan_embedding()
+    assert {(k.stage, k.part, k.dtype) for k in plan.sigs} == {
+        ("backward" if p else "forward", p, d) for p in embedding.PARTS
+        for d in planner.DTYPES}
+    assert isinstance(plan.sig("wte_long", "bf16").geometry, launch.EmbeddingWteLong)
 
 
 _ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\((.*?)\) \{',

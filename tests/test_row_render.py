@@ -1,4 +1,4 @@
-"""Row kernels as rendered (generator/render_row.py, templates/row.cu.j2): the launch facts
+"""Row kernels as rendered (generator/kinds/row.py, templates/row.cu.j2): the launch facts
 the runtime reads from the manifest agree with what each kernel was compiled with, the
 block shapes the planner chose for the ops that were measured, and which sweeps of a block
 per row load and store evict-first. Their numbers are checked by tests/test_cuda_emulated.py
@@ -17,7 +17,6 @@ from eulergen.generator import plan as planner
 from eulergen.generator.derive import derive
 from eulergen.generator.render import render_op
 from eulergen.generator.spec import load_spec
-from eulergen.kinds import fused_stage
 from eulergen.runtime.engine.compile import op_options
 from eulergen.runtime.engine.manifest import load_manifest
 
@@ -107,11 +106,11 @@ ALIGNED_ROW_KERNELS = [(op, k) for op, k in ROW_KERNELS if OPS[op].kernels[k].ge
 @pytest.mark.parametrize("op,kernel", ALIGNED_ROW_KERNELS, ids=[k for _, k in ALIGNED_ROW_KERNELS])
 def test_each_aligned_row_kernel_has_an_unaligned_twin_with_its_launch_facts(op, kernel):
     """The runtime allocates outputs, sizes the grid and the workspace from the aligned kernel
-    and then launches the `_unaligned` one where row_aligned says no (runtime/engine/cuda_ops.py):
+    and then launches the `_unaligned` one where row_aligned says no (runtime/engine/kinds/row.py):
     the two take the same arguments and the same geometry but for `aligned`."""
     k = OPS[op].kernels[kernel]
     twin = OPS[op].kernels[f"{kernel[:-len(k.dtype)]}unaligned_{k.dtype}"]
-    assert (twin.stage, twin.dtype, twin.args) == (k.stage, k.dtype, k.args)
+    assert replace(twin, name=k.name, geometry=k.geometry) == k
     assert replace(twin.geometry, aligned=True) == k.geometry
 
 
@@ -237,13 +236,13 @@ def test_rows_held_in_registers_take_the_two_pass_impl_and_long_block_rows_the_o
         k = OPS[op].kernels[name]
         online = c.impl.endswith("_online")
         if isinstance(k.geometry, launch.BlockHeld):   # never with weight gradients
-            held.add((k.stage, k.dtype))
+            held.add((k.stage, k.fusion, k.dtype))
         assert online == (isinstance(k.geometry, launch.BlockPerRow) and op != "layernorm"), name
-    stages = ["forward"] + ([] if op == "layernorm" else ["backward"]) + (
-        ["fwdbwd"] if op == "cross_entropy" else [])
+    stages = [(s, "") for s in ["forward"] + ([] if op == "layernorm" else ["backward"]) + (
+        ["fwdbwd"] if op == "cross_entropy" else [])]
     if op != "cross_entropy":   # a norm-shaped op: its `add` fusion's stages too
-        stages += [fused_stage(s, "add") for s in stages]
-    assert held == {(s, dt) for s in stages for dt in planner.HELD_SLOTS}
+        stages += [(s, "add") for s, _ in stages]
+    assert held == {(s, f, dt) for s, f in stages for dt in planner.HELD_SLOTS}
 
 
 @pytest.mark.parametrize("op,deep", [("layernorm", True), ("rmsnorm", False)])
@@ -324,7 +323,7 @@ def test_a_stage_that_reads_no_online_sum_has_one_impl_for_both_layouts(tmp_path
     assert impls == ["sumexp_forward", "sumexp_forward_online", "sumexp_backward",
                      "sumexp_fwdbwd", "sumexp_fwdbwd_online"], impls
     made = parse_wrappers(rendered.source)
-    assert sorted(made) == sorted(k.name for k in rendered.kernels if k.stage != "wgrad_reduce")
+    assert sorted(made) == sorted(k.name for k in rendered.kernels if k.part != "reduce")
     for dt in planner.DTYPES:
         assert made[f"sumexp_backward_{dt}"].impl == "sumexp_backward"
         assert made[f"sumexp_backward_block_{dt}"].impl == "sumexp_backward"

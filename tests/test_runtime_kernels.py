@@ -19,6 +19,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine import kernels as K
 from eulergen.runtime.engine.backend import Backend, get_backend
 from eulergen.runtime.engine.cuda_ops import workspace_elements
+from eulergen.runtime.engine.kinds.row import row_aligned, row_kernel
 from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 from eulergen.runtime.engine.ops import OpLibrary
@@ -111,35 +112,36 @@ class Emulator:
 
     def _row(self, op, kernel, v):
         mod = load_numpy_module(op)
-        if kernel.stage == "wgrad_reduce":
+        which = kernel.part
+        if which == "reduce":
             total = v["partials"][: int(v["num_partials"])].sum(axis=0)
             v["dw"][...] = total + (v["dw"] if int(v["accumulate"]) else 0)
             return
         rows, cols = int(v["rows"]), int(v["cols"])
         shape = {"row": (rows, cols), "weight": (cols,), "index": (rows,), "scalar": (rows,)}
         take = lambda name, role: np.asarray(v[name]).reshape(shape[role])  # noqa: E731
-        if kernel.stage == "wgrad_cols":
+        if which == "cols":
             # the kernel gets the weights its terms read: any value serves for the others
             ins = [take(o.name, o.role) if o.name in v else np.ones(shape[o.role], np.float32)
                    for o in op.inputs]
-            assert np.isfinite(np.asarray(v["rowstats"])).all(), "backward_rows wrote them"
+            assert np.isfinite(np.asarray(v["rowstats"])).all(), "the rows part wrote them"
         else:
             ins = [take(o.name, o.role) for o in op.inputs]
         p = self._params(op, v)
-        if kernel.stage == "backward_rows":
+        if which == "rows":
             v["rowstats"][...] = 0
         if kernel.stage in ("forward", "fwdbwd"):
             got = mod.forward(*ins, **p)
             for o, g in zip(op.outputs, got if isinstance(got, tuple) else (got,)):
                 v[o.name].reshape(shape[o.role])[...] = g
-        if kernel.stage in ("backward", "fwdbwd", "backward_rows", "wgrad_cols"):
+        if kernel.stage in ("backward", "fwdbwd"):
             douts = [take(f"d{o.name}", o.role) for o in op.outputs]
             grads = mod.backward(*ins, *douts, **p)
             for o, g in zip((o for o in op.inputs if o.differentiable),
                             grads if isinstance(grads, tuple) else (grads,)):
-                # the split backward: backward_rows writes the input grads, wgrad_cols the
+                # the split backward: its rows part writes the input grads, its cols the
                 # weights' partials
-                if kernel.stage == ("wgrad_cols" if o.role != "weight" else "backward_rows"):
+                if which == ("cols" if o.role != "weight" else "rows"):
                     continue
                 if o.role == "weight":
                     part = v[f"d{o.name}_partials"]
@@ -179,26 +181,26 @@ class Emulator:
             out[...] = v["wte"][flat]
             if not isinstance(v["wpe"], np.uint64):
                 out += np.tile(v["wpe"][:T], (flat.size // T, 1))
-        elif kernel.stage == "backward_sort":
+        elif kernel.part == "sort":
             n, tile = int(v["n"]), kernel.geometry.tile
             keys = (np.asarray(v["ids"]).reshape(-1).astype(np.int64) << 32) | np.arange(n)
             for b in range(0, n, tile):
                 v["tiled"][b:b + tile] = np.sort(keys[b:b + tile])
             v["first"][:int(v["V"])] = 0
             v["runs"][0] = 0
-        elif kernel.stage == "backward_merge":
+        elif kernel.part == "merge":
             v["keys"][...] = np.sort(v["tiled"])
             ids, rank = np.unique(np.asarray(v["keys"]) >> 32, return_index=True)
             v["first"][ids] = int(v["n"]) - rank
-        elif kernel.stage in ("backward_wte", "backward_wte_long"):
+        elif kernel.part in ("wte", "wte_long"):
             # the first kernel sums the runs of at most long_run keys and lists the others,
             # which the second sums
             C, keys = int(v["C"]), np.asarray(v["keys"])
             rows, ids = v["dout"].reshape(-1, C), keys >> 32
-            long_run = op.kernel("backward_wte_long", "f32").geometry.long_run
+            long_run = op.kernel("backward", "f32", part="wte_long").geometry.long_run
             present, counts = np.unique(ids, return_counts=True)
             is_long = np.isin(ids, present[counts > long_run])
-            if kernel.stage == "backward_wte":
+            if kernel.part == "wte":
                 assert (np.flatnonzero(v["first"][:int(v["V"])]) == present).all()
                 listed = present[counts > long_run]
                 v["runs"][0] = listed.size
@@ -296,10 +298,10 @@ def test_row_kernel_takes_the_warp_then_the_held_block_then_the_long_row_block(n
     top = 8192
     for cols, layout in zip((768, 769, top, top + 1), layouts):
         for aligned in (True, False):
-            k = K.row_kernel(op, "forward", dtype, cols, aligned)
+            k = row_kernel(op, "forward", dtype, cols, aligned)
             assert (k.geometry.shape, k.geometry.aligned) == (layout, aligned), cols
             if name == "layernorm":
-                back = K.row_kernel(op, "backward", dtype, cols, aligned)
+                back = row_kernel(op, "backward", dtype, cols, aligned)
                 assert back.geometry.shape == ("warp_per_row" if cols <= 768
                                                else "block_per_row"), cols
 
@@ -308,12 +310,11 @@ def test_row_kernel_takes_the_warp_then_the_held_block_then_the_long_row_block(n
 @pytest.mark.parametrize("name", ["layernorm", "rmsnorm"])
 def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, emu):
     """From the plan's split_cols columns (generator/plan.py WGRAD_SPLIT_COLS) a backward
-    with weight gradients is backward_rows, wgrad_cols and the reduce, its per-row values
+    with weight gradients is its rows, cols and reduce parts, its per-row values
     and partials carved from the caller's workspace as workspace_elements counts them."""
     gpu, ref = libs
     op = OPS[name]
-    split = next(k.geometry.split_cols for k in op.kernels.values()
-                 if k.stage == "backward_rows" and k.dtype == "f32")
+    split = op.kernel("backward", "f32", part="rows").geometry.split_cols
     rng = np.random.default_rng(5)
     # split - 1: the fused kernel; split (odd): the `_unaligned` split kernels; a multiple
     # of 8 past it: the aligned ones (numpy's buffers start on 16-byte boundaries)
@@ -328,9 +329,10 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
         got = gpu.backward(name, dev(x), *map(dev, weights), dev(dy), workspace=workspace)
         for g, w in zip(got, ref.backward(name, x, *weights, dy)):
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
-        stages = [op.kernels[k].stage for k, _, _, _ in emu.launches]
-        first = ["backward_rows", "wgrad_cols"] if cols >= split else ["backward"]
-        assert stages == first + ["wgrad_reduce"] * len(weights)
+        parts = [op.kernels[k].part for k, _, _, _ in emu.launches]
+        first = ["rows", "cols"] if cols >= split else [""]
+        assert {op.kernels[k].stage for k, _, _, _ in emu.launches} == {"backward"}
+        assert parts == first + ["reduce"] * len(weights)
         aligned = [op.kernels[k].geometry.aligned for k, _, _, _ in emu.launches[:len(first)]]
         assert aligned == [cols % 8 == 0] * len(first)
         for _, _, _, values in emu.launches[:len(first)]:
@@ -339,19 +341,19 @@ def test_long_rows_take_the_split_backward_in_the_given_workspace(name, libs, em
                     assert np.shares_memory(a, workspace), n
         if cols >= split:
             groups = emu.launches[1][1][1]
-            stats = op.kernel("wgrad_cols", "f32").geometry.row_stats
+            stats = op.kernel("backward", "f32", part="cols").geometry.row_stats
             assert need == sum(-(-n // 64) * 64 for n in [3 * stats] + [groups * cols] * len(weights))
 
 
 def test_row_aligned_wants_one_offset_for_rows_and_whole_vectors_only_with_weights():
-    assert K.row_aligned([0x100, 0x210], [], row_bytes=34, wgrads=False)  # heads alike
-    assert not K.row_aligned([0x100, 0x204], [], row_bytes=32, wgrads=False)
-    assert not K.row_aligned([0x100, 0x200], [0x300], row_bytes=34, wgrads=False)
-    assert not K.row_aligned([0x104, 0x204], [0x300], row_bytes=32, wgrads=False)
-    assert not K.row_aligned([0x100, 0x200], [0x308], row_bytes=32, wgrads=False)
-    assert K.row_aligned([0x100, 0x200], [0x300], row_bytes=32, wgrads=False)
-    assert not K.row_aligned([0x100], [], row_bytes=34, wgrads=True)
-    assert K.row_aligned([0x100], [], row_bytes=48, wgrads=True)
+    assert row_aligned([0x100, 0x210], [], row_bytes=34, wgrads=False)  # heads alike
+    assert not row_aligned([0x100, 0x204], [], row_bytes=32, wgrads=False)
+    assert not row_aligned([0x100, 0x200], [0x300], row_bytes=34, wgrads=False)
+    assert not row_aligned([0x104, 0x204], [0x300], row_bytes=32, wgrads=False)
+    assert not row_aligned([0x100, 0x200], [0x308], row_bytes=32, wgrads=False)
+    assert row_aligned([0x100, 0x200], [0x300], row_bytes=32, wgrads=False)
+    assert not row_aligned([0x100], [], row_bytes=34, wgrads=True)
+    assert row_aligned([0x100], [], row_bytes=48, wgrads=True)
 
 
 @needs_manifest
@@ -533,7 +535,7 @@ def test_embedding_backward_sorts_on_the_device_in_the_callers_workspace(libs, e
                                               "embedding_backward_merge_f32",
                                               "embedding_backward_wte_f32",
                                               "embedding_backward_wte_long_f32"]
-    tile = gpu.op("embedding").kernel("backward_sort", "f32").geometry.tile
+    tile = gpu.op("embedding").kernel("backward", "f32", part="sort").geometry.tile
     assert emu.launches[0][1] == (-(-ids.size // tile),) and ids.size > 2 * tile
     assert np.shares_memory(emu.launches[2][3]["keys"], ws)
     assert np.shares_memory(emu.launches[2][3]["first"], ws)

@@ -7,17 +7,17 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.launch import Pointwise
-from eulergen.runtime.engine.manifest import load_manifest
+from eulergen.runtime.engine.manifest import FORMAT, load_manifest
 
 POINTWISE = {"shape": "pointwise", "threads": 256, "vec": 4, "unroll": 1}
-GOOD = {"format": 2, "generator": "0.1.0", "ops": {"gelu": {
+GOOD = {"format": FORMAT, "generator": "0.1.0", "ops": {"gelu": {
     "kind": "pointwise", "spec": "ops/gelu.yaml", "spec_sha256": "ab" * 32,
     "inputs": [{"name": "x", "role": "elem", "differentiable": True}],
     "outputs": [{"name": "y", "role": "elem"}], "params": {},
     "numpy": "numpy/gelu.py", "cuda": "cuda/gelu.cu", "cuda_sha256": "cd" * 32,
     "kernels": {"gelu_forward_f32": {"args": [["x", "const float*"], ["y", "float*"],
                                               ["n", "long long"]],
-                                     "dtype": "f32", "pass": "forward", "geometry": POINTWISE},
+                                     "dtype": "f32", "stage": "forward", "geometry": POINTWISE},
                 "gelu_backward_bf16": {"args": [], "dtype": "bf16", "stage": "backward",
                                        "geometry": {**POINTWISE, "vec": 8}}}}}}
 
@@ -60,6 +60,20 @@ def test_bad_json_names_the_line(tmp_path):
 def test_another_format_is_refused(tmp_path):
     with pytest.raises(EulerError, match="format: manifest format 1"):
         load_manifest(write(tmp_path, {**GOOD, "format": 1}))
+
+
+def test_a_manifest_of_the_format_before_the_signatures_says_to_rebuild(tmp_path):
+    with pytest.raises(EulerError, match=r"format: manifest format 2, this runtime reads 3 "
+                                         r"\(rebuild with `eulergen build`\)"):
+        load_manifest(write(tmp_path, {**GOOD, "format": 2}))
+
+
+def test_a_kernel_without_its_stage_names_the_key_and_says_to_rebuild(tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    del data["ops"]["gelu"]["kernels"]["gelu_forward_f32"]["stage"]
+    with pytest.raises(EulerError, match=r"ops\.gelu\.kernels\.gelu_forward_f32\.stage: missing "
+                                         r"key 'stage' \(rebuild"):
+        load_manifest(write(tmp_path, data))
 
 
 @pytest.mark.parametrize("geometry,fault", [

@@ -10,6 +10,7 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.backend import get_backend
+from eulergen.runtime.engine.manifest import FORMAT
 from eulergen.runtime.engine.ops import OpLibrary
 
 MODULES = {
@@ -95,7 +96,7 @@ def write_manifest(folder, ops=OPS, modules=MODULES):
     (folder / "numpy").mkdir(parents=True, exist_ok=True)
     for name, text in modules.items():
         (folder / "numpy" / f"{name}.py").write_text(textwrap.dedent(text))
-    manifest = {"format": 2, "generator": "test",
+    manifest = {"format": FORMAT, "generator": "test",
                 "ops": {n: {**o, "spec": f"ops/{n}.yaml", "spec_sha256": "0" * 64,
                             "numpy": f"numpy/{n}.py", "kernels": {}} for n, o in ops.items()}}
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -247,7 +248,7 @@ def test_embedding_ids_outside_the_table_are_refused_on_the_host(lib):
 
 def test_accumulate_is_refused_where_it_cannot_be_honoured(lib):
     x, dy = np.float32([1, 2]), np.float32([5, 7])
-    with pytest.raises(EulerError, match="accumulate= is for the embedding op"):
+    with pytest.raises(EulerError, match="accumulate= is not for a pointwise op"):
         lib.backward("scale", x, dy, out=(np.zeros(2, np.float32),), accumulate=True)
     with pytest.raises(EulerError, match="accumulate= needs out="):
         lib.backward("embedding", np.int32([[0]]), np.zeros((1, 2), np.float32), None,

@@ -21,19 +21,19 @@ from typing import Callable
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.launch import AttentionDecode, FlashKernel, Launch, cdiv
+from eulergen.launch import FlashKernel, Launch, cdiv
 from eulergen.runtime.engine.kernels import DTYPE_OF, launch, storage_dtype_name
+from eulergen.signature import KernelSig, select
 
 
 @dataclass(frozen=True)
 class AttentionKernels:
-    """One attention op's kernels: their launch geometry by kernel name (eulergen/launch.py),
-    param defaults, and `function(name)` giving a launchable CuPy kernel."""
+    """One attention op's kernels (their signatures), param defaults, and `function(name)`
+    giving a launchable CuPy kernel."""
     op: str
-    geometry: dict
+    kernels: tuple[KernelSig, ...]
     params: dict
     function: Callable[[str], object]
-    signatures: dict = field(default_factory=dict, compare=False)  # name -> argument names
     _ready: dict = field(default_factory=dict, compare=False, repr=False)  # name -> kernel
     # decode's split-K records and per-chunk counters (zero between launches), grown on demand,
     # and its checked launches by array layout
@@ -50,27 +50,27 @@ class AttentionKernels:
             if not compiled:   # with the key compile.prefetch computes for it
                 compiled.append(compile_file(op.cuda, op_options(op), op.template))
             return compiled[0].function(name)
-        return cls(op.name, {k.name: k.geometry for k in op.kernels.values()}, dict(op.params),
-                   function, {k.name: tuple(n for n, _ in k.args) for k in op.kernels.values()})
+        return cls(op.name, tuple(op.kernels.values()), dict(op.params), function)
 
     def head_dims(self) -> list[int]:
-        return _head_dims(self.geometry.values())
+        return _head_dims(k.geometry for k in self.kernels)
 
-    def kernel(self, role: str, dtype: str, head_dim: int | None = None) -> tuple[str, object]:
-        """(name, geometry) of one kernel."""
-        name = (f"{self.op}_backward_rowdot_{dtype}" if role == "rowdot"
-                else f"{self.op}_{role}_d{head_dim}_{dtype}")
-        if name not in self.geometry:
-            dims = self.head_dims()
+    def kernel(self, stage: str, dtype: str, part: str = "",
+               head_dim: int | None = None) -> KernelSig:
+        """The kernel of one call's `part` in `dtype`, of `head_dim` (None: rowdot's, which
+        takes any)."""
+        dims = {} if head_dim is None else {"head_dim": head_dim}
+        found = select(self.kernels, stage, dtype, part=part, **dims)
+        if not found:
             raise EulerError(f"{self.op}: head dim {head_dim} is not supported (kernels exist "
-                             f"for {dims}); use one of those", key="head_dim")
-        return name, self.geometry[name]
+                             f"for {self.head_dims()}); use one of those", key="head_dim")
+        return found[0]
 
-    def launch(self, name: str, at: Launch, args: tuple) -> None:
+    def launch(self, kernel: KernelSig, at: Launch, args: tuple) -> None:
         smem = at.shared_mem
-        fn = self._ready.get(name)
+        fn = self._ready.get(kernel.name)
         if fn is None:
-            fn = self.function(name)
+            fn = self.function(kernel.name)
             if smem > 48 * 1024:
                 # Past the default 48 KiB of dynamic shared memory a kernel must opt in.
                 try:
@@ -79,8 +79,8 @@ class AttentionKernels:
                     from cupy.cuda import driver
                     driver.funcSetAttribute(
                         fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            self._ready[name] = fn
-        launch(fn, at, args, self.signatures.get(name, ()))
+            self._ready[kernel.name] = fn
+        launch(fn, at, args, tuple(n for n, _ in kernel.args))
 
     def decode_workspace(self, records: int, cells: int) -> tuple:
         """(part, counts) for a split decode: `records` float32 records of a block's rows and
@@ -185,7 +185,7 @@ def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **pa
     given arrays (o may be a strided view)."""
     import cupy
     B, T, H, KVH, D, dt = _geometry(q, k, v)
-    name, geometry = ak.kernel("forward", dt, D)
+    kernel = ak.kernel("forward", dt, head_dim=D)
     pvals = ak.param_values(params)
     o = cupy.empty(q.shape, q.dtype) if out is None else out
     lse = cupy.empty((B, H, T), np.float32) if lse is None else lse
@@ -197,7 +197,7 @@ def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **pa
     args = (q, k, v, o, lse, np.int32(T), np.int32(H), np.int32(KVH),
             *_strides("q", q, dtype), *_strides("k", k, dtype), *_strides("v", v, dtype),
             *_strides("out", o, dtype), *pvals)
-    ak.launch(name, geometry.launch(B, T, H, KVH), args)
+    ak.launch(kernel, kernel.geometry.launch(B, T, H, KVH), args)
     return o, lse
 
 
@@ -212,9 +212,9 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     _check("lse", lse, (B, H, T), np.dtype(np.float32))
     if not lse.flags.c_contiguous:
         raise EulerError("lse: must be C-contiguous", key="lse")
-    dkv_name, dkv_geom = ak.kernel("backward_dkv", dt, D)
-    dq_name, dq_geom = ak.kernel("backward_dq", dt, D)
-    rd_name, rd_geom = ak.kernel("rowdot", dt)
+    dkv = ak.kernel("backward", dt, "dkv", D)
+    dq_k = ak.kernel("backward", dt, "dq", D)
+    rowdot = ak.kernel("backward", dt, "rowdot")
     pvals = ak.param_values(params)
     if out is None:
         out = (cupy.empty(q.shape, q.dtype), cupy.empty(k.shape, k.dtype),
@@ -232,12 +232,12 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     so, sdo = _strides("o", o, dtype), _strides("do", do, dtype)
     sizes = (np.int32(T), np.int32(H), np.int32(KVH))
 
-    ak.launch(rd_name, rd_geom.launch(B * H * T),
+    ak.launch(rowdot, rowdot.geometry.launch(B * H * T),
               (o, do, delta, np.int32(B), np.int32(T), np.int32(H), np.int32(D), *so, *sdo))
-    ak.launch(dkv_name, dkv_geom.launch(B, T, H, KVH),
+    ak.launch(dkv, dkv.geometry.launch(B, T, H, KVH),
               (q, k, v, do, lse, delta, dk, dv, *sizes, *sq, *sk, *sv, *sdo,
                *_strides("dk", dk, dtype), *_strides("dv", dv, dtype), *pvals))
-    ak.launch(dq_name, dq_geom.launch(B, T, H, KVH),
+    ak.launch(dq_k, dq_k.geometry.launch(B, T, H, KVH),
               (q, k, v, do, lse, delta, dq, *sizes, *sq, *sk, *sv, *sdo,
                *_strides("dq", dq, dtype), *pvals))
     return dq, dk, dv
@@ -270,8 +270,7 @@ def decode_splits(cells: int, keys: int, tile: int, sms: int) -> tuple[int, int]
 class _DecodeLaunch:
     """What the layouts of a decode call's arrays fix, checked once: a sampler calls decode
     per layer per token with the same layouts, where checks would cost more than the launch."""
-    name: str
-    geometry: AttentionDecode
+    kernel: KernelSig
     sizes: tuple      # B, Tq, H, KVH: what geometry.launch takes before the splits
     tq: int
     tmax: int
@@ -298,7 +297,8 @@ def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
     dt = storage_dtype_name(q)
     _check("k_cache", k_cache, k_cache.shape, q.dtype)
     _check("v_cache", v_cache, v_cache.shape, q.dtype)
-    name, geometry = ak.kernel("decode", dt, D)
+    kernel = ak.kernel("decode", dt, head_dim=D)
+    geometry = kernel.geometry
     pvals = ak.param_values(params)
     dtype = DTYPE_OF[dt]
     if out is None:
@@ -308,7 +308,7 @@ def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
         o_strides = _strides("out", out, dtype)
     sizes = (B, Tq, H, KVH)
     return _DecodeLaunch(
-        name, geometry, sizes, Tq, Tmax, prod(geometry.launch(*sizes).grid),
+        kernel, sizes, Tq, Tmax, prod(geometry.launch(*sizes).grid),
         geometry.block_rows * (D + 2), (np.int32(H), np.int32(KVH)),
         (*_strides("q", q, dtype), *_strides("k_cache", k_cache, dtype),
          *_strides("v_cache", v_cache, dtype), *o_strides, *pvals))
@@ -319,8 +319,8 @@ def decode_workspace_bound(op, head_dim: int, sms: int) -> tuple[int, int]:
     attention op (a manifest OpEntry) on a GPU of `sms` SMs: a launch splits only while its
     cells are fewer than DECODE_BLOCKS_PER_SM·sms, so cells·splits < 2·DECODE_BLOCKS_PER_SM·
     sms. What a memory plan gives `workspace=`."""
-    rows = max((k.geometry.block_rows for k in op.kernels.values()
-                if isinstance(k.geometry, AttentionDecode)), default=1)
+    rows = max((k.geometry.block_rows for k in select(op.kernels.values(), "decode")),
+               default=1)
     cells = DECODE_BLOCKS_PER_SM * sms
     return 2 * cells * rows * (head_dim + 2), cells
 
@@ -354,7 +354,7 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
     if keys is not None and keys < pos0 + launch.tq:
         raise EulerError(f"keys {keys}: fewer than the {pos0 + launch.tq} the queries see",
                          key="keys")
-    splits, split_keys = decode_splits(cells, keys or pos0 + launch.tq, launch.geometry.tile,
+    splits, split_keys = decode_splits(cells, keys or pos0 + launch.tq, launch.kernel.geometry.tile,
                                        _sm_count())
     split = splits > 1
     records, cells_used = (cells * splits * launch.record, cells) if split else (0, 0)
@@ -365,7 +365,7 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
         if part.size < records or counts.size < cells_used:
             raise EulerError(f"workspace: {part.size} records and {counts.size} counters, "
                              f"the split needs {records} and {cells_used}", key="workspace")
-    ak.launch(launch.name, launch.geometry.launch(*launch.sizes, splits),
+    ak.launch(launch.kernel, launch.kernel.geometry.launch(*launch.sizes, splits),
               (q, k_cache, v_cache, out, part, counts, np.int32(launch.tq), np.int32(pos0),
                *launch.heads, np.int32(splits), np.int32(split_keys), *launch.tail))
     return out

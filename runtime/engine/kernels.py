@@ -1,7 +1,7 @@
 """Binding manifest kernels to CuPy arrays, and launching them.
 
 A kernel's manifest entry lists its arguments as (name, C type) in launch order; the
-callers in runtime/engine/ops.py name their arrays and scalars the same way (operand names,
+op kinds' calls (runtime/engine/kinds/) name their arrays and scalars the same way (operand names,
 `d<name>` for gradients, `rows`/`cols`/`n` for sizes, params by name). Everything a
 launch depends on is checked here before the launch: every argument present, pointer
 arguments CuPy arrays on the current device with the dtype the C type stores (bf16 is
@@ -17,9 +17,9 @@ from functools import lru_cache
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.kinds import fused_stage
-from eulergen.launch import BlockHeld, BlockPerRow, Launch, WarpPerRow
-from eulergen.runtime.engine.manifest import Kernel, OpEntry
+from eulergen.launch import Launch
+from eulergen.runtime.engine.manifest import OpEntry
+from eulergen.signature import KernelSig
 
 # What a pointer's pointee is stored as, and what a scalar argument is passed as.
 _STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
@@ -68,7 +68,7 @@ def _arg_types(args: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str, CType
 _NULL_POINTER = np.uint64(0)
 
 
-def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) -> tuple:
+def bind(op: OpEntry, kernel: KernelSig, values: dict, *, contiguous: bool = True) -> tuple:
     """The argument tuple for one launch, after checking every value against its C type."""
     import cupy
     device = cupy.cuda.runtime.getDevice()
@@ -91,7 +91,7 @@ def bind(op: OpEntry, kernel: Kernel, values: dict, *, contiguous: bool = True) 
     return tuple(args)
 
 
-def _where(op: OpEntry, kernel: Kernel, name: str, ctext: str) -> str:
+def _where(op: OpEntry, kernel: KernelSig, name: str, ctext: str) -> str:
     return f"{op.name}: kernel {kernel.name}: argument {name!r} ({ctext})"
 
 
@@ -118,7 +118,7 @@ class Launcher:
         self._compiled = None
         self._functions: dict[str, object] = {}   # a lookup costs about 1 us a launch
 
-    def function(self, kernel: Kernel):
+    def function(self, kernel: KernelSig):
         fn = self._functions.get(kernel.name)
         if fn is None:
             if self._compiled is None:
@@ -130,7 +130,7 @@ class Launcher:
             fn = self._functions[kernel.name] = self._compiled.function(kernel.name)
         return fn
 
-    def launch(self, kernel: Kernel, at: Launch, values: dict, *, contiguous: bool = True) -> None:
+    def launch(self, kernel: KernelSig, at: Launch, values: dict, *, contiguous: bool = True) -> None:
         args = bind(self.op, kernel, values, contiguous=contiguous)
         launch(self.function(kernel), at, args, _arg_names(kernel.args))
 
@@ -152,46 +152,3 @@ def launch(fn, at: Launch, args: tuple, names: tuple[str, ...]) -> None:
     fn(at.grid, at.block, args, shared_mem=at.shared_mem)
     for record in RECORDERS:
         record(fn, at, args, names)
-
-
-# ---- which of a stage's kernels a call takes -----------------------------------------
-
-def row_aligned(rows: list[int], weights: list[int], row_bytes: int, wgrads: bool) -> bool:
-    """Whether the `aligned` variant of a row kernel (generator/plan.py) serves operands at
-    these addresses: its row operands all at one offset from a 16-byte boundary (each row
-    then splits at the same columns), and where it reads weights or sums weight gradients,
-    every row on a boundary (row_bytes, a row's bytes, a multiple of 16), weights too."""
-    if len({a % 16 for a in rows}) > 1:
-        return False
-    if weights or wgrads:
-        return row_bytes % 16 == 0 and all(a % 16 == 0 for a in rows + weights)
-    return True
-
-
-def row_kernel(op: OpEntry, stage: str, dtype: str, cols: int, aligned: bool = True) -> Kernel:
-    """The warp-per-row kernel for rows it holds in registers, else the block_held one for
-    rows a block holds (where the dtype has one), else the block-per-row one (a stage of one
-    layout, or none, such as wgrad_cols: its kernel); of each, the `aligned` variant
-    (row_aligned) or the one for any operands. The two variants launch alike: a memory
-    planner may ask for either."""
-    candidates = [k for k in op.kernels.values() if k.stage == stage and k.dtype == dtype
-                  and k.geometry.aligned == aligned]
-    if not candidates:
-        return op.kernel(stage, dtype)   # none of (stage, dtype): raises, naming those there are
-    warp = [k for k in candidates if isinstance(k.geometry, WarpPerRow)]
-    held = [k for k in candidates if isinstance(k.geometry, BlockHeld)]
-    block = [k for k in candidates if isinstance(k.geometry, BlockPerRow)]
-    if warp and (not block or cols <= warp[0].geometry.max_cols):
-        return warp[0]
-    if held and cols <= held[0].geometry.max_cols:
-        return held[0]
-    return (block or candidates)[0]
-
-
-def wgrad_split(op: OpEntry, dtype: str, cols: int, fusion: str = "") -> bool:
-    """Whether a backward (of the op's `fusion` variant) with weight gradients over rows of
-    `cols` takes the split kernels (`backward_rows`, then `wgrad_cols`: generator/plan.py
-    WGRAD_SPLIT_COLS)."""
-    stage = fused_stage("backward_rows", fusion)
-    return any(k.stage == stage and k.dtype == dtype
-               and cols >= k.geometry.split_cols for k in op.kernels.values())

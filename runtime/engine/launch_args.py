@@ -1,6 +1,6 @@
 """The arrays of a launch besides its inputs: the outputs a call was not given (in the
 storage type the kernel writes), shape checks among a call's arrays, and float32 views of a
-caller's workspace for the kernels' temporaries (runtime/engine/cuda_ops.py, bias_ops.py)."""
+caller's workspace for the kernels' temporaries (the op kinds' calls, runtime/engine/kinds/)."""
 from __future__ import annotations
 
 from math import prod
@@ -9,10 +9,11 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.kernels import DTYPE_OF, parse_ctype
-from eulergen.runtime.engine.manifest import Kernel, OpEntry
+from eulergen.runtime.engine.manifest import OpEntry
+from eulergen.signature import KernelSig
 
 
-def outputs(kernel: Kernel, names, shapes, given, op: OpEntry, call: str) -> tuple:
+def outputs(kernel: KernelSig, names, shapes, given, op: OpEntry, call: str) -> tuple:
     """The caller's `out` arrays (shape-checked here, dtype-checked in bind) or new ones in
     the storage type the kernel writes (a weight gradient, written by the reduce kernel
     rather than this one, is in the storage dtype)."""

@@ -11,12 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from eulergen import launch
 from eulergen.errors import EulerError
-from eulergen.kinds import KINDS
-from eulergen.launch import Geometry
+from eulergen.signature import BadSignature, KernelSig, select
 
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -24,17 +22,6 @@ class Operand:
     name: str
     role: str
     differentiable: bool = True
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """One `extern "C"` kernel: its launch arguments in order and its launch geometry."""
-    name: str
-    args: tuple[tuple[str, str], ...]    # (name, C type)
-    dtype: str                           # 'f32' | 'bf16'
-    stage: str                           # 'forward' | 'backward' | 'fwdbwd' | 'step' | 'reduce' …
-    geometry: Geometry                   # eulergen/launch.py, as the planner made it
-    control: tuple[str, ...] = ()        # update steps: the slots of the `control` array
 
 
 @dataclass(frozen=True)
@@ -53,7 +40,7 @@ class Fusion:
     """A fused variant of an op (the manifest's `fusions`): its forward takes `forward`'s
     inputs and writes its outputs; its backward takes `backward`'s inputs and the gradients
     of its outputs, and writes the gradients of its differentiable inputs. Its kernels'
-    stages are kinds.fused_stage(stage, name)."""
+    signatures have `fusion` = its name."""
     name: str
     forward: Operands
     backward: Operands
@@ -71,7 +58,7 @@ class OpEntry:
     numpy: Path | None = None            # absolute path of the numpy module
     cuda: Path | None = None             # absolute path of the .cu file
     cuda_sha256: str = ""
-    kernels: dict = field(default_factory=dict, hash=False)  # name -> Kernel
+    kernels: dict = field(default_factory=dict, hash=False)  # name -> KernelSig
     manifest: Path = Path()
     fast_math: bool = False              # the spec opted in (`fast_math: true`)
     template: str = ""                   # templates/<x>.cu.j2, where the manifest names it
@@ -83,13 +70,19 @@ class OpEntry:
         """Names of the inputs that get a gradient, in input order (the module's GRADS)."""
         return tuple(o.name for o in self.inputs if o.differentiable)
 
-    def kernel(self, stage: str, dtype: str) -> Kernel:
-        """The kernel for one stage and storage dtype, or EulerError naming what exists."""
-        for k in self.kernels.values():
-            if k.stage == stage and k.dtype == dtype:
-                return k
-        have = sorted(f"{k.stage}/{k.dtype}" for k in self.kernels.values()) or ["none"]
-        raise EulerError(f"no {stage} kernel for dtype {dtype} (have: {', '.join(have)})",
+    def kernel(self, stage: str, dtype: str, *, part: str = "", fusion: str = "",
+               **geometry) -> KernelSig:
+        """The first kernel of one call's `part` (of the `fusion` variant) in `dtype` whose
+        geometry has the given fields (signature.select), or EulerError naming those there
+        are."""
+        found = select(self.kernels.values(), stage, dtype, part=part, fusion=fusion, **geometry)
+        if found:
+            return found[0]
+        what = "/".join(w for w in (stage, part, fusion) if w)
+        have = sorted({"/".join(w for w in (k.stage, k.part, k.fusion, k.dtype) if w)
+                       for k in self.kernels.values()}) or ["none"]
+        given = "".join(f", {f}={v!r}" for f, v in geometry.items())
+        raise EulerError(f"no {what} kernel for dtype {dtype}{given} (have: {', '.join(have)})",
                          file=str(self.manifest), key=f"ops.{self.name}.kernels")
 
 
@@ -121,29 +114,12 @@ def _operands(items, file: Path, where: str) -> tuple[Operand, ...]:
     return tuple(out)
 
 
-def _kernel(name: str, k, file: Path, where: str) -> Kernel:
-    args = _need(k, "args", list, file, where)
-    if not all(isinstance(a, list) and len(a) == 2 and all(isinstance(s, str) for s in a)
-               for a in args):
-        raise EulerError("args should be [[name, C type], …]", file=str(file), key=f"{where}.args")
-    # internals.md calls it "pass"; ir.KernelSig calls it "stage": accept either spelling.
-    stage = k.get("pass", k.get("stage")) if isinstance(k, dict) else None
-    if not isinstance(stage, str):
-        raise EulerError("missing key 'pass'", file=str(file), key=where)
-    dtype = _need(k, "dtype", str, file, where)
-    if dtype not in ("f32", "bf16"):
-        raise EulerError(f"dtype {dtype!r} should be 'f32' or 'bf16'", file=str(file),
-                         key=f"{where}.dtype")
+def _kernel(name: str, k, file: Path, where: str) -> KernelSig:
     try:
-        geometry = launch.from_json(k.get("geometry"))
-    except (ValueError, TypeError) as err:
+        return KernelSig.from_json(name, k)
+    except BadSignature as err:
         raise EulerError(f"{err} (rebuild with `eulergen build`)", file=str(file),
-                         key=f"{where}.geometry") from None
-    control = k.get("control", [])
-    if not (isinstance(control, list) and all(isinstance(c, str) for c in control)):
-        raise EulerError("control should be a list of slot names", file=str(file),
-                         key=f"{where}.control")
-    return Kernel(name, tuple((a, t) for a, t in args), dtype, stage, geometry, tuple(control))
+                         key=f"{where}.{err.key}" if err.key else where) from None
 
 
 def _fusions(items, file: Path, where: str) -> dict[str, Fusion]:
@@ -165,9 +141,6 @@ def _fusions(items, file: Path, where: str) -> dict[str, Fusion]:
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
     where = f"ops.{name}"
     kind = _need(o, "kind", str, file, where)
-    if kind not in KINDS:
-        raise EulerError(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)})",
-                         file=str(file), key=f"{where}.kind")
     params = o.get("params") or {}
     if not isinstance(params, dict):
         raise EulerError("params should be an object name -> default", file=str(file),

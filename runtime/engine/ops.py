@@ -14,9 +14,10 @@
     y = lib.forward("gelu", x, b, fusion="bias")          # gelu(x + b), b [F] over rows
     dx, db = lib.backward("gelu", x, b, dy, fusion="bias")
 
-On numpy, the calls run the generated numpy modules (the same derived math as the
-kernels); on a GPU they launch the op's generated kernels (runtime/engine/cuda_ops.py and
-runtime/engine/kernels.py), which check shapes, dtypes and contiguity before the launch.
+Each op's kind (runtime/engine/kinds/, through runtime/engine/registry.py) says which calls
+it takes and runs them: on numpy the generated numpy modules (the same derived math as the
+kernels); on a GPU the op's generated kernels, launched through runtime/engine/kernels.py,
+which checks shapes, dtypes and contiguity before the launch.
 
 Results: `forward` returns one array bare and several as a tuple (spec order);
 `backward` always returns a tuple, one gradient per differentiable input in input order
@@ -47,9 +48,11 @@ import numpy as np
 
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError, suggest
-from eulergen.kinds import fused_stage
 from eulergen.runtime.engine.backend import Backend
-from eulergen.runtime.engine.manifest import OpEntry, load_manifest, load_numpy_module
+from eulergen.runtime.engine.kinds.base import OpKind
+from eulergen.runtime.engine.manifest import OpEntry, load_manifest
+from eulergen.runtime.engine.registry import kind_of
+from eulergen.signature import variant_name
 
 BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
 
@@ -70,7 +73,10 @@ class OpLibrary:
         self._missing_builtin = not BUILTIN_MANIFEST.exists()
         paths = ([] if self._missing_builtin else [BUILTIN_MANIFEST]) + [Path(p) for p in manifests]
         for path in paths:
-            self.ops.update(load_manifest(path).ops)
+            ops = load_manifest(path).ops
+            for op in ops.values():   # an op of a kind this runtime does not know: refused here
+                kind_of(op)
+            self.ops.update(ops)
 
     def op(self, name: str) -> OpEntry:
         try:
@@ -102,15 +108,15 @@ class OpLibrary:
     def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "", **params):
         """`fusion`: the op's fused variant of that name (module docstring)."""
         op = self._entry(name)
+        kind = _kind(op, "forward")
         side = self._side(op, fusion, "forward")
         self._arity(op, "forward", inputs, len(side.inputs), side)
-        pos0 = self._pos0(op, params)
+        keywords = kind.keywords(params)
         p = self._params(op, params)
         if self._cuda:
-            got = self._cuda.forward(op, inputs, _tuple(out), p, pos0, fusion)
+            got = kind.forward(self._cuda, op, inputs, _tuple(out), p, fusion, **keywords)
             return got[0] if len(got) == 1 else tuple(got)
-        got = getattr(self._module(op), fused_stage("forward", fusion))(
-            *inputs, **p, **self._numpy_pos0(op, pos0))
+        got = getattr(kind.module(op), variant_name("forward", fusion))(*inputs, **p, **keywords)
         return self._deliver(op, "forward", got, out, len(side.outputs))
 
     def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
@@ -118,21 +124,24 @@ class OpLibrary:
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
         (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
-        all or one per gradient (GRADS order); the embedding op only (its table gradient
-        meets the tied LM head's). `fusion`: the op's fused variant of that name."""
+        all or one per gradient (GRADS order); ops of a kind that accumulates only (the
+        embedding: its table gradient meets the tied LM head's). `fusion`: the op's fused
+        variant of that name."""
         op = self._entry(name)
+        kind = _kind(op, "backward")
         side = self._side(op, fusion, "backward")
-        self._arity(op, "backward", inputs_and_douts, self._backward_arity(op, side), side)
-        pos0 = self._pos0(op, params)
-        adds = self._accumulate(op, accumulate, out)
+        self._arity(op, "backward", inputs_and_douts, len(kind.backward_names(op, side)), side)
+        keywords = kind.keywords(params)
+        adds = self._accumulate(op, kind, accumulate, out)
         p = self._params(op, params)
         if self._cuda:
-            return tuple(self._cuda.backward(op, inputs_and_douts, _tuple(out), p, pos0,
-                                             workspace, adds, fusion))
-        if op.kind == "embedding" and op.numpy is None:
-            return _NumpyEmbedding.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
-        got = getattr(self._module(op), fused_stage("backward", fusion))(
-            *inputs_and_douts, **p, **self._numpy_pos0(op, pos0))
+            return tuple(kind.backward(self._cuda, op, inputs_and_douts, _tuple(out), p,
+                                       workspace, adds, fusion, **keywords))
+        module = kind.module(op)
+        if kind.accumulates:   # its numpy backward writes into `out` itself, adding as asked
+            return module.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
+        got = getattr(module, variant_name("backward", fusion))(*inputs_and_douts, **p,
+                                                                 **keywords)
         grads = self._deliver(op, "backward", got, out, len(side.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
@@ -144,17 +153,13 @@ class OpLibrary:
         On the GPU, `keys` fixes the split of the cache whatever pos0 is and `workspace`
         is its planned (part, counts) (runtime/engine/attention.py attention_decode); numpy needs
         neither."""
-        from eulergen.runtime.engine.attention import decode_geometry
         op = self._entry(name)
-        if op.kind != "attention":
-            raise EulerError(f"op {op.name!r} is {op.kind}: decode is for attention ops",
-                             file=op.spec, key="kind")
+        kind = _kind(op, "decode")
         p = self._params(op, params)
         pos0 = int(pos0)
         if self._cuda:   # checked there, once per layout of the arrays
-            return self._cuda.decode(op, q, k_cache, v_cache, pos0, out, p, keys, workspace)
-        decode_geometry(q, k_cache, v_cache, pos0)
-        got = self._module(op).decode(q, k_cache, v_cache, pos0, **p)
+            return kind.decode(self._cuda, op, q, k_cache, v_cache, pos0, out, p, keys, workspace)
+        got = kind.numpy_decode(kind.module(op), q, k_cache, v_cache, pos0, p)
         return self._deliver(op, "decode", got, out, 1)
 
     def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,
@@ -168,15 +173,13 @@ class OpLibrary:
         `copy`: a bf16 (uint16) array the bf16 kernel writes the updated weight into,
         rounded (GPU only: numpy has no bf16)."""
         op = self._entry(name)
-        if op.kind != "update":
-            raise EulerError(f"op {op.name!r} is {op.kind}, not an update op: call forward/backward",
-                             file=op.spec, key="kind")
+        kind = _kind(op, "step")
         self._arity(op, "step", state_and_grads, len(op.inputs))
         runtime = [k for k, v in op.params.items() if v is None]
         slots = self.control_slots(op)
         if control is None:
             given = self._params(op, params)
-            values = {"skip": 0.0, "grad_scale": 1.0, **given}
+            values = {"skip": 0.0, "grad_scale": 1.0, **given}   # not skipped, grads unscaled
             control = self.backend.xp.asarray(np.array([values[s] for s in slots],
                                                        np.float32 if self._cuda else np.float64))
         else:
@@ -193,12 +196,12 @@ class OpLibrary:
             given = self._params(op, {**params, **dict.fromkeys(runtime, 0.0)})
         fixed = {k: v for k, v in given.items() if k not in runtime}
         if self._cuda:
-            self._cuda.step(op, state_and_grads, fixed, control, copy)
+            kind.step(self._cuda, op, state_and_grads, fixed, control, copy)
             return
         if copy is not None:
             raise EulerError(f"{op.name}.step: copy= is a bf16 copy; the numpy backend has "
                              "no bf16", file=op.spec, key="copy")
-        self._module(op).step(*state_and_grads, control, **fixed)
+        kind.module(op).step(*state_and_grads, control, **fixed)
 
     def control_slots(self, name: str | OpEntry) -> tuple[str, ...]:
         """What each element of an update op's `control` array holds, as its kernels (and
@@ -206,23 +209,25 @@ class OpLibrary:
         op = self._entry(name)
         if self._cuda:
             return op.kernel("step", "f32").control
-        return tuple(self._module(op).CONTROL)
+        return tuple(_kind(op, "step").module(op).CONTROL)
 
     def fused(self, name: str | OpEntry, *inputs_and_douts, out=None, **params) -> tuple:
         """Forward and backward in one call: the forward outputs, then the gradients.
 
-        On a GPU this is the op's `fwdbwd` kernel (cross-entropy: loss and dlogits in one
-        pass, without storing probabilities). On numpy it is forward then backward of the
-        same generated module; the outputs are copied into `out` only after both ran, so
-        a gradient buffer may alias an input (dlogits over logits) here too."""
+        On a GPU this is the op's one-pass kernel where it has one (cross-entropy's
+        `fwdbwd`: loss and dlogits in one pass, without storing probabilities). On numpy it
+        is forward then backward of the same generated module; the outputs are copied into
+        `out` only after both ran, so a gradient buffer may alias an input (dlogits over
+        logits) here too."""
         op = self._entry(name)
+        kind = _kind(op, "fused")
         n_in = len(op.inputs)
-        self._arity(op, "fused", inputs_and_douts, self._backward_arity(op))
+        self._arity(op, "fused", inputs_and_douts, len(kind.backward_names(op, op)))
         inputs = inputs_and_douts[:n_in]
         p = self._params(op, params)
         if self._cuda:
-            return tuple(self._cuda.fused(op, inputs_and_douts, _tuple(out), p))
-        module = self._module(op)
+            return tuple(kind.fused(self._cuda, op, inputs_and_douts, _tuple(out), p))
+        module = kind.module(op)
         fwd = module.forward(*inputs, **p)
         fwd = fwd if isinstance(fwd, tuple) else (fwd,)
         grads = module.backward(*inputs_and_douts, **p)
@@ -233,18 +238,7 @@ class OpLibrary:
     # -- helpers -------------------------------------------------------------------------
 
     @staticmethod
-    def _pos0(op: OpEntry, params: dict) -> int:
-        """Pair ops take `pos0=`, the position of the first token (decoding with a KV
-        cache): a launch argument on the GPU and a keyword of the generated numpy module,
-        not a spec parameter."""
-        return int(params.pop("pos0", 0)) if op.kind == "pair" else 0
-
-    @staticmethod
-    def _numpy_pos0(op: OpEntry, pos0: int) -> dict:
-        return {"pos0": pos0} if op.kind == "pair" else {}
-
-    @staticmethod
-    def _accumulate(op: OpEntry, accumulate, out) -> tuple[bool, ...]:
+    def _accumulate(op: OpEntry, kind: OpKind, accumulate, out) -> tuple[bool, ...]:
         """`accumulate=` as one flag per gradient."""
         flags = (tuple(bool(a) for a in accumulate) if isinstance(accumulate, (tuple, list))
                  else (bool(accumulate),) * len(op.grads))
@@ -252,30 +246,14 @@ class OpLibrary:
             raise EulerError(f"{op.name}.backward: accumulate= has {len(flags)} flags, expected "
                              f"{len(op.grads)} ({', '.join(op.grads)})", file=op.spec,
                              key="accumulate")
-        if any(flags) and op.kind != "embedding":
-            raise EulerError(f"{op.name}.backward: accumulate= is for the embedding op; add "
-                             "other gradients yourself", file=op.spec, key="accumulate")
+        if any(flags) and not kind.accumulates:
+            raise EulerError(f"{op.name}.backward: accumulate= is not for a {kind.name} op "
+                             "(its backward writes its gradients); add them yourself",
+                             file=op.spec, key="accumulate")
         if any(flags) and out is None:
             raise EulerError(f"{op.name}.backward: accumulate= needs out= (the arrays to add "
                              "into)", file=op.spec, key="accumulate")
         return flags
-
-    @staticmethod
-    def _module(op: OpEntry):
-        if op.kind == "embedding" and op.numpy is None:
-            return _NumpyEmbedding
-        return load_numpy_module(op)
-
-    @staticmethod
-    def _backward_arity(op: OpEntry, side=None) -> int:
-        """The arrays a backward of `op` (of its fused variant's operands `side`) takes."""
-        if op.kind == "update":
-            raise EulerError(f"op {op.name!r} is an update op: it has `step`, no backward",
-                             file=op.spec, key="kind")
-        if op.kind == "attention":   # q, k, v, o, lse, do
-            return 6
-        side = side or op
-        return len(side.inputs) + len(side.outputs)
 
     @staticmethod
     def _side(op: OpEntry, fusion: str, call: str):
@@ -294,10 +272,8 @@ class OpLibrary:
     def _arity(op: OpEntry, call: str, args: tuple, want: int, side=None) -> None:
         if len(args) != want:
             side = side or op
-            names = [o.name for o in side.inputs]
-            if call in ("backward", "fused"):
-                names += ([f"d{o.name}" for o in side.outputs] if op.kind != "attention"
-                          else ["o", "lse", "do"])
+            names = (kind_of(op).backward_names(op, side) if call in ("backward", "fused")
+                     else [o.name for o in side.inputs])
             raise EulerError(f"{op.name}.{call} takes {want} arrays ({', '.join(names)}), "
                              f"got {len(args)}", file=op.spec, key=call)
 
@@ -341,51 +317,13 @@ class OpLibrary:
         return outs[0] if bare and count == 1 else tuple(outs)
 
 
-class _NumpyEmbedding:
-    """The embedding op on numpy. It has no formula (DESIGN.md: pure data movement), so no
-    generated module: out = wte[ids] (+ wpe[:T]); the backward adds rows in token order
-    (np.add.at is sequential), the order the GPU kernel sums each id's rows in. The ids
-    are on the host here, so their range is checked before use (np.take would wrap a
-    negative id)."""
-
-    @staticmethod
-    def _check(ids, wte, call: str) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= wte.shape[0]):
-            raise EulerError(f"embedding.{call}: ids span [{ids.min()}, {ids.max()}], the table "
-                             f"has {wte.shape[0]} rows", key="ids")
-
-    @staticmethod
-    def forward(ids, wte, wpe):
-        _NumpyEmbedding._check(ids, wte, "forward")
-        out = np.take(wte, ids, axis=0)
-        if wpe is not None:
-            out += wpe[: ids.shape[-1]]
-        return out
-
-    @staticmethod
-    def backward(ids, wte, wpe, dout, *, out=None, accumulate=(False, False)):
-        """(dwte, dwpe): into `out` where given (added to where `accumulate` says), else new."""
-        _NumpyEmbedding._check(ids, wte, "backward")
-        out = out or (None, None)
-        for name, g, w in zip(("dwte", "dwpe"), out, (wte, wpe)):
-            if g is not None and w is not None and g.shape != w.shape:
-                raise EulerError(f"embedding.backward: out {name} has shape {g.shape}, "
-                                 f"expected {w.shape}", key="out")
-        C = wte.shape[1]
-        dwte = out[0] if out[0] is not None else np.zeros_like(wte)
-        if not accumulate[0]:
-            dwte[...] = 0
-        np.add.at(dwte, ids.reshape(-1), dout.reshape(-1, C))
-        if wpe is None:
-            return dwte, None
-        T = ids.shape[-1]
-        dwpe = out[1] if len(out) > 1 and out[1] is not None else np.zeros_like(wpe)
-        if accumulate[1]:
-            dwpe[:T] += dout.reshape(-1, T, C).sum(axis=0)
-        else:
-            dwpe[T:] = 0
-            np.sum(dout.reshape(-1, T, C), axis=0, out=dwpe[:T])
-        return dwte, dwpe
+def _kind(op: OpEntry, call: str) -> OpKind:
+    """The op's kind, if it takes the call."""
+    kind = kind_of(op)
+    if call not in kind.calls:
+        raise EulerError(f"op {op.name!r} is a {kind.name} op: it has no {call} (its calls: "
+                         f"{', '.join(kind.calls)})", file=op.spec, key="kind")
+    return kind
 
 
 def _tuple(out):

@@ -10,6 +10,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine.attention import head_dims
 from eulergen.runtime.model.graph import Graph, model_graph
 from eulergen.runtime.model.params import padded_vocab
+from eulergen.signature import select
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
 _NORM_PARAM_NAMES = ("weight", "bias")
@@ -132,8 +133,7 @@ def rope_in_place(rope) -> bool:
     """Whether a pair op may rotate q and k where they lie in `qkv`, in one call over both:
     its backward reads only the output gradients (so q and k need not outlive q_rope and
     k_rope) and its formula has no head index (which would count k's heads on from q's)."""
-    backward = {name for k in rope.kernels.values() if k.stage == "backward"
-                for name, _ in k.args}
+    backward = {name for k in select(rope.kernels.values(), "backward") for name, _ in k.args}
     reads = backward & {o.name for o in rope.inputs + rope.outputs}
     return not reads and "head" not in rope.index.values()
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.kinds import KINDS
+from eulergen.signature import CONTROL
 from eulergen.runtime.engine.backend import is_cupy
 
 RECORD = ("lr", "loss_sum", "loss", "norm", "why", "mean", "loss_mean", "norm_mean", "seen",
@@ -31,7 +31,7 @@ SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its runni
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
 # `why`: the step's update was applied (0) or skipped, and for what
 APPLIED, LOSS_SPIKE, NORM_SPIKE, BAD_LOSS, BAD_NORM = range(5)
-# the update op's runtime params the trainer fills in its control slots (after kinds.py's)
+# the update op's runtime params the trainer fills in its control slots (after signature.CONTROL)
 RUNTIME_PARAMS = ("lr", "step")
 
 
@@ -55,12 +55,11 @@ class StepRule:
     @classmethod
     def of(cls, t, slots: tuple[str, ...], ranks: int = 1, zero: bool = False) -> StepRule:
         """The rule of a TrainingConfig for an update op with control slots `slots`."""
-        first = KINDS["update"].control
-        if tuple(slots[:len(first)]) != first:
+        if tuple(slots[:len(CONTROL)]) != CONTROL:
             raise EulerError(f"the optimizer's kernels read control slots {tuple(slots)}, not "
-                             f"{', '.join(first)} first (a stale build: run `eulergen build`)",
+                             f"{', '.join(CONTROL)} first (a stale build: run `eulergen build`)",
                              key="params")
-        unknown = [s for s in slots[len(first):] if s not in RUNTIME_PARAMS]
+        unknown = [s for s in slots[len(CONTROL):] if s not in RUNTIME_PARAMS]
         if unknown:
             raise EulerError(f"the optimizer's runtime param {unknown[0]!r} is none the trainer "
                              f"sets each step ({', '.join(RUNTIME_PARAMS)})", key="params")

@@ -55,7 +55,7 @@ def _op(name: str):
     cu = _FOLDER / f"{name}.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
-    ak = AttentionKernels(name, {k.name: k.geometry for k in rendered.kernels},
+    ak = AttentionKernels(name, rendered.kernels,
                           {p.name: p.default for p in derived.params}, compiled.function)
     mod = types.ModuleType(name)
     exec(compile(render_attention_module(derived), f"{name}.py", "exec"), mod.__dict__)

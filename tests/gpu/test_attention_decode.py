@@ -130,7 +130,7 @@ def _variant(change: tuple) -> AttentionKernels:
     derived = attention_ops.load("causal_attention")
     rendered = render_attention(derived, plan_attention(derived, tiles=tiles, roles=("decode",)))
     (folder / "causal_attention.cu").write_text(rendered.source)
-    return AttentionKernels("causal_attention", {k.name: k.geometry for k in rendered.kernels},
+    return AttentionKernels("causal_attention", rendered.kernels,
                             {}, compile_file(folder / "causal_attention.cu").function)
 
 
@@ -167,7 +167,7 @@ def test_decode_row_that_sees_no_key_is_zero(cp, tmp_path):
     derived = attention_ops.load("strict_attention", tmp_path)
     rendered = render_attention(derived, plan_attention(derived, configs=((64, "f32"),)))
     (tmp_path / "strict_attention.cu").write_text(rendered.source)
-    ak = AttentionKernels("strict_attention", {k.name: k.geometry for k in rendered.kernels},
+    ak = AttentionKernels("strict_attention", rendered.kernels,
                           {}, compile_file(tmp_path / "strict_attention.cu").function)
     q, k, v = _inputs(2, 5, 4, 2, 64, 8, 5, seed=1)
     o = cp.asnumpy(attention_decode(ak, *(cp.asarray(a) for a in (q, k, v)), 0))

@@ -1,0 +1,97 @@
+"""The embedding: token (and position) lookup, out[b, t] = wte[ids[b, t]] (+ wpe[t]), and a
+deterministic backward that sorts the ids on the device. No formula, so no spec: one op,
+named after its kind, planned and printed from templates/embedding.cu.j2 alone; it has no
+numpy module (the runtime's embedding kind holds its numpy reference)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eulergen.generator import ir
+from eulergen.generator.emit import dtype_values
+from eulergen.generator.kinds.base import OpKind
+from eulergen.generator.plan import (CTYPE, DTYPES, EMBEDDING_FETCH, EMBEDDING_LONG_ROWS,
+                                     EMBEDDING_MERGE_GROUP, EMBEDDING_MERGE_MIN_BLOCKS,
+                                     EMBEDDING_WTE_WARP_ROWS, embedding_launch)
+from eulergen.signature import KernelSig, select
+
+# The forward (''), then the backward's kernels in launch order.
+PARTS = ("", "sort", "merge", "wte", "wte_long", "wpe")
+
+
+@dataclass(frozen=True)
+class EmbeddingPlan:
+    """The embedding's kernels: the forward's and each of the backward's parts' entry point
+    for each dtype, and the constants of the template its geometry does not hold."""
+    sigs: tuple[KernelSig, ...]
+    fetch: int = EMBEDDING_FETCH
+    merge_group: int = EMBEDDING_MERGE_GROUP
+    merge_min_blocks: int = EMBEDDING_MERGE_MIN_BLOCKS
+    warp_rows: int = EMBEDDING_WTE_WARP_ROWS
+    long_rows: int = EMBEDDING_LONG_ROWS
+
+    def sig(self, part: str, dtype: str = DTYPES[0]) -> KernelSig:
+        """The backward's `part` kernel (the forward's: part '')."""
+        (sig,) = select(self.sigs, "backward" if part else "forward", dtype, part=part)
+        return sig
+
+
+class Embedding(OpKind):
+    name = "embedding"
+    template = templates = "embedding.cu.j2"
+    spec = False
+    inputs = (ir.Operand("ids", "index", False), ir.Operand("wte", "weight"),
+              ir.Operand("wpe", "weight"))
+    outputs = (ir.Operand("out", "row"),)
+
+    def render_alone(self, header):
+        """Token/position embedding kernels, printed from plan_embedding()."""
+        plan = plan_embedding()
+        # a dtype's kernels as the template names them: forward, backward_sort, …
+        dtypes = [dict(d, sigs={_label(k.stage, k.part): k for k in plan.sigs
+                                if k.dtype == d["name"]}) for d in dtype_values(DTYPES)]
+        tile = plan.sig("sort").geometry.tile   # the geometry is alike in each dtype
+        source = self.render_template(
+            header=header, dtypes=dtypes, fetch=plan.fetch, tile=tile,
+            tile_steps=tile.bit_length(), merge_group=plan.merge_group,
+            merge_min_blocks=plan.merge_min_blocks, warp_rows=plan.warp_rows,
+            long_run=plan.sig("wte_long").geometry.long_run,
+            long_threads=plan.sig("wte_long").geometry.threads, long_rows=plan.long_rows)
+        return ir.RenderedCuda(source, plan.sigs)
+
+
+KIND = Embedding()
+
+
+def _label(stage: str, part: str) -> str:
+    """A kernel's name without the op and the dtype, as the template names its signatures:
+    forward, backward_sort, …"""
+    return f"{stage}_{part}" if part else stage
+
+
+def _args(part: str, c: str) -> tuple[tuple[str, str], ...]:
+    """The parameters of the forward (part '') or one part of the backward over storage C
+    type `c`."""
+    return {
+        "": (("ids", "const int*"), ("wte", f"const {c}*"), ("wpe", f"const {c}*"),
+             ("out", f"{c}*"), ("BT", "long long"), ("T", "int"), ("C", "int"), ("V", "int")),
+        "sort": (("ids", "const int*"), ("tiled", "long long*"), ("first", "int*"),
+                 ("runs", "int*"), ("n", "int"), ("V", "int")),
+        "merge": (("tiled", "const long long*"), ("keys", "long long*"), ("first", "int*"),
+                  ("n", "int")),
+        "wte": (("dout", f"const {c}*"), ("keys", "const long long*"), ("first", "const int*"),
+                ("runs", "int*"), ("dwte", f"{c}*"), ("n", "int"), ("V", "int"), ("C", "int"),
+                ("vec", "int"), ("accumulate", "int")),
+        "wte_long": (("dout", f"const {c}*"), ("keys", "const long long*"),
+                     ("first", "const int*"), ("runs", "const int*"), ("dwte", f"{c}*"),
+                     ("n", "int"), ("C", "int"), ("vec", "int"), ("accumulate", "int")),
+        "wpe": (("dout", f"const {c}*"), ("dwpe", f"{c}*"), ("B", "int"), ("T", "int"),
+                ("C", "int"), ("accumulate", "int")),
+    }[part]
+
+
+def plan_embedding() -> EmbeddingPlan:
+    stages = [("backward" if part else "forward", part) for part in PARTS]
+    return EmbeddingPlan(tuple(
+        KernelSig(f"embedding_{_label(stage, part)}_{dt}", _args(part, CTYPE[dt]), dt, stage,
+                  embedding_launch(part, dt), part=part)
+        for dt in DTYPES for stage, part in stages))

@@ -1,0 +1,62 @@
+"""The text of a generated numpy module (docs/internals.md, "Generated numpy modules"), as
+every kind assembles it (generator/kinds/): the header and the constants, the support its
+functions share, the helpers the printer's functions need, then the kind's functions; and
+the pieces those functions are printed from.
+
+Generated functions compute in the float dtype of their inputs and return fresh arrays of
+the op's shape: a formula may reduce to a constant or to one of its inputs (`db = dy`),
+and callers may write into what they get back.
+"""
+from __future__ import annotations
+
+from eulergen.generator import ir
+from eulergen.generator.emit import numpy_header
+from eulergen.generator.printer import numpy_helpers, numpy_imports, print_numpy
+
+# What the functions of a layout of fresh arrays share (all but an in-place update's).
+LAYOUT = '''\
+def _dtype(*arrays):
+    """The float dtype to compute in: that of the float inputs (float64 if none are)."""
+    floats = [a.dtype for a in arrays if a.dtype.kind == "f"]
+    return np.result_type(*floats) if floats else np.dtype(np.float64)
+
+
+def _fresh(value, shape, dtype):
+    """value as a new array of the given shape and dtype."""
+    out = np.empty(shape, dtype)
+    out[...] = value
+    return out
+'''
+
+
+def module(derived: ir.DerivedOp, functions: list[str], *, grads: bool = True,
+           constants: tuple[str, ...] = (), support: tuple[str, ...] = (LAYOUT,)) -> str:
+    """The module text: `functions` (lines), after the constants (KIND, INPUTS, OUTPUTS,
+    PARAMS, GRADS: none unless `grads`; then `constants`) and the `support` blocks."""
+    lines = [
+        f"KIND = {derived.kind!r}",
+        f"INPUTS = {tuple(o.name for o in derived.inputs)!r}",
+        f"OUTPUTS = {tuple(o.name for o in derived.outputs)!r}",
+        f"PARAMS = {dict((p.name, p.default) for p in derived.params)!r}",
+        f"GRADS = {tuple(o.name for o in derived.inputs if o.differentiable and grads)!r}",
+        *constants]
+    head = "\n".join([numpy_header(derived),
+                      f'"""{derived.name}: numpy reference, generated from its spec."""', "",
+                      *numpy_imports(functions), "", *lines])
+    blocks = [head, *support, "\n".join(numpy_helpers(functions)), "\n".join(functions)]
+    return "\n\n\n".join(b.strip("\n") for b in blocks if b.strip()) + "\n"
+
+
+def signature(fname: str, args: list[str], params: tuple[ir.Param, ...],
+              extra: tuple[str, ...] = ()) -> str:
+    kw = [p.name if p.default is None else f"{p.name}={p.default!r}" for p in params]
+    kw += list(extra)
+    return f"def {fname}({', '.join(args + (['*'] + kw if kw else []))}):"
+
+
+def code(c: ir.Code) -> list[str]:
+    return ["    " + line for line in print_numpy(c)]
+
+
+def returns(values: list[str]) -> str:
+    return "    return " + (values[0] if len(values) == 1 else "(" + ", ".join(values) + ")")

@@ -1,0 +1,54 @@
+"""Attention ops: forward (o, lse), backward (dq, dk, dv from q, k, v, o, lse, do) and
+`decode` (new queries over a KV cache), launched by runtime/engine/attention.py (flash
+tiling, strided q/k/v) on a GPU; on numpy the materialised module."""
+from __future__ import annotations
+
+from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,
+                                               attention_decode, attention_forward,
+                                               decode_geometry)
+from eulergen.runtime.engine.kinds.base import OpKind
+from eulergen.runtime.engine.launch_args import carve, elements
+
+
+class Attention(OpKind):
+    name = "attention"
+    calls = ("forward", "backward", "fused", "decode")
+
+    def backward_names(self, op, side):
+        """q, k, v, then the forward's outputs (o, lse) and o's gradient."""
+        return ([o.name for o in side.inputs] + [o.name for o in side.outputs]
+                + [f"d{side.outputs[0].name}"])
+
+    def numpy_decode(self, module, q, k_cache, v_cache, pos0: int, params: dict):
+        decode_geometry(q, k_cache, v_cache, pos0)
+        return module.decode(q, k_cache, v_cache, pos0, **params)
+
+    def forward(self, cuda, op, inputs, out, params, fusion="", **keywords):
+        o, lse = (None, None) if out is None else out
+        return attention_forward(_kernels(cuda, op), *inputs, out=o, lse=lse, **params)
+
+    def backward(self, cuda, op, args, out, params, workspace=None, accumulate=(), fusion="",
+                 **keywords):
+        delta = None
+        if workspace is not None:
+            B, T, H, _ = args[0].shape
+            (delta,) = carve(op, workspace, [(B, H, T)])
+        return attention_backward(_kernels(cuda, op), *args, out=out, delta=delta, **params)
+
+    def decode(self, cuda, op, q, k_cache, v_cache, pos0: int, out, params: dict,
+               keys: int | None = None, workspace=None):
+        return attention_decode(_kernels(cuda, op), q, k_cache, v_cache, pos0, out=out,
+                                keys=keys, workspace=workspace, **params)
+
+    def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
+        if stage != "backward":
+            return 0
+        B, T, H, _ = shape
+        return elements([(B, H, T)])    # delta = rowsum(dO∘O), [B, H, T]
+
+
+KIND = Attention()
+
+
+def _kernels(cuda, op) -> AttentionKernels:
+    return cuda.compiled(op, AttentionKernels.from_op)
