@@ -2,7 +2,7 @@
 # One batched check on a lent GPU machine: install, GPU tests, benchmarks; logs under $OUT.
 # usage: benchmarks/gpu_check.sh [tests] [kernels] [attention] [decode] [sample] [train]
 #        [scale] [converge] [baseline] [sizes] [longctx]   (issue 31; each fits one 10-minute call:
-#        PRESET=nanoeuler for converge, PRESETS=a,b and BATCH=8 for baseline and sizes,
+#        PRESET=nanoeuler for converge, PRESETS=a,b, BATCH=8 and MODES=m1,m2 for baseline and sizes,
 #        DEADLINE=seconds for the benchmark stages, 530 by default)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 EULERGEN_CACHE=/tmp/eulergen-cache
@@ -21,7 +21,7 @@ for stage in "$@"; do
     train)     timeout 300 python3 benchmarks/train.py --deadline 270 2>&1 | tee "$OUT/train.log" ;;
     scale)     timeout 300 python3 -m pytest -m gpu tests/gpu/test_scale_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/scale.log" ;;
     converge)  timeout 570 python3 benchmarks/converge.py --preset "${PRESET:-gpt2}" --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/converge.log" ;;
-    baseline)  timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2}" --batch "${BATCH:-8,16}" --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/baseline.log" ;;
+    baseline)  timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2}" --batch "${BATCH:-8,16}" ${MODES:+--modes $MODES} --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/baseline.log" ;;
     sizes)     timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2-medium,nanoeuler-medium}" --batch "${BATCH:-8,16}" --modes default --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/sizes.log" ;;
     longctx)   timeout 570 python3 benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 --batch 2 --modes default --sdpa flash,cudnn --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/longctx.log" ;;
     *) echo "unknown stage $stage" ;;
