@@ -2,7 +2,7 @@
 # One batched check on a lent GPU machine: install, GPU tests, benchmarks; logs under $OUT.
 # usage: benchmarks/gpu_check.sh [tests] [kernels] [attention] [decode] [sample] [train]
 #        [scale] [converge] [baseline] [sizes] [longctx]   (issue 31; each fits one 10-minute call:
-#        PRESET=nanoeuler for converge, PRESETS=a,b, BATCH=8 and MODES=m1,m2 for baseline and sizes,
+#        PRESET=nanoeuler for converge, PRESETS=a,b and BATCH=8 for baseline and sizes, MODES=m1,m2 for baseline,
 #        DEADLINE=seconds for the benchmark stages, 530 by default)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 EULERGEN_CACHE=/tmp/eulergen-cache
