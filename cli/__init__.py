@@ -1,5 +1,5 @@
 """The `eulergen` command line: the click group, and a module per command or small family
-of them (build and check, data, train, plan, sample and chat, hf's export and eval,
+of them (build and check, data, train, sweep, plan, sample and chat, hf's export and eval,
 compare and plot).
 Each command is a thin shell over a module function; bad input arrives here as EulerError
 and is printed as one line (`--debug` shows the traceback). The command modules import
@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from eulergen.cli import build, compare, data, hf, plan, sample, train
+from eulergen.cli import build, compare, data, hf, plan, sample, sweep, train
 from eulergen.errors import EulerError
 
 
@@ -41,6 +41,6 @@ def main(debug: bool) -> None:
 
 
 for _command in (build.check, build.build, compare.plot, compare.compare, data.prepare,
-                 data.tokenizer, train.train, plan.plan, sample.sample, sample.chat, hf.export,
-                 hf.eval_):
+                 data.tokenizer, train.train, sweep.sweep, plan.plan, sample.sample, sample.chat,
+                 hf.export, hf.eval_):
     main.add_command(_command)

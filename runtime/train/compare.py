@@ -8,6 +8,7 @@ text scored (the validation set, or the training set of a run without one).
 """
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,9 +77,9 @@ def read_runs(paths) -> tuple[RunSummary, ...]:
         for key in _YARDSTICK:
             mine, theirs = _scored(first, key), _scored(run, key)
             if mine != theirs:
-                raise EulerError(f"nothing in common with {first.path}: {key} {theirs!r} here, "
-                                 f"{mine!r} there (their losses measure different things)",
-                                 file=str(run.path), key=key)
+                raise EulerError(f"nothing in common with {first.path}: {json.dumps(theirs)} "
+                                 f"here, {json.dumps(mine)} there (their losses measure "
+                                 "different things)", file=str(run.path), key=key)
     return runs
 
 
