@@ -1,5 +1,5 @@
-"""What the commands share: the --ops option, warnings, the built-in default's name, a
-run's op library, and numpy's BLAS threads."""
+"""What the commands share: the --ops option, warnings, the console tables print on, the
+built-in default's name, a run's op library, and numpy's BLAS threads."""
 from __future__ import annotations
 
 import sys
@@ -16,22 +16,31 @@ def warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
 
+def console():
+    """rich's Console on stdout; piped or captured, 120 columns wide (never rich's 80, which
+    cuts names short)."""
+    from rich.console import Console
+    out = Console()
+    return out if out.is_terminal else Console(width=120)
+
+
 def default_named(cfg) -> str:
     """', the built-in GPU default' (or CPU): which one a run without a file took."""
     return f", the built-in {cfg.default.upper()} default" if cfg.default else ""
 
 
-def library(cfg, ops_dirs):
-    """The OpLibrary for a run: its ops regenerated first where stale, then the
-    built-in manifest and the user ops' manifests loaded over the chosen backend. On a GPU
-    the kernels the disk cache lacks start compiling now, side by side, while the run
-    starts (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
+def library(cfg, ops_dirs, names=None):
+    """The OpLibrary for a run: its ops (or `names`: a sweep's, of all its runs) regenerated
+    first where stale, then the built-in manifest and the user ops' manifests loaded over
+    the chosen backend. On a GPU the kernels the disk cache lacks start compiling now, side
+    by side, while the run starts (runtime/engine/compile.py prefetch): the first launches
+    then find them compiled."""
     from eulergen.generator.build import ensure_built
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.model.arch import ops_used
 
-    names = ops_used(cfg.model)
+    names = names or ops_used(cfg.model)
     manifests = ensure_built(names, ops_dirs) or []
     lib = OpLibrary(get_backend(cfg.training.device), manifests)
     if lib.backend.is_gpu:

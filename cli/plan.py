@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import default_named, ops_option
+from eulergen.cli.common import console, default_named, ops_option
 
 
 @click.command()
@@ -21,8 +21,6 @@ from eulergen.cli.common import default_named, ops_option
 @ops_option
 def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""
-    from rich.console import Console
-
     from eulergen.runtime.engine.backend import NUMPY
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.model.memory import plan_table
@@ -46,7 +44,4 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     title = (f"memory plan{default_named(cfg)}: {param_count(run.arch):,} parameters, "
              f"B={t.batch_size}, T={t.seq_len}, "
              f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}{ranks}")
-    console = Console()
-    if not console.is_terminal:   # piped or captured: never cut a buffer name short
-        console = Console(width=120)
-    console.print(plan_table(run.plan, title))
+    console().print(plan_table(run.plan, title))

@@ -1,6 +1,7 @@
 """Run logger: metrics.jsonl, TensorBoard events, resume without duplicate steps, plot."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
+from eulergen.runtime.train import metrics
 from eulergen.runtime.train.metrics import (RunLogger, flops_per_token, peak_flops, plot_run,
                                       read_metrics)
 
@@ -25,7 +27,7 @@ def test_records_are_json_lines_with_the_standard_keys(tmp_path):
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert set(records[4]) == {"step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s",
-                               "ms_per_step", "mfu"}
+                               "ms_per_step", "mfu", "elapsed_s"}
     assert "val_loss" not in records[0]
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])["train_loss"] == pytest.approx(4.8)
 
@@ -34,6 +36,14 @@ def test_resume_drops_records_past_the_checkpoint(tmp_path):
     _log_run(tmp_path, range(1, 9))          # killed after step 8; last checkpoint at 5
     _log_run(tmp_path, range(6, 11), resume_step=5)
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 11))
+
+
+def test_wall_time_carries_on_from_the_records_a_resume_keeps(tmp_path, monkeypatch):
+    clock = itertools.count()   # a second a reading: the logger reads it once, then a record
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: float(next(clock)))
+    _log_run(tmp_path, range(1, 9))             # records at 1 … 8 s
+    _log_run(tmp_path, range(6, 11), resume_step=5)
+    assert [r["elapsed_s"] for r in read_metrics(tmp_path)] == list(range(1, 11))
 
 
 def test_fresh_run_replaces_old_metrics(tmp_path):

@@ -11,6 +11,7 @@ did could delete a running trainer's save in progress.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -150,6 +151,19 @@ def load(path: str | Path, require: tuple[str, ...] = ()) -> Checkpoint:
             raise EulerError(f"corrupt tensors: {err}", file=str(path / name)) from None
     return Checkpoint(path=path, step=step, params=tensors[MODEL_FILE],
                       optim=tensors[OPTIM_FILE], state=state)
+
+
+def param_total(path: str | Path) -> int:
+    """The number of weights in a checkpoint folder's model.safetensors, read from its
+    header alone."""
+    from safetensors import SafetensorError, safe_open
+
+    file = Path(path) / MODEL_FILE
+    try:
+        with safe_open(str(file), "numpy") as f:
+            return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    except (SafetensorError, OSError) as err:
+        raise EulerError(f"corrupt tensors: {err}", file=str(file)) from None
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -181,7 +181,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         _apply_override(raw, item, where)
     default_run_dir = f"runs/{Path(path).stem if path is not None else 'default'}"
     if fresh_run_dir:
-        default_run_dir = _fresh_dir(default_run_dir)
+        default_run_dir = fresh_dir(default_run_dir)
     default = None
     if path is None and finds_gpu is not None:
         default = "gpu" if _on_gpu(raw, finds_gpu) else "cpu"
@@ -196,7 +196,8 @@ def _on_gpu(raw: dict[str, Any], finds_gpu: typing.Callable[[], bool]) -> bool:
     return device == "cuda" or (device == "auto" and finds_gpu())
 
 
-def _fresh_dir(base: str) -> str:
+def fresh_dir(base: str) -> str:
+    """A folder name that does not exist yet: `base`-YYYYmmdd-HHMMSS (a run's, a sweep's)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name, n = f"{base}-{stamp}", 1
     while Path(name).exists():     # two runs started within one second

@@ -2,7 +2,9 @@
 files (tensorboardX), a live progress line; the loss plot; model FLOPs for MFU.
 
 Standard record keys: step, train_loss, val_loss, lr, grad_norm, tokens_per_s,
-ms_per_step, mfu. Any other numeric key is written too (e.g. skipped updates).
+ms_per_step, mfu, and elapsed_s (wall seconds since the run began, which the logger adds:
+a resume carries on from the last record it keeps). Any other numeric key is written too
+(the trainer's tokens, skipped updates).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from eulergen.userfiles import load_json, read_text
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PLOT_FILE = "loss.png"
-METRIC_KEYS = ("step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu")
+METRIC_KEYS = ("step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step",
+               "mfu", "elapsed_s")
 
 # Dense peak FLOP/s by (device-name fragment, precision), for MFU. Matched in order.
 PEAK_FLOPS = {
@@ -47,6 +50,8 @@ class RunLogger:
         kept = [r for r in read_metrics(self.run_dir) if r["step"] <= resume_step] \
             if resume_step is not None and self.path.exists() else []
         _write_records(self.path, kept)
+        last = kept[-1].get("elapsed_s") if kept else None
+        self._began = time.perf_counter() - (last if isinstance(last, (int, float)) else 0.0)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = _tb_writer(self.run_dir / TB_DIR, resume_step) if tensorboard else None
         self._progress = _Progress(total_steps, resume_step or 0) if progress else None
@@ -60,6 +65,7 @@ class RunLogger:
             if not isinstance(value, (int, float)):
                 raise TypeError(f"metric {key} is {type(value).__name__}, expected a number")
             record[key] = value if isinstance(value, (bool, int)) else float(value)
+        record["elapsed_s"] = time.perf_counter() - self._began
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -113,15 +119,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def plot_run(run_dir: str | Path) -> Path:
-    """Write RUN/loss.png: train and val loss against step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_run(run_dir: str | Path, x: str = "step") -> Path:
+    """Write RUN/loss.png: train and val loss against `x` (a key of X_AXES)."""
+    plt = pyplot()
     records = read_metrics(run_dir)
-    train = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train, val = curve(records, "train_loss", x, run_dir), curve(records, "val_loss", x, run_dir)
     if not train and not val:
         raise EulerError("no loss recorded yet", file=str(Path(run_dir) / METRICS_FILE))
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
@@ -129,16 +131,47 @@ def plot_run(run_dir: str | Path) -> Path:
         ax.plot(*zip(*train), label="train", color="tab:blue", linewidth=1)
     if val:
         ax.plot(*zip(*val), label="val", color="tab:orange", marker="o", markersize=3)
-    ax.set_xlabel("step")
+    ax.set_xlabel(X_LABELS[x])
     ax.set_ylabel("loss")
     ax.set_title(Path(run_dir).resolve().name)
     ax.grid(alpha=0.3)
     ax.legend()
-    out = Path(run_dir) / PLOT_FILE
-    tmp = out.with_name(f".{PLOT_FILE}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, out)
+    return save_png(fig, Path(run_dir) / PLOT_FILE)
+
+
+# what a plot's x axis may be: the record key it reads, and the axis label
+X_AXES = {"step": "step", "tokens": "tokens", "time": "elapsed_s"}
+X_LABELS = {"step": "step", "tokens": "tokens", "time": "wall time (s)"}
+
+
+def curve(records: list[dict[str, Any]], y: str, x: str, run_dir) -> list[tuple[float, float]]:
+    """(x, y) of every record holding `y`, x read by X_AXES[x]; a run whose records lack it
+    (written before eulergen recorded it) is an error naming the run."""
+    key = X_AXES[x]
+    points = [(r.get(key), r[y]) for r in records if y in r]
+    if any(p is None for p, _ in points):
+        raise EulerError(f"no {key} in its records (a run from before eulergen recorded it): "
+                         "plot it against step", file=str(Path(run_dir) / METRICS_FILE))
+    return points
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_png(fig, out: Path, metadata: dict[str, str] | None = None) -> Path:
+    """Save `fig` as the PNG `out` atomically (a temp file beside it, renamed) and close it."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
+    try:
+        fig.savefig(tmp, metadata=metadata)
+        os.replace(tmp, out)
+    finally:
+        pyplot().close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 

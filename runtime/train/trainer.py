@@ -123,6 +123,7 @@ class Trainer:
         self.model = allocate(resolved.arch, lib, resolved.plan, t.batch_size, t.seq_len,
                               tf32=t.tf32)
         self.model.set_accumulation(t.gradient_accumulation, ranks)
+        self.tokens_per_step = ranks * t.batch_size * t.seq_len * t.gradient_accumulation
         buckets = resolved.buckets
         self.dp = DataParallel(self.model, collective, buckets) if buckets is not None else None
         zero = buckets is not None and buckets.zero
@@ -275,7 +276,9 @@ class Trainer:
             self.result.skipped.append(self.step)
             self.logger.print(f"step {self.step}: update skipped, {r.skipped}")
         record = {}
-        if self.step % t.log_every == 0 or self.step == 1 or r.skipped is not None:
+        # the last step too, so that a run's records end with its tokens and wall time
+        if self.step % t.log_every == 0 or self.step in (1, t.total_steps) \
+                or r.skipped is not None:
             tps = t.batch_size * t.seq_len * t.gradient_accumulation / r.seconds
             record = dict(train_loss=r.loss, lr=learning_rate(t, self.step), grad_norm=r.norm,
                           tokens_per_s=tps, ms_per_step=1e3 * r.seconds,
@@ -287,7 +290,7 @@ class Trainer:
                 self.result.val_losses[self.step] = val
                 record["val_loss"] = val
         if record:
-            self.logger.log(self.step, **record)
+            self.logger.log(self.step, tokens=self.step * self.tokens_per_step, **record)
         # every rank (save() writes on rank 0); bf16 ZeRO: it makes rank 0's master whole
         # for sample() too
         if self._checkpoints(self.step):
