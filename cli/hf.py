@@ -19,13 +19,13 @@ def export(run, out) -> None:
     import json
 
     from eulergen.runtime.interop import hf
-    from eulergen.runtime.train.evaluate import open_model
-    from eulergen.runtime.data.tokenizer import hf_tokenizer_json, load_tokenizer
+    from eulergen.runtime.train.evaluate import open_model, tokenizer_of
+    from eulergen.runtime.data.tokenizer import hf_tokenizer_json
 
     weights = open_model(run)
     files, eot = {}, None
     try:
-        tok = load_tokenizer(weights.cfg.data)
+        tok = tokenizer_of(weights)
         eot = tok.eot
         text = hf_tokenizer_json(tok)
         files = {hf.TOKENIZER: text,

@@ -16,19 +16,12 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     checkpoint folder, or a transformers folder or Hub id), with the config it was trained
     with (runtime/train/evaluate.py open_sampler)."""
     limit_blas_threads()
-    from eulergen.runtime.train.evaluate import open_model, open_sampler
+    from eulergen.runtime.train.evaluate import open_model, open_sampler, tokenizer_of
     from eulergen.runtime.generate.sample import sampling_dtype
-    from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
-    import numpy as np
-    for name, value in weights.params.items():
-        if not np.isfinite(value).all():   # every logit would be NaN: nothing to sample
-            raise EulerError(f"{name} holds NaN or Inf: these weights cannot be sampled",
-                             file=weights.file)
     cfg = weights.cfg
-    tok = load_tokenizer(cfg.data)
-    check_fits(tok, cfg.model.vocab_size)
+    tok = tokenizer_of(weights)
     lib = library(cfg, ops_dirs)
     sampler = open_sampler(weights, lib, batch=num_samples,
                            dtype=sampling_dtype(dtype, lib.backend),

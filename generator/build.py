@@ -21,6 +21,7 @@ from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __versi
 from eulergen.files import write_atomic
 from eulergen.generator import ir, ops_path
 from eulergen.kinds import KINDS
+from eulergen.userfiles import read_bytes
 
 FORMAT = 2
 COMMON = "eulergen_common.cuh"
@@ -221,7 +222,7 @@ def plan_build(root: Path, specs: dict[str, Path], *, embedding: bool, force: bo
     out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
         path = specs[name]
-        data = path.read_bytes()
+        data = read_bytes(path, "spec file")   # a regular file, bounded: the user's
         key = build_key(data, _kind_of(data), fingerprint)
         files = _reusable(prev.get(name), key, root)
         if files is not None:

@@ -18,7 +18,7 @@ class YamlDoc:
 
     def __init__(self, path: Path):
         self.file = str(path)
-        text = read_text(path, "spec")
+        text = read_text(path, "spec file")
         self.bytes = text.encode("utf-8")
         self.lines: dict[tuple, int] = {}
         # bounded (aliases expanded, depth) and duplicate keys refused while composing

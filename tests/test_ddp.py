@@ -211,7 +211,7 @@ def test_nproc_larger_than_the_gpus_is_one_line_before_any_rank_starts(monkeypat
     monkeypatch.setattr(backend, "get_backend", lambda device, notice=None: type(
         "Backend", (), {"is_gpu": True, "xp": gpus})())
     with pytest.raises(EulerError, match="--nproc: 2 ranks, one per GPU, but 1 GPUs are visible"):
-        workers.check_gpus(2, "cuda")
+        workers.check_ranks(2, "cuda")
 
 
 def test_the_nccl_collective_offers_the_cpu_one_s_interface():

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from eulergen import PACKAGE_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
 from eulergen.runtime.interop import hf
@@ -61,6 +62,16 @@ def hf_model(kind: str, vocab: int, seed: int = 0):
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+def word_tokenizer(folder: Path, vocab: int) -> None:
+    """A WordLevel tokenizer.json of `vocab` ids (<|endoftext|> the last) in `folder`: an HF
+    folder without a tokenizer eulergen reads is refused."""
+    words = {f"w{i}": i for i in range(vocab - 1)} | {T.ENDOFTEXT: vocab - 1}
+    (folder / hf.TOKENIZER).write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+        "decoder": None, "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}}))
 
 
 def saved(tmp_path_factory, kind, vocab, **config):
@@ -168,7 +179,9 @@ def test_sharded_weights_load_like_one_file(tmp_path_factory):
 
 @pytest.fixture
 def gpt2_folder(tmp_path_factory):
-    return saved(tmp_path_factory, "gpt2", 97)[0]
+    folder = saved(tmp_path_factory, "gpt2", 97)[0]
+    word_tokenizer(folder, 97)
+    return folder
 
 
 def _fails(tmp_path, folder, *extra):
@@ -230,7 +243,7 @@ def test_export_never_writes_over_foreign_files(tmp_path, gpt2_folder):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     result = CliRunner().invoke(main, ["export", str(gpt2_folder), "--out", str(out)])
-    assert result.exit_code == 2 and "'notes.txt', which export did not write" in result.output
+    assert result.exit_code == 2 and "holds files export did not write (notes.txt)" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
@@ -239,9 +252,15 @@ def test_export_never_writes_over_foreign_files(tmp_path, gpt2_folder):
 def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib):
     folder, _ = saved(tmp_path_factory, "gpt2", 256)
     (folder / hf.TOKENIZER).write_bytes(T.hf_tokenizer_json(T.ByteTokenizer()))
-    run, out = tmp_path / "run", tmp_path / "out"
+    run, out, data = tmp_path / "run", tmp_path / "out", tmp_path / "data"
     cli = CliRunner()
+    (tmp_path / "text.txt").write_bytes((PACKAGE_DIR / "runtime" / "data" / "loader.py").read_bytes())
+    result = cli.invoke(main, ["prepare", str(tmp_path / "text.txt"), "--out", str(data),
+                               "--tokenizer", str(folder / hf.TOKENIZER), "--val-tokens", "400",
+                               "--quiet"])   # the data in the folder's own tokenizer
+    assert result.exit_code == 0, result.output
     result = cli.invoke(main, ["train", "--init-from", str(folder), "--run-dir", str(run),
+                               "--set", f"data.dataset={data}/data_train_*.bin",
                                "--device", "numpy", "--set", "training.total_steps=2",
                                "--set", "training.warmup_steps=1", "--set", "training.batch_size=2",
                                "--set", "training.eval_every=0", "--set", "training.sample_tokens=0"])
@@ -253,15 +272,16 @@ def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib
     result = cli.invoke(main, ["export", str(run), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.iterdir()} == {hf.CONFIG, hf.WEIGHTS, hf.TOKENIZER,
-                                              "tokenizer_config.json"}
+                                              "tokenizer_config.json", ".eulergen-export"}
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("héllo")["input_ids"] == list("héllo".encode())
     assert (tok.eos_token, tok.eos_token_id) == (T.ENDOFTEXT, T.BYTE_EOT)
 
-    result = cli.invoke(main, ["eval", str(run), "--data", "builtin:stdlib", "--batch-size", "2",
+    val = f"{data}/data_val_000000.bin"
+    result = cli.invoke(main, ["eval", str(run), "--data", val, "--batch-size", "2",
                                "--max-batches", "2", "--device", "numpy"])
     assert result.exit_code == 0, result.output
-    expected = evaluate(open_model(run, "numpy"), lib, "builtin:stdlib", batch=2, seq=S, max_batches=2)
+    expected = evaluate(open_model(run, "numpy"), lib, val, batch=2, seq=S, max_batches=2)
     assert result.output.strip().startswith(f"loss {expected.loss:.4f}  perplexity {expected.perplexity:.3f}")
 
     result = cli.invoke(main, ["sample", str(out), "--prompt", "ab", "--max-new-tokens", "3",
@@ -275,7 +295,8 @@ def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_wei
     folder, _ = saved(tmp_path_factory, "gpt2", 256)
     short = ["--device", "numpy", "--set", "training.total_steps=2", "--set",
              "training.warmup_steps=1", "--set", "training.batch_size=2", "--set",
-             "training.eval_every=0", "--set", "training.sample_tokens=0"]
+             "training.eval_every=0", "--set", "training.sample_tokens=0",
+             "--set", "data.tokenizer=byte"]   # the folder has none: builtin:stdlib's bytes
     cli = CliRunner()
 
     whole = tmp_path / "whole"
@@ -300,6 +321,7 @@ def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_wei
 
 def test_eval_is_the_mean_loss_transformers_gives(tmp_path_factory, tmp_path, lib):
     folder, ref = saved(tmp_path_factory, "llama", 97)
+    word_tokenizer(folder, 97)
     data = tmp_path / "d_val_000000.bin"
     from eulergen.runtime.data.loader import write_shard
     ids = np.random.default_rng(5).integers(0, 97, 4 * S + 1)

@@ -25,7 +25,7 @@ from eulergen.runtime.data.sources import HubDataset, LocalFiles
 from eulergen.runtime.data.tokenizer import ByteTokenizer, train_bpe
 
 # Documents the tests own: this package's Python source, one file a document.
-DOCS = [p.read_text(encoding="utf-8") for p in sorted((PACKAGE_DIR / "runtime").glob("*.py"))]
+DOCS = [p.read_text(encoding="utf-8") for p in sorted((PACKAGE_DIR / "runtime").rglob("*.py"))]
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +156,13 @@ def test_an_output_folder_with_foreign_files_is_refused(texts, tmp_path):
     out = tmp_path / "d"
     out.mkdir()
     (out / "notes.md").write_text("mine")
-    with pytest.raises(EulerError, match=r"holds files prepare did not write \(notes.md\) and no "
-                                         r"prepare.json: name an empty or new folder"):
+    with pytest.raises(EulerError, match=r"holds files prepare did not write \(notes.md\): never "
+                                         r"written over; name a new or empty folder"):
         prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
     (out / "notes.md").unlink()
     prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
     (out / "notes.md").write_text("mine")
-    with pytest.raises(EulerError, match=r"holds a file prepare did not write \(notes.md\)"):
+    with pytest.raises(EulerError, match=r"holds files prepare did not write \(notes.md\)"):
         prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
 
 

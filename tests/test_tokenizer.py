@@ -201,5 +201,5 @@ def test_tokenizer_train_refuses_a_folder_as_out(tmp_path):
     got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "300",
                                     "--out", str(tmp_path), str(tmp_path / "a.txt")])
     assert got.exit_code == 2
-    assert got.output.strip() == (f"error: {tmp_path}: --out: a folder: --out names the "
-                                  "tokenizer .json to write")
+    assert got.output.strip() == (f"error: {tmp_path}: --out: a folder: tokenizer train "
+                                  "writes a new file, never over anything")

@@ -29,11 +29,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
-from eulergen.runtime.data.loader import open_tokens, write_shard
+from eulergen.runtime.data.loader import is_stdlib_folder, open_tokens, write_shard
 from eulergen.runtime.data.sources import ON_BAD_TEXT, Document, Source, checked
-from eulergen.runtime.data.tokenizer import Tokenizer
+from eulergen.runtime.data.tokenizer import BYTE, Tokenizer
+from eulergen.userfiles import Fields, opened, read_json
 
 STATE_FILE = "prepare.json"
 MAX_WORKERS_PER_CORE = 4   # each worker is a process holding the tokenizer
@@ -71,15 +73,22 @@ class PrepareState:
 
     @classmethod
     def read(cls, path: Path) -> "PrepareState":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.pop("format") != FORMAT:
-                raise ValueError("unknown format")
-            shards = tuple(ShardRecord(**s) for s in data.pop("shards"))
-            return cls(shards=shards, **data)
-        except (ValueError, KeyError, TypeError) as err:
-            raise EulerError(f"not a prepare manifest this version reads ({err})",
-                             file=str(path)) from None
+        """A manifest, every field typed (a shard's file a name in its folder)."""
+        f = Fields(read_json(path, "prepare manifest"), str(path))
+        if f.data.get("format") != FORMAT:
+            raise f.error("format", f"{_show(f.data.get('format'))}: not a prepare manifest "
+                                    f"this version reads (format {FORMAT})")
+        shards = []
+        for n, item in enumerate(f.list("shards", [])):
+            shard = Fields(item, str(path), f"shards.{n}.")
+            file = shard.text("file")
+            if Path(file).name != file:
+                raise shard.error("file", f"{file!r} is not a file name in this folder")
+            shards.append(ShardRecord(file, shard.int("tokens"), shard.text("sha256")))
+        return cls(settings=f.fields("settings").data, shards=tuple(shards),
+                   documents=f.int("documents", 0), carry=f.int("carry", 0),
+                   tokens=f.int("tokens", 0), skipped=f.int("skipped", 0),
+                   done=f.flag("done", False))
 
 
 @dataclass(frozen=True)
@@ -183,17 +192,21 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
         raise
 
 
-def check_prepared_with(files, tokenizer: Tokenizer, key: str = "data.tokenizer") -> None:
-    """Refuse token files that a prepared folder's manifest says another tokenizer made
-    (ids of one tokenizer read through another are noise the model would learn)."""
+def check_prepared_with(files, name: str, digest: str, key: str = "data.tokenizer") -> None:
+    """Refuse token files that another tokenizer made than the one named `name` whose
+    digest is `digest` (ids of one tokenizer read through another are noise the model would
+    learn): as a prepared folder's manifest says, or builtin:stdlib's, which is bytes."""
     for folder in sorted({Path(f).parent for f in files}):
-        if not (folder / STATE_FILE).is_file():
+        if is_stdlib_folder(folder):
+            made, where = {"tokenizer": BYTE, "tokenizer_digest": BYTE}, folder
+        elif (folder / STATE_FILE).exists():
+            made, where = PrepareState.read(folder / STATE_FILE).settings, folder / STATE_FILE
+        else:
             continue
-        made = PrepareState.read(folder / STATE_FILE).settings
-        if made.get("tokenizer_digest") != tokenizer.digest:
+        if made.get("tokenizer_digest") != digest:
             raise EulerError(f"the data was prepared with tokenizer {made.get('tokenizer')!r}, "
-                             f"not {tokenizer.name!r} (digests differ): set data.tokenizer to "
-                             "the one prepare used", file=str(folder / STATE_FILE), key=key)
+                             f"not {name!r} (digests differ): name the tokenizer it was made "
+                             "with", file=str(where), key=key)
 
 
 def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None:
@@ -221,11 +234,8 @@ def _open_folder(out: Path, settings: dict) -> PrepareState:
                          key="--out")
     state_path = out / STATE_FILE
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not state_path.is_file():
-        if present:
-            raise EulerError(f"the output folder holds files prepare did not write ({present[0]}"
-                             f"{', …' if len(present) > 1 else ''}) and no {STATE_FILE}: name an "
-                             "empty or new folder", file=str(out))
+    if not state_path.exists():
+        outputs.check_folder(out, lambda name: False, by="prepare", key="--out")
         state = PrepareState(settings=settings)
         write_atomic(state_path, state.to_json())
         return state
@@ -241,25 +251,27 @@ def _open_folder(out: Path, settings: dict) -> PrepareState:
                          f"not {_show(settings.get(key))}: rerun with its settings, or name another "
                          "folder", file=str(out / STATE_FILE), key=key)
     recorded = {s.file for s in state.shards}
-    ours = re.compile(re.escape(settings["name"]) + r"_(val|train)_\d{6}\.bin\Z")
+    shard = re.escape(settings["name"]) + r"_(val|train)_\d{6}\.bin"
+    ours = re.compile(shard + r"\Z")
+    # files.write_atomic's temp files, of a write the last run did not finish
+    temp = re.compile(rf"\.({shard}|{re.escape(STATE_FILE)})\.\w+\.tmp\Z")
+    outputs.check_folder(out, lambda e: e == STATE_FILE or e in recorded or bool(
+        ours.match(e) or temp.match(e)), by="prepare", key="--out")
     for entry in present:
-        if entry.startswith(".") and entry.endswith(".tmp"):
-            (out / entry).unlink()      # a write the last run did not finish
-        elif entry != STATE_FILE and entry not in recorded and not ours.match(entry):
-            raise EulerError(f"the output folder holds a file prepare did not write ({entry}): "
-                             "move it out or name another folder", file=str(out))
+        if temp.match(entry):
+            (out / entry).unlink()
     for shard in state.shards:
         _verify(out / shard.file, shard)
     return state
 
 
 def _verify(path: Path, shard: ShardRecord) -> None:
-    if not path.is_file():
+    if not path.exists():
         raise EulerError(f"shard listed in {STATE_FILE} is missing: delete the folder to prepare "
                          "it again", file=str(path))
     count = len(open_tokens(path))    # a truncated or foreign file fails here, saying how
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with opened(path, "token file") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     digest = digest.hexdigest()

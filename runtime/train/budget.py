@@ -68,6 +68,17 @@ def check_fits(cfg, arch, backend, plan_of, *, what: str, batch: tuple[str, int,
                      f"{format_bytes(have)} of {where} free (see `eulergen plan`)", key=key)
 
 
+def check_batch(cfg, arch, backend, plan_of, *, what: str, batch: tuple[str, int, int],
+                seq: int) -> None:
+    """A command's batch of rows of `seq` tokens (`batch` as check_fits takes it): at most
+    MAX_INDEX tokens, and a plan that fits, both before anything is planned in full."""
+    key, rows, _ = batch
+    if rows * seq > MAX_INDEX:
+        raise EulerError(f"{rows:,} rows of {seq} tokens: at most {MAX_INDEX:,} tokens in one "
+                         "batch", key=key)
+    check_fits(cfg, arch, backend, plan_of, what=what, batch=batch)
+
+
 def available(backend) -> tuple[int | None, str]:
     """Free bytes where `backend` allocates, and what that memory is called."""
     if backend.is_gpu:

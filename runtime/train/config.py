@@ -244,9 +244,7 @@ def _locate(path: Path) -> Path:
 def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The file's mapping and the line of each key. Read through eulergen/userfiles.py:
     aliases and nesting bounded before expansion, a key given twice refused."""
-    if not path.is_file():
-        raise EulerError("config file not found", file=str(path))
-    text = read_text(path, "config")
+    text = read_text(path, "config file")
     file = str(path)
     root = None
     if path.suffix == ".json":

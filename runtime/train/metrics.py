@@ -6,14 +6,15 @@ ms_per_step, mfu. Any other numeric key is written too (e.g. skipped updates).
 """
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.userfiles import load_json, read_text
@@ -21,6 +22,7 @@ from eulergen.userfiles import load_json, read_text
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PLOT_FILE = "loss.png"
+METRICS_LIMIT = 256 << 20   # a record a logged step, ~200 bytes: a million of them
 METRIC_KEYS = ("step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu")
 
 # Dense peak FLOP/s by (device-name fragment, precision), for MFU. Matched in order.
@@ -94,9 +96,9 @@ class RunLogger:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl; a line cut short by a kill is dropped."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    if not path.exists():
         raise EulerError(f"no {METRICS_FILE} here (not a run folder?)", file=str(run_dir))
-    lines = read_text(path, METRICS_FILE).splitlines()
+    lines = read_text(path, "metrics file", METRICS_LIMIT).splitlines()
     records = []
     for number, line in enumerate(lines, 1):
         try:
@@ -114,7 +116,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | Path) -> Path:
-    """Write RUN/loss.png: train and val loss against step."""
+    """Write RUN/loss.png: train and val loss against step (outputs.py's rule)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -134,12 +136,11 @@ def plot_run(run_dir: str | Path) -> Path:
     ax.set_title(Path(run_dir).resolve().name)
     ax.grid(alpha=0.3)
     ax.legend()
-    out = Path(run_dir) / PLOT_FILE
-    tmp = out.with_name(f".{PLOT_FILE}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    # replaced in a run folder; elsewhere written only where the user has no loss.png
+    return outputs.write_into(run_dir, PLOT_FILE, png.getvalue(), command="run", by="plot")
 
 
 def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int) -> float:
