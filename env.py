@@ -130,6 +130,7 @@ def check_own(environ: Mapping[str, str] | None = None) -> list[str]:
         if name in VARIABLES:
             get(name, environ)
         else:
+            # names share their prefix: only a near miss is a typo
             warnings.append(f"{name} is not a variable eulergen reads"
-                            + (suggest(name, own) or f" (it reads {', '.join(own)})"))
+                            + suggest(name, own, "variable", cutoff=0.85))
     return warnings

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import stat
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -54,16 +55,14 @@ def opened(path: str | Path, what: str, key: str | None = None) -> Iterator[Bina
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise _refusal(path, what, err, key) from None
-    f = os.fdopen(fd, "rb")
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "special file")
-            raise EulerError(f"{_via_link(path)}a {kind}, not a regular file: a {what} is read "
-                             "only from a file", file=str(path), key=key)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(mode), "special file")
+        raise EulerError(f"{_via_link(path)}a {kind}, not a regular file: a {what} is read "
+                         "only from a file", file=str(path), key=key)
+    with os.fdopen(fd, "rb") as f:
         yield f
-    finally:
-        f.close()
 
 
 def _via_link(path: Path) -> str:
@@ -127,6 +126,8 @@ def map_array(f: BinaryIO, dtype, offset: int, count: int):
 
 # -- typed fields ---------------------------------------------------------------------------
 
+# (Pythons before 3.10.7 have no such limit, and no ValueError)
+_TOO_LONG = f"an integer of more than {getattr(sys, 'get_int_max_str_digits', int)():,} digits"
 _REQUIRED = object()
 INT_MAX = 2**63 - 1
 
@@ -326,7 +327,10 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def compose_yaml(text: str, file: str) -> yaml.Node | None:
     """The node tree of one YAML document (None when empty), within the bounds above."""
-    loader = _BoundedLoader(text, file)
+    try:
+        loader = _BoundedLoader(text, file)   # its reader refuses NUL and other controls
+    except yaml.YAMLError as err:
+        raise EulerError(f"YAML error: {err}".splitlines()[0], file=file) from None
     try:
         return loader.get_single_node()
     except yaml.MarkedYAMLError as err:
@@ -348,8 +352,8 @@ def construct_yaml(node: yaml.Node, file: str):
         mark = err.problem_mark or err.context_mark
         raise EulerError(f"YAML error: {err.problem or err.context}", file=file,
                          line=mark.line + 1 if mark else None) from None
-    except ValueError as err:   # an integer past Python's digit limit (4300)
-        raise EulerError(f"YAML error: {err}", file=file) from None
+    except ValueError:   # the only one a safe load raises: an int past Python's digit limit
+        raise EulerError(f"YAML error: {_TOO_LONG}", file=file) from None
     finally:
         loader.dispose()
 
@@ -375,5 +379,5 @@ def load_json(text: str, file: str):
         raise EulerError(f"invalid JSON: {err.msg}", file=file, line=err.lineno) from None
     except RecursionError:
         raise EulerError("JSON nested too deeply to read", file=file) from None
-    except ValueError as err:   # json's int() past Python's digit limit
-        raise EulerError(f"invalid JSON: {err}", file=file) from None
+    except ValueError:   # json's int() past Python's digit limit
+        raise EulerError(f"invalid JSON: {_TOO_LONG}", file=file) from None

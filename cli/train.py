@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import default_named, library, limit_blas_threads, ops_option
+from eulergen.cli.common import RANKS, default_named, library, limit_blas_threads, ops_option
 from eulergen.errors import EulerError
 
 
@@ -24,7 +24,7 @@ from eulergen.errors import EulerError
 @click.option("--init-from", metavar="PATH",
               help="Start from a transformers save_pretrained folder (GPT2LMHeadModel or "
                    "LlamaForCausalLM) or a Hub id such as gpt2; the model config is its config.json.")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--nproc", type=RANKS, default=1, show_default=True,
               help="Data-parallel ranks on this machine, one per GPU on CuPy (training.batch_size "
                    "is each rank's); under torchrun or srun leave it out.")
 @ops_option

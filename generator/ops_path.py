@@ -21,7 +21,8 @@ def find_ops(ops_dirs=()) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for n, folder in enumerate(ops_path(ops_dirs)):
         if n > 0 and not folder.is_dir():
-            raise EulerError("ops directory does not exist", file=str(folder))
+            raise EulerError("not a folder of op specs" if folder.exists() else
+                             "ops directory does not exist", file=str(folder))
         for path in sorted(folder.glob("*.yaml")):
             name = path.stem
             if name in found:

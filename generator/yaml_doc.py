@@ -10,6 +10,17 @@ import yaml
 from eulergen.errors import EulerError, Where
 from eulergen.userfiles import compose_yaml, construct_yaml, read_text
 
+FLOAT32_MAX = 3.4028234663852886e38   # the kernels compute in float32
+
+
+def past_float32(value: int | float) -> str | None:
+    """What is wrong with a number of a spec the kernels cannot hold (nan, inf, past
+    float32's range, an integer past any float), or None."""
+    if abs(value) <= FLOAT32_MAX:
+        return None
+    shown = value if isinstance(value, float) else f"an integer of {len(str(value))} digits"
+    return f"{shown} is not a finite float32 value"
+
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -67,4 +78,7 @@ class YamlDoc:
                 fixed = (mant if "." in mant else mant + ".0") + ("e" + exp if exp else "")
                 raise self.error(f"'{value}' is read by YAML as a string; write {fixed}", *path)
             raise self.error(f"expected a number, got {value!r}", *path)
+        fault = past_float32(value)
+        if fault:
+            raise self.error(fault, *path)
         return float(value)

@@ -337,6 +337,7 @@ def _nproc_2(*args):
 def test_train_nproc_2_matches_the_in_process_ranks(shard, tmp_path):
     run = _nproc_2(*_sets(shard, tmp_path / "cli", 4))
     assert "2 ranks x B=4" in run.stderr and run.stderr.count("eulergen train:") == 1
+    assert "each wait at most 300 s (EULERGEN_COLLECTIVE_TIMEOUT)" in run.stderr.splitlines()[0]
     cli, threads = losses(tmp_path / "cli"), _two_ranks(shard, tmp_path / "threads")
     # not bits: the CLI's workers run OpenBLAS on one thread (cli/common.py), pytest may not
     assert cli.keys() == threads.keys()
@@ -376,6 +377,35 @@ def test_killed_ranks_stop_the_other_naming_them_and_resume_continues_the_run(sh
             in err.splitlines()[-1], err
     _nproc_2("--resume", str(run))
     assert losses(run) == losses(tmp_path / "straight")
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie no one has reaped yet counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_dies_with_its_launcher_even_by_kill_9():
+    rank = ("import time; from eulergen.runtime.distributed.workers import follow_launcher; "
+            "follow_launcher(); print('following', flush=True); time.sleep(60)")
+    launcher = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                f"{rank!r}], env={{**os.environ, 'EULERGEN_LAUNCHER_PID': str(os.getpid())}}); "
+                "print(p.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "following"
+        proc.kill()   # no handler runs: only the kernel's parent-death signal can end the rank
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), "the rank outlived its launcher"
+    finally:
+        proc.kill()
 
 
 def test_nproc_under_a_launcher_is_one_line(shard, tmp_path):

@@ -149,7 +149,8 @@ def test_an_output_path_that_is_a_file_is_refused(texts, tmp_path):
     out.write_text("mine")
     with pytest.raises(EulerError) as err:
         prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
-    assert str(err.value) == f"{out}: --out: not a folder: --out names the folder the shards go to"
+    assert str(err.value) == (f"{out}: --out: exists and is not a folder: prepare writes a folder "
+                              "there, never over a file")
     assert out.read_text() == "mine"
 
 def test_an_output_folder_with_foreign_files_is_refused(texts, tmp_path):

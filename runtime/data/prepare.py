@@ -227,13 +227,10 @@ def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None
 # -- the output folder ------------------------------------------------------------------------
 
 def _open_folder(out: Path, settings: dict) -> PrepareState:
-    """The state to continue from: fresh for an empty folder, else the manifest's, after
-    checking that it was made with these settings and that its shards are intact."""
-    if out.exists() and not out.is_dir():
-        raise EulerError("not a folder: --out names the folder the shards go to", file=str(out),
-                         key="--out")
+    """The state to continue from: fresh for a new or empty folder, else the manifest's,
+    after checking that the folder holds nothing prepare did not write (outputs.py's rule),
+    that it was made with these settings and that its shards are intact."""
     state_path = out / STATE_FILE
-    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not state_path.exists():
         outputs.check_folder(out, lambda name: False, by="prepare", key="--out")
         state = PrepareState(settings=settings)
@@ -241,6 +238,13 @@ def _open_folder(out: Path, settings: dict) -> PrepareState:
         return state
     state = PrepareState.read(state_path)
     settings = json.loads(json.dumps(settings))    # the JSON-ready form the manifest holds
+    recorded = {s.file for s in state.shards}
+    shard = re.escape(settings["name"]) + r"_(val|train)_\d{6}\.bin"
+    ours = re.compile(shard + r"\Z")
+    # files.write_atomic's temp files, of a write the last run did not finish
+    temp = re.compile(rf"\.({shard}|{re.escape(STATE_FILE)})\.\w+\.tmp\Z")
+    outputs.check_folder(out, lambda e: e == STATE_FILE or e in recorded or bool(
+        ours.match(e) or temp.match(e)), by="prepare", key="--out")
     if state.settings != settings and not state.shards:
         state = PrepareState(settings=settings)    # nothing written yet: nothing to keep
         write_atomic(state_path, state.to_json())
@@ -250,14 +254,7 @@ def _open_folder(out: Path, settings: dict) -> PrepareState:
         raise EulerError(f"this folder was prepared with {key} = {_show(state.settings.get(key))}, "
                          f"not {_show(settings.get(key))}: rerun with its settings, or name another "
                          "folder", file=str(out / STATE_FILE), key=key)
-    recorded = {s.file for s in state.shards}
-    shard = re.escape(settings["name"]) + r"_(val|train)_\d{6}\.bin"
-    ours = re.compile(shard + r"\Z")
-    # files.write_atomic's temp files, of a write the last run did not finish
-    temp = re.compile(rf"\.({shard}|{re.escape(STATE_FILE)})\.\w+\.tmp\Z")
-    outputs.check_folder(out, lambda e: e == STATE_FILE or e in recorded or bool(
-        ours.match(e) or temp.match(e)), by="prepare", key="--out")
-    for entry in present:
+    for entry in sorted(p.name for p in out.iterdir()):
         if temp.match(entry):
             (out / entry).unlink()
     for shard in state.shards:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,16 +88,16 @@ def load_folder(folder: Path) -> Imported:
     files = weight_files(folder)
     tensors = read_tensors(files)
     params = _to_eulergen(arch, model, tensors, files)
-    tok = folder / TOKENIZER
-    return Imported(folder, arch, model, params, tok if tok.is_file() else None)
+    tok = folder / TOKENIZER   # there, but no file (a FIFO, a link to a device): its reader says
+    return Imported(folder, arch, model, params, tok if os.path.lexists(tok) else None)
 
 
 def tokenizer_of(imported: Imported) -> str:
     """The data.tokenizer of an imported folder: its tokenizer.json; GPT-2's own BPE for a
     GPT2LMHeadModel of GPT-2's 50257 ids that comes with no tokenizer files at all; else
     one error saying which files the folder has and which eulergen needs."""
-    if imported.tokenizer is not None:
-        return str(imported.tokenizer.resolve())
+    if imported.tokenizer is not None:   # absolute, its links kept: read and checked as named
+        return str(imported.tokenizer.absolute())
     found = sorted(p.name for p in imported.folder.iterdir() if p.name in OTHER_TOKENIZER_FILES)
     if not found and imported.architecture == GPT2 and imported.model["vocab_size"] == GPT2_VOCAB:
         return "gpt2"

@@ -42,7 +42,10 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return files
     if single.exists():
         with opened(single, "weights file") as f:
-            return {name: single for name in safetensors_header(f, single)[0]}
+            names = safetensors_header(f, single)[0]
+        if not names:
+            raise EulerError("holds no tensors", file=str(single))
+        return {name: single for name in names}
     raise EulerError(f"no {WEIGHTS} or {INDEX} (pytorch_model.bin is not read: it is pickle)",
                      file=str(folder))
 

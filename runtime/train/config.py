@@ -333,6 +333,8 @@ def _coerce(hint: Any, value: Any, key: str, fail) -> Any:
         fail(key, f"expected true or false, got {_show(value)}")
     if hint is int:
         number = _number(value)
+        if isinstance(number, int) and abs(number) >= 2**63:   # past float(): no size is
+            fail(key, f"expected an integer, got one of {len(str(number)):,} digits")
         if number is not None and float(number).is_integer():
             return int(number)
         fail(key, f"expected an integer, got {_show(value)}")

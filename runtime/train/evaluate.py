@@ -10,11 +10,13 @@ batch, the last partial batch left out; its exp is the perplexity.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.runtime.train import budget, checkpoint
 from eulergen.runtime.interop import hf
@@ -27,7 +29,7 @@ from eulergen.runtime.generate.sample import Sampler
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.model.gpt import build
 from eulergen.runtime.model.plan import plan_model
-from eulergen.userfiles import Fields, read_json
+from eulergen.userfiles import Fields
 
 HF_CONTEXT = 1024   # an imported model's default context: Llama configs allow 128k positions
 
@@ -41,13 +43,10 @@ class Weights:
 
 
 def is_hf_folder(path: Path) -> bool:
-    """A save_pretrained folder: its config.json names transformers architectures (a run
-    folder's config.json holds eulergen's sections)."""
-    try:
-        return "architectures" in read_json(path / hf.CONFIG, "model config")
-    except EulerError:
-        return False
-
+    """A save_pretrained folder: a config.json, and none of a run's marks (its marker, a
+    checkpoint; a run folder's config.json is eulergen's own)."""
+    return os.path.lexists(path / hf.CONFIG) and not outputs.marked(path, "run") \
+        and checkpoint.latest(path) is None
 
 def open_model(spec: str | Path, device: str | None = None) -> Weights:
     """The config and weights of a run, a checkpoint, an HF folder (with a tokenizer
@@ -65,11 +64,11 @@ def open_model(spec: str | Path, device: str | None = None) -> Weights:
         weights = Weights(config_from_dict(raw, source=config), imported.params, config)
     else:
         ck = checkpoint.load(path, require=("config",))
-        raw = dict(ck.state["config"])
-        if device:
-            raw["training"] = {**raw["training"], **training}
-        cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
         recorded = Fields(ck.state, str(ck.path / checkpoint.STATE_FILE))
+        raw = dict(recorded.fields("config").data)
+        if device and isinstance(raw.get("training", {}), dict):   # else config_from_dict says
+            raw["training"] = {**raw.get("training", {}), **training}
+        cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
         weights = Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE),
                           recorded.text("tokenizer_digest", None))
     for name, value in weights.params.items():

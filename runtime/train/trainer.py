@@ -167,7 +167,11 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def _restore(self, ck: checkpoint.Checkpoint) -> None:
-        self.model.load_state_dict(ck.params)
+        try:
+            self.model.load_state_dict(ck.params)
+        except EulerError as err:   # another width, layers, vocab: name the file
+            raise EulerError(err.message, file=str(ck.path / checkpoint.MODEL_FILE),
+                             key=err.key) from None
         self.optim.load_state_dict(ck.optim)
         s = ck.state
         self.step = ck.step
