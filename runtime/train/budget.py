@@ -37,6 +37,10 @@ def check_config(cfg) -> None:
         if value > MAX_INDEX:
             raise EulerError(f"{value:,} is past {MAX_INDEX:,}: the kernels index it in 32 bits",
                              key=key)
+    from eulergen.runtime.generate.sample import MAX_NEW_TOKENS
+    if t.sample_tokens > MAX_NEW_TOKENS:   # drawn after the last step, as `sample` draws them
+        raise EulerError(f"{t.sample_tokens:,} tokens: at most {MAX_NEW_TOKENS:,}",
+                         key="training.sample_tokens")
     tokens = t.batch_size * t.seq_len * t.gradient_accumulation
     if tokens > MAX_TOKENS_PER_STEP:
         raise EulerError(f"an optimizer step of {tokens:,} tokens (batch_size {t.batch_size} x "

@@ -332,7 +332,7 @@ def resume_config(run_dir: str | Path, overrides=()) -> RunConfig:
     """A run's saved config, with `section.key=value` overrides (e.g. more total_steps);
     the run stays in `run_dir` wherever it was first written."""
     path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():   # there but no file: the reader says what it is
         raise EulerError(f"no {CONFIG_FILE}: not a run folder", file=str(run_dir))
     return load_config(path, [*overrides, f"run_dir={run_dir}"])
 

@@ -169,6 +169,8 @@ CONFIGS = surface("configs", [
     Case("set-hidden-1M", (*TRAIN, *ON_SHARD, "--set", "model.hidden_dim=1048576", "--set",
                            "model.num_heads=16384", "--set", "model.num_kv_heads=16384"),
          "the training plan needs", uses=("shard",), where="model.hidden_dim", fault="hang"),
+    Case("set-sample-a-billion-tokens", ("plan", "--set", "training.sample_tokens=1000000000"),
+         "1,000,000,000 tokens: at most 100,000", where="training.sample_tokens", fault="hang"),
     Case("set-batch-1e9", ("plan", "--set", "training.batch_size=1000000000"),
          "at most 33,554,432", where="training.batch_size", fault="hang"),
     Case("set-seed-negative", (*TRAIN, *ON_SHARD, "--set", "training.seed=-1"),

@@ -124,6 +124,8 @@ SPECIAL = surface("special files", [
     Case("tokenizer-too-large", (*QUICK_RUN, "--set", "data.tokenizer=tok.json"),
          "a tokenizer file is at most 268,435,456", {"tok.json": sparse((256 << 20) + 1)},
          uses=("shard",), fault="hang"),
+    Case("resume-config-a-fifo", ("train", "--resume", "run"), "a FIFO",
+         {"run/config.json": FIFO}, uses=("run",), fault="hang"),
     Case("state-json-a-fifo", SAMPLE, "a FIFO", {"run/ckpt_00000002/state.json": FIFO},
          uses=("run",), fault="hang"),
     Case("weights-a-link-to-dev-zero", SAMPLE, "a symlink to /dev/zero",
