@@ -15,7 +15,6 @@ when `on_step` streams the text: that read is the only sync. A seed gives the sa
 from __future__ import annotations
 
 import math
-
 import sys
 from typing import Callable
 

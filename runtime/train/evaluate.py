@@ -28,7 +28,7 @@ from eulergen.runtime.generate.decoder import decode_sms, plan_decoder
 from eulergen.runtime.generate.sample import Sampler
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.model.gpt import build
-from eulergen.runtime.model.plan import plan_model
+from eulergen.runtime.model.plan import plan_on
 from eulergen.userfiles import Fields
 
 HF_CONTEXT = 1024   # an imported model's default context: Llama configs allow 128k positions
@@ -47,6 +47,7 @@ def is_hf_folder(path: Path) -> bool:
     checkpoint; a run folder's config.json is eulergen's own)."""
     return os.path.lexists(path / hf.CONFIG) and not outputs.marked(path, "run") \
         and checkpoint.latest(path) is None
+
 
 def open_model(spec: str | Path, device: str | None = None) -> Weights:
     """The config and weights of a run, a checkpoint, an HF folder (with a tokenizer
@@ -161,7 +162,7 @@ def evaluate(weights: Weights, lib, dataset: str, *, batch: int, seq: int,
     _check_recorded(weights, digest)
     check_prepared_with(files, cfg.data.tokenizer, digest, key="--data")
     budget.check_batch(cfg, arch_of(cfg.model, lib), lib.backend,
-                       lambda a: plan_model(a, batch, seq, training=False), what="evaluation",
+                       lambda a: plan_on(lib, a, batch, seq, training=False), what="evaluation",
                        batch=("--batch-size", batch, 1), seq=seq)
     model = build(cfg.model, lib, batch, seq, training=False)
     load_into(model, weights)
