@@ -3,10 +3,9 @@ JSON, tokenizer files, token shards, safetensors weights and their index, HF con
 prepare's sources and manifest. Each fault is one EulerError naming the file (and the line
 and key where there is one).
 
-- Regular files only. A FIFO, a device, a socket or a folder is refused by name before a
-  byte is read: the path is opened O_NONBLOCK (opening a FIFO never waits for a writer)
-  and the open file fstat'ed, and what is read is that open file, so the check and the
-  read cannot meet two different files.
+- Regular files only. A FIFO, a device, a socket or a folder is refused by name before it
+  is opened (stat), and again after (fstat of what was opened, O_NONBLOCK so that a FIFO
+  put there meanwhile never waits for a writer); what is read is that open file.
 - Symlinks are followed, deliberately: a data folder of links to shards and the Hugging
   Face cache (its snapshot files are links into its blobs) are ordinary. What a link names
   must itself be a regular file; a refusal names the link and its target.
@@ -52,17 +51,20 @@ def opened(path: str | Path, what: str, key: str | None = None) -> Iterator[Bina
     the kind in errors: 'config file', 'token file'; `key`, the flag or key that named it)."""
     path = Path(path)
     try:
+        _regular(path, os.stat(path).st_mode, what, key)   # a device is never even opened
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise _refusal(path, what, err, key) from None
-    mode = os.fstat(fd).st_mode
+    with os.fdopen(fd, "rb") as f:
+        _regular(path, os.fstat(fd).st_mode, what, key)   # what was opened, if it changed
+        yield f
+
+
+def _regular(path: Path, mode: int, what: str, key: str | None) -> None:
     if not stat.S_ISREG(mode):
-        os.close(fd)
         kind = _KINDS.get(stat.S_IFMT(mode), "special file")
         raise EulerError(f"{_via_link(path)}a {kind}, not a regular file: a {what} is read "
                          "only from a file", file=str(path), key=key)
-    with os.fdopen(fd, "rb") as f:
-        yield f
 
 
 def _via_link(path: Path) -> str:

@@ -25,14 +25,17 @@ from eulergen.cli import main
 
 
 def digest(folder: Path) -> dict[str, str]:
-    """Every entry under `folder`: a file's sha256, a link's target, or its kind."""
+    """Every entry under `folder`: a file's sha256 (past 1 MiB, a case's sparse file, its
+    size and mtime), a link's target, or its kind."""
     out = {}
     for p in sorted(folder.rglob("*")):
-        mode = p.lstat().st_mode
+        st = p.lstat()
         out[str(p.relative_to(folder))] = (
-            f"-> {os.readlink(p)}" if stat.S_ISLNK(mode) else
-            hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(mode) else
-            "dir" if stat.S_ISDIR(mode) else f"mode {stat.S_IFMT(mode):o}")
+            f"-> {os.readlink(p)}" if stat.S_ISLNK(st.st_mode) else
+            f"{st.st_size} bytes at {st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) and
+            st.st_size > 1 << 20 else
+            hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else
+            "dir" if stat.S_ISDIR(st.st_mode) else f"mode {stat.S_IFMT(st.st_mode):o}")
     return out
 
 

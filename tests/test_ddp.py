@@ -324,7 +324,9 @@ def _sets(shard, run_dir, batch, **training):
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(ROOT.parent), **extra}
+    # the tree under test first, then what the caller put on the path (a worktree's link)
+    path = os.pathsep.join(p for p in (str(ROOT.parent), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def _nproc_2(*args):
