@@ -111,6 +111,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if isinstance(step, bool) or not isinstance(step, int):
             raise EulerError("not a metrics record (a JSON object with an integer step)",
                              file=str(path), line=number)
+        wrong = next((k for k in METRIC_KEYS if not isinstance(record.get(k, 0), (int, float))
+                      or isinstance(record.get(k), bool)), None)
+        if wrong:   # what plot and resume read: numbers
+            raise EulerError(f"expected a number, got {type(record[wrong]).__name__}",
+                             file=str(path), line=number, key=wrong)
         records.append(record)
     return records
 

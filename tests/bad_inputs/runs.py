@@ -100,6 +100,8 @@ RUN_FOLDERS = surface("checkpoints", [
     Case("plot-not-a-run", ("plot", "p"), "no metrics.jsonl here", {"p/x.txt": "x"}, where="p"),
     Case("plot-records-not-objects", ("plot", "p"), "not a metrics record",
          {"p/metrics.jsonl": "[1]\n[2]\n"}, fault="traceback"),
+    Case("plot-loss-a-string", ("plot", "p"), "train_loss: expected a number, got str",
+         {"p/metrics.jsonl": '{"step": 1, "train_loss": "low"}\n'}, fault="silent"),
     Case("plot-no-loss", ("plot", "p"), "no loss recorded yet",
          {"p/metrics.jsonl": '{"step": 1}\n'}),
     Case("plot-foreign-png", ("plot", "p"), "not overwritten",
