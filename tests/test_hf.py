@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from eulergen import PACKAGE_DIR
 from eulergen.cli import main
-from eulergen.errors import EulerError
 from eulergen.runtime.interop import hf
 from eulergen.runtime.data import tokenizer as T
 from eulergen.runtime.engine.backend import get_backend
@@ -27,6 +26,7 @@ from eulergen.runtime.train.config import config_from_dict
 from eulergen.runtime.train.evaluate import evaluate, open_model
 from eulergen.runtime.model.gpt import build
 from eulergen.runtime.engine.ops import OpLibrary
+from bad_inputs.case import words
 from runs import first_loss
 
 torch = pytest.importorskip("torch")
@@ -67,11 +67,7 @@ def hf_model(kind: str, vocab: int, seed: int = 0):
 def word_tokenizer(folder: Path, vocab: int) -> None:
     """A WordLevel tokenizer.json of `vocab` ids (<|endoftext|> the last) in `folder`: an HF
     folder without a tokenizer eulergen reads is refused."""
-    words = {f"w{i}": i for i in range(vocab - 1)} | {T.ENDOFTEXT: vocab - 1}
-    (folder / hf.TOKENIZER).write_text(json.dumps({
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
-        "decoder": None, "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}}))
+    (folder / hf.TOKENIZER).write_text(words({f"w{i}": i for i in range(vocab - 1)}, eot=True))
 
 
 def saved(tmp_path_factory, kind, vocab, **config):
@@ -333,77 +329,3 @@ def test_eval_is_the_mean_loss_transformers_gives(tmp_path_factory, tmp_path, li
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 97), windows[:, 1:].reshape(-1))
     assert result.tokens == 4 * S
     assert result.loss == pytest.approx(want.item(), rel=TOL)
-
-
-# -- tokenizers -----------------------------------------------------------------------------
-
-TEXT = "def f(x):\n    return x  # héllo wörld, 日本\n\n  \t end"
-
-
-def _gpt2_shaped_json(path: Path) -> Path:
-    """A byte-level BPE with GPT-2's shape (ids 0-50255 the BPE, merge n making id 256 + n,
-    <|endoftext|> = 50256); GPT-2's own files are not reachable from the tests."""
-    import tokenizers as tk
-    chars = T._byte_chars()
-    vocab = {c: i for i, c in enumerate(chars)}
-    merges = []
-    for a in chars:
-        for b in chars:
-            if len(vocab) < 50256:
-                vocab[a + b] = len(vocab)
-                merges.append((a, b))
-    for a, b in [("Ġ", "r"), ("Ġr", "e")]:   # longer tokens too: "Ġre" made from "Ġr"
-        if a + b not in vocab:
-            merges.append((a, b))
-    tok = tk.Tokenizer(tk.models.BPE(vocab, merges[:50000]))
-    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tk.decoders.ByteLevel()
-    tok.add_special_tokens([T.ENDOFTEXT])
-    tok.save(str(path))
-    return path
-
-
-def test_gpt2_works_offline_from_the_hub_cache(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-    import tiktoken
-
-    def offline(name):
-        raise ConnectionError("no network")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(EulerError, match="TIKTOKEN_CACHE_DIR .* Hugging Face cache") as err:
-        T.tokenizer_named("gpt2")
-    assert "\n" not in str(err.value)
-    repo = tmp_path / "models--openai-community--gpt2"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("abc")
-    (repo / "snapshots" / "abc").mkdir(parents=True)
-    path = _gpt2_shaped_json(repo / "snapshots" / "abc" / "tokenizer.json")
-    tok = T.tokenizer_named("gpt2")
-    assert (tok.name, tok.vocab_size, tok.eot, tok.digest) == ("gpt2", 50257, 50256, "tiktoken:gpt2")
-    assert tok.encode(TEXT) == T.HFTokenizer(path).encode(TEXT)
-    assert tok.decode(tok.encode(TEXT)) == TEXT
-
-
-def test_a_tokenizer_folder_is_its_tokenizer_json(tmp_path):
-    (tmp_path / "tokenizer.json").write_bytes(T.hf_tokenizer_json(T.ByteTokenizer()))
-    tok = T.tokenizer_named(str(tmp_path))
-    assert tok.encode(TEXT) == list(TEXT.encode())
-    cfg = config_from_dict({"data": {"tokenizer": str(tmp_path)}})
-    assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json")
-
-
-def test_a_tiktoken_bpe_exports_as_a_tokenizer_json_with_the_same_ids(tmp_path):
-    import tiktoken
-    trained = T.train_bpe([TEXT * 3, "return the results, re-read them"] * 20, 400, tmp_path / "t.json")
-    byte_of = {c: b for b, c in enumerate(T._byte_chars())}
-    ranks = {bytes(byte_of[c] for c in t): i for t, i in trained._tok.get_vocab().items()
-             if t != T.ENDOFTEXT}
-    enc = tiktoken.Encoding("t", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-                            mergeable_ranks=ranks, special_tokens={T.ENDOFTEXT: trained.eot})
-    (tmp_path / "back.json").write_bytes(T.byte_level_bpe_json(ranks, {T.ENDOFTEXT: trained.eot}))
-    back = T.HFTokenizer(tmp_path / "back.json")
-    assert back.encode(TEXT) == enc.encode_ordinary(TEXT) == trained.encode(TEXT)
-    assert back.eot == trained.eot
-

@@ -32,14 +32,13 @@ import numpy as np
 from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
-from eulergen.runtime.data.loader import is_stdlib_folder, open_tokens, write_shard
+from eulergen.runtime.data.loader import open_tokens, write_shard
+from eulergen.runtime.data.prepared import STATE_FILE, PrepareState, ShardRecord, show
 from eulergen.runtime.data.sources import ON_BAD_TEXT, Document, Source, checked
-from eulergen.runtime.data.tokenizer import BYTE, Tokenizer
-from eulergen.userfiles import Fields, opened, read_json
+from eulergen.runtime.data.tokenizer import Tokenizer
+from eulergen.userfiles import opened
 
-STATE_FILE = "prepare.json"
 MAX_WORKERS_PER_CORE = 4   # each worker is a process holding the tokenizer
-FORMAT = 1
 SHARD_TOKENS = 100_000_000     # llm.c's fineweb.py
 # 10M validation tokens: at GPT-2 small's B=16, T=1024 that is 600 batches, far more than
 # an evaluation reads, and 0.1% of FineWeb-Edu's sample-10BT; small sources pass less.
@@ -47,48 +46,6 @@ VAL_TOKENS = 10_000_000
 BATCH_BYTES = 1 << 20          # text a worker tokenizes per task: large enough to hide IPC
 BATCH_DOCS = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-
-
-@dataclass(frozen=True)
-class ShardRecord:
-    file: str
-    tokens: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class PrepareState:
-    """What prepare.json holds: `settings` must match on a rerun; the rest is progress."""
-    settings: dict
-    shards: tuple[ShardRecord, ...] = ()
-    documents: int = 0        # documents wholly written (or skipped)
-    carry: int = 0            # tokens of document `documents` already in the shards
-    tokens: int = 0
-    skipped: int = 0          # documents left out as not UTF-8 (--on-bad-text skip)
-    done: bool = False
-
-    def to_json(self) -> bytes:
-        data = {"format": FORMAT, **asdict(self)}
-        return (json.dumps(data, indent=1) + "\n").encode("utf-8")
-
-    @classmethod
-    def read(cls, path: Path) -> "PrepareState":
-        """A manifest, every field typed (a shard's file a name in its folder)."""
-        f = Fields(read_json(path, "prepare manifest"), str(path))
-        if f.data.get("format") != FORMAT:
-            raise f.error("format", f"{_show(f.data.get('format'))}: not a prepare manifest "
-                                    f"this version reads (format {FORMAT})")
-        shards = []
-        for n, item in enumerate(f.list("shards", [])):
-            shard = Fields(item, str(path), f"shards.{n}.")
-            file = shard.text("file")
-            if Path(file).name != file:
-                raise shard.error("file", f"{file!r} is not a file name in this folder")
-            shards.append(ShardRecord(file, shard.int("tokens"), shard.text("sha256")))
-        return cls(settings=f.fields("settings").data, shards=tuple(shards),
-                   documents=f.int("documents", 0), carry=f.int("carry", 0),
-                   tokens=f.int("tokens", 0), skipped=f.int("skipped", 0),
-                   done=f.flag("done", False))
 
 
 @dataclass(frozen=True)
@@ -192,23 +149,6 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
         raise
 
 
-def check_prepared_with(files, name: str, digest: str, key: str = "data.tokenizer") -> None:
-    """Refuse token files that another tokenizer made than the one named `name` whose
-    digest is `digest` (ids of one tokenizer read through another are noise the model would
-    learn): as a prepared folder's manifest says, or builtin:stdlib's, which is bytes."""
-    for folder in sorted({Path(f).parent for f in files}):
-        if is_stdlib_folder(folder):
-            made, where = {"tokenizer": BYTE, "tokenizer_digest": BYTE}, folder
-        elif (folder / STATE_FILE).exists():
-            made, where = PrepareState.read(folder / STATE_FILE).settings, folder / STATE_FILE
-        else:
-            continue
-        if made.get("tokenizer_digest") != digest:
-            raise EulerError(f"the data was prepared with tokenizer {made.get('tokenizer')!r}, "
-                             f"not {name!r} (digests differ): name the tokenizer it was made "
-                             "with", file=str(where), key=key)
-
-
 def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None:
     if settings.shard_tokens < 1 or settings.val_tokens < 1:
         raise EulerError(f"--shard-tokens {settings.shard_tokens} and --val-tokens "
@@ -251,8 +191,8 @@ def _open_folder(out: Path, settings: dict) -> PrepareState:
     if state.settings != settings:
         key = next(k for k in (*settings, *state.settings)
                    if state.settings.get(k) != settings.get(k))
-        raise EulerError(f"this folder was prepared with {key} = {_show(state.settings.get(key))}, "
-                         f"not {_show(settings.get(key))}: rerun with its settings, or name another "
+        raise EulerError(f"this folder was prepared with {key} = {show(state.settings.get(key))}, "
+                         f"not {show(settings.get(key))}: rerun with its settings, or name another "
                          "folder", file=str(out / STATE_FILE), key=key)
     for entry in sorted(p.name for p in out.iterdir()):
         if temp.match(entry):
@@ -404,8 +344,3 @@ def _split(batch: list[Document], encoded: tuple[np.ndarray, np.ndarray]):
     ends = np.cumsum(lengths)
     for doc, end, n in zip(batch, ends, lengths):
         yield doc, flat[end - n:end]
-
-
-def _show(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 120 else text[:117] + "…"   # a source may list many files

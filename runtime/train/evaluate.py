@@ -22,7 +22,7 @@ from eulergen.runtime.train import budget, checkpoint
 from eulergen.runtime.interop import hf
 from eulergen.runtime.train.config import RunConfig, config_from_dict
 from eulergen.runtime.data.loader import open_tokens, resolve_files
-from eulergen.runtime.data.prepare import check_prepared_with
+from eulergen.runtime.data.prepared import check_prepared_with
 from eulergen.runtime.data.tokenizer import Tokenizer, check_fits, digest_of, load_tokenizer
 from eulergen.runtime.generate.decoder import decode_sms, plan_decoder
 from eulergen.runtime.generate.sample import Sampler

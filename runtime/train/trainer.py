@@ -38,7 +38,7 @@ from eulergen.runtime.data.loader import make_loaders
 from eulergen.runtime.distributed.data_parallel import DataParallel
 from eulergen.runtime.model.gpt import allocate
 from eulergen.runtime.model.params import param_count
-from eulergen.runtime.data.prepare import check_prepared_with
+from eulergen.runtime.data.prepared import check_prepared_with
 from eulergen.runtime.generate.sample import Sampler
 from eulergen.runtime.train.step_graph import StepResult, Stepper
 from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
