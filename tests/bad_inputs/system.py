@@ -21,7 +21,7 @@ QUICK_RUN = (*TRAIN, *ON_SHARD)
 
 def ranks(rank: int, world: int = 2, **more) -> dict:
     return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "MASTER_PORT": PORT, "EULERGEN_COLLECTIVE_TIMEOUT": "1", **more}
+            "MASTER_PORT": PORT, "EULERGEN_COLLECTIVE_TIMEOUT": "0.5", **more}
 
 
 DATA_PARALLEL = surface("data parallel", [
@@ -33,9 +33,9 @@ DATA_PARALLEL = surface("data parallel", [
          where="1<=x<=65536", fault="hang"),
     Case("nproc-under-a-launcher", ("train", "--nproc", "2", *QUICK, *ON_SHARD),
          "leave --nproc out", uses=("shard",), env=ranks(0), where="--nproc"),
-    Case("rank-1-never-comes", QUICK_RUN, "rank 1 did not arrive at the rendezvous within 1s",
+    Case("rank-1-never-comes", QUICK_RUN, "rank 1 did not arrive at the rendezvous within 0.5s",
          uses=("shard",), env=ranks(0), where="collective", fault="hang", seconds=6),
-    Case("rank-0-never-opens", QUICK_RUN, f"rank 0 did not open 127.0.0.1:{PORT} within 1s",
+    Case("rank-0-never-opens", QUICK_RUN, f"rank 0 did not open 127.0.0.1:{PORT} within 0.5s",
          uses=("shard",), env=ranks(1), where="MASTER_ADDR", fault="hang", seconds=6),
     Case("rank-outside-the-world", QUICK_RUN, "RANK: 2 is outside 0..1", uses=("shard",),
          env=ranks(2)),
