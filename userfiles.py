@@ -128,8 +128,6 @@ def map_array(f: BinaryIO, dtype, offset: int, count: int):
 
 # -- typed fields ---------------------------------------------------------------------------
 
-# (Pythons before 3.10.7 have no such limit, and no ValueError)
-_TOO_LONG = f"an integer of more than {getattr(sys, 'get_int_max_str_digits', int)():,} digits"
 _REQUIRED = object()
 INT_MAX = 2**63 - 1
 
@@ -278,6 +276,10 @@ def read_safetensors(path: str | Path, what: str = "weights file") -> dict:
 
 
 # -- YAML and JSON text ---------------------------------------------------------------------
+
+# (Pythons before 3.10.7 have no such limit, and no ValueError)
+_TOO_LONG = f"an integer of more than {getattr(sys, 'get_int_max_str_digits', int)():,} digits"
+
 
 class _BoundedLoader(yaml.SafeLoader):
     def __init__(self, text: str, file: str):

@@ -295,7 +295,8 @@ def _stdlib_key() -> str:
 def is_stdlib_folder(folder: Path) -> bool:
     """Whether `folder` is where stdlib_tokens keeps builtin:stdlib's (byte-level) shards:
     data/stdlib-<16 hex digits of its key> in a cache folder."""
-    return folder.parent.name == "data" and bool(re.fullmatch(r"stdlib-[0-9a-f]{16}", folder.name))
+    return folder.parent.name == "data" and \
+        re.fullmatch(r"stdlib-[0-9a-f]{16}", folder.name) is not None
 
 
 def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:

@@ -150,7 +150,7 @@ def _parquet(path: Path, size: int, text_key: str, skip: int):
     with opened(path, "source file") as f:
         try:
             pf = pq.ParquetFile(f)
-        except Exception as err:  # pyarrow raises its own ArrowInvalid for a file that is not parquet
+        except Exception as err:  # pyarrow's own ArrowInvalid, for a file that is not parquet
             raise EulerError(f"not a parquet file: {err}", file=str(path)) from None
         names = pf.schema_arrow.names
         if text_key not in names:

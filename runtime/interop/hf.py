@@ -101,10 +101,10 @@ def tokenizer_of(imported: Imported) -> str:
     found = sorted(p.name for p in imported.folder.iterdir() if p.name in OTHER_TOKENIZER_FILES)
     if not found and imported.architecture == GPT2 and imported.model["vocab_size"] == GPT2_VOCAB:
         return "gpt2"
-    raise EulerError(f"no tokenizer eulergen reads: found {', '.join(found) or 'no tokenizer files'}"
-                     f", needs {TOKENIZER} (AutoTokenizer.from_pretrained(folder).save_pretrained"
-                     "(folder) writes one; train can name one: --set data.tokenizer=…)",
-                     file=str(imported.folder))
+    found = ", ".join(found) or "no tokenizer files"
+    raise EulerError(f"no tokenizer eulergen reads: found {found}, needs {TOKENIZER} (AutoTokenizer"
+                     ".from_pretrained(folder).save_pretrained(folder) writes one; train can name "
+                     "one: --set data.tokenizer=…)", file=str(imported.folder))
 
 
 # -- config.json <-> ModelConfig ------------------------------------------------------------
