@@ -16,5 +16,5 @@ CONFIG_DIR = PACKAGE_DIR / "config"
 
 def cache_dir() -> Path:
     """Per-user cache: compiled kernels, user-op builds, tokenized built-in data."""
-    import os
-    return Path(os.environ.get("EULERGEN_CACHE") or Path.home() / ".cache" / "eulergen")
+    from eulergen import env
+    return env.get("EULERGEN_CACHE") or Path.home() / ".cache" / "eulergen"

@@ -35,11 +35,12 @@ class Where:
         return EulerError(message, file=self.file, line=self.line, key=self.key)
 
 
-def suggest(word, options, what: str = "") -> str:
-    """' (did you mean 'x'?)' for the nearest of `options`; else, when `what` names the
-    options ('preset'), the list of valid ones; else ''. The one hint every error uses."""
+def suggest(word, options, what: str = "", cutoff: float = 0.6) -> str:
+    """' (did you mean 'x'?)' for the nearest of `options` (difflib's ratio past `cutoff`);
+    else, when `what` names the options ('preset'), the list of valid ones; else ''. The one
+    hint every error uses."""
     options = list(options)
-    close = difflib.get_close_matches(str(word), options, n=1)
+    close = difflib.get_close_matches(str(word), options, n=1, cutoff=cutoff)
     if close:
         return f" (did you mean '{close[0]}'?)"
     return f" (valid {what}s: {', '.join(options)})" if what else ""

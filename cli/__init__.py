@@ -18,6 +18,13 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as err:
+            if ctx.params.get("debug") or err.ctx is None:
+                raise
+            # a bad flag or argument of a command: one line, as every other refusal
+            click.echo(f"error: {err.format_message()} (see `{err.ctx.command_path} --help`)",
+                       err=True)
+            sys.exit(err.exit_code)
         except EulerError as err:
             if ctx.params.get("debug"):
                 raise
@@ -38,6 +45,10 @@ class _Group(click.Group):
 @click.version_option(package_name="eulergen")
 def main(debug: bool) -> None:
     """eulergen: CUDA kernels generated from declarative op specs."""
+    from eulergen import env
+    from eulergen.cli.common import warn
+    for line in env.check_own():   # a bad EULERGEN_* value: one line, before any work
+        warn(line)
 
 
 for _command in (build.check, build.build, compare.plot, compare.compare, data.prepare,

@@ -7,6 +7,14 @@ from pathlib import Path
 
 import click
 
+# Integer options' types: a count of absurd size or length is one line here, never a crash
+# or a hang downstream. COUNT: 32-bit, as the kernels index; SEED: the draw's 64-bit hash
+# (chat adds the turn); RANKS: past any machine's GPUs or cores, which --nproc is checked
+# against next.
+COUNT = click.IntRange(1, 2**31 - 1)
+SEED = click.IntRange(0, 2**63 - 1)
+RANKS = click.IntRange(1, 1 << 16)
+
 ops_option = click.option(
     "--ops", "ops_dirs", multiple=True, type=click.Path(path_type=Path),
     help="Extra directory of op specs (repeatable); also EULERGEN_OPS_PATH.")

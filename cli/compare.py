@@ -43,10 +43,8 @@ def plot(runs, out, x) -> None:
     """Plot the train and validation loss of RUNS. One run without --out: RUN/loss.png;
     several: one plot of them all, as `eulergen compare` draws it."""
     from eulergen.runtime.train.compare import COMPARE_PLOT, plot_runs, read_runs
-    from eulergen.runtime.train.metrics import PLOT_FILE, plot_run
-    from eulergen.runtime.train.run_dir import refuse_foreign
+    from eulergen.runtime.train.metrics import plot_run
     if len(runs) == 1 and out is None:
-        refuse_foreign(runs[0], PLOT_FILE)
         click.echo(f"wrote {plot_run(runs[0], x)}")
         return
     click.echo(f"wrote {plot_runs(read_runs(runs), out or Path(COMPARE_PLOT), x)}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import warn
+from eulergen.cli.common import RANKS, warn
 from eulergen.errors import EulerError
 
 
@@ -14,6 +14,7 @@ class _TokenCount(click.ParamType):
     """A count of tokens: 20000, 10M, 1.5G."""
     name = "count"
     _SCALE = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
+    MAX = 2**31 - 1
 
     def convert(self, value, param, ctx):
         import re
@@ -21,6 +22,9 @@ class _TokenCount(click.ParamType):
         number = float(match[1]) * self._SCALE[match[2]] if match else 0.0
         if number < 1 or not number.is_integer():
             self.fail(f"{value!r} is not a positive token count (e.g. 20000, 10M, 1.5G)", param, ctx)
+        if number > self.MAX:
+            self.fail(f"{value} tokens: a shard holds at most {self.MAX:,} (its header counts "
+                      "them in an int32)", param, ctx)
         return int(number)
 
 
@@ -48,7 +52,7 @@ def _sources(sources, dataset, subset, split, text_key):
 @_text_key
 @click.option("--tokenizer", "tokenizer_spec", default="gpt2", show_default=True,
               help="gpt2, byte, or a tokenizer.json (e.g. from `eulergen tokenizer train`).")
-@click.option("--workers", type=click.IntRange(min=1), help="Tokenizing processes [default: cores].")
+@click.option("--workers", type=RANKS, help="Tokenizing processes [default: cores].")
 @click.option("--shard-tokens", type=_TokenCount(), default="100M", show_default=True)
 @click.option("--val-tokens", type=_TokenCount(), default="10M", show_default=True,
               help="Tokens in the validation shard, shard 0.")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import library, limit_blas_threads, ops_option, warn
+from eulergen.cli.common import COUNT, library, limit_blas_threads, ops_option, warn
 from eulergen.errors import EulerError
 
 
@@ -19,13 +19,13 @@ def export(run, out) -> None:
     import json
 
     from eulergen.runtime.interop import hf
-    from eulergen.runtime.train.evaluate import open_model
-    from eulergen.runtime.data.tokenizer import hf_tokenizer_json, load_tokenizer
+    from eulergen.runtime.train.evaluate import open_model, tokenizer_of
+    from eulergen.runtime.data.tokenizer import hf_tokenizer_json
 
     weights = open_model(run)
     files, eot = {}, None
     try:
-        tok = load_tokenizer(weights.cfg.data)
+        tok = tokenizer_of(weights)
         eot = tok.eot
         text = hf_tokenizer_json(tok)
         files = {hf.TOKENIZER: text,
@@ -41,9 +41,9 @@ def export(run, out) -> None:
 @click.argument("run", metavar="RUN_OR_CKPT")
 @click.option("--data", "dataset", required=True,
               help="A data.dataset value: a glob of token shards, a .bin file, builtin:stdlib.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=1), help="[default: the run's training.seq_len]")
-@click.option("--max-batches", type=click.IntRange(min=1), help="Stop after N batches [default: all].")
+@click.option("--batch-size", type=COUNT, default=8, show_default=True)
+@click.option("--seq-len", type=COUNT, help="[default: the run's training.seq_len]")
+@click.option("--max-batches", type=COUNT, help="Stop after N batches [default: all].")
 @click.option("--device", type=click.Choice(["auto", "cuda", "numpy"]))
 @ops_option
 def eval_(run, dataset, batch_size, seq_len, max_batches, device, ops_dirs) -> None:

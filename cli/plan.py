@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import console, default_named, ops_option
+from eulergen.cli.common import RANKS, console, default_named, ops_option
 
 
 @click.command()
@@ -15,7 +15,7 @@ from eulergen.cli.common import console, default_named, ops_option
 @click.option("--inference", is_flag=True,
               help="Plan the sampler's KV-cache model (no grads, no AdamW; k and v per layer; "
                    "bf16 with training.dtype=bf16, the default on a bf16 GPU).")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--nproc", type=RANKS, default=1, show_default=True,
               help="Plan one rank of this many data-parallel ranks (with training.zero=1 each "
                    "holds a share of AdamW's moments).")
 @ops_option

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import library, limit_blas_threads, ops_option, warn
+from eulergen.cli.common import COUNT, SEED, library, limit_blas_threads, ops_option, warn
 from eulergen.errors import EulerError
 
 
@@ -16,19 +16,12 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     checkpoint folder, or a transformers folder or Hub id), with the config it was trained
     with (runtime/train/evaluate.py open_sampler)."""
     limit_blas_threads()
-    from eulergen.runtime.train.evaluate import open_model, open_sampler
+    from eulergen.runtime.train.evaluate import open_model, open_sampler, tokenizer_of
     from eulergen.runtime.generate.sample import sampling_dtype
-    from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
 
     weights = open_model(run, device)
-    import numpy as np
-    for name, value in weights.params.items():
-        if not np.isfinite(value).all():   # every logit would be NaN: nothing to sample
-            raise EulerError(f"{name} holds NaN or Inf: these weights cannot be sampled",
-                             file=weights.file)
     cfg = weights.cfg
-    tok = load_tokenizer(cfg.data)
-    check_fits(tok, cfg.model.vocab_size)
+    tok = tokenizer_of(weights)
     lib = library(cfg, ops_dirs)
     sampler = open_sampler(weights, lib, batch=num_samples,
                            dtype=sampling_dtype(dtype, lib.backend),
@@ -38,14 +31,17 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
 
 def _sampling_options(f):
     for option in reversed([
-            click.option("--max-new-tokens", default=200, show_default=True),
+            click.option("--max-new-tokens", type=COUNT, default=200, show_default=True,
+                         help="At most 100,000 unless --unlimited."),
+            click.option("--unlimited", is_flag=True,
+                         help="Let --max-new-tokens pass 100,000 (a turn may then run for hours)."),
             click.option("--temperature", default=0.8, show_default=True,
                          help="0: greedy (always the most likely token)."),
-            click.option("--top-k", default=40, show_default=True,
-                         help="Draw from the k most likely tokens (0: all)."),
+            click.option("--top-k", type=click.IntRange(0, 2**31 - 1), default=40,
+                         show_default=True, help="Draw from the k most likely tokens (0: all)."),
             click.option("--top-p", default=1.0, show_default=True,
                          help="Nucleus: the fewest tokens whose probability reaches p (1: all)."),
-            click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+            click.option("--seed", type=SEED, default=0, show_default=True),
             click.option("--device", type=click.Choice(["auto", "cuda", "numpy"])),
             click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
                          show_default=True,
@@ -55,12 +51,15 @@ def _sampling_options(f):
     return f
 
 
-def _settings(temperature, top_k, top_p, seed, max_new_tokens) -> dict:
+def _settings(temperature, top_k, top_p, seed, max_new_tokens, unlimited) -> dict:
     """Sampler.samples' settings from the options, checked before a model is loaded."""
-    from eulergen.runtime.generate.sample import check_settings
+    from eulergen.runtime.generate.sample import MAX_NEW_TOKENS, check_settings
     settings = dict(temperature=temperature, top_k=top_k or None,
                     top_p=None if top_p == 1 else top_p, seed=seed)
     check_settings(settings["temperature"], settings["top_k"], settings["top_p"], max_new_tokens)
+    if max_new_tokens > MAX_NEW_TOKENS and not unlimited:
+        raise EulerError(f"{max_new_tokens:,} tokens: at most {MAX_NEW_TOKENS:,} a sample or "
+                         "turn (--unlimited lifts it)", key="--max-new-tokens")
     return settings
 
 
@@ -101,15 +100,15 @@ def _printer(tok):
 @click.command()
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option("--prompt", default="\n", show_default=True)
-@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--num-samples", type=COUNT, default=1, show_default=True,
               help="Samples of the prompt, generated as one batch.")
 @_sampling_options
-def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, seed, device,
-           dtype, ops_dirs) -> None:
+def sample(run, prompt, num_samples, max_new_tokens, unlimited, temperature, top_k, top_p, seed,
+           device, dtype, ops_dirs) -> None:
     """Continue a prompt with a run folder's latest checkpoint (or one checkpoint folder),
     printing the text as it comes (one sample), or each sample in turn (several); a sample
     ends at the tokenizer's end of text or after --max-new-tokens."""
-    settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
+    settings = _settings(temperature, top_k, top_p, seed, max_new_tokens, unlimited)
     _utf8(prompt, "--prompt")
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, num_samples, dtype)
     ids = _prompt_ids(tok, prompt, "--prompt")
@@ -134,12 +133,13 @@ def sample(run, prompt, num_samples, max_new_tokens, temperature, top_k, top_p, 
 @click.command()
 @click.argument("run", type=click.Path(path_type=Path))
 @_sampling_options
-def chat(run, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, ops_dirs) -> None:
+def chat(run, max_new_tokens, unlimited, temperature, top_k, top_p, seed, device, dtype,
+         ops_dirs) -> None:
     """Talk with a checkpoint: each line you type joins the conversation and the model
     continues it until its end of text or --max-new-tokens. Ctrl-D or /quit ends."""
     import itertools
 
-    settings = _settings(temperature, top_k, top_p, seed, max_new_tokens)
+    settings = _settings(temperature, top_k, top_p, seed, max_new_tokens, unlimited)
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1, dtype)
     for turn in itertools.count():
         click.echo("> ", nl=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import default_named, library, limit_blas_threads, ops_option
+from eulergen.cli.common import RANKS, default_named, library, limit_blas_threads, ops_option
 from eulergen.errors import EulerError
 
 
@@ -24,7 +24,7 @@ from eulergen.errors import EulerError
 @click.option("--init-from", metavar="PATH",
               help="Start from a transformers save_pretrained folder (GPT2LMHeadModel or "
                    "LlamaForCausalLM) or a Hub id such as gpt2; the model config is its config.json.")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--nproc", type=RANKS, default=1, show_default=True,
               help="Data-parallel ranks on this machine, one per GPU on CuPy (training.batch_size "
                    "is each rank's); under torchrun or srun leave it out.")
 @ops_option
@@ -33,6 +33,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     standard library's source, a few minutes on a CPU)."""
     limit_blas_threads()
     from eulergen.runtime.distributed import collective as coll
+    from eulergen.runtime.distributed.workers import follow_launcher
     from eulergen.runtime.engine import gemm
     from eulergen.runtime.distributed.data_parallel import connect
     from eulergen.runtime.model.memory import format_bytes
@@ -40,6 +41,8 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     from eulergen.runtime.train.trainer import Trainer
 
     rv = coll.Rendezvous.from_env()
+    if rv is not None:
+        follow_launcher()   # a rank of --nproc's dies with it
     if nproc > 1:
         _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, init_from,
                      ops_dirs)
@@ -51,6 +54,10 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
     if rv is not None and cfg.training.device != "numpy":
         coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
     lib = library(cfg, ops_dirs)
+    if rv is not None and rv.rank == 0:   # said before the first wait, however long it is
+        click.echo(f"eulergen: rank 0 of {rv.world_size} waits at {rv.master_addr}:"
+                   f"{rv.master_port} for the others, each wait at most {rv.timeout:g} s "
+                   f"({coll.TIMEOUT_ENV})", err=True)
     collective = connect(rv, lib.backend) if rv is not None else None
     try:
         trainer = Trainer(cfg, lib, resume=resume is not None, initial=begin.initial,
@@ -85,7 +92,7 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
                  ops_dirs) -> None:
     """--nproc: one run folder named here (each rank would otherwise pick its own), the GPU
     count checked, then the ranks as `python -m eulergen train` (runtime/distributed/workers.py)."""
-    from eulergen.runtime.distributed.workers import check_gpus, run_workers
+    from eulergen.runtime.distributed.workers import check_ranks, run_workers
     from eulergen.runtime.train.start import resumed_config, run_config
     if rv is not None:
         raise EulerError(f"--nproc starts its own ranks, but this process is already rank "
@@ -94,7 +101,7 @@ def _start_ranks(nproc, rv, config_path, overrides, resume, run_dir, device, ini
     cfg = resumed_config(resume, overrides, device) if resume \
         else run_config(config_path, overrides, run_dir, device, fresh_run_dir=True)
     run_dir = None if resume else cfg.run_dir
-    check_gpus(nproc, cfg.training.device)
+    check_ranks(nproc, cfg.training.device)
     args = [*(["--config", str(config_path)] if config_path else []),
             *(a for o in overrides for a in ("--set", o)),
             *(["--resume", str(resume)] if resume else []),

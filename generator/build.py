@@ -22,6 +22,7 @@ from pathlib import Path
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.files import write_atomic
 from eulergen.generator import ir, ops_path
+from eulergen.userfiles import read_bytes
 
 FORMAT = 3
 COMMON = "eulergen_common.cuh"
@@ -240,7 +241,7 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
                         "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
     out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
-        data = specs[name].read_bytes()
+        data = read_bytes(specs[name], "spec file")   # a regular file, bounded: the user's
         files = _reused(prev.get(name),
                         lambda t: _key(fingerprint, [COMMON_TEMPLATE, *t], data), root)
         if files is not None:

@@ -16,6 +16,7 @@ from sympy.codegen.cfunctions import log1p
 
 from eulergen.errors import EulerError, Where, suggest
 from eulergen.generator.primitives import logsumexp, sigmoid, softplus
+from eulergen.generator.yaml_doc import past_float32
 
 # name → (sympy callable, least arguments, most arguments or None for any number)
 FUNCTIONS: dict[str, tuple[Callable, int, int | None]] = {
@@ -69,6 +70,14 @@ def number(value: int | float) -> sp.Expr:
     return sp.Integer(value) if isinstance(value, int) else sp.Rational(repr(float(value)))
 
 
+def _finite(value: int | float, where: Where) -> int | float:
+    """A literal the kernels can hold."""
+    fault = past_float32(value)
+    if fault:
+        raise where.error(f"a literal: {fault}")
+    return value
+
+
 def parse(text: object, names: Mapping[str, sp.Basic], where: Where, *,
           condition: bool = False) -> sp.Basic:
     """Parse one formula. `names` maps every declared name to its symbol (or, for `let`
@@ -76,7 +85,7 @@ def parse(text: object, names: Mapping[str, sp.Basic], where: Where, *,
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if condition:
             raise where.error("expected a condition such as 'j <= i', got a number")
-        return number(text)
+        return number(_finite(text, where))
     if isinstance(text, bool):
         if condition:
             return sp.true if text else sp.false
@@ -195,7 +204,7 @@ class _Walker:
     def value(self, node: ast.AST) -> sp.Expr:
         if isinstance(node, ast.Constant):
             if isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-                return number(node.value)
+                return number(_finite(node.value, self.where))
             raise self.where.error(f"only numbers may appear as literals, got {node.value!r}")
         if isinstance(node, ast.Name):
             return self._name(node.id)

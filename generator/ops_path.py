@@ -3,18 +3,16 @@ a `<name>.yaml`. Kept apart from the spec loader (generator/spec.py) because a r
 ops are all built only looks them up, and must not pay for importing sympy."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from eulergen import OPS_DIR
+from eulergen import OPS_DIR, env
 from eulergen.errors import EulerError
 from eulergen.generator.yaml_doc import YamlDoc
 
 
 def ops_path(ops_dirs=()) -> list[Path]:
     """Built-in ops/, then EULERGEN_OPS_PATH entries, then --ops directories."""
-    env = [Path(p) for p in os.environ.get("EULERGEN_OPS_PATH", "").split(os.pathsep) if p]
-    return [OPS_DIR, *env, *(Path(d) for d in ops_dirs)]
+    return [OPS_DIR, *env.get("EULERGEN_OPS_PATH"), *(Path(d) for d in ops_dirs)]
 
 
 def find_ops(ops_dirs=()) -> dict[str, Path]:
@@ -23,7 +21,8 @@ def find_ops(ops_dirs=()) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for n, folder in enumerate(ops_path(ops_dirs)):
         if n > 0 and not folder.is_dir():
-            raise EulerError("ops directory does not exist", file=str(folder))
+            raise EulerError("not a folder of op specs" if folder.exists() else
+                             "ops directory does not exist", file=str(folder))
         for path in sorted(folder.glob("*.yaml")):
             name = path.stem
             if name in found:

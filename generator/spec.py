@@ -70,7 +70,7 @@ def _domain(doc: YamlDoc, data: dict, inputs) -> tuple:
 def _kind(doc: YamlDoc, data: dict) -> OpKind:
     kinds = {k.name: k for k in registry.spec_kinds()}
     name = data["kind"]
-    if name not in kinds:
+    if not isinstance(name, str) or name not in kinds:
         raise doc.error(f"unknown kind {name!r} (expected one of {', '.join(kinds)})"
                         f"{suggest(str(name), kinds)}", "kind")
     return kinds[name]

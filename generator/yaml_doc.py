@@ -10,6 +10,17 @@ import yaml
 from eulergen.errors import EulerError, Where
 from eulergen.userfiles import compose_yaml, construct_yaml, decode_text, read_text
 
+FLOAT32_MAX = 3.4028234663852886e38   # the kernels compute in float32
+
+
+def past_float32(value: int | float) -> str | None:
+    """What is wrong with a number of a spec the kernels cannot hold (nan, inf, past
+    float32's range, an integer past any float), or None."""
+    if abs(value) <= FLOAT32_MAX:
+        return None
+    shown = value if isinstance(value, float) else f"an integer of {len(str(value))} digits"
+    return f"{shown} is not a finite float32 value"
+
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -19,7 +30,7 @@ class YamlDoc:
     def __init__(self, path: Path, data: bytes | None = None):
         """`data`: the file's bytes, where the caller has read them already."""
         self.file = str(path)
-        text = read_text(path, "spec") if data is None else decode_text(data, path, "spec")
+        text = read_text(path, "spec file") if data is None else decode_text(data, path, "spec file")
         self.bytes = text.encode("utf-8")
         self.lines: dict[tuple, int] = {}
         # bounded (aliases expanded, depth) and duplicate keys refused while composing
@@ -68,4 +79,7 @@ class YamlDoc:
                 fixed = (mant if "." in mant else mant + ".0") + ("e" + exp if exp else "")
                 raise self.error(f"'{value}' is read by YAML as a string; write {fixed}", *path)
             raise self.error(f"expected a number, got {value!r}", *path)
+        fault = past_float32(value)
+        if fault:
+            raise self.error(fault, *path)
         return float(value)

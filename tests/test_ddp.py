@@ -211,7 +211,7 @@ def test_nproc_larger_than_the_gpus_is_one_line_before_any_rank_starts(monkeypat
     monkeypatch.setattr(backend, "get_backend", lambda device, notice=None: type(
         "Backend", (), {"is_gpu": True, "xp": gpus})())
     with pytest.raises(EulerError, match="--nproc: 2 ranks, one per GPU, but 1 GPUs are visible"):
-        workers.check_gpus(2, "cuda")
+        workers.check_ranks(2, "cuda")
 
 
 def test_the_nccl_collective_offers_the_cpu_one_s_interface():
@@ -324,7 +324,9 @@ def _sets(shard, run_dir, batch, **training):
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": str(ROOT.parent), **extra}
+    # the tree under test first, then what the caller put on the path (a worktree's link)
+    path = os.pathsep.join(p for p in (str(ROOT.parent), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def _nproc_2(*args):
@@ -337,6 +339,7 @@ def _nproc_2(*args):
 def test_train_nproc_2_matches_the_in_process_ranks(shard, tmp_path):
     run = _nproc_2(*_sets(shard, tmp_path / "cli", 4))
     assert "2 ranks x B=4" in run.stderr and run.stderr.count("eulergen train:") == 1
+    assert "each wait at most 300 s (EULERGEN_COLLECTIVE_TIMEOUT)" in run.stderr.splitlines()[0]
     cli, threads = losses(tmp_path / "cli"), _two_ranks(shard, tmp_path / "threads")
     # not bits: the CLI's workers run OpenBLAS on one thread (cli/common.py), pytest may not
     assert cli.keys() == threads.keys()

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from eulergen import PACKAGE_DIR
 from eulergen.cli import main
-from eulergen.errors import EulerError
 from eulergen.runtime.interop import hf
 from eulergen.runtime.data import tokenizer as T
 from eulergen.runtime.engine.backend import get_backend
@@ -26,6 +26,7 @@ from eulergen.runtime.train.config import config_from_dict
 from eulergen.runtime.train.evaluate import evaluate, open_model
 from eulergen.runtime.model.gpt import build
 from eulergen.runtime.engine.ops import OpLibrary
+from bad_inputs.case import words
 from runs import first_loss
 
 torch = pytest.importorskip("torch")
@@ -61,6 +62,12 @@ def hf_model(kind: str, vocab: int, seed: int = 0):
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+def word_tokenizer(folder: Path, vocab: int) -> None:
+    """A WordLevel tokenizer.json of `vocab` ids (<|endoftext|> the last) in `folder`: an HF
+    folder without a tokenizer eulergen reads is refused."""
+    (folder / hf.TOKENIZER).write_text(words({f"w{i}": i for i in range(vocab - 1)}, eot=True))
 
 
 def saved(tmp_path_factory, kind, vocab, **config):
@@ -168,7 +175,9 @@ def test_sharded_weights_load_like_one_file(tmp_path_factory):
 
 @pytest.fixture
 def gpt2_folder(tmp_path_factory):
-    return saved(tmp_path_factory, "gpt2", 97)[0]
+    folder = saved(tmp_path_factory, "gpt2", 97)[0]
+    word_tokenizer(folder, 97)
+    return folder
 
 
 def _fails(tmp_path, folder, *extra):
@@ -230,7 +239,7 @@ def test_export_never_writes_over_foreign_files(tmp_path, gpt2_folder):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     result = CliRunner().invoke(main, ["export", str(gpt2_folder), "--out", str(out)])
-    assert result.exit_code == 2 and "'notes.txt', which export did not write" in result.output
+    assert result.exit_code == 2 and "holds files export did not write (notes.txt)" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
@@ -239,9 +248,15 @@ def test_export_never_writes_over_foreign_files(tmp_path, gpt2_folder):
 def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib):
     folder, _ = saved(tmp_path_factory, "gpt2", 256)
     (folder / hf.TOKENIZER).write_bytes(T.hf_tokenizer_json(T.ByteTokenizer()))
-    run, out = tmp_path / "run", tmp_path / "out"
+    run, out, data = tmp_path / "run", tmp_path / "out", tmp_path / "data"
     cli = CliRunner()
+    (tmp_path / "text.txt").write_bytes((PACKAGE_DIR / "runtime" / "data" / "loader.py").read_bytes())
+    result = cli.invoke(main, ["prepare", str(tmp_path / "text.txt"), "--out", str(data),
+                               "--tokenizer", str(folder / hf.TOKENIZER), "--val-tokens", "400",
+                               "--quiet"])   # the data in the folder's own tokenizer
+    assert result.exit_code == 0, result.output
     result = cli.invoke(main, ["train", "--init-from", str(folder), "--run-dir", str(run),
+                               "--set", f"data.dataset={data}/data_train_*.bin",
                                "--device", "numpy", "--set", "training.total_steps=2",
                                "--set", "training.warmup_steps=1", "--set", "training.batch_size=2",
                                "--set", "training.eval_every=0", "--set", "training.sample_tokens=0"])
@@ -253,15 +268,16 @@ def test_fine_tune_export_eval_sample_end_to_end(tmp_path_factory, tmp_path, lib
     result = cli.invoke(main, ["export", str(run), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.iterdir()} == {hf.CONFIG, hf.WEIGHTS, hf.TOKENIZER,
-                                              "tokenizer_config.json"}
+                                              "tokenizer_config.json", ".eulergen-export"}
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("héllo")["input_ids"] == list("héllo".encode())
     assert (tok.eos_token, tok.eos_token_id) == (T.ENDOFTEXT, T.BYTE_EOT)
 
-    result = cli.invoke(main, ["eval", str(run), "--data", "builtin:stdlib", "--batch-size", "2",
+    val = f"{data}/data_val_000000.bin"
+    result = cli.invoke(main, ["eval", str(run), "--data", val, "--batch-size", "2",
                                "--max-batches", "2", "--device", "numpy"])
     assert result.exit_code == 0, result.output
-    expected = evaluate(open_model(run, "numpy"), lib, "builtin:stdlib", batch=2, seq=S, max_batches=2)
+    expected = evaluate(open_model(run, "numpy"), lib, val, batch=2, seq=S, max_batches=2)
     assert result.output.strip().startswith(f"loss {expected.loss:.4f}  perplexity {expected.perplexity:.3f}")
 
     result = cli.invoke(main, ["sample", str(out), "--prompt", "ab", "--max-new-tokens", "3",
@@ -275,7 +291,8 @@ def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_wei
     folder, _ = saved(tmp_path_factory, "gpt2", 256)
     short = ["--device", "numpy", "--set", "training.total_steps=2", "--set",
              "training.warmup_steps=1", "--set", "training.batch_size=2", "--set",
-             "training.eval_every=0", "--set", "training.sample_tokens=0"]
+             "training.eval_every=0", "--set", "training.sample_tokens=0",
+             "--set", "data.tokenizer=byte"]   # the folder has none: builtin:stdlib's bytes
     cli = CliRunner()
 
     whole = tmp_path / "whole"
@@ -300,6 +317,7 @@ def test_a_resume_before_the_first_checkpoint_starts_again_from_the_imported_wei
 
 def test_eval_is_the_mean_loss_transformers_gives(tmp_path_factory, tmp_path, lib):
     folder, ref = saved(tmp_path_factory, "llama", 97)
+    word_tokenizer(folder, 97)
     data = tmp_path / "d_val_000000.bin"
     from eulergen.runtime.data.loader import write_shard
     ids = np.random.default_rng(5).integers(0, 97, 4 * S + 1)
@@ -311,77 +329,3 @@ def test_eval_is_the_mean_loss_transformers_gives(tmp_path_factory, tmp_path, li
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 97), windows[:, 1:].reshape(-1))
     assert result.tokens == 4 * S
     assert result.loss == pytest.approx(want.item(), rel=TOL)
-
-
-# -- tokenizers -----------------------------------------------------------------------------
-
-TEXT = "def f(x):\n    return x  # héllo wörld, 日本\n\n  \t end"
-
-
-def _gpt2_shaped_json(path: Path) -> Path:
-    """A byte-level BPE with GPT-2's shape (ids 0-50255 the BPE, merge n making id 256 + n,
-    <|endoftext|> = 50256); GPT-2's own files are not reachable from the tests."""
-    import tokenizers as tk
-    chars = T._byte_chars()
-    vocab = {c: i for i, c in enumerate(chars)}
-    merges = []
-    for a in chars:
-        for b in chars:
-            if len(vocab) < 50256:
-                vocab[a + b] = len(vocab)
-                merges.append((a, b))
-    for a, b in [("Ġ", "r"), ("Ġr", "e")]:   # longer tokens too: "Ġre" made from "Ġr"
-        if a + b not in vocab:
-            merges.append((a, b))
-    tok = tk.Tokenizer(tk.models.BPE(vocab, merges[:50000]))
-    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tk.decoders.ByteLevel()
-    tok.add_special_tokens([T.ENDOFTEXT])
-    tok.save(str(path))
-    return path
-
-
-def test_gpt2_works_offline_from_the_hub_cache(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-    import tiktoken
-
-    def offline(name):
-        raise ConnectionError("no network")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(EulerError, match="TIKTOKEN_CACHE_DIR .* Hugging Face cache") as err:
-        T.tokenizer_named("gpt2")
-    assert "\n" not in str(err.value)
-    repo = tmp_path / "models--openai-community--gpt2"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("abc")
-    (repo / "snapshots" / "abc").mkdir(parents=True)
-    path = _gpt2_shaped_json(repo / "snapshots" / "abc" / "tokenizer.json")
-    tok = T.tokenizer_named("gpt2")
-    assert (tok.name, tok.vocab_size, tok.eot, tok.digest) == ("gpt2", 50257, 50256, "tiktoken:gpt2")
-    assert tok.encode(TEXT) == T.HFTokenizer(path).encode(TEXT)
-    assert tok.decode(tok.encode(TEXT)) == TEXT
-
-
-def test_a_tokenizer_folder_is_its_tokenizer_json(tmp_path):
-    (tmp_path / "tokenizer.json").write_bytes(T.hf_tokenizer_json(T.ByteTokenizer()))
-    tok = T.tokenizer_named(str(tmp_path))
-    assert tok.encode(TEXT) == list(TEXT.encode())
-    cfg = config_from_dict({"data": {"tokenizer": str(tmp_path)}})
-    assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json")
-
-
-def test_a_tiktoken_bpe_exports_as_a_tokenizer_json_with_the_same_ids(tmp_path):
-    import tiktoken
-    trained = T.train_bpe([TEXT * 3, "return the results, re-read them"] * 20, 400, tmp_path / "t.json")
-    byte_of = {c: b for b, c in enumerate(T._byte_chars())}
-    ranks = {bytes(byte_of[c] for c in t): i for t, i in trained._tok.get_vocab().items()
-             if t != T.ENDOFTEXT}
-    enc = tiktoken.Encoding("t", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-                            mergeable_ranks=ranks, special_tokens={T.ENDOFTEXT: trained.eot})
-    (tmp_path / "back.json").write_bytes(T.byte_level_bpe_json(ranks, {T.ENDOFTEXT: trained.eot}))
-    back = T.HFTokenizer(tmp_path / "back.json")
-    assert back.encode(TEXT) == enc.encode_ordinary(TEXT) == trained.encode(TEXT)
-    assert back.eot == trained.eot
-

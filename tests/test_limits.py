@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bad_inputs.cases import bomb
+from bad_inputs.case import bomb
 from eulergen.errors import EulerError
 from eulergen.generator.formula import FORMULA_MAX_DEPTH, parse, Where
 from eulergen.generator.opspec import symbol

@@ -422,7 +422,7 @@ def test_eulergen_gemm_picks_the_path(choose, mode, lt):
 
 
 def test_an_unknown_eulergen_gemm_is_one_error(choose):
-    with pytest.raises(EulerError, match="EULERGEN_GEMM: 'fast': expected auto, lt or cublas"):
+    with pytest.raises(EulerError, match="EULERGEN_GEMM: 'fast': want one of auto, lt, cublas"):
         choose(FakeLt(), "fast")
 
 

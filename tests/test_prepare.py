@@ -149,20 +149,21 @@ def test_an_output_path_that_is_a_file_is_refused(texts, tmp_path):
     out.write_text("mine")
     with pytest.raises(EulerError) as err:
         prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
-    assert str(err.value) == f"{out}: --out: not a folder: --out names the folder the shards go to"
+    assert str(err.value) == (f"{out}: --out: exists and is not a folder: prepare writes a folder "
+                              "there, never over a file")
     assert out.read_text() == "mine"
 
 def test_an_output_folder_with_foreign_files_is_refused(texts, tmp_path):
     out = tmp_path / "d"
     out.mkdir()
     (out / "notes.md").write_text("mine")
-    with pytest.raises(EulerError, match=r"holds files prepare did not write \(notes.md\) and no "
-                                         r"prepare.json: name an empty or new folder"):
+    with pytest.raises(EulerError, match=r"holds files prepare did not write \(notes.md\): never "
+                                         r"written over; name a new or empty folder"):
         prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
     (out / "notes.md").unlink()
     prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
     (out / "notes.md").write_text("mine")
-    with pytest.raises(EulerError, match=r"holds a file prepare did not write \(notes.md\)"):
+    with pytest.raises(EulerError, match=r"holds files prepare did not write \(notes.md\)"):
         prepare(LocalFiles([str(texts)]), out, ByteTokenizer(), SMALL, workers=1)
 
 

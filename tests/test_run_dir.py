@@ -149,7 +149,7 @@ def test_a_lock_left_by_a_killed_trainer_does_not_block_the_next_resume(lib, sha
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(EulerError, match=f"pid {holder.pid}"):
-            run_dir.check(run, resume=True)
+            run_dir.check(run)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

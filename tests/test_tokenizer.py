@@ -4,14 +4,16 @@ and the vocab check at train start."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from eulergen.cli import main
 from eulergen.errors import EulerError
+from eulergen.runtime.data import tokenizer as T
 from eulergen.runtime.engine.backend import NUMPY
-from eulergen.runtime.train.config import load_config
+from eulergen.runtime.train.config import config_from_dict, load_config
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.data.tokenizer import (ENDOFTEXT, ByteTokenizer, HFTokenizer, check_fits,
                                         hf_tokenizer_json, load_tokenizer, tokenizer_named,
@@ -201,5 +203,79 @@ def test_tokenizer_train_refuses_a_folder_as_out(tmp_path):
     got = CliRunner().invoke(main, ["tokenizer", "train", "--vocab-size", "300",
                                     "--out", str(tmp_path), str(tmp_path / "a.txt")])
     assert got.exit_code == 2
-    assert got.output.strip() == (f"error: {tmp_path}: --out: a folder: --out names the "
-                                  "tokenizer .json to write")
+    assert got.output.strip() == (f"error: {tmp_path}: --out: a folder: tokenizer train "
+                                  "writes a new file, never over anything")
+
+
+# -- GPT-2's BPE between tiktoken and Hugging Face, a tokenizer folder ------------------------
+
+FORMS_TEXT = "def f(x):\n    return x  # héllo wörld, 日本\n\n  \t end"
+
+
+def _gpt2_shaped_json(path: Path) -> Path:
+    """A byte-level BPE with GPT-2's shape (ids 0-50255 the BPE, merge n making id 256 + n,
+    <|endoftext|> = 50256); GPT-2's own files are not reachable from the tests."""
+    import tokenizers as tk
+    chars = T._byte_chars()
+    vocab = {c: i for i, c in enumerate(chars)}
+    merges = []
+    for a in chars:
+        for b in chars:
+            if len(vocab) < 50256:
+                vocab[a + b] = len(vocab)
+                merges.append((a, b))
+    for a, b in [("Ġ", "r"), ("Ġr", "e")]:   # longer tokens too: "Ġre" made from "Ġr"
+        if a + b not in vocab:
+            merges.append((a, b))
+    tok = tk.Tokenizer(tk.models.BPE(vocab, merges[:50000]))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.add_special_tokens([T.ENDOFTEXT])
+    tok.save(str(path))
+    return path
+
+
+def test_gpt2_works_offline_from_the_hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(EulerError, match="TIKTOKEN_CACHE_DIR .* Hugging Face cache") as err:
+        T.tokenizer_named("gpt2")
+    assert "\n" not in str(err.value)
+    repo = tmp_path / "models--openai-community--gpt2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    path = _gpt2_shaped_json(repo / "snapshots" / "abc" / "tokenizer.json")
+    tok = T.tokenizer_named("gpt2")
+    assert (tok.name, tok.vocab_size, tok.eot, tok.digest) == ("gpt2", 50257, 50256, "tiktoken:gpt2")
+    assert tok.encode(FORMS_TEXT) == T.HFTokenizer(path).encode(FORMS_TEXT)
+    assert tok.decode(tok.encode(FORMS_TEXT)) == FORMS_TEXT
+
+
+def test_a_tokenizer_folder_is_its_tokenizer_json(tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes(T.hf_tokenizer_json(T.ByteTokenizer()))
+    tok = T.tokenizer_named(str(tmp_path))
+    assert tok.encode(FORMS_TEXT) == list(FORMS_TEXT.encode())
+    cfg = config_from_dict({"data": {"tokenizer": str(tmp_path)}})
+    assert cfg.data.tokenizer == str(tmp_path / "tokenizer.json")
+
+
+def test_a_tiktoken_bpe_exports_as_a_tokenizer_json_with_the_same_ids(tmp_path):
+    import tiktoken
+    trained = T.train_bpe([FORMS_TEXT * 3, "return the results, re-read them"] * 20, 400, tmp_path / "t.json")
+    byte_of = {c: b for b, c in enumerate(T._byte_chars())}
+    ranks = {bytes(byte_of[c] for c in t): i for t, i in trained._tok.get_vocab().items()
+             if t != T.ENDOFTEXT}
+    enc = tiktoken.Encoding("t", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+                            mergeable_ranks=ranks, special_tokens={T.ENDOFTEXT: trained.eot})
+    (tmp_path / "back.json").write_bytes(T.byte_level_bpe_json(ranks, {T.ENDOFTEXT: trained.eot}))
+    back = T.HFTokenizer(tmp_path / "back.json")
+    assert back.encode(FORMS_TEXT) == enc.encode_ordinary(FORMS_TEXT) == trained.encode(FORMS_TEXT)
+    assert back.eot == trained.eot
+

@@ -25,6 +25,7 @@ import eulergen
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.runtime.data.tokenizer import BYTE_EOT
+from eulergen.userfiles import map_array, opened, size_of
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -45,30 +46,31 @@ STDLIB_VAL_EVERY = 10
 # -- token files ----------------------------------------------------------------------------
 
 def open_tokens(path: str | Path) -> np.ndarray:
-    """Memory-map one token file as a 1-D unsigned array (llm.c shard or nanoGPT .bin)."""
+    """Memory-map one token file as a 1-D unsigned array (llm.c shard or nanoGPT .bin),
+    read through eulergen/userfiles.py (a regular file; its header checked against its size
+    before anything is mapped)."""
     path = Path(path)
-    if not path.is_file():
-        raise EulerError("token file not found", file=str(path))
-    size = path.stat().st_size
-    head = np.fromfile(path, dtype="<i4", count=min(HEADER_INTS, size // 4))
-    magic = int(head[0]) if head.size else None
-    if magic in SHARD_MAGICS:
-        return _open_shard(path, head, size)
-    if magic in LLMC_FILE_MAGICS:
-        raise EulerError(f"header magic {magic} is {LLMC_FILE_MAGICS[magic]}, not a token shard "
-                         f"(expected 20240520 or 20240801)", file=str(path))
-    if _LLMC_SHARD_NAME.search(path.name):
-        raise EulerError(f"header magic {magic} is not an llm.c token shard "
-                         f"(expected 20240520 or 20240801)", file=str(path))
-    if size % 2:
-        raise EulerError(f"truncated: {size} bytes is not a whole number of uint16 tokens "
-                         f"(read as a headerless nanoGPT .bin)", file=str(path))
-    if size == 0:
-        raise EulerError("empty token file", file=str(path))
-    return np.memmap(path, dtype="<u2", mode="r")
+    with opened(path, "token file") as f:
+        size = size_of(f)
+        head = np.frombuffer(f.read(min(HEADER_BYTES, size // 4 * 4)), dtype="<i4")
+        magic = int(head[0]) if head.size else None
+        if magic in SHARD_MAGICS:
+            return _open_shard(f, path, head, size)
+        if magic in LLMC_FILE_MAGICS:
+            raise EulerError(f"header magic {magic} is {LLMC_FILE_MAGICS[magic]}, not a token "
+                             f"shard (expected 20240520 or 20240801)", file=str(path))
+        if _LLMC_SHARD_NAME.search(path.name):
+            raise EulerError(f"header magic {magic} is not an llm.c token shard "
+                             f"(expected 20240520 or 20240801)", file=str(path))
+        if size % 2:
+            raise EulerError(f"truncated: {size} bytes is not a whole number of uint16 tokens "
+                             f"(read as a headerless nanoGPT .bin)", file=str(path))
+        if size == 0:
+            raise EulerError("empty token file", file=str(path))
+        return map_array(f, np.dtype("<u2"), 0, size // 2)
 
 
-def _open_shard(path: Path, head: np.ndarray, size: int) -> np.ndarray:
+def _open_shard(f, path: Path, head: np.ndarray, size: int) -> np.ndarray:
     if head.size < HEADER_INTS:
         raise EulerError(f"truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte header",
                          file=str(path))
@@ -78,7 +80,7 @@ def _open_shard(path: Path, head: np.ndarray, size: int) -> np.ndarray:
                          f"(expected {SHARD_VERSIONS[magic]})", file=str(path))
     dtype = SHARD_MAGICS[magic]
     body = size - HEADER_BYTES
-    if body < count * dtype.itemsize:
+    if count < 0 or body < count * dtype.itemsize:
         raise EulerError(f"truncated: header says {count} tokens, body holds "
                          f"{body // dtype.itemsize}", file=str(path))
     if body > count * dtype.itemsize:
@@ -87,7 +89,7 @@ def _open_shard(path: Path, head: np.ndarray, size: int) -> np.ndarray:
                          file=str(path))
     if count == 0:
         raise EulerError("shard holds no tokens", file=str(path))
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    return map_array(f, dtype, HEADER_BYTES, count)
 
 
 def write_shard(path: str | Path, tokens: np.ndarray) -> str:
@@ -110,8 +112,11 @@ def resolve_files(pattern: str, cache_dir: str | Path | None = None, split: str 
     if pattern.startswith("builtin:"):
         raise EulerError(f"unknown built-in dataset {pattern!r} (known: {BUILTIN_STDLIB})",
                          key="data.dataset")
-    files = sorted(Path(p) for p in globlib.glob(os.path.expanduser(pattern)))
-    files = [p for p in files if p.is_file()]
+    pattern = os.path.expanduser(pattern)
+    if not globlib.has_magic(pattern) and os.path.lexists(pattern):
+        return [Path(pattern)]   # named itself: open_tokens says what is wrong with it
+    # a glob takes the regular files it matches
+    files = [p for p in sorted(Path(p) for p in globlib.glob(pattern)) if p.is_file()]
     if not files:
         raise EulerError("no token files match (data.dataset takes a glob of llm.c shards, a "
                          "nanoGPT train.bin, or builtin:stdlib)", file=pattern)
@@ -285,6 +290,13 @@ def _stdlib_key() -> str:
     for p in stdlib_files():
         key.update(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}\n".encode())
     return key.hexdigest()
+
+
+def is_stdlib_folder(folder: Path) -> bool:
+    """Whether `folder` is where stdlib_tokens keeps builtin:stdlib's (byte-level) shards:
+    data/stdlib-<16 hex digits of its key> in a cache folder."""
+    return folder.parent.name == "data" and \
+        re.fullmatch(r"stdlib-[0-9a-f]{16}", folder.name) is not None
 
 
 def stdlib_tokens(cache_dir: str | Path | None = None) -> dict[str, Path]:

@@ -29,15 +29,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.runtime.data.loader import open_tokens, write_shard
+from eulergen.runtime.data.prepared import STATE_FILE, PrepareState, ShardRecord, show
 from eulergen.runtime.data.sources import ON_BAD_TEXT, Document, Source, checked
 from eulergen.runtime.data.tokenizer import Tokenizer
+from eulergen.userfiles import opened
 
-STATE_FILE = "prepare.json"
 MAX_WORKERS_PER_CORE = 4   # each worker is a process holding the tokenizer
-FORMAT = 1
 SHARD_TOKENS = 100_000_000     # llm.c's fineweb.py
 # 10M validation tokens: at GPT-2 small's B=16, T=1024 that is 600 batches, far more than
 # an evaluation reads, and 0.1% of FineWeb-Edu's sample-10BT; small sources pass less.
@@ -45,41 +46,6 @@ VAL_TOKENS = 10_000_000
 BATCH_BYTES = 1 << 20          # text a worker tokenizes per task: large enough to hide IPC
 BATCH_DOCS = 4096
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-
-
-@dataclass(frozen=True)
-class ShardRecord:
-    file: str
-    tokens: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class PrepareState:
-    """What prepare.json holds: `settings` must match on a rerun; the rest is progress."""
-    settings: dict
-    shards: tuple[ShardRecord, ...] = ()
-    documents: int = 0        # documents wholly written (or skipped)
-    carry: int = 0            # tokens of document `documents` already in the shards
-    tokens: int = 0
-    skipped: int = 0          # documents left out as not UTF-8 (--on-bad-text skip)
-    done: bool = False
-
-    def to_json(self) -> bytes:
-        data = {"format": FORMAT, **asdict(self)}
-        return (json.dumps(data, indent=1) + "\n").encode("utf-8")
-
-    @classmethod
-    def read(cls, path: Path) -> "PrepareState":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.pop("format") != FORMAT:
-                raise ValueError("unknown format")
-            shards = tuple(ShardRecord(**s) for s in data.pop("shards"))
-            return cls(shards=shards, **data)
-        except (ValueError, KeyError, TypeError) as err:
-            raise EulerError(f"not a prepare manifest this version reads ({err})",
-                             file=str(path)) from None
 
 
 @dataclass(frozen=True)
@@ -183,19 +149,6 @@ def prepare(source: Source, out: str | Path, tokenizer: Tokenizer, settings: Set
         raise
 
 
-def check_prepared_with(files, tokenizer: Tokenizer, key: str = "data.tokenizer") -> None:
-    """Refuse token files that a prepared folder's manifest says another tokenizer made
-    (ids of one tokenizer read through another are noise the model would learn)."""
-    for folder in sorted({Path(f).parent for f in files}):
-        if not (folder / STATE_FILE).is_file():
-            continue
-        made = PrepareState.read(folder / STATE_FILE).settings
-        if made.get("tokenizer_digest") != tokenizer.digest:
-            raise EulerError(f"the data was prepared with tokenizer {made.get('tokenizer')!r}, "
-                             f"not {tokenizer.name!r} (digests differ): set data.tokenizer to "
-                             "the one prepare used", file=str(folder / STATE_FILE), key=key)
-
-
 def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None:
     if settings.shard_tokens < 1 or settings.val_tokens < 1:
         raise EulerError(f"--shard-tokens {settings.shard_tokens} and --val-tokens "
@@ -214,52 +167,48 @@ def _check_settings(settings: Settings, name: str, tokenizer: Tokenizer) -> None
 # -- the output folder ------------------------------------------------------------------------
 
 def _open_folder(out: Path, settings: dict) -> PrepareState:
-    """The state to continue from: fresh for an empty folder, else the manifest's, after
-    checking that it was made with these settings and that its shards are intact."""
-    if out.exists() and not out.is_dir():
-        raise EulerError("not a folder: --out names the folder the shards go to", file=str(out),
-                         key="--out")
+    """The state to continue from: fresh for a new or empty folder, else the manifest's,
+    after checking that the folder holds nothing prepare did not write (outputs.py's rule),
+    that it was made with these settings and that its shards are intact."""
     state_path = out / STATE_FILE
-    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not state_path.is_file():
-        if present:
-            raise EulerError(f"the output folder holds files prepare did not write ({present[0]}"
-                             f"{', …' if len(present) > 1 else ''}) and no {STATE_FILE}: name an "
-                             "empty or new folder", file=str(out))
+    if not state_path.exists():
+        outputs.check_folder(out, lambda name: False, by="prepare", key="--out")
         state = PrepareState(settings=settings)
         write_atomic(state_path, state.to_json())
         return state
     state = PrepareState.read(state_path)
     settings = json.loads(json.dumps(settings))    # the JSON-ready form the manifest holds
+    recorded = {s.file for s in state.shards}
+    shard = re.escape(settings["name"]) + r"_(val|train)_\d{6}\.bin"
+    ours = re.compile(shard + r"\Z")
+    # files.write_atomic's temp files, of a write the last run did not finish
+    temp = re.compile(rf"\.({shard}|{re.escape(STATE_FILE)})\.\w+\.tmp\Z")
+    outputs.check_folder(out, lambda e: e == STATE_FILE or e in recorded or bool(
+        ours.match(e) or temp.match(e)), by="prepare", key="--out")
     if state.settings != settings and not state.shards:
         state = PrepareState(settings=settings)    # nothing written yet: nothing to keep
         write_atomic(state_path, state.to_json())
     if state.settings != settings:
         key = next(k for k in (*settings, *state.settings)
                    if state.settings.get(k) != settings.get(k))
-        raise EulerError(f"this folder was prepared with {key} = {_show(state.settings.get(key))}, "
-                         f"not {_show(settings.get(key))}: rerun with its settings, or name another "
+        raise EulerError(f"this folder was prepared with {key} = {show(state.settings.get(key))}, "
+                         f"not {show(settings.get(key))}: rerun with its settings, or name another "
                          "folder", file=str(out / STATE_FILE), key=key)
-    recorded = {s.file for s in state.shards}
-    ours = re.compile(re.escape(settings["name"]) + r"_(val|train)_\d{6}\.bin\Z")
-    for entry in present:
-        if entry.startswith(".") and entry.endswith(".tmp"):
-            (out / entry).unlink()      # a write the last run did not finish
-        elif entry != STATE_FILE and entry not in recorded and not ours.match(entry):
-            raise EulerError(f"the output folder holds a file prepare did not write ({entry}): "
-                             "move it out or name another folder", file=str(out))
+    for entry in sorted(p.name for p in out.iterdir()):
+        if temp.match(entry):
+            (out / entry).unlink()
     for shard in state.shards:
         _verify(out / shard.file, shard)
     return state
 
 
 def _verify(path: Path, shard: ShardRecord) -> None:
-    if not path.is_file():
+    if not path.exists():
         raise EulerError(f"shard listed in {STATE_FILE} is missing: delete the folder to prepare "
                          "it again", file=str(path))
     count = len(open_tokens(path))    # a truncated or foreign file fails here, saying how
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with opened(path, "token file") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     digest = digest.hexdigest()
@@ -395,8 +344,3 @@ def _split(batch: list[Document], encoded: tuple[np.ndarray, np.ndarray]):
     ends = np.cumsum(lengths)
     for doc, end, n in zip(batch, ends, lengths):
         yield doc, flat[end - n:end]
-
-
-def _show(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 120 else text[:117] + "…"   # a source may list many files

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from eulergen.errors import EulerError
+from eulergen.userfiles import DOCUMENT_LIMIT, opened, read_bytes
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 ON_BAD_TEXT = ("stop", "skip")
@@ -61,7 +62,8 @@ class LocalFiles:
                              "them, or --dataset", key="SOURCES")
         self.text_key = text_key
         self.files = tuple(p for spec in specs for p in _expand(spec))
-        self.sizes = tuple(p.stat().st_size for p in self.files)
+        # a file named that is no regular file is refused by its reader, naming it
+        self.sizes = tuple(p.stat().st_size if p.is_file() else 0 for p in self.files)
         self.total_bytes = sum(self.sizes)
 
     def identity(self) -> dict:
@@ -82,10 +84,11 @@ def _expand(spec: str) -> list[Path]:
         if not found:
             raise EulerError(f"no {', '.join(SUFFIXES)} files in this folder", file=spec)
         return found
-    if path.is_file():
+    if os.path.lexists(path) and not globlib.has_magic(spec):
         if path.suffix not in SUFFIXES:
             raise EulerError(f"not a source prepare reads (want {', '.join(SUFFIXES)})", file=spec)
         return [path]
+    # folders and globs take the regular files they hold
     found = sorted(Path(p) for p in globlib.glob(str(path), recursive=True))
     found = [p for p in found if p.is_file() and p.suffix in SUFFIXES]
     if not found:
@@ -104,14 +107,18 @@ def _decode(data: bytes, path: Path, offset: int) -> Document:
 def _txt(path: Path, size: int, text_key: str, skip: int):
     if skip:
         return skip - 1
-    yield _decode(path.read_bytes(), path, 0)
+    yield _decode(read_bytes(path, "source file", DOCUMENT_LIMIT), path, 0)
     return 0
 
 
 def _jsonl(path: Path, size: int, text_key: str, skip: int):
     offset = 0
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+    with opened(path, "source file") as f:
+        lines = iter(lambda: f.readline(DOCUMENT_LIMIT + 1), b"")
+        for number, line in enumerate(lines, 1):
+            if len(line) > DOCUMENT_LIMIT:
+                raise EulerError(f"a line of more than {DOCUMENT_LIMIT:,} bytes: a document is "
+                                 "at most that", file=str(path), line=number)
             start, offset = offset, offset + len(line)
             if skip:
                 skip -= 1
@@ -140,31 +147,32 @@ def _parquet(path: Path, size: int, text_key: str, skip: int):
         import pyarrow.parquet as pq
     except ImportError:
         raise EulerError(f"reading .parquet needs pyarrow ({DATA_EXTRA})", file=str(path)) from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises its own ArrowInvalid for a file that is not parquet
-        raise EulerError(f"not a parquet file: {err}", file=str(path)) from None
-    names = pf.schema_arrow.names
-    if text_key not in names:
-        raise EulerError(f"no column {text_key!r} (has: {', '.join(names)}); --text-key names the "
-                         "column", file=str(path), key=text_key)
-    per_row = size / max(1, pf.metadata.num_rows)
-    for group in range(pf.num_row_groups):
-        rows = pf.metadata.row_group(group).num_rows
-        if skip >= rows:
-            skip -= rows
-            continue
-        column = pf.read_row_group(group, columns=[text_key]).column(0)
-        for value in column.to_pylist()[skip:]:
-            if isinstance(value, bytes):
-                doc = _decode(value, path, 0)
-                yield Document(doc.text, doc.error, per_row)
-            elif value is None or isinstance(value, str):
-                yield Document(value, advance=per_row)
-            else:
-                raise EulerError(f"column {text_key!r} holds {type(value).__name__}, not text",
-                                 file=str(path), key=text_key)
-        skip = 0
+    with opened(path, "source file") as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as err:  # pyarrow's own ArrowInvalid, for a file that is not parquet
+            raise EulerError(f"not a parquet file: {err}", file=str(path)) from None
+        names = pf.schema_arrow.names
+        if text_key not in names:
+            raise EulerError(f"no column {text_key!r} (has: {', '.join(names)}); --text-key names "
+                             "the column", file=str(path), key=text_key)
+        per_row = size / max(1, pf.metadata.num_rows)
+        for group in range(pf.num_row_groups):
+            rows = pf.metadata.row_group(group).num_rows
+            if skip >= rows:
+                skip -= rows
+                continue
+            column = pf.read_row_group(group, columns=[text_key]).column(0)
+            for value in column.to_pylist()[skip:]:
+                if isinstance(value, bytes):
+                    doc = _decode(value, path, 0)
+                    yield Document(doc.text, doc.error, per_row)
+                elif value is None or isinstance(value, str):
+                    yield Document(value, advance=per_row)
+                else:
+                    raise EulerError(f"column {text_key!r} holds {type(value).__name__}, not text",
+                                     file=str(path), key=text_key)
+            skip = 0
     return skip
 
 

@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from eulergen import outputs
 from eulergen.errors import EulerError
-from eulergen.files import write_atomic
+from eulergen.userfiles import TOKENIZER_LIMIT, decode_text, read_bytes, read_json
 
 BYTE, GPT2 = "byte", "gpt2"
 BYTE_EOT = 0   # byte 0 never occurs in text: builtin:stdlib ends each file with it
@@ -80,7 +81,7 @@ class TiktokenTokenizer(Tokenizer):
         self.name = encoding_name
         self.vocab_size = self._enc.n_vocab
         self.eot = self._enc.eot_token
-        self.digest = f"tiktoken:{encoding_name}"
+        self.digest = digest_of(encoding_name)
 
     def ranks(self) -> dict[bytes, int]:
         """The BPE's tokens (bytes) and their ranks, which are their ids."""
@@ -99,25 +100,26 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, path: str | Path, *, key: str = "data.tokenizer"):
         path = Path(path)
-        if not path.is_file():
-            raise EulerError("tokenizer file not found", file=str(path), key=key)
         Tokenizer = _tokenizers(key).Tokenizer
-        data = path.read_bytes()
+        data = read_bytes(path, "tokenizer file", TOKENIZER_LIMIT, key)
         try:
-            self._tok = Tokenizer.from_str(data.decode("utf-8"))
+            self._tok = Tokenizer.from_str(decode_text(data, path, "tokenizer file"))
+        except EulerError:
+            raise
         except Exception as err:  # the library raises bare Exceptions for bad files
             raise EulerError(f"not a tokenizers JSON file: {err}", file=str(path), key=key) from None
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eot = next((i for i in map(self._tok.token_to_id, _EOT_NAMES) if i is not None), None)
-        self.digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
+        self.digest = _file_digest(data)
         self._json = data
 
     @functools.cached_property
     def _unk(self) -> int | None:
         # read from the JSON when a prompt is first checked: loading (train, prepare) skips it
-        unk = json.loads(self._json).get("model", {}).get("unk_token")
-        return None if unk is None else self._tok.token_to_id(unk)
+        model = json.loads(self._json).get("model")
+        unk = model.get("unk_token") if isinstance(model, dict) else None
+        return self._tok.token_to_id(unk) if isinstance(unk, str) else None
 
     def unknown(self, text: str) -> int | None:
         if self._unk is None:
@@ -145,6 +147,20 @@ def tokenizer_named(spec: str, *, key: str = "data.tokenizer") -> Tokenizer:
     if spec == GPT2:
         return TiktokenTokenizer(GPT2, key=key)
     return HFTokenizer(tokenizer_file(spec), key=key)
+
+
+def digest_of(spec: str) -> str:
+    """What identifies the tokenizer `spec` names (its `digest`, which a prepared folder's
+    manifest records), without loading it."""
+    if spec == BYTE:
+        return BYTE
+    if spec == GPT2:
+        return f"tiktoken:{GPT2}"
+    return _file_digest(read_bytes(tokenizer_file(spec), "tokenizer file", TOKENIZER_LIMIT))
+
+
+def _file_digest(data: bytes) -> str:
+    return f"sha256:{hashlib.sha256(data).hexdigest()}"
 
 
 def tokenizer_file(spec: str | Path) -> Path:
@@ -177,16 +193,15 @@ MAX_BPE_VOCAB = 1 << 20
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> HFTokenizer:
     """Train a GPT-2-style byte-level BPE on `texts` with Hugging Face tokenizers, with
-    <|endoftext|> as its end-of-text token; write it atomically to `out` (tokenizer.json)."""
+    <|endoftext|> as its end-of-text token; write it to `out` (tokenizer.json), which must
+    not exist (outputs.write_new: never over a file, the text being read included)."""
     if vocab_size < MIN_BPE_VOCAB:
         raise EulerError(f"--vocab-size {vocab_size} is below {MIN_BPE_VOCAB} (256 bytes and "
                          f"{ENDOFTEXT})", key="--vocab-size")
     if vocab_size > MAX_BPE_VOCAB:
         raise EulerError(f"--vocab-size {vocab_size:,} is above {MAX_BPE_VOCAB:,}",
                          key="--vocab-size")
-    if Path(out).is_dir():
-        raise EulerError("a folder: --out names the tokenizer .json to write", file=str(out),
-                         key="--out")
+    outputs.check_new(out, by="tokenizer train", key="--out")   # before training, and on writing
     lib = _tokenizers("--vocab-size")
     tok = lib.Tokenizer(lib.models.BPE())
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -198,7 +213,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> HFToken
     tok.train_from_iterator(seen, trainer=trainer)
     if not seen.count:
         raise EulerError("no text to train on: the sources hold no documents", key="SOURCES")
-    write_atomic(Path(out), tok.to_str(pretty=True).encode("utf-8"))
+    outputs.write_new(out, tok.to_str(pretty=True).encode("utf-8"), by="tokenizer train",
+                      key="--out")
     return HFTokenizer(out)
 
 
@@ -257,22 +273,20 @@ def gpt2_from_tokenizer_json(path: Path, *, key: str = "data.tokenizer"):
     """A tiktoken Encoding of GPT-2 from an HF GPT-2 tokenizer.json: GPT-2's BPE ranks are
     its ids (merge n makes id 256 + n), so tiktoken's lowest-rank-first merging gives the
     ids the file's merges give, with tiktoken's own handling of text."""
-    import json
-
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
 
+    data = read_json(path, "tokenizer file", TOKENIZER_LIMIT, key)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        vocab = data["model"]["vocab"]
+        vocab = dict(data["model"]["vocab"])
         specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:
         raise EulerError(f"not GPT-2's tokenizer.json ({type(err).__name__}: {err})",
                          file=str(path), key=key) from None
     eot = specials.get(ENDOFTEXT, vocab.get(ENDOFTEXT))
     bpe = {token: i for token, i in vocab.items() if token != ENDOFTEXT}
     if data["model"].get("type") != "BPE" or eot != GPT2_VOCAB - 1 or \
-            sorted(bpe.values()) != list(range(GPT2_VOCAB - 1)):
+            len(bpe) != GPT2_VOCAB - 1 or set(bpe.values()) != set(range(GPT2_VOCAB - 1)):
         raise EulerError(f"not GPT-2's tokenizer.json: want a BPE of ids 0-{GPT2_VOCAB - 2} "
                          f"and {ENDOFTEXT} = {GPT2_VOCAB - 1}", file=str(path), key=key)
     byte_of = {c: b for b, c in enumerate(_byte_chars())}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import select
 import socket
 import struct
@@ -25,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eulergen import env
 from eulergen.errors import EulerError
 
-TIMEOUT_ENV = "EULERGEN_COLLECTIVE_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0   # seconds a rank may lag the others: covers a first step's kernel compiles
+TIMEOUT_ENV = "EULERGEN_COLLECTIVE_TIMEOUT"   # seconds a rank may lag the others (env.py)
 _FRAME = struct.Struct("<cQ")   # kind (b"D" data, b"E" error text), payload bytes
 
 
@@ -39,48 +38,30 @@ class Rendezvous:
     local_rank: int
     master_addr: str
     master_port: int
-    timeout: float = DEFAULT_TIMEOUT
+    timeout: float = env.VARIABLES[TIMEOUT_ENV].default
 
     @staticmethod
-    def from_env(env=None) -> Rendezvous | None:
+    def from_env(environ=None) -> Rendezvous | None:
         """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, else SLURM's SLURM_PROCID /
-        SLURM_NTASKS / SLURM_LOCALID, with MASTER_ADDR / MASTER_PORT; None when neither
-        names more than one process."""
-        env = os.environ if env is None else env
-        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK") if "WORLD_SIZE" in env else \
-            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if "SLURM_NTASKS" in env else None
+        SLURM_NTASKS / SLURM_LOCALID, with MASTER_ADDR / MASTER_PORT (eulergen/env.py
+        parses each); None when neither names more than one process."""
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK") if env.is_set("WORLD_SIZE", environ) else \
+            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") \
+            if env.is_set("SLURM_NTASKS", environ) else None
         if names is None:
             return None
-        rank, world, local = (_int_env(env, n, 0) for n in names)
+        rank, world, local = (env.get(n, environ) for n in names)
         if world <= 1:
             return None
         if not 0 <= rank < world:
             raise EulerError(f"{rank} is outside 0..{world - 1} ({names[1]} {world})",
                              key=names[0])
-        if "MASTER_PORT" not in env:
+        port = env.get("MASTER_PORT", environ)
+        if port is None:
             raise EulerError(f"{names[1]} is {world} but MASTER_PORT is not set: the ranks "
                              "meet at MASTER_ADDR:MASTER_PORT", key="MASTER_PORT")
-        port = _int_env(env, "MASTER_PORT", 0)
-        if not 0 < port < 65536:
-            raise EulerError(f"{port} is not a TCP port", key="MASTER_PORT")
-        return Rendezvous(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port,
-                          collective_timeout(env))
-
-
-def collective_timeout(env) -> float:
-    """The seconds a rank may lag the others: EULERGEN_COLLECTIVE_TIMEOUT, else the default."""
-    try:
-        return float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
-    except ValueError:
-        raise EulerError(f"{env[TIMEOUT_ENV]!r} is not a number of seconds",
-                         key=TIMEOUT_ENV) from None
-
-
-def _int_env(env, name: str, default: int) -> int:
-    try:
-        return int(env.get(name, default))
-    except ValueError:
-        raise EulerError(f"{env[name]!r} is not an integer", key=name) from None
+        return Rendezvous(rank, world, local, env.get("MASTER_ADDR", environ), port,
+                          env.get(TIMEOUT_ENV, environ))
 
 
 def free_port() -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from eulergen import cache_dir
+from eulergen import cache_dir, env
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 
@@ -143,8 +143,8 @@ def _include_dirs() -> tuple[str, ...]:
         pass
     if any((Path(d) / "cuda_bf16.h").is_file() for d in dirs):
         return tuple(dirs)
-    candidates = [Path(os.environ[v]) / "include" for v in ("CUDA_PATH", "CUDA_HOME")
-                  if os.environ.get(v)] + [Path("/usr/local/cuda/include")]
+    candidates = [env.get(v) / "include" for v in ("CUDA_PATH", "CUDA_HOME")
+                  if env.get(v)] + [Path("/usr/local/cuda/include")]
     try:
         import nvidia
         candidates += [Path(p) / sub / "include" for p in nvidia.__path__

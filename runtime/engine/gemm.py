@@ -28,11 +28,11 @@ syncs and can be captured in a CUDA graph. The workspace is the model's, planned
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from eulergen import env
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
 from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
@@ -304,9 +304,7 @@ def probe(gemm, xp) -> str:
 @functools.cache
 def _cuda_choice() -> Choice:
     import cupy
-    mode = os.environ.get(ENV, "auto")
-    if mode not in ("auto", "lt", "cublas"):
-        raise EulerError(f"{mode!r}: expected auto, lt or cublas", key=ENV)
+    mode = env.get(ENV)
     if mode == "cublas":
         return Choice(None, f"{ENV}=cublas")
     ctx = None

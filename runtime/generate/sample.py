@@ -14,6 +14,7 @@ when `on_step` streams the text: that read is the only sync. A seed gives the sa
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import Callable
 
@@ -129,10 +130,16 @@ class Sampler:
         return self.samples(prompt, max_new_tokens, **settings)[0]
 
 
+# what `eulergen sample` and `chat` generate at most a turn unless told --unlimited: minutes
+# of decoding on a CPU, a run that looks hung past it
+MAX_NEW_TOKENS = 100_000
+
+
 def check_settings(temperature, top_k, top_p, max_new_tokens) -> None:
     """EulerError for a setting `samples` cannot use (a CLI checks before loading a model)."""
-    if temperature < 0:
-        raise EulerError(f"temperature {temperature}: want ≥ 0 (0 is greedy)", key="temperature")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise EulerError(f"temperature {temperature}: want a finite number ≥ 0 (0 is greedy)",
+                         key="temperature")
     if top_k is not None and top_k < 1:
         raise EulerError(f"top_k {top_k}: want ≥ 1 (or none)", key="top_k")
     if top_p is not None and not 0 < top_p <= 1:

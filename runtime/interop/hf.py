@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from eulergen import outputs
 from eulergen.errors import EulerError
-from eulergen.runtime.interop.hf_files import (CONFIG, INDEX, TOKENIZER, WEIGHTS, read_json,
-                                       read_tensors, weight_files, write_folder)
+from eulergen.runtime.data.tokenizer import GPT2_VOCAB
+from eulergen.runtime.interop.hf_files import (CONFIG, INDEX, OTHER_TOKENIZER_FILES, TOKENIZER,
+                                               WEIGHTS, read_tensors, weight_files)
 from eulergen.runtime.model.params import padded_vocab
+from eulergen.userfiles import Fields, read_json
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 # GPT-2's activation_function values and the op of the same function
@@ -37,9 +41,6 @@ _GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "g
 # checkpoints' rotary frequencies (both recomputed), and the tied head (checked equal to wte)
 _IGNORED = re.compile(r"(h\.\d+\.attn\.(masked_)?bias|layers\.\d+\.self_attn\.rotary_emb\.inv_freq)\Z")
 _PREFIX = {GPT2: "transformer.", LLAMA: "model."}
-# what export writes: a folder holding only these may be replaced by a later export
-EXPORT_FILES = frozenset({CONFIG, WEIGHTS, INDEX, TOKENIZER, "tokenizer_config.json",
-                          "generation_config.json"})
 
 
 @dataclass(frozen=True)
@@ -87,69 +88,81 @@ def load_folder(folder: Path) -> Imported:
     files = weight_files(folder)
     tensors = read_tensors(files)
     params = _to_eulergen(arch, model, tensors, files)
-    tok = folder / TOKENIZER
-    return Imported(folder, arch, model, params, tok if tok.is_file() else None)
+    tok = folder / TOKENIZER   # there, but no file (a FIFO, a link to a device): its reader says
+    return Imported(folder, arch, model, params, tok if os.path.lexists(tok) else None)
+
+
+def tokenizer_of(imported: Imported) -> str:
+    """The data.tokenizer of an imported folder: its tokenizer.json; GPT-2's own BPE for a
+    GPT2LMHeadModel of GPT-2's 50257 ids that comes with no tokenizer files at all; else
+    one error saying which files the folder has and which eulergen needs."""
+    if imported.tokenizer is not None:   # absolute, its links kept: read and checked as named
+        return str(imported.tokenizer.absolute())
+    found = sorted(p.name for p in imported.folder.iterdir() if p.name in OTHER_TOKENIZER_FILES)
+    if not found and imported.architecture == GPT2 and imported.model["vocab_size"] == GPT2_VOCAB:
+        return "gpt2"
+    found = ", ".join(found) or "no tokenizer files"
+    raise EulerError(f"no tokenizer eulergen reads: found {found}, needs {TOKENIZER} (AutoTokenizer"
+                     ".from_pretrained(folder).save_pretrained(folder) writes one; train can name "
+                     "one: --set data.tokenizer=…)", file=str(imported.folder))
 
 
 # -- config.json <-> ModelConfig ------------------------------------------------------------
 
 def model_config(path: Path) -> tuple[str, dict]:
-    """(architecture, ModelConfig keys) of a config.json; EulerError naming the key that
-    eulergen cannot represent."""
-    hf = read_json(path)
-    archs = hf.get("architectures") or []
+    """(architecture, ModelConfig keys) of a config.json, every field it reads typed and in
+    range; EulerError naming the key that eulergen cannot represent."""
+    f = Fields(read_json(path, "model config"), str(path))
+    archs = f.list("architectures", [])
     arch = archs[0] if len(archs) == 1 else None
     if arch not in (GPT2, LLAMA):
-        raise EulerError(f"architectures {archs}: eulergen reads {GPT2} and {LLAMA}",
-                         file=str(path), key="architectures")
+        raise f.error("architectures", f"{archs}: eulergen reads {GPT2} and {LLAMA}")
 
     def need(key, want, default=None):
-        value = hf.get(key, default)
+        value = f.data.get(key, default)
         if value != want:
-            raise EulerError(f"{value!r}: eulergen supports {want!r} only", file=str(path), key=key)
+            raise f.error(key, f"{value!r}: eulergen supports {want!r} only")
 
-    def get(key):
-        if key not in hf:
-            raise EulerError("missing", file=str(path), key=key)
-        return hf[key]
+    def size(key, default=..., *, lo: int = 1):
+        return f.int(key, lo=lo) if default is ... else f.int(key, default, lo=lo)
 
     need("tie_word_embeddings", True, True)
     if arch == GPT2:
-        act = hf.get("activation_function", "gelu_new")
+        act = f.text("activation_function", "gelu_new")
         if act not in _GPT2_ACTIVATIONS:
-            raise EulerError(f"{act!r}: eulergen has {', '.join(_GPT2_ACTIVATIONS)}",
-                             file=str(path), key="activation_function")
+            raise f.error("activation_function", f"{act!r}: eulergen has "
+                                                 f"{', '.join(_GPT2_ACTIVATIONS)}")
         need("scale_attn_weights", True, True)
         need("scale_attn_by_inverse_layer_idx", False, False)
         need("add_cross_attention", False, False)
-        d = get("n_embd")
-        model = dict(hidden_dim=d, num_layers=get("n_layer"), num_heads=get("n_head"),
-                     num_kv_heads=get("n_head"), vocab_size=get("vocab_size"),
-                     max_seq_len=get("n_positions"), mlp_hidden=hf.get("n_inner") or 4 * d,
+        d, heads = size("n_embd"), size("n_head")
+        model = dict(hidden_dim=d, num_layers=size("n_layer"), num_heads=heads,
+                     num_kv_heads=heads, vocab_size=size("vocab_size"),
+                     max_seq_len=size("n_positions"), mlp_hidden=size("n_inner", None) or 4 * d,
                      norm="layernorm", activation=_GPT2_ACTIVATIONS[act],
                      attention="causal_attention", positions="learned", bias=True,
-                     norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                     norm_eps=f.number("layer_norm_epsilon", 1e-5, positive=True))
     else:
         need("hidden_act", "silu", "silu")
-        bias = hf.get("attention_bias", False)
+        bias = f.flag("attention_bias", False)
         need("mlp_bias", bias, False)
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
+        key = "rope_parameters" if f.data.get("rope_parameters") else "rope_scaling"
+        rope = f.fields(key, None)
+        kind = rope.text("rope_type", rope.data.get("type", "default"))
         if kind != "default":
-            raise EulerError(f"rope_type {kind!r}: eulergen's rope is the default one",
-                             file=str(path), key="rope_parameters")
-        heads = get("num_attention_heads")
-        d = get("hidden_size")
-        if hf.get("head_dim", d // heads) != d // heads:
-            raise EulerError(f"{hf['head_dim']}: eulergen's head dim is hidden_size / "
-                             f"num_attention_heads = {d // heads}", file=str(path), key="head_dim")
-        model = dict(hidden_dim=d, num_layers=get("num_hidden_layers"), num_heads=heads,
-                     num_kv_heads=hf.get("num_key_value_heads") or heads,
-                     vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings"),
-                     mlp_hidden=get("intermediate_size"), norm="rmsnorm", activation="swiglu",
+            raise f.error(key, f"rope_type {kind!r}: eulergen's rope is the default one")
+        heads, d = size("num_attention_heads"), size("hidden_size")
+        if size("head_dim", d // heads, lo=0) != d // heads:
+            raise f.error("head_dim", f"{f.data['head_dim']}: eulergen's head dim is "
+                                      f"hidden_size / num_attention_heads = {d // heads}")
+        model = dict(hidden_dim=d, num_layers=size("num_hidden_layers"), num_heads=heads,
+                     num_kv_heads=size("num_key_value_heads", None) or heads,
+                     vocab_size=size("vocab_size"), max_seq_len=size("max_position_embeddings"),
+                     mlp_hidden=size("intermediate_size"), norm="rmsnorm", activation="swiglu",
                      attention="causal_attention", positions="rope",
-                     rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                     bias=bool(bias), norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+                     rope_base=rope.number("rope_theta", f.number("rope_theta", 10000.0,
+                                                                  positive=True), positive=True),
+                     bias=bias, norm_eps=f.number("rms_norm_eps", 1e-6, positive=True))
     return arch, model
 
 
@@ -308,18 +321,21 @@ def export_folder(model_cfg, params: dict, out: Path, *, tokenizer_files: dict |
                   eot: int | None = None) -> str:
     """Write a folder transformers.AutoModelForCausalLM.from_pretrained loads (plus the
     tokenizer files given, name -> bytes); returns the architecture written."""
+    from safetensors.numpy import save_file
     arch = architecture_of(model_cfg)
-    m = dataclasses.asdict(model_cfg)
+    tensors = to_hf(arch, dataclasses.asdict(model_cfg), params)
     files = {CONFIG: json.dumps(hf_config(model_cfg, arch, eot), indent=2).encode(),
-             WEIGHTS: to_hf(arch, m, params), **(tokenizer_files or {})}
-    write_folder(Path(out), files, EXPORT_FILES)
+             WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
+             **(tokenizer_files or {})}
+    # a folder another tool wrote (transformers' own save) is refused, never replaced
+    outputs.replace_folder(out, files, by="export", key="--out")
     return arch
 
 
 def run_overrides(imported: Imported, given, overrides) -> list[str]:
     """The `--set` items, to come before the user's, that make a run the imported model's:
-    every model key from config.json, and the folder's tokenizer.json when the run names
-    no tokenizer. `given` is the config resolved from them and the user's `overrides`: a
+    every model key from config.json, and the folder's tokenizer (`tokenizer_of`) when the
+    run names none. `given` is the config resolved from them and the user's `overrides`: a
     model key the user set to another value than config.json's is an error."""
     for item in overrides:
         key = item.partition("=")[0].strip()
@@ -329,9 +345,10 @@ def run_overrides(imported: Imported, given, overrides) -> list[str]:
             if mine != theirs:
                 raise EulerError(f"--set {item} contradicts the imported model's {theirs!r} "
                                  f"({imported.folder / CONFIG})", key=key)
-    return model_sets(imported) + (
-        [f"data.tokenizer={imported.tokenizer.resolve()}"]
-        if imported.tokenizer is not None and given.data.tokenizer == "byte" else [])
+    named = given.data.tokenizer != "byte" or any(
+        item.partition("=")[0].strip() in ("data.tokenizer", "data.tokenizer_path")
+        for item in overrides)
+    return model_sets(imported) + ([] if named else [f"data.tokenizer={tokenizer_of(imported)}"])
 
 
 def model_sets(imported: Imported) -> list[str]:

@@ -37,6 +37,10 @@ def check_config(cfg) -> None:
         if value > MAX_INDEX:
             raise EulerError(f"{value:,} is past {MAX_INDEX:,}: the kernels index it in 32 bits",
                              key=key)
+    from eulergen.runtime.generate.sample import MAX_NEW_TOKENS
+    if t.sample_tokens > MAX_NEW_TOKENS:   # drawn after the last step, as `sample` draws them
+        raise EulerError(f"{t.sample_tokens:,} tokens: at most {MAX_NEW_TOKENS:,}",
+                         key="training.sample_tokens")
     tokens = t.batch_size * t.seq_len * t.gradient_accumulation
     if tokens > MAX_TOKENS_PER_STEP:
         raise EulerError(f"an optimizer step of {tokens:,} tokens (batch_size {t.batch_size} x "
@@ -66,6 +70,17 @@ def check_fits(cfg, arch, backend, plan_of, *, what: str, batch: tuple[str, int,
     key = _culprit(cfg, batch)
     raise EulerError(f"the {what} plan needs {format_bytes(need)}; this machine has "
                      f"{format_bytes(have)} of {where} free (see `eulergen plan`)", key=key)
+
+
+def check_batch(cfg, arch, backend, plan_of, *, what: str, batch: tuple[str, int, int],
+                seq: int) -> None:
+    """A command's batch of rows of `seq` tokens (`batch` as check_fits takes it): at most
+    MAX_INDEX tokens, and a plan that fits, both before anything is planned in full."""
+    key, rows, _ = batch
+    if rows * seq > MAX_INDEX:
+        raise EulerError(f"{rows:,} rows of {seq} tokens: at most {MAX_INDEX:,} tokens in one "
+                         "batch", key=key)
+    check_fits(cfg, arch, backend, plan_of, what=what, batch=batch)
 
 
 def available(backend) -> tuple[int | None, str]:

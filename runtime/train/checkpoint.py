@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.userfiles import load_json, read_text
+from eulergen.userfiles import load_json, read_safetensors, read_text
 
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optim.safetensors"
@@ -104,7 +104,7 @@ def latest(run_dir: str | Path) -> Path | None:
     if not run_dir.is_dir():
         return None
     for _, path in reversed(_checkpoints(run_dir)):
-        if all((path / name).is_file() for name in (MODEL_FILE, OPTIM_FILE, STATE_FILE)):
+        if all((path / name).exists() for name in (MODEL_FILE, OPTIM_FILE, STATE_FILE)):
             return path
     return None
 
@@ -112,9 +112,6 @@ def latest(run_dir: str | Path) -> Path | None:
 def load(path: str | Path, require: tuple[str, ...] = ()) -> Checkpoint:
     """Read a checkpoint folder (or a run folder: its latest checkpoint). `require`: the
     caller's keys state.json must hold."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     path = Path(path)
     if not path.is_dir():
         raise EulerError("checkpoint not found", file=str(path))
@@ -124,7 +121,7 @@ def load(path: str | Path, require: tuple[str, ...] = ()) -> Checkpoint:
             raise EulerError("no checkpoint in this run folder", file=str(path))
         path = found
     for name in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
-        if not (path / name).is_file():
+        if not (path / name).exists():   # one that is there but no file: its reader says
             raise EulerError(f"incomplete checkpoint: {name} is missing", file=str(path))
     state_file = str(path / STATE_FILE)
     try:
@@ -146,9 +143,10 @@ def load(path: str | Path, require: tuple[str, ...] = ()) -> Checkpoint:
     tensors = {}
     for name in (MODEL_FILE, OPTIM_FILE):
         try:
-            tensors[name] = load_file(str(path / name))
-        except (SafetensorError, OSError) as err:
-            raise EulerError(f"corrupt tensors: {err}", file=str(path / name)) from None
+            tensors[name] = read_safetensors(path / name, "checkpoint file")
+        except EulerError as err:
+            raise EulerError(f"corrupt tensors: {err.message}", file=str(path / name),
+                             key=err.key) from None
     return Checkpoint(path=path, step=step, params=tensors[MODEL_FILE],
                       optim=tensors[OPTIM_FILE], state=state)
 

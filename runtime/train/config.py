@@ -263,9 +263,7 @@ def _locate(path: Path) -> Path:
 def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The file's mapping and the line of each key. Read through eulergen/userfiles.py:
     aliases and nesting bounded before expansion, a key given twice refused."""
-    if not path.is_file():
-        raise EulerError("config file not found", file=str(path))
-    text = read_text(path, "config")
+    text = read_text(path, "config file")
     file = str(path)
     root = None
     if path.suffix == ".json":
@@ -354,6 +352,8 @@ def _coerce(hint: Any, value: Any, key: str, fail) -> Any:
         fail(key, f"expected true or false, got {_show(value)}")
     if hint is int:
         number = _number(value)
+        if isinstance(number, int) and abs(number) >= 2**63:   # past float(): no size is
+            fail(key, f"expected an integer, got one of {len(str(number)):,} digits")
         if number is not None and float(number).is_integer():
             return int(number)
         fail(key, f"expected an integer, got {_show(value)}")

@@ -10,20 +10,26 @@ batch, the last partial batch left out; its exp is the perplexity.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.runtime.train import budget, checkpoint
 from eulergen.runtime.interop import hf
 from eulergen.runtime.train.config import RunConfig, config_from_dict
 from eulergen.runtime.data.loader import open_tokens, resolve_files
+from eulergen.runtime.data.prepared import check_prepared_with
+from eulergen.runtime.data.tokenizer import Tokenizer, check_fits, digest_of, load_tokenizer
 from eulergen.runtime.generate.decoder import decode_sms, plan_decoder
 from eulergen.runtime.generate.sample import Sampler
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.model.gpt import build
+from eulergen.runtime.model.plan import plan_on
+from eulergen.userfiles import Fields
 
 HF_CONTEXT = 1024   # an imported model's default context: Llama configs allow 128k positions
 
@@ -31,39 +37,66 @@ HF_CONTEXT = 1024   # an imported model's default context: Llama configs allow 1
 @dataclass(frozen=True)
 class Weights:
     cfg: RunConfig
-    params: dict        # eulergen names -> host arrays
+    params: dict        # eulergen names -> host arrays, every value finite
     file: str           # where they came from, for errors
+    tokenizer_digest: str | None = None   # the tokenizer the run trained with, as it recorded
 
 
 def is_hf_folder(path: Path) -> bool:
-    """A save_pretrained folder: its config.json names transformers architectures (a run
-    folder's config.json holds eulergen's sections)."""
-    try:
-        return "architectures" in hf.read_json(path / hf.CONFIG)
-    except EulerError:
-        return False
+    """A save_pretrained folder: a config.json, and none of a run's marks (its marker, a
+    checkpoint; a run folder's config.json is eulergen's own)."""
+    return os.path.lexists(path / hf.CONFIG) and not outputs.marked(path, "run") \
+        and checkpoint.latest(path) is None
 
 
 def open_model(spec: str | Path, device: str | None = None) -> Weights:
-    """The config and weights of a run, a checkpoint, an HF folder or a Hub id."""
+    """The config and weights of a run, a checkpoint, an HF folder (with a tokenizer
+    eulergen reads: hf.tokenizer_of) or a Hub id. Weights that hold a NaN or an Inf are
+    refused here, naming the tensor: nothing eulergen exports, samples or evaluates comes
+    of them."""
     path = Path(spec)
     training = {"device": device} if device else {}
     if not path.exists() or is_hf_folder(path):
         imported = hf.load_folder(hf.locate(spec, key="RUN_OR_CKPT"))
-        tokenizer = str(imported.tokenizer) if imported.tokenizer else (
-            "gpt2" if imported.architecture == hf.GPT2 and imported.model["vocab_size"] == 50257
-            else "byte")
-        raw = {"model": imported.model, "data": {"tokenizer": tokenizer},
+        raw = {"model": imported.model, "data": {"tokenizer": hf.tokenizer_of(imported)},
                "training": {"seq_len": min(imported.model["max_seq_len"], HF_CONTEXT),
                             **training}}
         config = str(imported.folder / hf.CONFIG)
-        return Weights(config_from_dict(raw, source=config), imported.params, config)
-    ck = checkpoint.load(path, require=("config",))
-    raw = dict(ck.state["config"])
-    if device:
-        raw["training"] = {**raw["training"], **training}
-    cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
-    return Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE))
+        weights = Weights(config_from_dict(raw, source=config), imported.params, config)
+    else:
+        ck = checkpoint.load(path, require=("config",))
+        recorded = Fields(ck.state, str(ck.path / checkpoint.STATE_FILE))
+        raw = dict(recorded.fields("config").data)
+        if device and isinstance(raw.get("training", {}), dict):   # else config_from_dict says
+            raw["training"] = {**raw.get("training", {}), **training}
+        cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
+        weights = Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE),
+                          recorded.text("tokenizer_digest", None))
+    for name, value in weights.params.items():
+        bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+        if bad:
+            raise EulerError(f"{bad:,} of its {value.size:,} values are NaN or Inf: eulergen "
+                             "exports, samples and evaluates finite weights only",
+                             file=weights.file, key=name)
+    return weights
+
+
+def tokenizer_of(weights: Weights) -> Tokenizer:
+    """The tokenizer the weights were trained with: the config's, which must still be the
+    one the run recorded (a tokenizer.json changed since would encode into other ids), and
+    fit the model's vocabulary."""
+    tok = load_tokenizer(weights.cfg.data)
+    _check_recorded(weights, tok.digest)
+    check_fits(tok, weights.cfg.model.vocab_size)
+    return tok
+
+
+def _check_recorded(weights: Weights, digest: str) -> None:
+    if weights.tokenizer_digest not in (None, digest):
+        raise EulerError(f"{weights.cfg.data.tokenizer} is not the tokenizer these weights "
+                         f"were trained with (digest {digest[:19]}…, the run recorded "
+                         f"{weights.tokenizer_digest[:19]}…)", file=weights.file,
+                         key="data.tokenizer")
 
 
 def load_into(model, weights: Weights) -> None:
@@ -82,14 +115,11 @@ def open_sampler(weights: Weights, lib, *, batch: int, dtype: str, notify) -> Sa
     are one error naming the weights file and the tensor."""
     cfg = weights.cfg
     seq = cfg.training.seq_len
-    if batch * seq > budget.MAX_INDEX:
-        raise EulerError(f"{batch:,} samples of {seq} tokens: at most "
-                         f"{budget.MAX_INDEX:,} tokens in one batch", key="--num-samples")
     arch = arch_of(cfg.model, lib)
-    budget.check_fits(cfg, arch, lib.backend,
-                      lambda a: plan_decoder(a, batch, seq, dtype=dtype,
-                                             sms=decode_sms(lib.backend)),
-                      what="sampling", batch=("--num-samples", batch, 1))
+    budget.check_batch(cfg, arch, lib.backend,
+                       lambda a: plan_decoder(a, batch, seq, dtype=dtype,
+                                              sms=decode_sms(lib.backend)),
+                       what="sampling", batch=("--num-samples", batch, 1), seq=seq)
     sampler = Sampler(arch, lib, batch=batch, seq_len=seq, dtype=dtype, notify=notify)
     load_into(sampler.decoder, weights)
     return sampler
@@ -106,10 +136,9 @@ class EvalResult:
         return math.exp(self.loss)
 
 
-def windows(dataset: str, seq: int, vocab: int, cache_dir=None):
-    """Every [T + 1] window of the dataset's files in order (builtin:stdlib: its held-out
-    split), each id checked against the vocab."""
-    files = resolve_files(dataset, cache_dir, split="val")
+def windows(files, seq: int, vocab: int):
+    """Every [T + 1] window of the token files in order, each id checked against the
+    vocab."""
     for file in files:
         tokens = open_tokens(file)
         for start in range(0, len(tokens) - seq, seq):
@@ -122,10 +151,23 @@ def windows(dataset: str, seq: int, vocab: int, cache_dir=None):
 
 def evaluate(weights: Weights, lib, dataset: str, *, batch: int, seq: int,
              max_batches: int | None = None, cache_dir=None) -> EvalResult:
-    model = build(weights.cfg.model, lib, batch, seq, training=False)
+    """The loss over `dataset`, whose token files must be the weights' tokenizer's, with
+    B = `batch` windows of `seq` tokens priced against the memory first (--batch-size)."""
+    cfg = weights.cfg
+    if seq > cfg.model.max_seq_len:
+        raise EulerError(f"{seq} is longer than the model's max_seq_len "
+                         f"{cfg.model.max_seq_len}", key="--seq-len")
+    files = resolve_files(dataset, cache_dir, split="val")
+    digest = digest_of(cfg.data.tokenizer)
+    _check_recorded(weights, digest)
+    check_prepared_with(files, cfg.data.tokenizer, digest, key="--data")
+    budget.check_batch(cfg, arch_of(cfg.model, lib), lib.backend,
+                       lambda a: plan_on(lib, a, batch, seq, training=False), what="evaluation",
+                       batch=("--batch-size", batch, 1), seq=seq)
+    model = build(cfg.model, lib, batch, seq, training=False)
     load_into(model, weights)
     total, count, rows = 0.0, 0, []
-    for row in windows(dataset, seq, weights.cfg.model.vocab_size, cache_dir):
+    for row in windows(files, seq, cfg.model.vocab_size):
         rows.append(row)
         if len(rows) < batch:
             continue

@@ -8,14 +8,15 @@ a resume carries on from the last record it keeps). Any other numeric key is wri
 """
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.userfiles import load_json, read_text
@@ -23,6 +24,7 @@ from eulergen.userfiles import load_json, read_text
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 PLOT_FILE = "loss.png"
+METRICS_LIMIT = 256 << 20   # a record a logged step, ~200 bytes: a million of them
 METRIC_KEYS = ("step", "train_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step",
                "mfu", "elapsed_s")
 
@@ -100,9 +102,9 @@ class RunLogger:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's metrics.jsonl; a line cut short by a kill is dropped."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    if not path.exists():
         raise EulerError(f"no {METRICS_FILE} here (not a run folder?)", file=str(run_dir))
-    lines = read_text(path, METRICS_FILE).splitlines()
+    lines = read_text(path, "metrics file", METRICS_LIMIT).splitlines()
     records = []
     for number, line in enumerate(lines, 1):
         try:
@@ -115,12 +117,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if isinstance(step, bool) or not isinstance(step, int):
             raise EulerError("not a metrics record (a JSON object with an integer step)",
                              file=str(path), line=number)
+        wrong = next((k for k in METRIC_KEYS if not isinstance(record.get(k, 0), (int, float))
+                      or isinstance(record.get(k), bool)), None)
+        if wrong:   # what plot and resume read: numbers
+            raise EulerError(f"expected a number, got {type(record[wrong]).__name__}",
+                             file=str(path), line=number, key=wrong)
         records.append(record)
     return records
 
 
 def plot_run(run_dir: str | Path, x: str = "step") -> Path:
-    """Write RUN/loss.png: train and val loss against `x` (a key of X_AXES)."""
+    """Write RUN/loss.png: train and val loss against `x` (a key of X_AXES; outputs.py's rule)."""
     plt = pyplot()
     records = read_metrics(run_dir)
     train, val = curve(records, "train_loss", x, run_dir), curve(records, "val_loss", x, run_dir)
@@ -136,7 +143,8 @@ def plot_run(run_dir: str | Path, x: str = "step") -> Path:
     ax.set_title(Path(run_dir).resolve().name)
     ax.grid(alpha=0.3)
     ax.legend()
-    return save_png(fig, Path(run_dir) / PLOT_FILE)
+    # replaced in a run folder; elsewhere written only where the user has no loss.png
+    return outputs.write_into(run_dir, PLOT_FILE, png_bytes(fig), command="run", by="plot")
 
 
 # what a plot's x axis may be: the record key it reads, and the axis label
@@ -163,15 +171,19 @@ def pyplot():
     return plt
 
 
-def save_png(fig, out: Path, metadata: dict[str, str] | None = None) -> Path:
-    """Save `fig` as the PNG `out` atomically (a temp file beside it, renamed) and close it."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
+def png_bytes(fig, metadata: dict[str, str] | None = None) -> bytes:
+    """`fig` as PNG bytes (closed after)."""
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, metadata=metadata)
-        os.replace(tmp, out)
+        fig.savefig(png, format="png", metadata=metadata)
     finally:
         pyplot().close(fig)
-        tmp.unlink(missing_ok=True)
+    return png.getvalue()
+
+
+def save_png(fig, out: Path, metadata: dict[str, str] | None = None) -> Path:
+    """Save `fig` as the PNG `out` atomically and close it."""
+    write_atomic(out, png_bytes(fig, metadata))
     return out
 
 

@@ -15,34 +15,25 @@ import json
 import os
 from pathlib import Path
 
+from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.runtime.train import checkpoint
 
-MARKER = ".eulergen-run"
+MARKER = outputs.marker("", "run").name   # .eulergen-run
 
 
-def check(run_dir: str | Path, *, resume: bool) -> None:
+def check(run_dir: str | Path) -> None:
     """Refuse, writing nothing, a run folder this trainer may not use: a file, a folder of
-    files eulergen did not write, or one another trainer holds."""
+    files eulergen did not write (outputs.py's rule), or one another trainer holds."""
     run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise EulerError("exists and is not a folder: --run-dir names the run's folder",
-                         file=str(run_dir))
-    if not run_dir.is_dir():
+    if outputs.marked(run_dir, "run"):
+        RunLock(run_dir).acquire(mark=False).release()
         return
-    if not (run_dir / MARKER).is_file():
-        # before the marker existed (or from another tool): a folder with a checkpoint is
-        # an earlier eulergen run, which --resume may continue and a fresh run refuses
-        legacy = checkpoint.latest(run_dir) is not None
-        if not (legacy and resume):
-            foreign = sorted(p.name for p in run_dir.iterdir())
-            if foreign and not legacy:
-                shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
-                raise EulerError(f"holds files eulergen did not write ({shown}); a run never "
-                                 "writes over them: pick a new or empty --run-dir",
-                                 file=str(run_dir))
+    # before the marker existed (or from another tool): a folder with a checkpoint is an
+    # earlier eulergen run, which --resume may continue and a fresh run refuses (Trainer)
+    if run_dir.is_dir() and checkpoint.latest(run_dir) is not None:
         return
-    RunLock(run_dir).acquire(mark=False).release()
+    outputs.check_folder(run_dir, lambda name: False, by="eulergen")
 
 
 class RunLock:
@@ -100,12 +91,3 @@ def _pid(text: str) -> int | None:
         return int(json.loads(text)["pid"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def refuse_foreign(run_dir: str | Path, name: str) -> None:
-    """Refuse to write `name` into a folder eulergen did not make when it holds a file of
-    that name already (`eulergen plot` on a folder with the user's own loss.png)."""
-    run_dir = Path(run_dir)
-    if (run_dir / name).exists() and not (run_dir / MARKER).is_file():
-        raise EulerError(f"{name} here is not eulergen's (no {MARKER}): not overwritten",
-                         file=str(run_dir))

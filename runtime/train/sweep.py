@@ -166,7 +166,7 @@ def _check_scored(trial: Trial) -> None:
 
 def _check_new(path: Path) -> None:
     """A new sweep's folder: new, or empty but for eulergen's marker."""
-    run_dir.check(path, resume=False)   # a file, files eulergen did not write, one in use
+    run_dir.check(path)   # a file, files eulergen did not write, one in use
     if not path.is_dir() or not {p.name for p in path.iterdir()} - {run_dir.MARKER}:
         return
     if (path / MANIFEST).is_file():
@@ -192,7 +192,7 @@ def write_manifest(sweep: Sweep, status: dict[str, dict]) -> None:
 def load_sweep(path) -> tuple[Sweep, dict[str, dict]]:
     """The sweep in folder `path` and each run's status record, read from its sweep.json."""
     path = Path(path)
-    run_dir.check(path, resume=True)
+    run_dir.check(path)
     file = path / MANIFEST
     if not file.is_file():
         raise EulerError(f"no {MANIFEST} here: not a sweep folder", file=str(path))

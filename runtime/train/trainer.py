@@ -38,11 +38,12 @@ from eulergen.runtime.data.loader import make_loaders
 from eulergen.runtime.distributed.data_parallel import DataParallel
 from eulergen.runtime.model.gpt import allocate
 from eulergen.runtime.model.params import param_count
-from eulergen.runtime.data.prepare import check_prepared_with
+from eulergen.runtime.data.prepared import check_prepared_with
 from eulergen.runtime.generate.sample import Sampler
 from eulergen.runtime.train.step_graph import StepResult, Stepper
 from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
 from eulergen.runtime.train.resolve import resolve
+from eulergen.userfiles import Fields, read_json
 
 CONFIG_FILE = "config.json"
 INIT_FILE = "init_from.json"   # an --init-from run's weights: a resume before its first checkpoint
@@ -96,7 +97,7 @@ class Trainer:
         t = cfg.training
         self.run_dir = Path(cfg.run_dir)
         if self.writer:   # the other ranks only read it (rank 0 may hold its lock already)
-            run_dir.check(self.run_dir, resume=resume)   # a file, foreign files, another trainer
+            run_dir.check(self.run_dir)   # a file, foreign files, another trainer
         ckpt = checkpoint.latest(self.run_dir) if resume else None
         if resume and ckpt is None and not (self.run_dir / CONFIG_FILE).is_file():
             raise EulerError("nothing to resume: no config.json or checkpoint here",
@@ -114,7 +115,8 @@ class Trainer:
             cfg, cache_dir, rank=collective.rank if collective else 0, world_size=ranks)
         # one pass over the folders of both splits: they are mostly one prepared folder
         check_prepared_with([*self.train_data.files, *(self.val_data.files if self.val_data
-                                                       else ())], self.tokenizer)
+                                                       else ())], self.tokenizer.name,
+                            self.tokenizer.digest)
         if self.val_data is not None and t.eval_every and t.eval_steps > self.val_data.batches:
             # more would only repeat the set, each evaluation taking that much longer
             raise EulerError(f"{t.eval_steps:,} batches, but the validation set holds "
@@ -166,7 +168,11 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def _restore(self, ck: checkpoint.Checkpoint) -> None:
-        self.model.load_state_dict(ck.params)
+        try:
+            self.model.load_state_dict(ck.params)
+        except EulerError as err:   # another width, layers, vocab: name the file
+            raise EulerError(err.message, file=str(ck.path / checkpoint.MODEL_FILE),
+                             key=err.key) from None
         self.optim.load_state_dict(ck.optim)
         s = ck.state
         self.step = ck.step
@@ -193,7 +199,7 @@ class Trainer:
         if not self.writer:
             return None
         state = {"adam_updates": updates, "spike_guard": guard, "data": data,
-                 "config": as_dict(self.cfg)}
+                 "config": as_dict(self.cfg), "tokenizer_digest": self.tokenizer.digest}
         params = self.model.state_dict()
         for name, value in (*params.items(), *optim.items()):
             if not np.isfinite(value).all():
@@ -329,7 +335,7 @@ def resume_config(run_dir: str | Path, overrides=()) -> RunConfig:
     """A run's saved config, with `section.key=value` overrides (e.g. more total_steps);
     the run stays in `run_dir` wherever it was first written."""
     path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not path.exists():   # there but no file: the reader says what it is
         raise EulerError(f"no {CONFIG_FILE}: not a run folder", file=str(run_dir))
     return load_config(path, [*overrides, f"run_dir={run_dir}"])
 
@@ -338,13 +344,7 @@ def recorded_init(run_dir: str | Path) -> dict | None:
     """What an --init-from run recorded of its weights' source (`init_from=` above), or None
     for a run that started from its seed."""
     path = Path(run_dir) / INIT_FILE
-    try:
-        record = json.loads(path.read_bytes())
-    except FileNotFoundError:
+    if not path.exists():
         return None
-    except (OSError, ValueError) as err:
-        raise EulerError(f"unreadable: {err}", file=str(path)) from None
-    if not (isinstance(record, dict) and all(isinstance(record.get(k), str)
-                                             for k in ("init_from", "folder"))):
-        raise EulerError("want {\"init_from\": …, \"folder\": …}", file=str(path))
-    return record
+    record = Fields(read_json(path, "run record"), str(path))
+    return {key: record.text(key) for key in ("init_from", "folder")}
