@@ -307,6 +307,47 @@ class EmbeddingWpe(Update):
     shape: ClassVar[str] = "embedding_wpe"
 
 
+# ---- the runtime's own kernels (step control, the draw, bf16 steps, row moves) ----------
+
+@dataclass(frozen=True)
+class OneBlock(Geometry):
+    """One block of `threads`: a step's scalar bookkeeping (one thread) or a sum in one fixed
+    order (the loss mean)."""
+    shape: ClassVar[str] = "one_block"
+    threads: int
+
+    def launch(self) -> Launch:
+        return Launch((1,), (self.threads,))
+
+
+@dataclass(frozen=True)
+class RowBlocks(Geometry):
+    """A block of `threads` a row, which the kernel assumes (the draw: one row of logits)."""
+    shape: ClassVar[str] = "row_blocks"
+    threads: int
+
+    def launch(self, rows: int) -> Launch:
+        return Launch((max(1, rows),), (self.threads,))
+
+
+@dataclass(frozen=True)
+class WarpRows(Geometry):
+    """A warp a row, threads / 32 rows a block; warps stride over the rows, so any grid is
+    correct."""
+    shape: ClassVar[str] = "warp_rows"
+    threads: int
+    grid_max: int | None
+
+    def launch(self, rows: int) -> Launch:
+        return Launch((capped(cdiv(rows, self.threads // 32), self.grid_max),), (self.threads,))
+
+
+class Elementwise(Update):
+    """`vec` elements a thread of a loop over n (any grid is correct): bf16 casts and adds,
+    rows moved by index."""
+    shape: ClassVar[str] = "elementwise"
+
+
 # ---- attention ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -364,8 +405,8 @@ class AttentionRowdot(Geometry):
 
 SHAPES = {cls.shape: cls for cls in (
     Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, EmbeddingForward,
-    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe,
-    AttentionTiles, AttentionDecode, AttentionRowdot)}
+    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, OneBlock,
+    RowBlocks, WarpRows, Elementwise, AttentionTiles, AttentionDecode, AttentionRowdot)}
 
 
 def from_json(data: dict) -> Geometry:
