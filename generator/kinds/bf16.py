@@ -4,8 +4,7 @@ No formula, so no spec: one op, named after its kind, rendered from its template
 no numpy module (runtime/engine/bf16.py holds the numpy forms and launches these)."""
 from __future__ import annotations
 
-from eulergen.generator import ir
-from eulergen.generator.kinds.base import OpKind
+from eulergen.generator.kinds.support import Support
 from eulergen.generator.plan import ELEMENTWISE_LAUNCH, ROW_NORMS_LAUNCH
 from eulergen.signature import KernelSig
 
@@ -19,21 +18,14 @@ ARGS = {
 }
 
 
-def plan_bf16() -> tuple[KernelSig, ...]:
-    return tuple(KernelSig(f"bf16_{call}", args, "bf16", call,
-                           ROW_NORMS_LAUNCH if call == "row_norms" else ELEMENTWISE_LAUNCH)
-                 for call, args in ARGS.items())
-
-
-class Bf16(OpKind):
+class Bf16(Support):
     name = "bf16"
     template = templates = "bf16.cu.j2"
-    spec = False
 
-    def render_alone(self, header):
-        sigs = plan_bf16()
-        source = self.render_template(header=header, sigs={k.stage: k for k in sigs})
-        return ir.RenderedCuda(source, sigs)
+    def sigs(self):
+        return tuple(KernelSig(f"bf16_{call}", args, "bf16", call,
+                               ROW_NORMS_LAUNCH if call == "row_norms" else ELEMENTWISE_LAUNCH)
+                     for call, args in ARGS.items())
 
 
 KIND = Bf16()

@@ -4,8 +4,7 @@ No formula, so no spec: one op, named after its kind, rendered from its template
 no numpy module (runtime/generate/draw.py holds the numpy reference and launches it)."""
 from __future__ import annotations
 
-from eulergen.generator import ir
-from eulergen.generator.kinds.base import OpKind
+from eulergen.generator.kinds.support import Support
 from eulergen.generator.plan import DRAW_LAUNCH
 from eulergen.signature import KernelSig
 
@@ -17,18 +16,12 @@ ARGS = (("logits", "const float*"), ("row_stride", "long long"), ("vocab", "int"
         ("drawn", "int*"), ("drawn_stride", "int"), ("column", "int"))
 
 
-def plan_draw() -> tuple[KernelSig, ...]:
-    return (KernelSig("draw_pick", ARGS, "f32", "pick", DRAW_LAUNCH),)
-
-
-class Draw(OpKind):
+class Draw(Support):
     name = "draw"
     template = templates = "draw.cu.j2"
-    spec = False
 
-    def render_alone(self, header):
-        sigs = plan_draw()
-        return ir.RenderedCuda(self.render_template(header=header, sig=sigs[0]), sigs)
+    def sigs(self):
+        return (KernelSig("draw_pick", ARGS, "f32", "pick", DRAW_LAUNCH),)
 
 
 KIND = Draw()

@@ -5,9 +5,7 @@ from its template alone, with no numpy module (runtime/generate/moves.py holds t
 forms and launches these)."""
 from __future__ import annotations
 
-from eulergen.generator import ir
-from eulergen.generator.emit import dtype_values
-from eulergen.generator.kinds.base import OpKind
+from eulergen.generator.kinds.support import Support
 from eulergen.generator.plan import CTYPE, DTYPES, ELEMENTWISE_LAUNCH
 from eulergen.signature import KernelSig
 
@@ -24,22 +22,14 @@ def _args(call: str, c: str) -> tuple[tuple[str, str], ...]:
     }[call]
 
 
-def plan_moves() -> tuple[KernelSig, ...]:
-    return tuple(KernelSig(f"moves_{call}_{dt}", _args(call, CTYPE[dt]), dt, call,
-                           ELEMENTWISE_LAUNCH)
-                 for dt in DTYPES for call in ("scatter", "take"))
-
-
-class Moves(OpKind):
+class Moves(Support):
     name = "moves"
     template = templates = "moves.cu.j2"
-    spec = False
 
-    def render_alone(self, header):
-        sigs = plan_moves()
-        dtypes = [dict(d, sigs={k.stage: k for k in sigs if k.dtype == d["name"]})
-                  for d in dtype_values(DTYPES)]
-        return ir.RenderedCuda(self.render_template(header=header, dtypes=dtypes), sigs)
+    def sigs(self):
+        return tuple(KernelSig(f"moves_{call}_{dt}", _args(call, CTYPE[dt]), dt, call,
+                               ELEMENTWISE_LAUNCH)
+                     for dt in DTYPES for call in ("scatter", "take"))
 
 
 KIND = Moves()

@@ -7,8 +7,7 @@ record by."""
 from __future__ import annotations
 
 from eulergen import step_record
-from eulergen.generator import ir
-from eulergen.generator.kinds.base import OpKind
+from eulergen.generator.kinds.support import Support
 from eulergen.generator.plan import LOSS_MEAN_LAUNCH, STEP_LAUNCH
 from eulergen.signature import KernelSig
 
@@ -26,22 +25,17 @@ ARGS = {
 }
 
 
-def plan_step_control() -> tuple[KernelSig, ...]:
-    return tuple(KernelSig(f"step_control_{call}", args, "f32", call,
-                           LOSS_MEAN_LAUNCH if call == "loss_mean" else STEP_LAUNCH)
-                 for call, args in ARGS.items())
-
-
-class StepControl(OpKind):
+class StepControl(Support):
     name = "step_control"
     template = templates = "step_control.cu.j2"
-    spec = False
 
-    def render_alone(self, header):
-        sigs = plan_step_control()
-        source = self.render_template(header=header, sigs={k.stage: k for k in sigs},
-                                      record=step_record.AT, why=step_record.WHY)
-        return ir.RenderedCuda(source, sigs)
+    def sigs(self):
+        return tuple(KernelSig(f"step_control_{call}", args, "f32", call,
+                               LOSS_MEAN_LAUNCH if call == "loss_mean" else STEP_LAUNCH)
+                     for call, args in ARGS.items())
+
+    def context(self):
+        return {"record": step_record.AT, "why": step_record.WHY}
 
 
 KIND = StepControl()
