@@ -42,7 +42,7 @@ class Geometry:
         return {"shape": self.shape, **asdict(self)}
 
 
-# ---- pointwise, update, pair ----------------------------------------------------------
+# ---- pointwise, update, blocks, pair --------------------------------------------------
 
 @dataclass(frozen=True)
 class Pointwise(Geometry):
@@ -74,6 +74,20 @@ class Update(Geometry):
 
     def launch(self, n: int) -> Launch:
         return Launch((capped(cdiv(n, self.vec * self.threads), self.grid_max),), (self.threads,))
+
+
+@dataclass(frozen=True)
+class Blocks(Geometry):
+    """Blocks of `threads`, each `per_block` units of the work (the runtime's own kernels: the
+    step's scalars, the loss mean: one block; the draw: a row a block; bf16 row norms: a row a
+    warp; casts, copies: an element a thread); grid_max caps the grid where they stride on."""
+    shape: ClassVar[str] = "blocks"
+    threads: int
+    per_block: int = 1
+    grid_max: int | None = None
+
+    def launch(self, units: int) -> Launch:
+        return Launch((capped(cdiv(units, self.per_block), self.grid_max),), (self.threads,))
 
 
 @dataclass(frozen=True)
@@ -307,47 +321,6 @@ class EmbeddingWpe(Update):
     shape: ClassVar[str] = "embedding_wpe"
 
 
-# ---- the runtime's own kernels (step control, the draw, bf16 steps, row moves) ----------
-
-@dataclass(frozen=True)
-class OneBlock(Geometry):
-    """One block of `threads`: a step's scalar bookkeeping (one thread) or a sum in one fixed
-    order (the loss mean)."""
-    shape: ClassVar[str] = "one_block"
-    threads: int
-
-    def launch(self) -> Launch:
-        return Launch((1,), (self.threads,))
-
-
-@dataclass(frozen=True)
-class RowBlocks(Geometry):
-    """A block of `threads` a row, which the kernel assumes (the draw: one row of logits)."""
-    shape: ClassVar[str] = "row_blocks"
-    threads: int
-
-    def launch(self, rows: int) -> Launch:
-        return Launch((max(1, rows),), (self.threads,))
-
-
-@dataclass(frozen=True)
-class WarpRows(Geometry):
-    """A warp a row, threads / 32 rows a block; warps stride over the rows, so any grid is
-    correct."""
-    shape: ClassVar[str] = "warp_rows"
-    threads: int
-    grid_max: int | None
-
-    def launch(self, rows: int) -> Launch:
-        return Launch((capped(cdiv(rows, self.threads // 32), self.grid_max),), (self.threads,))
-
-
-class Elementwise(Update):
-    """`vec` elements a thread of a loop over n (any grid is correct): bf16 casts and adds,
-    rows moved by index."""
-    shape: ClassVar[str] = "elementwise"
-
-
 # ---- attention ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -405,8 +378,8 @@ class AttentionRowdot(Geometry):
 
 SHAPES = {cls.shape: cls for cls in (
     Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, EmbeddingForward,
-    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, OneBlock,
-    RowBlocks, WarpRows, Elementwise, AttentionTiles, AttentionDecode, AttentionRowdot)}
+    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, Blocks,
+    AttentionTiles, AttentionDecode, AttentionRowdot)}
 
 
 def from_json(data: dict) -> Geometry:

@@ -360,8 +360,8 @@ def embedding_launch(part: str, dtype: str) -> launch.Geometry:
 
 
 # The runtime's own kernels (generator/kinds/step_control.py, draw.py, bf16.py, moves.py).
-STEP_LAUNCH = launch.OneBlock(1)               # a step's scalars: one thread, in order
-LOSS_MEAN_LAUNCH = launch.OneBlock(256)        # the loss mean: one block's fixed-order sum
-DRAW_LAUNCH = launch.RowBlocks(1024)           # the draw: a block a row of logits
-ELEMENTWISE_LAUNCH = launch.Elementwise(256, 1, None)   # bf16 casts and adds, row moves
-ROW_NORMS_LAUNCH = launch.WarpRows(256, _GRID_MAX)      # bf16 row norms: a warp a row
+STEP_LAUNCH = launch.Blocks(1)                 # a step's scalars: one thread, in order
+LOSS_MEAN_LAUNCH = launch.Blocks(256)          # the loss mean: one block's fixed-order sum
+DRAW_LAUNCH = launch.Blocks(1024)              # the draw: a block a row of logits
+ELEMENTWISE_LAUNCH = launch.Blocks(256, 256)   # bf16 casts and adds, row moves: a thread an element
+ROW_NORMS_LAUNCH = launch.Blocks(256, 256 // 32, _GRID_MAX)   # bf16 row norms: a warp a row

@@ -25,7 +25,6 @@ EXAMPLES = [
     planner.WGRAD_REDUCE_LAUNCH,
     planner.bias_launch("bf16", "backward", True),
     *(planner.embedding_launch(part, "bf16") for part in embedding.PARTS),
-    planner.LOSS_MEAN_LAUNCH, planner.DRAW_LAUNCH, planner.ELEMENTWISE_LAUNCH,
     planner.ROW_NORMS_LAUNCH,
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
@@ -99,10 +98,11 @@ def test_embedding_dwte_counts_column_units_of_a_vector_only_when_vectorized():
     assert g.launch(300, 768, False).grid == (-(-300 // g.rows), 768 // 32)
 
 
-def test_the_runtime_kernels_launch_one_block_a_block_a_row_or_a_warp_a_row():
-    assert launch.OneBlock(256).launch() == launch.Launch((1,), (256,))
-    assert launch.RowBlocks(1024).launch(7) == launch.Launch((7,), (1024,))
-    rows = launch.WarpRows(threads=256, grid_max=100)
-    assert rows.launch(17).grid == (3,)                  # 8 rows a block
-    assert rows.launch(10 ** 6).grid == (100,)           # capped: warps stride over the rest
-    assert launch.Elementwise(256, 1, None).launch(0).grid == (1,)
+def test_the_runtime_kernels_blocks_take_their_units_and_stride_past_a_capped_grid():
+    assert planner.STEP_LAUNCH.launch(1) == launch.Launch((1,), (1,))
+    assert planner.DRAW_LAUNCH.launch(7) == launch.Launch((7,), (1024,))      # a block a row
+    assert planner.ELEMENTWISE_LAUNCH.launch(0).grid == (1,)
+    assert planner.ELEMENTWISE_LAUNCH.launch(257).grid == (2,)                # a thread an element
+    rows = launch.Blocks(threads=256, per_block=8, grid_max=100)              # a warp a row
+    assert rows.launch(17).grid == (3,)
+    assert rows.launch(10 ** 6).grid == (100,)

@@ -183,7 +183,7 @@ RUNNERS = {   # call -> (the runner's parameters, the launch's arguments)
 def _runner(call: str) -> str:
     """`run_<call>`: the call's kernel launched as its geometry says (one block)."""
     kernel = STEP_CONTROL.kernel(call, "f32")
-    at = kernel.geometry.launch()
+    at = kernel.geometry.launch(1)
     params, args = RUNNERS[call]
     return (f'extern "C" void run_{call}({params}) {{\n'
             f"  emu_launch(dim3({at.grid[0]}), dim3({at.block[0]}), [&] {{ {kernel.name}({args}); }});\n}}\n")

@@ -16,6 +16,6 @@ def loss_mean(losses, out) -> None:
     from the pool: no allocation may happen in a capture)."""
     if is_cupy(losses):
         support.launch("step_control", "loss_mean", "f32",
-                       {"losses": losses, "out": out, "n": losses.size})
+                       {"losses": losses, "out": out, "n": losses.size}, 1)
     else:
         np.mean(losses, keepdims=True, out=out)

@@ -151,7 +151,7 @@ def _numpy_decide(record, control, norm, reduced, rule: StepRule) -> None:
 # -- on the GPU: templates/step_control.cu.j2's kernels ---------------------------------------
 
 def _launch(call: str, values: dict) -> None:
-    support.launch("step_control", call, "f32", values)
+    support.launch("step_control", call, "f32", values, 1)
 
 
 def accumulate(record, loss, first: bool) -> None:
