@@ -38,8 +38,8 @@ def moves(tmp_path_factory):
     lines = ['#include "moves.cu"']
     for dt, (ctype, _) in STORAGE.items():
         for call, (params, args) in RUNNERS.items():
-            k = MOVES.kernel(call, dt)
-            lines.append(f'extern "C" void run_{call}_{dt}({params.replace("T*", ctype + "*")}) {{\n'
+            k, typed = MOVES.kernel(call, dt), params.replace("T*", ctype + "*")
+            lines.append(f'extern "C" void run_{call}_{dt}({typed}) {{\n'
                          f"  emu_launch(dim3(2), dim3({k.geometry.threads}), [&] "
                          f"{{ {k.name}({args}); }});\n}}")
     (folder / "moves.cpp").write_text("\n".join(lines) + "\n")

@@ -50,7 +50,7 @@ def test_matches_torch_bfloat16_rounding():
     np.testing.assert_array_equal(to_bf16(x), want)
 
 
-# -- the generated bf16 kernels (generated/cuda/bf16.cu), compiled by g++, against the numpy forms --
+# -- the generated kernels (generated/cuda/bf16.cu), compiled by g++, against the numpy forms --
 
 BF16 = load_manifest(GENERATED_DIR / "manifest.json").ops["bf16"]
 RUNNERS = {   # call -> (the runner's parameters, the kernel's arguments)
@@ -76,7 +76,8 @@ def kernels(tmp_path_factory):
     for call, (params, args) in RUNNERS.items():
         k = BF16.kernel(call, "bf16")
         lines.append(f'extern "C" void run_{call}({params}) {{\n'
-                     f"  emu_launch(dim3(2), dim3({k.geometry.threads}), [&] {{ {k.name}({args}); }});\n}}")
+                     f"  emu_launch(dim3(2), dim3({k.geometry.threads}), [&] "
+                     f"{{ {k.name}({args}); }});\n}}")
     (folder / "bf16.cpp").write_text("\n".join(lines) + "\n")
     emulator = Path(__file__).resolve().parent / "cudagen_emulator"
     subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(emulator), "-o",

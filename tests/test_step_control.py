@@ -186,7 +186,8 @@ def _runner(call: str) -> str:
     at = kernel.geometry.launch(1)
     params, args = RUNNERS[call]
     return (f'extern "C" void run_{call}({params}) {{\n'
-            f"  emu_launch(dim3({at.grid[0]}), dim3({at.block[0]}), [&] {{ {kernel.name}({args}); }});\n}}\n")
+            f"  emu_launch(dim3({at.grid[0]}), dim3({at.block[0]}), [&] "
+            f"{{ {kernel.name}({args}); }});\n}}\n")
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,8 @@ def _launcher(name: str) -> Launcher:
     return Launcher(op)
 
 
-def launch(name: str, call: str, dtype: str, values: dict, *sizes, contiguous: bool = True) -> None:
+def launch(name: str, call: str, dtype: str, values: dict, *sizes,
+           contiguous: bool = True) -> None:
     """Launch the kernel of built-in op `name` for `call` in `dtype` on CuPy's current stream,
     `values` by its signature's names, its grid its geometry's at `sizes`. `contiguous`
     False: the caller has checked the layouts its arrays need."""
