@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.engine.kinds import support
+from eulergen.runtime.engine.manifest import BUILTIN_MANIFEST, load_manifest
 from eulergen.runtime.generate.moves import scatter_rows, take_row
 from eulergen.runtime.train import step_control as sc
 from eulergen.step_record import RECORD
@@ -83,5 +83,5 @@ def test_each_support_op_compiles_once_through_the_one_cache(cp):
     from eulergen.runtime.engine.compile import compile_file, op_options
     x = cp.zeros((2, 3, 4), cp.float32)
     take_row(x, cp.zeros(1, cp.int32), cp.zeros((2, 4), cp.float32))
-    op = support._launcher("moves").op
+    op = load_manifest(BUILTIN_MANIFEST).ops["moves"]
     assert compile_file(op.cuda, op_options(op), op.template).from_cache == "memory"
