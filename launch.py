@@ -42,7 +42,7 @@ class Geometry:
         return {"shape": self.shape, **asdict(self)}
 
 
-# ---- pointwise, update, pair ----------------------------------------------------------
+# ---- pointwise, update, blocks, pair --------------------------------------------------
 
 @dataclass(frozen=True)
 class Pointwise(Geometry):
@@ -74,6 +74,20 @@ class Update(Geometry):
 
     def launch(self, n: int) -> Launch:
         return Launch((capped(cdiv(n, self.vec * self.threads), self.grid_max),), (self.threads,))
+
+
+@dataclass(frozen=True)
+class Blocks(Geometry):
+    """Blocks of `threads`, each `per_block` units of the work (the runtime's own kernels: the
+    step's scalars, the loss mean: one block; the draw: a row a block; bf16 row norms: a row a
+    warp; casts, copies: an element a thread); grid_max caps the grid where they stride on."""
+    shape: ClassVar[str] = "blocks"
+    threads: int
+    per_block: int = 1
+    grid_max: int | None = None
+
+    def launch(self, units: int) -> Launch:
+        return Launch((capped(cdiv(units, self.per_block), self.grid_max),), (self.threads,))
 
 
 @dataclass(frozen=True)
@@ -364,7 +378,7 @@ class AttentionRowdot(Geometry):
 
 SHAPES = {cls.shape: cls for cls in (
     Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, EmbeddingForward,
-    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe,
+    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, Blocks,
     AttentionTiles, AttentionDecode, AttentionRowdot)}
 
 

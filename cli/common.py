@@ -40,9 +40,9 @@ def default_named(cfg) -> str:
 def library(cfg, ops_dirs, names=None):
     """The OpLibrary for a run: its ops (or `names`: a sweep's, of all its runs) regenerated
     first where stale, then the built-in manifest and the user ops' manifests loaded over
-    the chosen backend. On a GPU the kernels the disk cache lacks start compiling now, side
-    by side, while the run starts (runtime/engine/compile.py prefetch): the first launches
-    then find them compiled."""
+    the chosen backend. On a GPU the kernels the disk cache lacks (the model's ops' and the
+    runtime's own) start compiling now, side by side, while the run starts
+    (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
     from eulergen.generator.build import ensure_built
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.engine.ops import OpLibrary
@@ -53,8 +53,9 @@ def library(cfg, ops_dirs, names=None):
     lib = OpLibrary(get_backend(cfg.training.device), manifests)
     if lib.backend.is_gpu:
         from eulergen.runtime.engine.compile import prefetch
+        from eulergen.runtime.engine.kinds.support import NAMES
         # a name that is no op is left to arch_of, which names the config key at fault
-        prefetch(lib.ops[n] for n in (*names, "embedding") if n in lib.ops)
+        prefetch(lib.ops[n] for n in (*names, "embedding", *NAMES) if n in lib.ops)
     return lib
 
 

@@ -35,11 +35,11 @@ def _sha(data: bytes) -> str:
 
 def generator_fingerprint() -> str:
     """The generator's own sources, and the leaves it writes through (launch.py and
-    signature.py print the manifest's geometry and signatures): a change to the printer, a
-    planner or a kind rebuilds all."""
+    signature.py print the manifest's geometry and signatures, step_record.py the step
+    kernels' slots): a change to the printer, a planner or a kind rebuilds all."""
     h = hashlib.sha256(__version__.encode())
     sources = [*(PACKAGE_DIR / "generator").rglob("*.py"), PACKAGE_DIR / "launch.py",
-               PACKAGE_DIR / "signature.py"]
+               PACKAGE_DIR / "signature.py", PACKAGE_DIR / "step_record.py"]
     for path in sorted(sources):
         h.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()

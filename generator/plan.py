@@ -357,3 +357,11 @@ def embedding_launch(part: str, dtype: str) -> launch.Geometry:
     return launch.EmbeddingWte(EMBEDDING_WTE_THREADS, 32,
                                EMBEDDING_WTE_THREADS // 32 * EMBEDDING_WTE_WARP_ROWS, VEC[dtype])
 
+
+
+# The runtime's own kernels (generator/kinds/step_control.py, draw.py, bf16.py, moves.py).
+STEP_LAUNCH = launch.Blocks(1)                 # a step's scalars: one thread, in order
+LOSS_MEAN_LAUNCH = launch.Blocks(256)          # the loss mean: one block's fixed-order sum
+DRAW_LAUNCH = launch.Blocks(1024)              # the draw: a block a row of logits
+ELEMENTWISE_LAUNCH = launch.Blocks(256, 256)   # bf16 casts and adds, row moves: a thread an element
+ROW_NORMS_LAUNCH = launch.Blocks(256, 256 // 32, _GRID_MAX)   # bf16 row norms: a warp a row

@@ -4,11 +4,13 @@ build). A new kind is its module, its line here and its templates."""
 from __future__ import annotations
 
 from eulergen.errors import EulerError
-from eulergen.generator.kinds import attention, embedding, pair, pointwise, row, update
+from eulergen.generator.kinds import (attention, bf16, draw, embedding, moves, pair, pointwise,
+                                      row, step_control, update)
 from eulergen.generator.kinds.base import OpKind
 
 KINDS: dict[str, OpKind] = {k.name: k for k in (
-    pointwise.KIND, row.KIND, pair.KIND, update.KIND, attention.KIND, embedding.KIND)}
+    pointwise.KIND, row.KIND, pair.KIND, update.KIND, attention.KIND, embedding.KIND,
+    step_control.KIND, draw.KIND, bf16.KIND, moves.KIND)}
 
 
 def kind(name: str) -> OpKind:

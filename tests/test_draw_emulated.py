@@ -1,9 +1,10 @@
-"""The device draw (runtime/generate/draw.py SOURCE) without a GPU: compiled by g++ over the
-attention emulator (tests/attention_emulator: a block's threads as fibers, barriers and
-shuffles among them) and run on the rows numpy's `pick` draws from, with the same
-uniforms. Its weights are integers and its sums exact, so the ids must be the same; the
-only way to differ is an exp that rounds differently in its last bit exactly where a
-weight's rounding or the draw's boundary turns on it (glibc's against numpy's here)."""
+"""The device draw (generated/cuda/draw.cu, from templates/draw.cu.j2) without a GPU:
+compiled by g++ over the CUDA emulator (tests/cudagen_emulator: a block's threads as fibers,
+barriers and shuffles among them), launched as its geometry says, and run on the rows
+numpy's `pick` draws from, with the same uniforms. Its weights are integers and its sums
+exact, so the ids must be the same; the only way to differ is an exp that rounds differently
+in its last bit exactly where a weight's rounding or the draw's boundary turns on it (glibc's
+against numpy's here)."""
 from __future__ import annotations
 
 import ctypes
@@ -14,16 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eulergen.runtime.generate.draw import SOURCE, pick, uniforms
+from eulergen import GENERATED_DIR
+from eulergen.runtime.engine.manifest import load_manifest
+from eulergen.runtime.generate.draw import pick, uniforms
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]
 
-EMULATOR = Path(__file__).resolve().parent / "attention_emulator"
+EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
+KERNEL = load_manifest(GENERATED_DIR / "manifest.json").ops["draw"].kernel("pick", "f32")
 SHIM = r"""
 #include <cuda_bf16.h>
-#undef __shared__
-#define __shared__ static   // one block runs at a time: its shared memory is one static copy
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p = o + v; return o; }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   const unsigned long long o = *p; *p = o + v; return o;
@@ -35,23 +37,26 @@ template <typename T> inline T __shfl_down_sync(unsigned, T v, int d) {
 inline unsigned long long __double2ull_rn(double x) { return (unsigned long long)std::nearbyint(x); }
 using std::exp;
 using std::floor;
+#include "draw.cu"
 """
 WRAPPER = r"""
 extern "C" void emu_draw(unsigned rows, const float* logits, long long stride, int vocab,
                          float temperature, int top_k, float top_p, unsigned long long seed,
                          int step, int* next_ids, int* drawn, int drawn_stride, int column) {
-  emu_launch(dim3(rows), dim3(NT), [=] {
-    eg_draw(logits, stride, vocab, temperature, top_k, top_p, seed, step, next_ids, drawn,
-            drawn_stride, column);
+  emu_launch(dim3(rows), dim3(%d), [=] {
+    %s(logits, stride, vocab, temperature, top_k, top_p, seed, step, next_ids, drawn,
+       drawn_stride, column);
   });
 }
-"""
+""" % (KERNEL.geometry.launch(1).block[0], KERNEL.name)
 
 
 @pytest.fixture(scope="module")
 def draw(tmp_path_factory):
     folder = tmp_path_factory.mktemp("draw")
-    (folder / "draw.cpp").write_text(SHIM + SOURCE + WRAPPER)
+    for name in ("eulergen_common.cuh", "draw.cu"):
+        shutil.copy(GENERATED_DIR / "cuda" / name, folder / name)
+    (folder / "draw.cpp").write_text(SHIM + WRAPPER)
     built = subprocess.run(["g++", "-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-I",
                             str(EMULATOR), "draw.cpp", "-o", "draw.so"], cwd=folder,
                            capture_output=True, text=True)

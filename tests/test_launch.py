@@ -25,6 +25,7 @@ EXAMPLES = [
     planner.WGRAD_REDUCE_LAUNCH,
     planner.bias_launch("bf16", "backward", True),
     *(planner.embedding_launch(part, "bf16") for part in embedding.PARTS),
+    planner.ROW_NORMS_LAUNCH,
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
     launch.AttentionRowdot(256, 8),
@@ -95,3 +96,13 @@ def test_embedding_dwte_counts_column_units_of_a_vector_only_when_vectorized():
     g = planner.embedding_launch("wte", "f32")
     assert g.launch(300, 768, True).grid == (-(-300 // g.rows), 768 // 4 // 32)
     assert g.launch(300, 768, False).grid == (-(-300 // g.rows), 768 // 32)
+
+
+def test_the_runtime_kernels_blocks_take_their_units_and_stride_past_a_capped_grid():
+    assert planner.STEP_LAUNCH.launch(1) == launch.Launch((1,), (1,))
+    assert planner.DRAW_LAUNCH.launch(7) == launch.Launch((7,), (1024,))      # a block a row
+    assert planner.ELEMENTWISE_LAUNCH.launch(0).grid == (1,)
+    assert planner.ELEMENTWISE_LAUNCH.launch(257).grid == (2,)                # a thread an element
+    rows = launch.Blocks(threads=256, per_block=8, grid_max=100)              # a warp a row
+    assert rows.launch(17).grid == (3,)
+    assert rows.launch(10 ** 6).grid == (100,)

@@ -2,10 +2,17 @@
 __float2bfloat16_rn (and torch's float → bfloat16)."""
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from eulergen import GENERATED_DIR
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
+from eulergen.runtime.engine.manifest import load_manifest
 
 
 def test_widening_is_exact_and_rounding_is_idempotent():
@@ -43,55 +50,48 @@ def test_matches_torch_bfloat16_rounding():
     np.testing.assert_array_equal(to_bf16(x), want)
 
 
-# -- the CUDA text of runtime/engine/bf16.py's kernels, compiled by g++, against its numpy forms --
+# -- the generated kernels (generated/cuda/bf16.cu), compiled by g++, against the numpy forms --
 
-_CTYPE = {"float32": ("float", np.float32), "uint16": ("unsigned short", np.uint16)}
-
-
-def _params(text: str) -> list[tuple[str, str]]:
-    return [tuple(p.split()) for p in text.split(",")]
+BF16 = load_manifest(GENERATED_DIR / "manifest.json").ops["bf16"]
+RUNNERS = {   # call -> (the runner's parameters, the kernel's arguments)
+    "round": ("const float* x, unsigned short* y, long long n", "x, y, n"),
+    "add": ("const unsigned short* a, const unsigned short* b, unsigned short* y, long long n",
+            "a, b, y, n"),
+    "row_norms": ("const unsigned short* g, float* norms, long long rows, int cols",
+                  "g, norms, rows, cols"),
+}
 
 
 @pytest.fixture(scope="module")
-def snippets(tmp_path_factory):
-    """Each kernel's operation (and the row-norm reduction's map, reduce and post-map
-    expressions, summed in row order) as a C function over arrays, built with the
-    emulator's CUDA builtins: the text CuPy compiles, run on the CPU."""
-    import ctypes
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    from eulergen.runtime.engine import bf16
+def kernels(tmp_path_factory):
+    """`run_<call>` for each kernel, launched with its geometry's block on a grid of two
+    blocks (the kernels stride over the rest: any grid is correct), the emulator's CUDA
+    builtins on the CPU."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    emulator = Path(__file__).resolve().parent / "attention_emulator"
-    lines = ['#include "cuda_bf16.h"', bf16.DEVICE]
-    for name, (ins, outs, op) in bf16.ELEMENTWISE.items():
-        params = _params(ins) + _params(outs)
-        args = ", ".join(f"{_CTYPE[t][0]}* {n}_" for t, n in params)
-        binds = " ".join(f"{_CTYPE[t][0]}& {n} = {n}_[k];" for t, n in params)
-        lines.append(f'extern "C" void {name}({args}, long n) {{\n'
-                     f"  for (long k = 0; k < n; ++k) {{ {binds} {op}; }}\n}}")
-    (gt, g), (st, s), mapped, reduce, post, identity = (*_params(bf16.ROW_NORMS[0]),
-                                                         *_params(bf16.ROW_NORMS[1]),
-                                                         *bf16.ROW_NORMS[2:])
-    lines.append(f'extern "C" void row_norms({_CTYPE[gt][0]}* g_, {_CTYPE[st][0]}* s_, long rows, '
-                 f"long cols) {{\n  for (long r = 0; r < rows; ++r) {{\n"
-                 f"    float a = {identity};\n"
-                 f"    for (long k = 0; k < cols; ++k) {{ const {_CTYPE[gt][0]} {g} = g_[r * cols + k]; "
-                 f"float b = {mapped}; a = {reduce}; }}\n"
-                 f"    {_CTYPE[st][0]}& {s} = s_[r]; {post};\n  }}\n}}")
     folder = tmp_path_factory.mktemp("bf16")
-    (folder / "bf16.cpp").write_text("\n".join(lines))
-    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-I", str(emulator), "-o",
+    for name in ("eulergen_common.cuh", "bf16.cu"):
+        shutil.copy(GENERATED_DIR / "cuda" / name, folder / name)
+    lines = ['#include "bf16.cu"']
+    for call, (params, args) in RUNNERS.items():
+        k = BF16.kernel(call, "bf16")
+        lines.append(f'extern "C" void run_{call}({params}) {{\n'
+                     f"  emu_launch(dim3(2), dim3({k.geometry.threads}), [&] "
+                     f"{{ {k.name}({args}); }});\n}}")
+    (folder / "bf16.cpp").write_text("\n".join(lines) + "\n")
+    emulator = Path(__file__).resolve().parent / "cudagen_emulator"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(emulator), "-o",
                     str(folder / "bf16.so"), str(folder / "bf16.cpp")], check=True)
-    return ctypes.CDLL(str(folder / "bf16.so"))
+    lib = ctypes.CDLL(str(folder / "bf16.so"))
+    P, L = ctypes.c_void_p, ctypes.c_longlong
+    lib.run_round.argtypes = (P, P, L)
+    lib.run_add.argtypes = (P, P, P, L)
+    lib.run_row_norms.argtypes = (P, P, L, ctypes.c_int)
+    return lib
 
 
 def _ptr(a):
-    import ctypes
-    return a.ctypes.data_as(ctypes.c_void_p)
+    return a.ctypes.data
 
 
 def _awkward(n, seed):
@@ -102,30 +102,31 @@ def _awkward(n, seed):
     return x
 
 
-def test_the_cuda_rounding_is_to_bf16s(snippets):
+def test_the_cuda_rounding_is_to_bf16s(kernels):
     x = _awkward(50_000, 2)
     got = np.zeros(x.size, np.uint16)
-    snippets.to_bf16(_ptr(x), _ptr(got), x.size)
+    kernels.run_round(_ptr(x), _ptr(got), x.size)
     np.testing.assert_array_equal(got, to_bf16(x))
 
 
-def test_the_cuda_add_is_the_numpy_form(snippets):
+def test_the_cuda_add_is_the_numpy_form(kernels):
     from eulergen.runtime.engine import bf16
     a, b = to_bf16(_awkward(20_000, 3)), to_bf16(_awkward(20_000, 4))
     got, want = np.zeros_like(a), np.zeros_like(a)
-    snippets.add(_ptr(a), _ptr(b), _ptr(got), a.size)
+    kernels.run_add(_ptr(a), _ptr(b), _ptr(got), a.size)
     bf16.add(a, b, want)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(from_bf16(want)[8:], from_bf16(
         to_bf16(from_bf16(a)[8:] + from_bf16(b)[8:])))
 
 
-def test_the_cuda_row_norms_are_the_numpy_forms(snippets):
+@pytest.mark.parametrize("cols", [256, 250])   # 16-byte loads a lane; one element a lane
+def test_the_cuda_row_norms_are_the_numpy_forms(kernels, cols):
     from eulergen.runtime.engine import bf16
     rng = np.random.default_rng(5)
-    g = to_bf16(rng.standard_normal((64, 256)).astype(np.float32) * 1e-3)
-    got, want = np.zeros(64, np.float32), np.zeros(64, np.float32)
-    snippets.row_norms(_ptr(g), _ptr(got), 64, 256)
+    g = to_bf16(rng.standard_normal((40, cols)).astype(np.float32) * 1e-3)
+    got, want = np.zeros(40, np.float32), np.zeros(40, np.float32)
+    kernels.run_row_norms(_ptr(g), _ptr(got), 40, cols)
     bf16.row_norms(g, want)
     np.testing.assert_allclose(got, want, rtol=1e-5)   # summation order only
     wide = from_bf16(g).astype(np.float64)
@@ -135,18 +136,3 @@ def test_the_cuda_row_norms_are_the_numpy_forms(snippets):
 def test_bits_are_the_patterns_a_fill_needs():
     from eulergen.runtime.engine import bf16
     assert bf16.bits(1.0) == 0x3F80 and bf16.bits(-np.inf) == 0xFF80 and bf16.bits(0.0) == 0
-
-
-def test_no_kernel_parameter_name_occurs_inside_another_identifier():
-    """CuPy substitutes a ReductionKernel's parameter names into its expressions as text: a
-    name inside another identifier (`g` in `eg_widen`, `s` in `sqrtf`) is rewritten too, and
-    NVRTC refuses the kernel (seen on the H200). Every name occurs only as a whole word."""
-    import re
-
-    from eulergen.runtime.engine import bf16
-    kernels = [(ins + ", " + outs, op) for ins, outs, op in bf16.ELEMENTWISE.values()]
-    kernels.append((bf16.ROW_NORMS[0] + ", " + bf16.ROW_NORMS[1], " ".join(bf16.ROW_NORMS[2:5])))
-    for params, code in kernels:
-        for name in (p.split()[-1] for p in params.split(",")):
-            identifiers = re.findall(r"[A-Za-z_]\w*", code)
-            assert not [w for w in identifiers if name in w and w != name], (name, code)

@@ -1,8 +1,9 @@
 """Step control (runtime/train/step_control.py): the loss sum, the spike guard, the clip scale,
 the update count and the update's control slots, computed where the step runs. Its numpy
 form gives the bits the trainer's host logic gave before the step moved onto the device
-(kept below as the reference), and its CUDA text, compiled by g++ against the CUDA
-emulator, gives the numpy form's bits."""
+(kept below as the reference), and its kernels (generated/cuda/step_control.cu, from
+templates/step_control.cu.j2), compiled by g++ against the CUDA emulator, give the numpy
+form's bits."""
 from __future__ import annotations
 
 import ctypes
@@ -15,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.model import loss as model_loss
+from eulergen.runtime.engine.manifest import load_manifest
 from eulergen.runtime.train import step_control as sc
 from eulergen.runtime.train.config import load_config
+from eulergen.step_record import RECORD
 
 SLOTS = ("skip", "grad_scale", "lr", "step")   # adamw's control slots
 
@@ -72,7 +75,7 @@ def _steps(n: int, seed: int = 0):
 def _arrays(control_dtype=np.float64):
     """A step record and an update control array (float64 as numpy runs, float32 as the
     GPU's kernels read it)."""
-    return np.zeros(len(sc.RECORD)), np.zeros(len(SLOTS), control_dtype)
+    return np.zeros(len(RECORD)), np.zeros(len(SLOTS), control_dtype)
 
 
 def _numpy_step(record, control, rule, losses, norm, lr) -> None:
@@ -153,35 +156,38 @@ def test_an_optimizer_runtime_param_the_trainer_does_not_set_is_refused():
     assert sc.StepRule.of(t, ("skip", "grad_scale", "lr")).step_at == -1
 
 
-# -- the CUDA text, compiled by g++ against the CUDA emulator ---------------------------------
+# -- the generated kernels, compiled by g++ against the CUDA emulator -------------------------
 
-HARNESS = r"""
+STEP_CONTROL = load_manifest(GENERATED_DIR / "manifest.json").ops["step_control"]
+SHIMS = r"""
 #include "cuda_bf16.h"
 using std::isfinite;
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
 inline double __dsqrt_rn(double a) { return std::sqrt(a); }
-%s
-extern "C" void run_mean(const float* x, float* out, long long n) {
-  emu_launch(dim3(1), dim3(EG_LOSS_THREADS), [&] { eg_loss_mean(x, out, n); });
-}
-extern "C" void run_accumulate(double* rec, const float* loss, int first) {
-  emu_launch(dim3(1), dim3(1), [&] { eg_step_accumulate(rec, loss, first); });
-}
-extern "C" void run_rank_loss(const double* rec, float* out, int micro) {
-  emu_launch(dim3(1), dim3(1), [&] { eg_step_rank_loss(rec, out, micro); });
-}
-extern "C" void run_decide(double* rec, float* control, const float* norm, const float* reduced,
-                           double factor, double decay, double warmup, double clip, int micro,
-                           int ranks, int zero, int skip_at, int scale_at, int lr_at,
-                           int step_at) {
-  emu_launch(dim3(1), dim3(1), [&] {
-    eg_step_decide(rec, control, norm, reduced, factor, decay, warmup, clip, micro, ranks,
-                   zero, skip_at, scale_at, lr_at, step_at);
-  });
-}
+#include "step_control.cu"
 """
+RUNNERS = {   # call -> (the runner's parameters, the launch's arguments)
+    "loss_mean": ("const float* x, float* out, long long n", "x, out, n"),
+    "accumulate": ("double* rec, const float* loss, int first", "rec, loss, first"),
+    "rank_loss": ("const double* rec, float* out, int micro", "rec, out, micro"),
+    "decide": ("double* rec, float* control, const float* norm, const float* reduced, "
+               "double factor, double decay, double warmup, double clip, int micro, int ranks, "
+               "int zero, int skip_at, int scale_at, int lr_at, int step_at",
+               "rec, control, norm, reduced, factor, decay, warmup, clip, micro, ranks, zero, "
+               "skip_at, scale_at, lr_at, step_at"),
+}
+
+
+def _runner(call: str) -> str:
+    """`run_<call>`: the call's kernel launched as its geometry says (one block)."""
+    kernel = STEP_CONTROL.kernel(call, "f32")
+    at = kernel.geometry.launch(1)
+    params, args = RUNNERS[call]
+    return (f'extern "C" void run_{call}({params}) {{\n'
+            f"  emu_launch(dim3({at.grid[0]}), dim3({at.block[0]}), [&] "
+            f"{{ {kernel.name}({args}); }});\n}}\n")
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +195,9 @@ def cuda(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
     folder = tmp_path_factory.mktemp("step_control")
-    (folder / "step.cpp").write_text(HARNESS % (model_loss.CUDA + sc.CUDA))
+    for name in ("eulergen_common.cuh", "step_control.cu"):
+        shutil.copy(GENERATED_DIR / "cuda" / name, folder / name)
+    (folder / "step.cpp").write_text(SHIMS + "".join(_runner(call) for call in RUNNERS))
     emulator = Path(__file__).resolve().parent / "cudagen_emulator"
     # no contraction into fused multiply-adds, as the kernels' __dmul_rn / __dadd_rn
     subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-I",
@@ -197,7 +205,7 @@ def cuda(tmp_path_factory):
                    check=True)
     lib = ctypes.CDLL(str(folder / "step.so"))
     D, I, P = ctypes.c_double, ctypes.c_int, ctypes.c_void_p
-    lib.run_mean.argtypes = (P, P, ctypes.c_longlong)
+    lib.run_loss_mean.argtypes = (P, P, ctypes.c_longlong)
     lib.run_accumulate.argtypes = (P, P, I)
     lib.run_rank_loss.argtypes = (P, P, I)
     lib.run_decide.argtypes = (P, P, P, P, D, D, D, D, I, I, I, I, I, I, I)
@@ -257,8 +265,8 @@ def test_the_cuda_step_kernels_give_the_numpy_forms_bits(cuda):
 def test_the_cuda_loss_mean_sums_in_a_fixed_order(cuda):
     x = np.random.default_rng(1).standard_normal(1000).astype(np.float32) + 3
     out = np.zeros(1, np.float32)
-    cuda.run_mean(_p(x), _p(out), x.size)
-    threads = model_loss.THREADS
+    cuda.run_loss_mean(_p(x), _p(out), x.size)
+    threads = STEP_CONTROL.kernel("loss_mean", "f32").geometry.threads
     part = [0.0] * threads
     for t in range(threads):
         for v in x[t::threads]:

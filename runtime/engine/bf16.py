@@ -5,11 +5,10 @@ rounding float32 into it, widening it, and the few elementwise steps of a mixed-
 step that have no op of their own (adding a gradient, the gradient norm's row sums), and
 `plan_dtype`, which refuses bf16 where it cannot run.
 
-Each helper has a numpy form, which is the reference (the CPU tests compile the CUDA text
-below with g++ and compare it with it), and a CuPy form: one elementwise or row-reduction
-kernel that writes into the caller's arrays and allocates nothing (but to_bf16's result
-when no `out=` is given). CuPy copies an input that overlaps an output unless it is the
-very same array, so in-place calls pass that array twice. Arithmetic is float32,
+Each helper has a numpy form, which is the reference, and a kernel of templates/bf16.cu.j2
+(hand-written; launched through runtime/engine/kinds/support.py, writing into the caller's
+arrays and allocating nothing but to_bf16's result when no `out=` is given; the CPU tests
+compile the generated kernels with g++ against the numpy forms). Arithmetic is float32,
 rounded once to nearest even (ties to even; a NaN stays a quiet NaN), like the generated
 kernels' __float2bfloat16_rn.
 """
@@ -19,31 +18,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.backend import is_cupy
-
-# The device functions every kernel below uses: widen bf16 bits to float, round a float to
-# bf16 bits (to_bf16's rule, in integers, so no header is needed under NVRTC).
-DEVICE = r"""
-__device__ __forceinline__ float eg_widen(unsigned short h) {
-  return __uint_as_float(((unsigned int)h) << 16);
-}
-__device__ __forceinline__ unsigned short eg_round(float f) {
-  const unsigned int u = __float_as_uint(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);
-  return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-"""
-
-# name -> (in params, out params, operation), as cupy.ElementwiseKernel takes them
-ELEMENTWISE = {
-    "to_bf16": ("float32 x", "uint16 y", "y = eg_round(x)"),
-    "add": ("uint16 a, uint16 b", "uint16 y", "y = eg_round(eg_widen(a) + eg_widen(b))"),
-}
-# out[r] = ‖g[r, :]‖₂, summed in float32: (in, out, map, reduce, post map, identity) as
-# cupy.ReductionKernel takes them. Its parameter names must not occur inside any other
-# identifier of the expressions: CuPy substitutes them as text (`g` in `eg_widen` and `s`
-# in `sqrtf` were rewritten, and NVRTC refused the result on the H200).
-ROW_NORMS = ("uint16 grad_bits", "float32 row_norm", "eg_widen(grad_bits) * eg_widen(grad_bits)",
-             "a + b", "row_norm = sqrtf(a)", "0")
+from eulergen.runtime.engine.kinds import support
 
 
 def plan_dtype(training_dtype: str, backend) -> str:
@@ -64,21 +39,12 @@ def plan_dtype(training_dtype: str, backend) -> str:
     return "bf16"
 
 
-_kernels: dict = {}
-
-
-def _kernel(name: str):
-    """The CuPy kernel `name`, made on first use (compiled by CuPy at the first call)."""
-    if name not in _kernels:
-        import cupy
-        if name == "row_norms":
-            *args, identity = ROW_NORMS
-            _kernels[name] = cupy.ReductionKernel(*args, identity, "eg_bf16_row_norms",
-                                                  preamble=DEVICE)
-        else:
-            _kernels[name] = cupy.ElementwiseKernel(*ELEMENTWISE[name], f"eg_bf16_{name}",
-                                                    preamble=DEVICE)
-    return _kernels[name]
+def _check_shapes(call: str, *arrays) -> None:
+    """The kernels take their arrays as flat runs of one length: refuse shapes that differ."""
+    shapes = [tuple(a.shape) for a in arrays]
+    if len(set(shapes)) > 1:
+        raise EulerError(f"bf16.{call}: arrays of shapes {shapes}, which must be alike",
+                         key=call)
 
 
 def to_bf16(a, out=None):
@@ -88,7 +54,8 @@ def to_bf16(a, out=None):
         import cupy
         a = cupy.ascontiguousarray(a, dtype=cupy.float32)
         out = cupy.empty(a.shape, cupy.uint16) if out is None else out
-        _kernel("to_bf16")(a, out)
+        _check_shapes("to_bf16", a, out)
+        support.launch("bf16", "round", "bf16", {"x": a, "y": out, "n": a.size}, a.size)
         return out
     bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
@@ -118,7 +85,9 @@ def bits(value: float) -> int:
 def add(a, b, out) -> None:
     """out = a + b, all bf16 (out may be a or b)."""
     if is_cupy(out):
-        _kernel("add")(a, b, out)
+        _check_shapes("add", a, b, out)
+        support.launch("bf16", "add", "bf16", {"a": a, "b": b, "y": out, "n": out.size},
+                       out.size)
     else:
         to_bf16(from_bf16(a) + from_bf16(b), out=out)
 
@@ -126,7 +95,12 @@ def add(a, b, out) -> None:
 def row_norms(g, out) -> None:
     """out[r] = the float32 L2 norm of row r of the bf16 matrix g [R, K] (out [R])."""
     if is_cupy(g):
-        _kernel("row_norms")(g, out, axis=1)
+        if g.ndim != 2 or tuple(out.shape) != g.shape[:1]:
+            raise EulerError(f"bf16.row_norms: g {tuple(g.shape)} and out {tuple(out.shape)}, "
+                             "expected [R, K] and [R]", key="row_norms")
+        rows, cols = g.shape
+        support.launch("bf16", "row_norms", "bf16",
+                       {"g": g, "norms": out, "rows": rows, "cols": cols}, rows)
     else:
         wide = from_bf16(g)
         np.sqrt(np.einsum("rk,rk->r", wide, wide), out=out)

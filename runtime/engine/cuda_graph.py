@@ -64,7 +64,8 @@ def _driver():
 
 
 def _function(fn) -> int:
-    """The CUfunction of a CuPy RawKernel (or of a bare cupy.cuda.Function)."""
+    """The CUfunction of a kernel of a compiled module (compile.Compiled.function's: its
+    `.kernel`'s pointer), or of a bare cupy.cuda.Function."""
     return getattr(fn, "kernel", fn).ptr
 
 

@@ -22,10 +22,11 @@ from eulergen.runtime.engine.manifest import OpEntry
 from eulergen.signature import KernelSig
 
 # What a pointer's pointee is stored as, and what a scalar argument is passed as.
-_STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "int": np.int32,
-            "int32_t": np.int32, "long long": np.int64, "int64_t": np.int64,
-            "unsigned int": np.uint32, "uint32_t": np.uint32, "unsigned short": np.uint16,
-            "uint16_t": np.uint16, "unsigned char": np.uint8, "uint8_t": np.uint8}
+_STORAGE = {"float": np.float32, "__nv_bfloat16": np.uint16, "double": np.float64,
+            "int": np.int32, "int32_t": np.int32, "long long": np.int64, "int64_t": np.int64,
+            "unsigned int": np.uint32, "uint32_t": np.uint32, "unsigned long long": np.uint64,
+            "unsigned short": np.uint16, "uint16_t": np.uint16,
+            "unsigned char": np.uint8, "uint8_t": np.uint8}
 DTYPE_OF = {"f32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
 NULL = object()   # a value for an optional pointer argument the kernel tests against null
 

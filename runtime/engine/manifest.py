@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
 from eulergen.signature import BadSignature, KernelSig, select
 
 FORMAT = 3
+BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
 
 
 @dataclass(frozen=True)

@@ -46,15 +46,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.engine.backend import Backend
 from eulergen.runtime.engine.kinds.base import OpKind
-from eulergen.runtime.engine.manifest import OpEntry, load_manifest
+from eulergen.runtime.engine.manifest import BUILTIN_MANIFEST, OpEntry, load_manifest
 from eulergen.runtime.engine.registry import kind_of
 from eulergen.signature import variant_name
-
-BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
 
 
 class OpLibrary:
@@ -322,7 +319,7 @@ def _kind(op: OpEntry, call: str) -> OpKind:
     kind = kind_of(op)
     if call not in kind.calls:
         raise EulerError(f"op {op.name!r} is a {kind.name} op: it has no {call} (its calls: "
-                         f"{', '.join(kind.calls)})", file=op.spec, key="kind")
+                         f"{', '.join(kind.calls) or 'none'})", file=op.spec, key="kind")
     return kind
 
 

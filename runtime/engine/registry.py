@@ -4,12 +4,14 @@ line here (and the generator's side: generator/kinds/)."""
 from __future__ import annotations
 
 from eulergen.errors import EulerError
-from eulergen.runtime.engine.kinds import attention, embedding, pair, pointwise, row, update
+from eulergen.runtime.engine.kinds import (attention, embedding, pair, pointwise, row, support,
+                                           update)
 from eulergen.runtime.engine.kinds.base import OpKind
 from eulergen.runtime.engine.manifest import OpEntry
 
 KINDS: dict[str, OpKind] = {k.name: k for k in (
-    pointwise.KIND, row.KIND, pair.KIND, update.KIND, attention.KIND, embedding.KIND)}
+    pointwise.KIND, row.KIND, pair.KIND, update.KIND, attention.KIND, embedding.KIND,
+    *support.KINDS)}
 
 
 def kind_of(op: OpEntry) -> OpKind:

@@ -4,14 +4,15 @@ means, the AdamW update count, and a flag for a loss or norm that is not finite.
 here is read by the host during a step, so a captured step (runtime/train/step_graph.py) replays
 it; the host reads the record a step later, and at checkpoints.
 
-They live in the step's `record`, a float64 array of RECORD's slots; `decide` also writes
-the update op's `control` array (its kernels read it: OpLibrary.control_slots; float32 on
-the GPU, as a scalar argument was passed, float64 on numpy, as a Python float was). The
+They live in the step's `record`, a float64 array of eulergen/step_record.py's RECORD slots
+(`why` holds one of its WHY codes: applied, or why skipped); `decide` also writes the
+update op's `control` array (its kernels read it: OpLibrary.control_slots; float32 on the
+GPU, as a scalar argument was passed, float64 on numpy, as a Python float was). The
 arithmetic is float64, in the order the host used to do it, so a numpy run and a resume
 repeat the old runs' bits: each step has a numpy form (the numpy backend's, and the
-reference) and CUDA text with every rounding spelled out (__dmul_rn, __dadd_rn, __ddiv_rn,
-__dsqrt_rn: no fused multiply-add), one thread; tests/test_step_control.py compiles that text with g++
-against the numpy forms.
+reference) and a kernel of templates/step_control.cu.j2 (one thread, every rounding spelled
+out: no fused multiply-add), launched through runtime/engine/kinds/support.py;
+tests/test_step_control.py compiles the generated kernels with g++ against the numpy forms.
 """
 from __future__ import annotations
 
@@ -21,16 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.errors import EulerError
-from eulergen.signature import CONTROL
 from eulergen.runtime.engine.backend import is_cupy
+from eulergen.runtime.engine.kinds import support
+from eulergen.signature import CONTROL
+from eulergen.step_record import APPLIED, AT, BAD_LOSS, BAD_NORM, LOSS_SPIKE, NORM_SPIKE
 
-RECORD = ("lr", "loss_sum", "loss", "norm", "why", "mean", "loss_mean", "norm_mean", "seen",
-          "updates")
-AT = {name: i for i, name in enumerate(RECORD)}
 SPIKE_WARMUP = 10       # accepted steps before the spike guard trusts its running means
 SPIKE_DECAY = 0.95      # running means are EMAs with this decay
-# `why`: the step's update was applied (0) or skipped, and for what
-APPLIED, LOSS_SPIKE, NORM_SPIKE, BAD_LOSS, BAD_NORM = range(5)
 # the update op's runtime params the trainer fills in its control slots (after signature.CONTROL)
 RUNTIME_PARAMS = ("lr", "step")
 
@@ -150,84 +148,17 @@ def _numpy_decide(record, control, norm, reduced, rule: StepRule) -> None:
         control[rule.step_at] = r["updates"]
 
 
-# -- the CUDA forms ---------------------------------------------------------------------------
+# -- on the GPU: templates/step_control.cu.j2's kernels ---------------------------------------
 
-# One source: the record's slot numbers come from RECORD.
-_WHY = {"APPLIED": APPLIED, "LOSS_SPIKE": LOSS_SPIKE, "NORM_SPIKE": NORM_SPIKE,
-        "BAD_LOSS": BAD_LOSS, "BAD_NORM": BAD_NORM}
-CUDA = "".join(f"#define EG_{k.upper()} {i}\n" for k, i in {
-    **AT, **_WHY}.items()) + r"""
-
-extern "C" __global__ void eg_step_accumulate(double* rec, const float* loss, int first) {
-  rec[EG_LOSS_SUM] = __dadd_rn(first ? 0.0 : rec[EG_LOSS_SUM], (double)loss[0]);
-}
-
-extern "C" __global__ void eg_step_rank_loss(const double* rec, float* out, int micro) {
-  out[0] = (float)__ddiv_rn(rec[EG_LOSS_SUM], (double)micro);
-}
-
-extern "C" __global__ void eg_step_decide(
-    double* rec, float* control, const float* norm_in, const float* reduced, double factor,
-    double decay, double warmup, double clip, int micro, int ranks, int zero, int skip_at,
-    int scale_at, int lr_at, int step_at) {
-  const double loss = ranks > 1 ? __ddiv_rn((double)reduced[0], (double)ranks)
-                                : __ddiv_rn(rec[EG_LOSS_SUM], (double)micro);
-  const double norm = zero ? __dsqrt_rn((double)norm_in[0]) : (double)norm_in[0];
-  int why = EG_APPLIED;
-  double mean = 0.0;
-  if (!isfinite(loss)) {
-    why = EG_BAD_LOSS;
-  } else if (!isfinite(norm)) {
-    why = EG_BAD_NORM;
-  } else {
-    if (factor > 0.0 && rec[EG_SEEN] >= warmup) {
-      if (loss > __dmul_rn(factor, rec[EG_LOSS_MEAN])) {
-        why = EG_LOSS_SPIKE;
-        mean = rec[EG_LOSS_MEAN];
-      } else if (norm > __dmul_rn(factor, rec[EG_NORM_MEAN])) {
-        why = EG_NORM_SPIKE;
-        mean = rec[EG_NORM_MEAN];
-      }
-    }
-    if (rec[EG_SEEN] == 0.0) {
-      rec[EG_LOSS_MEAN] = loss;
-      rec[EG_NORM_MEAN] = norm;
-    } else {
-      const double keep = __dadd_rn(1.0, -decay);
-      rec[EG_LOSS_MEAN] = __dadd_rn(__dmul_rn(decay, rec[EG_LOSS_MEAN]), __dmul_rn(keep, loss));
-      rec[EG_NORM_MEAN] = __dadd_rn(__dmul_rn(decay, rec[EG_NORM_MEAN]), __dmul_rn(keep, norm));
-    }
-    rec[EG_SEEN] = __dadd_rn(rec[EG_SEEN], 1.0);
-  }
-  if (why == EG_APPLIED) rec[EG_UPDATES] = __dadd_rn(rec[EG_UPDATES], 1.0);
-  rec[EG_LOSS] = loss;
-  rec[EG_NORM] = norm;
-  rec[EG_WHY] = (double)why;
-  rec[EG_MEAN] = mean;
-  control[skip_at] = why != EG_APPLIED ? 1.0f : 0.0f;
-  control[scale_at] = (float)(clip > 0.0 && norm > clip ? __ddiv_rn(clip, norm) : 1.0);
-  if (lr_at >= 0) control[lr_at] = (float)rec[EG_LR];
-  if (step_at >= 0) control[step_at] = (float)rec[EG_UPDATES];
-}
-"""
-
-_module = None
-
-
-def _kernel(name: str):
-    """A kernel of CUDA, compiled on first use (one module for all three)."""
-    global _module
-    if _module is None:
-        import cupy
-        _module = cupy.RawModule(code=CUDA, options=("-std=c++17",))
-    return _module.get_function(name)
+def _launch(call: str, values: dict) -> None:
+    support.launch("step_control", call, "f32", values, 1)
 
 
 def accumulate(record, loss, first: bool) -> None:
     """Add a micro-step's loss (a 1-element float32 array) to the step's sum (its first:
     the sum is that loss)."""
     if is_cupy(record):
-        _kernel("eg_step_accumulate")((1,), (1,), (record, loss, np.int32(first)))
+        _launch("accumulate", {"rec": record, "loss": loss, "first": first})
     else:
         _numpy_accumulate(record, loss, first)
 
@@ -235,7 +166,7 @@ def accumulate(record, loss, first: bool) -> None:
 def rank_loss(record, rule: StepRule, out) -> None:
     """out[0] = this rank's loss in float32: what the ranks sum (data parallel)."""
     if is_cupy(record):
-        _kernel("eg_step_rank_loss")((1,), (1,), (record, out, np.int32(rule.micro_steps)))
+        _launch("rank_loss", {"rec": record, "out": out, "micro": rule.micro_steps})
     else:
         _numpy_rank_loss(record, rule, out)
 
@@ -248,12 +179,12 @@ def decide(record, control, norm, reduced, rule: StepRule) -> None:
     running means, the update count, and the update op's `control` slots (skip, clip
     scale, the record's lr, the count) follow."""
     if is_cupy(record):
-        _kernel("eg_step_decide")((1,), (1,), (
-            record, control, norm, norm if reduced is None else reduced,
-            np.float64(rule.spike_factor),
-            np.float64(SPIKE_DECAY), np.float64(SPIKE_WARMUP), np.float64(rule.grad_clip),
-            np.int32(rule.micro_steps), np.int32(rule.ranks), np.int32(rule.zero),
-            np.int32(rule.skip_at),
-            np.int32(rule.scale_at), np.int32(rule.lr_at), np.int32(rule.step_at)))
+        _launch("decide", {
+            "rec": record, "control": control, "norm_in": norm,
+            "reduced": norm if reduced is None else reduced, "factor": rule.spike_factor,
+            "decay": SPIKE_DECAY, "warmup": SPIKE_WARMUP, "clip": rule.grad_clip,
+            "micro": rule.micro_steps, "ranks": rule.ranks, "zero": rule.zero,
+            "skip_at": rule.skip_at, "scale_at": rule.scale_at, "lr_at": rule.lr_at,
+            "step_at": rule.step_at})
     else:
         _numpy_decide(record, control, norm, reduced, rule)

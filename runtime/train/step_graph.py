@@ -31,7 +31,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.train import step_control
 from eulergen.runtime.engine.cuda_graph import capture
 from eulergen.runtime.model.memory import upload
-from eulergen.runtime.train.step_control import AT, RECORD
+from eulergen.step_record import AT, RECORD
 
 RING = 3   # steps of pinned buffers: the host runs at most two steps ahead of the GPU
 
