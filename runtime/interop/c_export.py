@@ -9,8 +9,9 @@ and a README. The folder holds nothing it reads from outside itself.
     exported = export_c(arch, params, tokenizer, Path("gpt-c"))
 
 Refused before anything is written: an op the model runs whose kind has no C printer, a
-tokenizer the C tokenizer cannot be, and an --out holding files export-c did not write
-(runtime/interop/hf_files.py's write_folder: the folder is replaced whole, or not at all).
+tokenizer the C tokenizer cannot be, and an --out holding files export-c did not write, a
+build among them (eulergen/outputs.py: the folder is replaced whole, or not at all; `make
+clean` leaves an export as it was written).
 """
 from __future__ import annotations
 
@@ -18,19 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from eulergen import TEMPLATES_DIR
+from eulergen import TEMPLATES_DIR, outputs
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.compile import BASE_OPTIONS, op_options
 from eulergen.runtime.interop import c_cuda, c_model, c_tokenizer, c_weights
-from eulergen.runtime.interop.hf_files import write_folder
 
 PROGRAM_DIR = TEMPLATES_DIR / "c"
 # the hand-written program, as templates/c/ holds it
 PROGRAM = ("main.c", "error.h", "error.c", "weights.h", "weights.c", "tokenizer.h",
            "tokenizer.c", "sample.h", "sample.c", "backend.h", "cpu.c", "cuda.cu")
 HOST = ("main.c", "model.c", "weights.c", "tokenizer.c", "sample.c", "error.c")
-MARKER = ".eulergen-export-c"             # the names export-c wrote, one a line
-BUILT = ("build", "run_cpu", "run_cuda")  # what make writes there, replaced by a new export
 # the config key of each op the decoder runs
 _SLOTS = {"norm": "model.norm", "activation": "model.activation",
           "attention": "model.attention", "embedding": "model", "rope": "model.positions"}
@@ -76,17 +74,8 @@ def export_c(a, params: dict, tokenizer, out: Path, *, context: int) -> Exported
     files["weights.bin"] = c_weights.weights_bytes(a, params)
     files["Makefile"] = _makefile(used, no_cuda).encode()
     files["README.md"] = _readme(a, context, used, no_cuda).encode()
-    files[MARKER] = "".join(f"{name}\n" for name in sorted(files)).encode()
-    write_folder(out, files, frozenset(files) | frozenset(BUILT) | _earlier(out))
+    outputs.replace_folder(out, files, by="export-c", key="--out")
     return Exported(out, tuple(sorted(files)), no_cuda)
-
-
-def _earlier(out: Path) -> frozenset[str]:
-    """What an earlier export wrote into `out`, as its marker lists it."""
-    try:
-        return frozenset((Path(out) / MARKER).read_text().split())
-    except (OSError, UnicodeDecodeError):
-        return frozenset()
 
 
 def _makefile(used, no_cuda: str) -> str:
