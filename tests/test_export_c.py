@@ -18,22 +18,14 @@ from click.testing import CliRunner
 from eulergen import GENERATED_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
-from eulergen.generator.build import ensure_built
-from eulergen.runtime.data.tokenizer import load_tokenizer
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.interop.c_export import export_c
-from eulergen.runtime.model.arch import arch_of, ops_used
-from eulergen.runtime.train.config import load_config
-from eulergen.runtime.train.evaluate import open_model, open_sampler
-from eulergen.runtime.train.trainer import Trainer
+from eulergen.runtime.model.arch import arch_of
+from exported import PROMPT, TOKENS, Trained, ids, make, program
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("make") is None,
                                 reason="no C compiler or make")
-PROMPT = "def "
-TOKENS = 200          # past the context: the cache crops, in C as in the sampler
-SHORT = ["training.batch_size=4", "training.warmup_steps=1", "training.eval_every=0",
-         "training.sample_tokens=0"]
 # a user's own: a gated activation with a param, a norm, over RoPE, GQA and a soft cap
 USER_OPS = {
     "bswiglu.yaml": """\
@@ -63,25 +55,8 @@ USER_MODEL = ["model.preset=nanoeuler", "model.hidden_dim=64", "model.num_layers
               "model.attention=softcap_attention", "data.tokenizer=byte"]
 
 
-class Model:
-    """A trained run, its `eulergen sample` sampler on numpy, and its export, built."""
-
-    def __init__(self, root, shard, sets, ops_dirs=()):
-        cfg = load_config(None, [f"run_dir={root / 'run'}", f"data.dataset={shard}",
-                                 f"data.val_dataset={shard}", *SHORT, *sets])
-        self.lib = OpLibrary(NUMPY, ensure_built(ops_used(cfg.model), ops_dirs))
-        Trainer(cfg, self.lib, progress=False, tensorboard=False).run()
-        self.run, self.out = root / "run", root / "c"
-        self.weights = open_model(self.run)
-        self.tok = load_tokenizer(self.weights.cfg.data)
-        self.sampler = open_sampler(self.weights, self.lib, batch=1, dtype="float32",
-                                    notify=lambda m: None)
-
-    def reference(self, **settings) -> list[int]:
-        """`eulergen sample`'s tokens for PROMPT (cli/sample.py's sampler, on numpy)."""
-        (row,) = self.sampler.samples(self.tok.encode(PROMPT), TOKENS, stop=self.tok.eot,
-                                      **settings)
-        return row
+def _export(run, out):
+    return CliRunner().invoke(main, ["export-c", str(run), "--out", str(out)])
 
 
 @pytest.fixture(scope="module")
@@ -93,67 +68,51 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default(tmp_path_factory, shard, cache) -> Model:
+def default(tmp_path_factory, shard, cache) -> Trained:
     """The CPU default model, trained 4 steps, exported through the command."""
-    m = Model(tmp_path_factory.mktemp("default"), shard, ["training.total_steps=4"])
+    m = Trained(tmp_path_factory.mktemp("default"), shard, ["training.total_steps=4"])
     result = _export(m.run, m.out)
     assert result.exit_code == 0, result.output
-    _make(m.out)
+    make(m.out, "cpu")
     return m
 
 
 @pytest.fixture(scope="module")
-def user(tmp_path_factory, shard, cache) -> Model:
+def user(tmp_path_factory, shard, cache) -> Trained:
     """A model of the user's own ops, trained 4 steps, exported by export_c."""
     root = tmp_path_factory.mktemp("user")
     ops = root / "ops"
     ops.mkdir()
     for name, text in USER_OPS.items():
         (ops / name).write_text(text)
-    m = Model(root, shard, ["training.total_steps=4", *USER_MODEL], [ops])
+    m = Trained(root, shard, ["training.total_steps=4", *USER_MODEL], [ops])
     export_c(arch_of(m.weights.cfg.model, m.lib), m.weights.params, m.tok, m.out,
              context=m.weights.cfg.training.seq_len)
-    _make(m.out)
+    make(m.out, "cpu")
     return m
-
-
-def _make(out, target="cpu"):
-    done = subprocess.run(["make", target], cwd=out, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def _program(out, *args):
-    """The program's run; its text as UTF-8 (a byte-level model may draw any byte)."""
-    return subprocess.run([str(out / "run_cpu"), *args], capture_output=True, encoding="utf-8",
-                          errors="replace", timeout=120)
-
-
-def _ids(out, *args) -> list[int]:
-    done = _program(out, "--prompt", PROMPT, "--max-new-tokens", str(TOKENS), "--ids", *args)
-    assert done.returncode == 0, done.stderr
-    return [int(t) for t in done.stdout.split()]
 
 
 @pytest.mark.parametrize("model", ["default", "user"])
 def test_greedy_tokens_equal_eulergen_sample_on_numpy(model, request):
     m = request.getfixturevalue(model)
-    want = m.reference(temperature=0)
-    assert _ids(m.out, "--temperature", "0") == want and len(want) == TOKENS
+    want = m.reference(m.lib, temperature=0)
+    assert ids(m.out / "run_cpu", "--temperature", "0") == want and len(want) == TOKENS
 
 
 @pytest.mark.parametrize("model", ["default", "user"])
 def test_a_seeded_sample_repeats_itself_and_is_eulergen_samples(model, request):
     m = request.getfixturevalue(model)
+    binary = m.out / "run_cpu"
     args = ("--seed", "7", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95")
-    first = _ids(m.out, *args)
-    assert first == _ids(m.out, *args), "a seed draws the same tokens again"
-    assert first != _ids(m.out, "--seed", "8", *args[2:]), "another seed draws others"
-    assert first == m.reference(temperature=0.9, top_k=40, top_p=0.95, seed=7), \
+    first = ids(binary, *args)
+    assert first == ids(binary, *args), "a seed draws the same tokens again"
+    assert first != ids(binary, "--seed", "8", *args[2:]), "another seed draws others"
+    assert first == m.reference(m.lib, temperature=0.9, top_k=40, top_p=0.95, seed=7), \
         "the draw is eulergen's: the same tokens from (nearly) the same logits"
 
 
 def test_the_text_is_the_prompt_and_its_continuation(default):
-    done = _program(default.out, "--prompt", PROMPT, "--max-new-tokens", "20", "--seed", "1")
+    done = program(default.out / "run_cpu", "--prompt", PROMPT, "--max-new-tokens", "20")
     assert done.returncode == 0 and done.stdout.startswith(PROMPT), done.stderr
     assert "tokens/s" in done.stderr
 
@@ -171,7 +130,7 @@ def test_the_block_in_model_c_is_the_graphs(user):
 
 
 def _fails(out, *args) -> str:
-    done = _program(out, *args)
+    done = program(out / "run_cpu", *args)
     assert done.returncode != 0 and not done.stdout.strip()
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
@@ -204,10 +163,6 @@ def test_bad_options_are_one_line(default):
     assert "not UTF-8" in _fails(out, "--prompt", "caf\udce9")
 
 
-def _export(run, out):
-    return CliRunner().invoke(main, ["export-c", str(run), "--out", str(out)])
-
-
 def test_an_out_with_foreign_files_is_refused_untouched(default, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     result = _export(default.run, tmp_path)
@@ -220,7 +175,7 @@ def test_an_earlier_export_is_replaced_once_its_build_is_cleaned(default, tmp_pa
     shutil.copytree(default.out, again)
     built = _export(default.run, again)
     assert built.exit_code == 2 and "run_cpu" in built.output, "make's files are not export-c's"
-    _make(again, "clean")
+    make(again, "clean")
     result = _export(default.run, again)
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in default.out.iterdir()

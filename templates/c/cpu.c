@@ -12,7 +12,7 @@
 #include "backend.h"
 #include "error.h"
 
-enum { PARALLEL_MACS = 1 << 16 };   // below this a layer runs on one thread
+enum { PARALLEL_MACS = 1 << 20 };   // below this a layer runs on one thread: the threads cost more
 
 const char* eg_backend(void) {
   static char name[64];
