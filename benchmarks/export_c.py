@@ -1,6 +1,6 @@
 """`eulergen export-c`'s targets (issue 36), measured in one run on one machine: the export's
 time and `make cpu`'s; the CPU build's greedy tokens/s at batch 1, one thread and over
-OpenMP, against `eulergen sample` on numpy (one BLAS thread, as the command runs it); with
+OpenMP (2 threads, and one a core), against `eulergen sample` on numpy (one BLAS thread, as the command runs it); with
 --device cuda, the CUDA build's against `eulergen sample` on CuPy in fp32 (its CUDA graphs,
 after a warm-up run that compiles its kernels).
 
@@ -86,9 +86,11 @@ def main() -> None:
         rows.append(("run_cpu, one thread", f"{cpu:.1f} tok/s ({cpu / numpy:.2f}x numpy)"))
         _make(out, "clean")
         _make(out, "cpu", "OPENMP=1")
-        omp = _program(out / "run_cpu", args.tokens)
-        rows.append((f"run_cpu, OpenMP ({os.cpu_count()} cores)",
-                     f"{omp:.1f} tok/s ({omp / numpy:.2f}x numpy)"))
+        for threads in sorted({2, os.cpu_count()}):
+            omp = _program(out / "run_cpu", args.tokens,
+                           env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+            rows.append((f"run_cpu, OpenMP, {threads} threads",
+                         f"{omp:.1f} tok/s ({omp / numpy:.2f}x numpy)"))
         if args.device == "cuda":
             rows.append(("make -j cuda", f"{_make(out, f'-j{os.cpu_count()}', 'cuda'):.2f} s"))
             cuda_lib = OpLibrary(get_backend("cuda"))

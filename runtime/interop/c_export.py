@@ -99,7 +99,7 @@ def _makefile(used, no_cuda: str) -> str:
         "#   make cpu OPENMP=1   the same over OpenMP's threads",
         "#   make cuda           the GPU build, ./run_cuda (nvcc; ARCH=sm_90 by default)",
         "#   make clean",
-        "CC ?= cc", "CFLAGS ?= -O3", "NVCC ?= nvcc", "ARCH ?= sm_90",
+        "CC ?= cc", "CFLAGS ?= -O3 -march=native", "NVCC ?= nvcc", "ARCH ?= sm_90",
         "HEADERS := $(wildcard *.h)", "", ".PHONY: cpu cuda clean", "cpu: run_cpu",
         "cuda: run_cuda", "",
         f"run_cpu: {host} cpu.c {ops_c} $(HEADERS)",
