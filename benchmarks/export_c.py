@@ -1,8 +1,8 @@
 """`eulergen export-c`'s targets (issue 36), measured in one run on one machine: the export's
 time and `make cpu`'s; the CPU build's greedy tokens/s at batch 1, one thread and over
-OpenMP (2 threads, and one a core), against `eulergen sample` on numpy (one BLAS thread, as the command runs it); with
---device cuda, the CUDA build's against `eulergen sample` on CuPy in fp32 (its CUDA graphs,
-after a warm-up run that compiles its kernels).
+OpenMP (2 threads, and one a core), against `eulergen sample` on numpy (one BLAS thread,
+as the command runs it); with --device cuda, the CUDA build's against `eulergen sample`
+on CuPy in fp32 (its CUDA graphs, after a warm-up run that compiles its kernels).
 
     python benchmarks/export_c.py                       # the CPU default model
     python benchmarks/export_c.py --preset gpt2         # GPT-2 124M

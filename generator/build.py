@@ -1,11 +1,12 @@
 """`eulergen build`: every op on the search path → generated/ (or a user build folder).
 
 Per op: load and derive the spec, render the CUDA, the numpy module and (where its kind
-prints C) its C functions, and record them in manifest.json (docs/internals.md, "Manifest"), asking the op's kind (generator/kinds/)
-what its entry holds. An op whose build key (spec bytes, the bytes of the templates its kind
-renders through, which its entry lists, the generator's own sources) matches the manifest
-is not derived again. Files are written atomically (temp file + os.replace) and only when
-their bytes change; the output depends on nothing but those inputs.
+prints C) its C functions, and record them in manifest.json (docs/internals.md,
+"Manifest"), asking the op's kind (generator/kinds/) what its entry holds. An op whose
+build key (spec bytes, the bytes of the templates its kind renders through, which its entry
+lists, the generator's own sources) matches the manifest is not derived again. Files are
+written atomically (temp file + os.replace) and only when their bytes change; the output
+depends on nothing but those inputs.
 
 Built-in ops (ops/) build into generated/, shipped with the package, with the ops of the
 kinds without a spec (the embedding: from its templates alone). User ops (--ops DIR,
@@ -144,15 +145,12 @@ def _render_op(derived: ir.DerivedOp, data: bytes,
         entry["fusions"] = fusions
     if derived.fast_math:  # the runtime compiles this op's kernels with --use_fast_math
         entry["fast_math"] = True
-    files = {entry["cuda"]: cuda, entry["numpy"]: py}
-    files.update(_add_c(entry, derived.name,
-                        kind.c_source(derived, emit.header(label, derived.spec_sha256))))
-    return entry, files
+    c = kind.c_source(derived, emit.header(label, derived.spec_sha256))
+    return entry, {entry["cuda"]: cuda, entry["numpy"]: py, **_add_c(entry, derived.name, c)}
 
 
 def _add_c(entry: dict, name: str, rendered: ir.RenderedC | None) -> dict[str, bytes]:
-    """The op's C functions (its kind's C printer, where it has one) into its entry: the
-    file, its hash and each function's signature."""
+    """The op's C (its kind's, if any) into its entry: file, hash, functions' signatures."""
     if rendered is None:
         return {}
     c = rendered.source.encode()
@@ -176,9 +174,8 @@ def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
         "template": kind.template_label, "templates": [emit.file_label(t) for t in templates],
         "kernels": _kernels(rendered),
         "build_key": _template_key(fingerprint, COMMON_TEMPLATE, *templates)}
-    files = {entry["cuda"]: cuda}
-    files.update(_add_c(entry, kind.name, kind.c_alone(emit.header(kind.template_label, sha))))
-    return entry, files
+    c = _add_c(entry, kind.name, kind.c_alone(emit.header(kind.template_label, sha)))
+    return entry, {entry["cuda"]: cuda, **c}
 
 
 def _previous(root: Path) -> dict:
@@ -195,9 +192,8 @@ def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | Non
     if not prev or prev.get("build_key") != key:
         return None
     files = {}
-    for path_key, sha_key in (("cuda", "cuda_sha256"), ("numpy", "numpy_sha256"),
-                              ("c", "c_sha256")):
-        rel = prev.get(path_key)
+    for path_key in ("cuda", "numpy", "c"):
+        rel, sha_key = prev.get(path_key), f"{path_key}_sha256"
         if rel is None:
             continue
         try:

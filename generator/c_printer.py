@@ -33,7 +33,9 @@ _HELPERS = {
         "  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);",
         "}"],
     "eg_softplus": [
-        "static inline float eg_softplus(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }"],
+        "static inline float eg_softplus(float x) {",
+        "  return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));",
+        "}"],
     "eg_logaddexp": [
         "static inline float eg_logaddexp(float a, float b) {",
         "  if (a == b) return a + 0.693147180559945309f;   /* two equal infinities too */",

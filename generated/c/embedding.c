@@ -8,6 +8,7 @@ void embedding_forward(const int* ids, const float* wte, const float* wpe, float
   for (long long r_ = 0; r_ < BT; ++r_) {
     const float* row_ = wte + (long long)ids[r_] * C;
     const float* at_ = wpe ? wpe + (r_ % T) * C : 0;
-    for (int c_ = 0; c_ < C; ++c_) out[r_ * C + c_] = at_ ? row_[c_] + at_[c_] : row_[c_];
+    for (int c_ = 0; c_ < C; ++c_)
+      out[r_ * C + c_] = at_ ? row_[c_] + at_[c_] : row_[c_];
   }
 }

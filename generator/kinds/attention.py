@@ -109,7 +109,8 @@ class Attention(OpKind):
             "          const float* k_at_ = k + b_ * k_sb + j_ * k_st + kv_ * k_sh;",
             "          float s_ = 0.0f;",
             "          for (int d_ = 0; d_ < head_dim; ++d_) s_ += q_at_[d_] * k_at_[d_];",
-            f"          scores_[j_] = {c_text.call(f'{op.name}_score', score, 'score', order, at)};",
+            f"          scores_[j_] = "
+            f"{c_text.call(f'{op.name}_score', score, 'score', order, at)};",
             "          max_ = fmaxf(max_, scores_[j_]);",
             "        }",
             "        for (int d_ = 0; d_ < head_dim; ++d_) o_at_[d_] = 0.0f;",

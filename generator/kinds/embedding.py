@@ -65,7 +65,8 @@ class Embedding(OpKind):
                 "  for (long long r_ = 0; r_ < BT; ++r_) {",
                 "    const float* row_ = wte + (long long)ids[r_] * C;",
                 "    const float* at_ = wpe ? wpe + (r_ % T) * C : 0;",
-                "    for (int c_ = 0; c_ < C; ++c_) out[r_ * C + c_] = at_ ? row_[c_] + at_[c_] : row_[c_];",
+                "    for (int c_ = 0; c_ < C; ++c_)",
+                "      out[r_ * C + c_] = at_ ? row_[c_] + at_[c_] : row_[c_];",
                 "  }", "}", ""]
         about = ("embedding: out[r] = wte[ids[r]] (+ wpe[r % T] where wpe is not null) for BT "
                  "rows of C columns; ids are in [0, V), which the caller checks.")

@@ -161,7 +161,8 @@ class Pair(OpKind):
                    f" + t_ * {n}_st + h_ * {n}_sh;" for n in ins + outs),
                  "        for (int k_ = 0; k_ < half_; ++k_) {",
                  *(f"          const float {y}_ = "
-                   f"{c_text.call(f'{op.name}_{y}', body.forward, y, order, at)};" for y in halves),
+                   f"{c_text.call(f'{op.name}_{y}', body.forward, y, order, at)};"
+                   for y in halves),
                  *(f"          {y[:-1]}_at_[k_{' + half_' if y[-1] == '1' else ''}] = {y}_;"
                    for y in halves),
                  "        }", "      }", "}", ""]

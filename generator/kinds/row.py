@@ -249,7 +249,8 @@ def _c_forward(op: ir.DerivedOp, d: ir.DerivedOp, fusion: str) -> tuple[list[str
                    + (("rows", "long long"), ("cols", "int")), "forward", fusion)
     reductions = [name for p in body.passes for name, _ in p.ops]
     order = ins + reductions + ["i", "N"] + [p.name for p in op.params]
-    at = {**{n: f"{n}[at_ + c_]" for n in by_role["row"]}, **{n: f"{n}[c_]" for n in by_role["weight"]},
+    at = {**{n: f"{n}[at_ + c_]" for n in by_role["row"]},
+          **{n: f"{n}[c_]" for n in by_role["weight"]},
           **{n: f"(float){n}[r_]" for n in by_role["index"]}, "i": "(float)c_", "N": "(float)cols"}
     stem = f"{op.name}_{fusion}_" if fusion else f"{op.name}_"
     text, loop = [], ["  for (long long r_ = 0; r_ < rows; ++r_) {",
@@ -272,8 +273,8 @@ def _c_forward(op: ir.DerivedOp, d: ir.DerivedOp, fusion: str) -> tuple[list[str
         for o in names:
             text += c_text.element(op, stem + o.lstrip("_"), code, o, order)
         pad = "      " if store != "r_" else "    "
-        values = [f"{pad}const float {o}_ = {c_text.call(stem + o.lstrip('_'), code, o, order, at)};"
-                  for o in names]
+        values = [f"{pad}const float {o}_ = "
+                  f"{c_text.call(stem + o.lstrip('_'), code, o, order, at)};" for o in names]
         stores = [f"{pad}{o}[{store}] = {o}_;" for o in names]
         loop += (["    for (int c_ = 0; c_ < cols; ++c_) {", *values, *stores, "    }"]
                  if store != "r_" else [*values, *stores])

@@ -48,7 +48,8 @@ def ops_with_c(a) -> list:
     for slot, op in zip((s for s in _SLOTS if getattr(a.ops, s) is not None), ops):
         if op.c is None:
             raise EulerError(f"op {op.name!r} ({op.kind} kind) has no C printer: export-c writes "
-                             "only ops whose kind prints C", file=str(op.manifest), key=_SLOTS[slot])
+                             "only ops whose kind prints C", file=str(op.manifest),
+                             key=_SLOTS[slot])
     return ops
 
 

@@ -260,10 +260,10 @@ def _model_c(p: _Program, stem, block, head) -> str:
     allocs = [f"  m->{b} = eg_alloc(sizeof(float) * {n});" for b, n in p.sizes.items()]
     kv = p.context * a.kv_heads * a.head_dim
     return "\n".join([
-        "// model.c: written by `eulergen export-c` from the model's graph (runtime/model/graph.py):",
-        "// its stem, its block at each layer and its head, node by node, for one token at a time",
-        "// over a KV cache. The ops are the generated C functions of ops.h; eg_linear is the",
-        "// backend's matrix-vector product (backend.h).",
+        "// model.c: written by `eulergen export-c` from the model's graph",
+        "// (runtime/model/graph.py): its stem, its block at each layer and its head, node by",
+        "// node, for one token at a time over a KV cache. The ops are the generated C",
+        "// functions of ops.h; eg_linear is the backend's matrix-vector product (backend.h).",
         "#include <stdlib.h>", "",
         '#include "backend.h"', '#include "error.h"', '#include "model.h"', '#include "ops.h"',
         '#include "weights.h"', "",

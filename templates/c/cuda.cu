@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(GEMV_THREADS) eg_gemv(const float* __restrict_
   } else {
     for (int i = lane; i < in; i += WARP) acc += wr[i] * x[i];
   }
-  for (int offset = WARP / 2; offset; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+  for (int offset = WARP / 2; offset; offset /= 2)
+    acc += __shfl_down_sync(0xffffffffu, acc, offset);
   if (lane == 0) y[row] = b ? acc + b[row] : acc;
 }
 

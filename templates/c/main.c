@@ -20,8 +20,8 @@ static const char USAGE[] =
     "usage: %s [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
     "          [--seed S] [--ids] [--weights FILE] [--tokenizer FILE]\n"
     "Continues TEXT (default a newline) with up to N new tokens (default 200), drawn at\n"
-    "temperature T (0.8; 0: greedy) from the K most likely (40; 0: all) within nucleus P (1: all)\n"
-    "with seed S (0). --ids prints the new ids instead of the text.\n";
+    "temperature T (0.8; 0: greedy) from the K most likely (40; 0: all) within nucleus P\n"
+    "(1: all) with seed S (0). --ids prints the new ids instead of the text.\n";
 
 typedef struct {
   const char* prompt;
@@ -72,7 +72,8 @@ static Options parse(int argc, char** argv) {
     if (i + 1 >= argc) eg_fail("%s: needs a value (--help shows the options)", flag);
     const char* v = argv[++i];
     if (!strcmp(flag, "--prompt")) o.prompt = v;
-    else if (!strcmp(flag, "--max-new-tokens")) o.max_new_tokens = (int)integer(flag, v, 1, 1 << 30);
+    else if (!strcmp(flag, "--max-new-tokens"))
+      o.max_new_tokens = (int)integer(flag, v, 1, 1 << 30);
     else if (!strcmp(flag, "--temperature")) o.settings.temperature = number(flag, v, 0, 1e30, 0);
     else if (!strcmp(flag, "--top-k")) o.settings.top_k = (int)integer(flag, v, 0, 1 << 30);
     else if (!strcmp(flag, "--top-p")) o.settings.top_p = number(flag, v, 0, 1, 1);

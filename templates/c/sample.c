@@ -98,7 +98,8 @@ int sampler_pick(Sampler* s, const float* x, double u, const Settings* settings)
     if (x[i] > x[best]) best = i;
   if (settings->temperature == 0.0f) return best;
   const double top = x[best], temperature = settings->temperature;
-  for (int i = 0; i < vocab; ++i) s->w[i] = x[i] == x[i] ? rint(exp(((double)x[i] - top) / temperature) * 4294967296.0) : 0;
+  for (int i = 0; i < vocab; ++i)   // NaN takes no part
+    s->w[i] = x[i] == x[i] ? rint(exp(((double)x[i] - top) / temperature) * 4294967296.0) : 0;
   if (settings->top_k > 0 && settings->top_k < vocab) {
     memcpy(s->sorted, x, sizeof *x * (size_t)vocab);
     const float kth = kth_largest(s->sorted, vocab, settings->top_k);

@@ -97,9 +97,11 @@ Tokenizer* tokenizer_load(const char* path) {
   if (!f) eg_fail("%s: cannot open it (%s)", path, strerror(errno));
   int32_t header[8];
   read_ints(f, path, header, 8);
-  if (header[0] != MAGIC) eg_fail("%s: not an eulergen tokenizer (its first bytes are not \"EGT1\")", path);
+  if (header[0] != MAGIC)
+    eg_fail("%s: not an eulergen tokenizer (its first bytes are not \"EGT1\")", path);
   if (header[1] != VERSION)
-    eg_fail("%s: tokenizer format version %d, this program reads version %d", path, header[1], VERSION);
+    eg_fail("%s: tokenizer format version %d, this program reads version %d", path, header[1],
+            VERSION);
   Tokenizer* t = calloc(1, sizeof *t);
   if (!t) eg_fail("%s: out of memory", path);
   t->kind = header[2];
@@ -143,8 +145,9 @@ static int decode_utf8(const char* text, const char* what, uint32_t* cps, int* a
       if ((s[i + k] & 0xC0) != 0x80) len = 0;
       else cp = (cp << 6) | (s[i + k] & 63u);
     }
-    if (!len || (len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
-        cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+    const int overlong = (len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) ||
+                         (len == 4 && cp < 0x10000);
+    if (!len || overlong || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
       eg_fail("%s: not UTF-8 text (byte 0x%02x at %d)", what, c, i);
     cps[n] = cp;
     at[n++] = i;

@@ -64,7 +64,8 @@ long long weights_load(const char* path, const HeaderField* header, int fields,
   if (!f) eg_fail("%s: cannot open it (%s)", path, strerror(errno));
   if (fseek(f, 0, SEEK_END) != 0) eg_fail("%s: cannot seek (%s)", path, strerror(errno));
   const long long size = ftell(f);
-  const long long table_at = EG_HEADER_INTS * 4, data_at = align_up(table_at + (long long)count * EG_TABLE_BYTES);
+  const long long table_at = EG_HEADER_INTS * 4;
+  const long long data_at = align_up(table_at + (long long)count * EG_TABLE_BYTES);
   int32_t got[EG_HEADER_INTS];
   read_all(f, path, got, size < table_at ? (size < 4 ? size : 4) : table_at, 0);
   if (size < 4 || got[0] != header[0].value)
