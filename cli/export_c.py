@@ -18,17 +18,15 @@ def export_c(run, out, ops_dirs) -> None:
     tokenizer, the model as C from its graph, the generated C and CUDA of its ops, a
     Makefile (`make cpu`, `make cuda`) and a README. No Python at run time."""
     from eulergen.generator.build import ensure_built
-    from eulergen.runtime.data.tokenizer import check_fits, load_tokenizer
     from eulergen.runtime.engine.backend import NUMPY
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.interop.c_export import export_c as write
     from eulergen.runtime.model.arch import arch_of, ops_used
-    from eulergen.runtime.train.evaluate import open_model
+    from eulergen.runtime.train.evaluate import open_model, tokenizer_of
 
     weights = open_model(run)
     cfg = weights.cfg
-    tok = load_tokenizer(cfg.data)
-    check_fits(tok, cfg.model.vocab_size)
+    tok = tokenizer_of(weights)
     lib = OpLibrary(NUMPY, ensure_built(ops_used(cfg.model), ops_dirs))
     done = write(arch_of(cfg.model, lib), weights.params, tok, out, context=cfg.training.seq_len)
     cuda = f"; no CUDA build ({done.cuda})" if done.cuda else ", `make cuda`"
