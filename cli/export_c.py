@@ -28,6 +28,7 @@ def export_c(run, out, ops_dirs) -> None:
     cfg = weights.cfg
     tok = tokenizer_of(weights)
     lib = OpLibrary(NUMPY, ensure_built(ops_used(cfg.model), ops_dirs))
-    done = write(arch_of(cfg.model, lib), weights.params, tok, out, context=cfg.training.seq_len)
-    cuda = f"; no CUDA build ({done.cuda})" if done.cuda else ", `make cuda`"
+    no_cuda = write(arch_of(cfg.model, lib), weights.params, tok, out,
+                    context=cfg.training.seq_len)
+    cuda = f"; no CUDA build ({no_cuda})" if no_cuda else ", `make cuda`"
     click.echo(f"wrote {out}: `make cpu`{cuda}; then {out / 'run_cpu'} --prompt TEXT")

@@ -29,10 +29,10 @@ def kernels_source(calls: list[Call], keys: int) -> str:
             kernels[kernel.name] = kernel
             read = tuple((n, sizes[n]) for n in sorted(sizes.read) if n in dict(fn.args))
             cases.setdefault(read, (read, kernel, at, extra))
-        bodies += _wrapper(fn, list(cases.values()))
+        bodies += _wrapper(group[0].op, fn, list(cases.values()))
     declarations = [line for k in kernels.values()
                     for line in wrapped(f'extern "C" __global__ void {k.name}',
-                                      [f"{t} {n}" for n, t in k.args], "")]
+                                        [f"{t} {n}" for n, t in k.args], "")]
     return "\n".join([
         "// kernels.cu: written by `eulergen export-c`: the op functions of ops.h for the CUDA",
         "// build, each launching its op's generated kernel (<op>.cu) with the launch planned",
@@ -59,7 +59,9 @@ class _Read(dict):
         return super().__getitem__(name)
 
 
-def _wrapper(fn, cases) -> list[str]:
+def _wrapper(op, fn, cases) -> list[str]:
+    """The host function `fn` of `op`: the launch of each case (the sizes its launch was
+    planned for, its kernel, launch and extra arguments), or one line for other sizes."""
     head = wrapped(f'extern "C" void {fn.name}', [f"{t} {n}" for n, t in fn.args], "")
     head[-1] = head[-1].rstrip(";") + " {"
     lines = []
@@ -68,8 +70,9 @@ def _wrapper(fn, cases) -> list[str]:
         args = []
         for name, _ in kernel.args:
             if name not in given and name not in extra:
-                raise EulerError(f"kernel {kernel.name} takes {name!r}, which {fn.name} does "
-                                 "not give", key="export-c")
+                raise EulerError(f"kernel {kernel.name} takes {name!r}, which C function "
+                                 f"{fn.name} does not give", file=str(op.manifest),
+                                 key=f"ops.{op.name}.kernels.{kernel.name}")
             args.append(name if name in given else extra[name])
         test = " && ".join(f"{name} == {value}" for name, value in constants)
         lines.append(f"  {'} else ' if n else ''}if ({test}) {{")

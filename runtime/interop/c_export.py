@@ -6,7 +6,7 @@ CUDA (generated/cuda/) launched by kernels.cu (c_cuda.py), the hand-written rest
 program (templates/c/: loading, the tokenizer, the draw, the backends, main), a Makefile
 and a README. The folder holds nothing it reads from outside itself.
 
-    exported = export_c(arch, params, tokenizer, Path("gpt-c"))
+    no_cuda = export_c(arch, params, tokenizer, Path("gpt-c"), context=1024)
 
 Refused before anything is written: an op the model runs whose kind has no C printer, a
 tokenizer the C tokenizer cannot be, and an --out holding files export-c did not write, a
@@ -15,7 +15,6 @@ clean` leaves an export as it was written).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
@@ -34,30 +33,21 @@ _SLOTS = {"norm": "model.norm", "activation": "model.activation",
           "attention": "model.attention", "embedding": "model", "rope": "model.positions"}
 
 
-@dataclass(frozen=True)
-class Exported:
-    out: Path
-    files: tuple[str, ...]
-    cuda: str                 # why there is no CUDA build ('' where there is one)
-
-
-def ops_with_c(a) -> list:
-    """The ops the model's forward runs, each with its C functions; EulerError naming the
-    first without (its kind has no C printer)."""
-    ops = [getattr(a.ops, slot) for slot in _SLOTS if getattr(a.ops, slot) is not None]
-    for slot, op in zip((s for s in _SLOTS if getattr(a.ops, s) is not None), ops):
-        if op.c is None:
+def check_c(a) -> None:
+    """EulerError naming the first op the model's forward runs whose kind has no C printer."""
+    for slot, key in _SLOTS.items():
+        op = getattr(a.ops, slot)
+        if op is not None and op.c is None:
             raise EulerError(f"op {op.name!r} ({op.kind} kind) has no C printer: export-c writes "
-                             "only ops whose kind prints C", file=str(op.manifest),
-                             key=_SLOTS[slot])
-    return ops
+                             "only ops whose kind prints C", file=str(op.manifest), key=key)
 
 
-def export_c(a, params: dict, tokenizer, out: Path, *, context: int) -> Exported:
+def export_c(a, params: dict, tokenizer, out: Path, *, context: int) -> str:
     """Write the folder of an Arch (runtime/model/arch.py arch_of), its float32 `params` (a
     state dict) and its run's tokenizer into `out`, sampling in a context of `context`
-    tokens (the run's training.seq_len, as `eulergen sample` does)."""
-    ops_with_c(a)
+    tokens (the run's training.seq_len, as `eulergen sample` does). Returns why there is no
+    CUDA build ('' where there is one)."""
+    check_c(a)
     sources, calls = c_model.sources(a, context)
     used = list(dict.fromkeys(c.op for c in calls))
     files = {name: text.encode() for name, text in sources.items()}
@@ -76,7 +66,7 @@ def export_c(a, params: dict, tokenizer, out: Path, *, context: int) -> Exported
     files["Makefile"] = _makefile(used, no_cuda).encode()
     files["README.md"] = _readme(a, context, used, no_cuda).encode()
     outputs.replace_folder(out, files, by="export-c", key="--out")
-    return Exported(out, tuple(sorted(files)), no_cuda)
+    return no_cuda
 
 
 def _makefile(used, no_cuda: str) -> str:

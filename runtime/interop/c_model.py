@@ -17,7 +17,8 @@ from eulergen.runtime.interop import c_weights
 from eulergen.runtime.model.params import parameters
 from eulergen.signature import CFunction
 
-WIDTH = 96   # model.c's lines
+WIDTH = 96          # model.c's lines
+IN_BLOCK = "layer"  # the layer of a block's nodes: model.c's variable of that name
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class _Program:
         self.index = {p.name: i for i, p in enumerate(self.tensors)}
         self.calls: list[Call] = []
         self.buffers, self.sizes = self._buffers()
-        block = [(node, self.g.parameters(node, 0, self.index)) for node in self.g.block]
-        self.block_params = [local for _, pairs in block for local, _ in pairs]
+        self.block_params = [local for node in self.g.block
+                             for local, _ in self.g.parameters(node, 0, self.index)]
 
     # -- values, buffers, parameters -------------------------------------------------
 
@@ -97,7 +98,7 @@ class _Program:
     def params(self, node, layer) -> list[tuple[str, str]]:
         """(name as the node gives it, C expression) of each parameter it reads: in a block
         P(…), the layer's (BLOCK), else the tensor itself."""
-        if layer == "layer":
+        if layer == IN_BLOCK:
             return [(local, f"P({_enum(local)})")
                     for local, _ in self.g.parameters(node, 0, self.index)]
         return [(local, f"m->w[{self.index[full]}]")
@@ -126,10 +127,9 @@ class _Program:
         """One graph node as C: a comment naming it, then its calls."""
         what = node.kind + (f" {node.op.name}" if node.op is not None else
                             f" {', '.join(node.weights)}")
-        fused = {"add": " (the residual add fused)", "bias": ""}
+        fused = " (the residual add fused)" if node.fusion == "add" else ""
         outputs = node.outputs[:1] if node.kind == "attention" else node.outputs  # lse: training's
-        lines = [f"{indent}/* {', '.join(node.inputs)} -> {what}"
-                 f"{fused.get(node.fusion, '')} -> {', '.join(outputs)} */"]
+        lines = [f"{indent}/* {', '.join(node.inputs)} -> {what}{fused} -> {', '.join(outputs)} */"]
         return lines + getattr(self, f"_{node.kind}")(node, layer, indent)
 
     def _embedding(self, node, layer, indent):
@@ -219,7 +219,7 @@ def sources(a, context: int) -> tuple[dict[str, str], list[Call]]:
     p = _Program(a, context)
     g = p.g
     stem = [line for node in g.stem for line in p.node(node, -1)]
-    block = [line for node in g.block for line in p.node(node, "layer")]
+    block = [line for node in g.block for line in p.node(node, IN_BLOCK)]
     head = [line for node in g.head for line in p.node(node, None)]
     return {"model.h": _header(a, context), "model.c": _model_c(p, stem, block, head),
             "ops.h": _ops_h(p.calls)}, p.calls
@@ -228,7 +228,7 @@ def sources(a, context: int) -> tuple[dict[str, str], list[Call]]:
 def _header(a, context: int) -> str:
     constants = [("LAYERS", a.layers, ""), ("HIDDEN", a.d, ""), ("HEADS", a.heads, ""),
                  ("KV_HEADS", a.kv_heads, ""), ("HEAD_DIM", a.head_dim, ""),
-                 ("VOCAB", a.vocab, "the tokenizer's ids"),
+                 ("VOCAB", a.vocab, "the ids the model draws from: model.vocab_size"),
                  ("VOCAB_ROWS", a.vocab_rows, "the embedding's rows: VOCAB padded to 64"),
                  ("MAX_SEQ", a.max_seq, "the positions the model has"),
                  ("CONTEXT", context, "the positions the KV cache holds: training.seq_len"),

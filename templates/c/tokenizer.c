@@ -118,7 +118,7 @@ int tokenizer_eot(const Tokenizer* t) { return t->eot; }
 
 const unsigned char* tokenizer_bytes(const Tokenizer* t, int id, int* length) {
   static unsigned char byte;
-  if (id == t->eot) {
+  if (id == t->eot || id < 0 || id >= t->vocab) {   // a model's ids past the tokenizer's too
     *length = 0;
     return NULL;
   }

@@ -27,9 +27,9 @@ MODEL = ["model.preset=nanoeuler", "model.bias=true", "model.hidden_dim=128",
 @pytest.fixture(scope="module")
 def built(cp, tmp_path_factory, shard) -> Trained:
     t = Trained(tmp_path_factory.mktemp("cuda"), shard, MODEL)
-    done = export_c(arch_of(t.weights.cfg.model, t.lib), t.weights.params, t.tok, t.out,
-                    context=48)
-    assert not done.cuda, done.cuda
+    no_cuda = export_c(arch_of(t.weights.cfg.model, t.lib), t.weights.params, t.tok, t.out,
+                       context=48)
+    assert not no_cuda, no_cuda
     make(t.out, "-j8", "cuda")
     return t
 
