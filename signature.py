@@ -8,6 +8,9 @@ its storage dtype, which of that call's kernels it is (`part`), the fused varian
 belongs to (`fusion`) and facts of its geometry (a row layout's `aligned`, an attention
 kernel's `head_dim`). Kernel names are the planner's alone: nothing looks a kernel up by one.
 
+An op's C functions (its CPU build for `eulergen export-c`) have a signature too,
+`CFunction`: their parameters, the call and the fused variant, with no launch.
+
 A leaf: it imports only eulergen/launch.py, so the generator and the runtime share it.
 """
 from __future__ import annotations
@@ -48,7 +51,7 @@ class KernelSig:
     @property
     def c_params(self) -> str:
         """The C parameter list the template prints: the one place it is spelled out."""
-        return ", ".join(f"{ctype} {name}" for name, ctype in self.args)
+        return _c_params(self.args)
 
     @property
     def call_args(self) -> str:
@@ -73,11 +76,7 @@ class KernelSig:
                                       "control"})
         if unknown:
             raise BadSignature(unknown[0], "unknown key")
-        args = data.get("args")
-        if not (isinstance(args, list) and all(
-                isinstance(a, list) and len(a) == 2 and all(isinstance(s, str) for s in a)
-                for a in args)):
-            raise BadSignature("args", "args should be [[name, C type], …]")
+        args = _args(data)
         if data.get("dtype") not in DTYPES:
             raise BadSignature("dtype", f"dtype {data.get('dtype')!r} should be one of "
                                         f"{', '.join(DTYPES)}")
@@ -94,8 +93,22 @@ class KernelSig:
             geometry = geometry_from_json(data.get("geometry"))
         except (ValueError, TypeError) as err:
             raise BadSignature("geometry", str(err)) from None
-        return cls(name, tuple((a, t) for a, t in args), data["dtype"], geometry=geometry,
+        return cls(name, args, data["dtype"], geometry=geometry,
                    control=tuple(control), **words)
+
+
+def _c_params(args) -> str:
+    return ", ".join(f"{ctype} {name}" for name, ctype in args)
+
+
+def _args(data: dict) -> tuple[tuple[str, str], ...]:
+    """A signature's `args` as JSON holds them: [[name, C type], …]."""
+    args = data.get("args")
+    if not (isinstance(args, list) and all(
+            isinstance(a, list) and len(a) == 2 and all(isinstance(s, str) for s in a)
+            for a in args)):
+        raise BadSignature("args", "args should be [[name, C type], …]")
+    return tuple((a, t) for a, t in args)
 
 
 def select(kernels, stage: str, dtype: str | None = None, *, part: str = "", fusion: str = "",
@@ -112,3 +125,38 @@ def variant_name(stage: str, fusion: str = "") -> str:
     """A fused variant's name for one of its stages, as its numpy function and its kernels'
     names spell it: `backward` of `add` is backward_add."""
     return f"{stage}_{fusion}" if fusion else stage
+
+
+@dataclass(frozen=True)
+class CFunction:
+    """One C function of an op's CPU build (generated/c/<op>.c, printed from the op's
+    derived expressions): its parameters in call order and the op's call it makes (`stage`,
+    of the fused variant `fusion`). Written into manifest.json under the op's `c_functions`
+    and read back as this value by `eulergen export-c`, which calls it by its names."""
+    name: str
+    args: tuple[tuple[str, str], ...]
+    stage: str
+    fusion: str = ""
+
+    @property
+    def c_params(self) -> str:
+        return _c_params(self.args)
+
+    def to_json(self) -> dict:
+        data = {"args": [list(a) for a in self.args], "stage": self.stage}
+        if self.fusion:
+            data["fusion"] = self.fusion
+        return data
+
+    @classmethod
+    def from_json(cls, name: str, data) -> CFunction:
+        if not isinstance(data, dict):
+            raise BadSignature("", "should be an object")
+        unknown = sorted(set(data) - {"args", "stage", "fusion"})
+        if unknown:
+            raise BadSignature(unknown[0], "unknown key")
+        args = _args(data)
+        stage, fusion = data.get("stage"), data.get("fusion", "")
+        if not isinstance(stage, str) or not isinstance(fusion, str):
+            raise BadSignature("stage", "stage and fusion should be strings")
+        return cls(name, args, stage, fusion)

@@ -1,11 +1,12 @@
 """`eulergen build`: every op on the search path → generated/ (or a user build folder).
 
-Per op: load and derive the spec, render the CUDA and the numpy module, and record both
-in manifest.json (docs/internals.md, "Manifest"), asking the op's kind (generator/kinds/)
-what its entry holds. An op whose build key (spec bytes, the bytes of the templates its kind
-renders through, which its entry lists, the generator's own sources) matches the manifest
-is not derived again. Files are written atomically (temp file + os.replace) and only when
-their bytes change; the output depends on nothing but those inputs.
+Per op: load and derive the spec, render the CUDA, the numpy module and (where its kind
+prints C) its C functions, and record them in manifest.json (docs/internals.md,
+"Manifest"), asking the op's kind (generator/kinds/) what its entry holds. An op whose
+build key (spec bytes, the bytes of the templates its kind renders through, which its entry
+lists, the generator's own sources) matches the manifest is not derived again. Files are
+written atomically (temp file + os.replace) and only when their bytes change; the output
+depends on nothing but those inputs.
 
 Built-in ops (ops/) build into generated/, shipped with the package, with the ops of the
 kinds without a spec (the embedding: from its templates alone). User ops (--ops DIR,
@@ -144,7 +145,18 @@ def _render_op(derived: ir.DerivedOp, data: bytes,
         entry["fusions"] = fusions
     if derived.fast_math:  # the runtime compiles this op's kernels with --use_fast_math
         entry["fast_math"] = True
-    return entry, {entry["cuda"]: cuda, entry["numpy"]: py}
+    c = kind.c_source(derived, emit.header(label, derived.spec_sha256))
+    return entry, {entry["cuda"]: cuda, entry["numpy"]: py, **_add_c(entry, derived.name, c)}
+
+
+def _add_c(entry: dict, name: str, rendered: ir.RenderedC | None) -> dict[str, bytes]:
+    """The op's C (its kind's, if any) into its entry: file, hash, functions' signatures."""
+    if rendered is None:
+        return {}
+    c = rendered.source.encode()
+    entry.update({"c": f"c/{name}.c", "c_sha256": _sha(c),
+                  "c_functions": {f.name: f.to_json() for f in rendered.functions}})
+    return {entry["c"]: c}
 
 
 def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
@@ -162,7 +174,8 @@ def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
         "template": kind.template_label, "templates": [emit.file_label(t) for t in templates],
         "kernels": _kernels(rendered),
         "build_key": _template_key(fingerprint, COMMON_TEMPLATE, *templates)}
-    return entry, {entry["cuda"]: cuda}
+    c = _add_c(entry, kind.name, kind.c_alone(emit.header(kind.template_label, sha)))
+    return entry, {entry["cuda"]: cuda, **c}
 
 
 def _previous(root: Path) -> dict:
@@ -179,8 +192,8 @@ def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | Non
     if not prev or prev.get("build_key") != key:
         return None
     files = {}
-    for path_key, sha_key in (("cuda", "cuda_sha256"), ("numpy", "numpy_sha256")):
-        rel = prev.get(path_key)
+    for path_key in ("cuda", "numpy", "c"):
+        rel, sha_key = prev.get(path_key), f"{path_key}_sha256"
         if rel is None:
             continue
         try:
@@ -265,7 +278,7 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
 
 def _generated_files(root: Path) -> set[str]:
     found = set()
-    for sub, pattern in (("cuda", "*.cu"), ("cuda", "*.cuh"), ("numpy", "*.py")):
+    for sub, pattern in (("cuda", "*.cu"), ("cuda", "*.cuh"), ("numpy", "*.py"), ("c", "*.c")):
         found |= {p.relative_to(root).as_posix() for p in (root / sub).glob(pattern)}
     if (root / "manifest.json").exists():
         found.add("manifest.json")

@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 
 from eulergen.errors import suggest
-from eulergen.generator import formula, fuse, ir, numpy_text
+from eulergen.generator import c_text, formula, fuse, ir, numpy_text
 from eulergen.generator.differentiate import jvp
 from eulergen.generator.emit import block, param_names
 from eulergen.generator.gradcheck import EPS, EXTREMES, as_tuple, check_gradients, roundoff_floor
@@ -21,7 +21,7 @@ from eulergen.generator.plan import (DTYPES, WGRAD_REDUCE_LAUNCH, arithmetic_lig
                                      pointwise_launch, reduce_args)
 from eulergen.generator.stage_plan import (OpPlan, StagePlan, entries, floats, pointers, ptrs,
                                            stage, title)
-from eulergen.signature import KernelSig, variant_name
+from eulergen.signature import CFunction, KernelSig, variant_name
 
 BIAS = "bias"
 
@@ -126,6 +126,42 @@ class Pointwise(OpKind):
         whose bias gradients are summed over every row."""
         return numpy_text.module(op, [*_numpy_pair(op, ""), "", "",
                                       *_numpy_pair(fuse.bias_variant(op), f"_{BIAS}")])
+
+    # ---- C ----------------------------------------------------------------------------------
+
+    def c_source(self, op, header):
+        """forward over n elements; forward_bias, the bias variant's, over [rows, cols] inputs
+        and [cols] biases."""
+        fused = fuse.bias_variant(op)
+        outs = [o.name for o in op.outputs]
+        sizes = {"": (("n", "long long"),), BIAS: (("rows", "long long"), ("cols", "int"))}
+        text, fns = [], []
+        for fusion, d in (("", op), (BIAS, fused)):
+            ins = [o.name for o in d.inputs]
+            fn = CFunction(f"{op.name}_{variant_name('forward', fusion)}",
+                           c_text.pointers(d, ins, outs) + c_text.floats(op) + sizes[fusion],
+                           "forward", fusion)
+            order = ins + [p.name for p in op.params]
+            stem = f"{op.name}_{fusion}_" if fusion else f"{op.name}_"
+            code = d.body.forward
+            for o in outs:
+                text += c_text.element(op, stem + o, code, o, order)
+            at = {o.name: f"{o.name}[{'c_' if o.role == 'bias' else 'i_'}]" for o in d.inputs}
+            loop = (["  for (long long i_ = 0; i_ < n; ++i_) {"] if not fusion else
+                    ["  for (long long r_ = 0; r_ < rows; ++r_)",
+                     "    for (int c_ = 0; c_ < cols; ++c_) {",
+                     "      const long long i_ = r_ * cols + c_;"])
+            pad = "    " if not fusion else "      "
+            # every output computed before any is stored: outputs may alias inputs
+            values = [f"{pad}const float {o}_ = {c_text.call(stem + o, code, o, order, at)};"
+                      for o in outs]
+            text += [c_text.opening(fn), *loop, *values,
+                     *(f"{pad}{o}[i_] = {o}_;" for o in outs), "  " * (2 - (not fusion)) + "}",
+                     "}", ""]
+            fns.append(fn)
+        about = (f"{op.name}: pointwise over every element; its bias variant, of x + b for "
+                 "inputs [rows, cols] and biases [cols].")
+        return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
 
 
 KIND = Pointwise()

@@ -146,6 +146,11 @@ class Graph:
         value's (the norm that ends a block: the next block's ln_1, after the last block
         ln_f). A linear whose bias a later node adds (`Node.bias`) reads its weight
         alone, and that node the bias."""
+        return [name for _, name in self.parameters(node, layer, params)]
+
+    def parameters(self, node: Node, layer: int | None, params) -> list[tuple[str, str]]:
+        """parameter_names, each with the name the node gives it (`<w>.weight`, `<w>.bias`:
+        the same at every layer)."""
         def scoped(w: str) -> str:
             if w in self.handoff:
                 block, name = self.key(layer, w)
@@ -154,12 +159,13 @@ class Graph:
         added = {n.bias for n in self.block if n.bias}
         names = []
         for w in node.weights:
-            names.append(f"{scoped(w)}.weight")
+            names.append((w, "weight"))
             if not (node.kind == "linear" and w in added):
-                names.append(f"{scoped(w)}.bias")
+                names.append((w, "bias"))
         if node.bias:
-            names.append(f"{scoped(node.bias)}.bias")
-        return [name for name in names if name in params]
+            names.append((node.bias, "bias"))
+        return [(f"{w}.{part}", f"{scoped(w)}.{part}") for w, part in names
+                if f"{scoped(w)}.{part}" in params]
 
     def steps(self) -> list[tuple]:
         """The forward pass as the training tape records it, one step a tape node:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from eulergen.errors import EulerError
+from eulergen.launch import Launch
 from eulergen.runtime.engine.manifest import OpEntry, load_numpy_module
+from eulergen.signature import KernelSig
 
 
 class OpKind:
@@ -64,4 +67,14 @@ class OpKind:
         """The float32 elements a `stage` call needs from a caller's `workspace` (0: none)
         for inputs of `shape` (cuda_ops.workspace_elements says which shape)."""
         return 0
+
+    # ---- `eulergen export-c`'s CUDA build ----------------------------------------------
+
+    def export_launch(self, op: OpEntry, fn, sizes: dict) -> tuple[KernelSig, Launch, dict]:
+        """What the CUDA build of `eulergen export-c` launches for a call of the op's C
+        function `fn` (a signature.CFunction) with `sizes` (its integer arguments by name, and
+        `keys`, the KV cache's rows), every pointer on a 16-byte boundary: the float32
+        kernel, its launch, and the C values of the kernel's arguments that `fn` has not."""
+        raise EulerError(f"{self.name} ops have no CUDA launch for export-c",
+                         file=str(op.manifest), key=f"ops.{op.name}")
 

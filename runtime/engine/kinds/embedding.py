@@ -31,6 +31,10 @@ class Embedding(OpKind):
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
         return elements(_layout(op, prod(shape), table_rows)) if stage == "backward" else 0
 
+    def export_launch(self, op, fn, sizes):
+        kernel = op.kernel("forward", "f32")
+        return kernel, kernel.geometry.launch(sizes["BT"]), {}
+
 
 KIND = Embedding()
 

@@ -33,6 +33,13 @@ class Pointwise(OpKind):
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
         return elements(_bias_layout(op, stage, dtype, shape)) if fusion else 0
 
+    def export_launch(self, op, fn, sizes):
+        if not fn.fusion:
+            kernel = op.kernel("forward", "f32")
+            return kernel, kernel.geometry.launch(sizes["n"]), {}
+        kernel = op.kernel("forward", "f32", fusion=BIAS, aligned=sizes["cols"] * 4 % 16 == 0)
+        return kernel, kernel.geometry.launch(sizes["rows"], sizes["cols"]), {}
+
 
 KIND = Pointwise()
 

@@ -39,6 +39,13 @@ class Row(OpKind):
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
         return elements(_layout(op, stage, dtype, prod(shape[:-1]), shape[-1], fusion)[1])
 
+    def export_launch(self, op, fn, sizes):
+        rows, cols = sizes["rows"], sizes["cols"]
+        weights = [0] if _sig(op, "forward", fn.fusion).weight_ptrs else []
+        aligned = row_aligned([0], weights, cols * 4, False)
+        kernel = row_kernel(op, "forward", "f32", cols, aligned, fusion=fn.fusion)
+        return kernel, kernel.geometry.launch(rows, cols), {}
+
 
 KIND = Row()
 
