@@ -80,8 +80,11 @@ class RoundingLibrary:
     def forward(self, op, *args, out, **params):
         return self._rounding("forward", op, args, out, params)
 
-    def backward(self, op, *args, out, **params):
-        return self._rounding("backward", op, args, out, params)
+    def backward(self, op, *args, out, copy=None, **params):
+        got = self._rounding("backward", op, args, out, params)
+        if copy is not None:   # an autocast backward's bf16 copy of dx, rounded from it
+            to_bf16(out[0], out=copy)
+        return got
 
     def fused(self, op, *args, out, **params):
         return self._rounding("fused", op, args, out, params)
@@ -93,21 +96,26 @@ class RoundingLibrary:
 
 
 def rounding_gemm(a, b, out, *, ta=False, tb=False, add=False):
-    """What the bf16 cublasGemmEx computes: bf16 operands, a float32 sum, one rounding."""
+    """What the bf16 cublasGemmEx computes: bf16 operands, a float32 sum, one rounding (a
+    float32 out, autocast's gradients, takes the sum as it is)."""
     a, b = from_bf16(a), from_bf16(b)
     got = (a.T if ta else a) @ (b.T if tb else b)
-    to_bf16(got + from_bf16(out) if add else got, out=out)
+    if out.dtype == np.float32:
+        out[...] = got + out if add else got
+    else:
+        to_bf16(got + from_bf16(out) if add else got, out=out)
 
 
 def _cfg(structure):
     return load_config(None, STRUCTURES[structure] + COMMON)
 
 
-def _bf16_model(lib, cfg):
-    """A bf16 GPT on the CPU (build refuses bf16 on numpy: this is the test's own)."""
+def _bf16_model(lib, cfg, precision: str = "bf16"):
+    """A bf16 GPT on the CPU (build refuses bf16 on numpy: this is the test's own), in
+    training.precision `precision`."""
     t = cfg.training
     arch = arch_of(cfg.model, lib)
-    plan = plan_model(arch, t.batch_size, t.seq_len, dtype="bf16")
+    plan = plan_model(arch, t.batch_size, t.seq_len, dtype="bf16", precision=precision)
     model = GPT(arch, RoundingLibrary(lib), Memory(plan, np), t.batch_size, t.seq_len)
     model.tape.gemm = rounding_gemm
     return model
