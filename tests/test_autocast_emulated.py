@@ -57,6 +57,19 @@ def _names(name: str):
     return x, y, weights
 
 
+def _backward_case(name: str, rows: int, cols: int, seed: int):
+    """A backward's float64 inputs as stored (h and d_stream float32, dy bf16, the weights
+    float32), its stored arguments by name (the weights apart) and a NaN-filled copy."""
+    x, y, weights = _names(name)
+    rng = np.random.default_rng(seed)
+    h, dh = _as_stored(rng, (rows, cols), WIDE), _as_stored(rng, (rows, cols), WIDE)
+    dy = _as_stored(rng, (rows, cols), NARROW)
+    w = [_as_stored(rng, cols, WIDE) for _ in weights]
+    args = {x: stored(h, WIDE), f"d{y}": stored(dy, NARROW)}
+    blank = {f"d{x}_bf16": stored(np.full((rows, cols), np.nan), NARROW)}
+    return h, dh, dy, w, {n: stored(a, WIDE) for n, a in zip(weights, w)}, args, blank
+
+
 def _cases():
     return [pytest.param(name, cols, layout, id=f"{name}-{cols}-{layout}")
             for name in NORMS for cols, layout in CASES
@@ -102,16 +115,10 @@ def test_autocast_backward_writes_dx_in_float32_and_its_bf16_copy(name, cols, la
     fusion's (dx added into the float32 d_stream, in place), from bf16 dy; the weights'
     partial sums; the copy is dx as written, rounded once, and a null copy is skipped."""
     mod, params = _module(name), _params(name)
-    x_name, y_name, weights = _names(name)
+    x_name, _, weights = _names(name)
     rows = 3 if cols > 5000 else 11
-    rng = np.random.default_rng(cols + 7)
-    h, dh = _as_stored(rng, (rows, cols), WIDE), _as_stored(rng, (rows, cols), WIDE)
-    dy = _as_stored(rng, (rows, cols), NARROW)
-    w = [_as_stored(rng, cols, WIDE) for _ in weights]
-    wargs = {n: stored(a, WIDE) for n, a in zip(weights, w)}
+    h, dh, dy, w, wargs, args, blank = _backward_case(name, rows, cols, cols + 7)
     dx, copy = f"d{x_name}", f"d{x_name}_bf16"
-    args = {x_name: stored(h, WIDE), f"d{y_name}": stored(dy, NARROW)}
-    blank = {copy: stored(np.full((rows, cols), np.nan), NARROW)}
 
     for stage, extra in (("backward", {}), ("backward_add", {"d_stream": dh})):
         arrays = {**args, **{n: stored(a, WIDE) for n, a in extra.items()}}
@@ -143,17 +150,11 @@ def test_autocast_split_backward_takes_its_own_column_kernel(name, cols):
     """backward_rows_add writes dx (added to the float32 d_stream) and its copy, and the
     row values the autocast wgrad_cols reads with the float32 rows and weights."""
     mod, params = _module(name), _params(name)
-    x_name, y_name, weights = _names(name)
+    x_name, _, weights = _names(name)
     rows, groups = 29, 3
-    rng = np.random.default_rng(cols + 5)
-    h, dh = _as_stored(rng, (rows, cols), WIDE), _as_stored(rng, (rows, cols), WIDE)
-    dy = _as_stored(rng, (rows, cols), NARROW)
-    w = [_as_stored(rng, cols, WIDE) for _ in weights]
-    wargs = {n: stored(a, WIDE) for n, a in zip(weights, w)}
+    h, dh, dy, w, wargs, args, blank = _backward_case(name, rows, cols, cols + 5)
+    args["d_stream"] = stored(dh, WIDE)
     dx, copy = f"d{x_name}", f"d{x_name}_bf16"
-    args = {x_name: stored(h, WIDE), f"d{y_name}": stored(dy, NARROW),
-            "d_stream": stored(dh, WIDE)}
-    blank = {copy: stored(np.full((rows, cols), np.nan), NARROW)}
     want = dict(zip([x_name, *weights], as_tuple(mod.backward_add(h, *w, dy, dh, **params))))
     want32 = dict(zip([x_name, *weights], as_tuple(mod.backward_add(*f32([h, *w, dy, dh]),
                                                                     **params))))

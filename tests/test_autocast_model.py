@@ -14,13 +14,13 @@ import pytest
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 from eulergen.runtime.model.arch import arch_of
-from eulergen.runtime.model.gpt import build
 from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.model.tape import Embedding, Linear, Norm
 from eulergen.runtime.train.adamw import AdamW
 from eulergen.runtime.train.config import load_config
 from test_bf16_model import (COMMON, GRAD_TOLERANCE, LOSS_TOLERANCE, STRUCTURES, _batch,
-                             _bf16_model, _cfg, _weights, lib)  # noqa: F401 (the fixture)
+                             _bf16_model, _cfg, _weights, fp32_reference,
+                             lib)  # noqa: F401 (the fixture)
 
 STREAM = ("h.0.x", "h.0.x_mid", "h.1.x", "h.1.x_mid", "x_final", "d.x", "scratch")
 
@@ -108,12 +108,7 @@ def test_autocast_gradients_match_fp32_at_least_as_well_as_bf16(lib, structure):
     bf16 tolerances, and the gradients closer on average than bf16 precision's (fewer
     roundings: no bf16 stream, no bf16 gradient)."""
     cfg = _cfg(structure)
-    t = cfg.training
-    weights, (x, y) = _weights(lib, cfg), _batch(cfg)
-    ref = build(cfg.model, lib, t.batch_size, t.seq_len)
-    ref.load_state_dict(weights)
-    ref.load_tokens(x, y)
-    ref_loss = float(ref.loss_and_grad()[0])
+    weights, (x, y), ref, ref_loss = fp32_reference(lib, cfg)
     errors = {}
     for precision in ("bf16", "autocast"):
         model = _bf16_model(lib, cfg, precision)

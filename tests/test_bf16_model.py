@@ -276,15 +276,20 @@ def test_a_bf16_model_reads_the_bf16_copy_and_checkpoints_the_master(lib):
     assert model.mem["ones"].tolist() == [[0x3F80] * cfg.training.batch_size * cfg.training.seq_len]
 
 
-@pytest.mark.parametrize("structure", sorted(STRUCTURES))
-def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(lib, structure):
-    cfg = _cfg(structure)
+def fp32_reference(lib, cfg):
+    """The fp32 model's step on _weights and _batch: (weights, batch, model, its loss)."""
     t = cfg.training
     weights, (x, y) = _weights(lib, cfg), _batch(cfg)
     ref = build(cfg.model, lib, t.batch_size, t.seq_len)
     ref.load_state_dict(weights)
     ref.load_tokens(x, y)
-    ref_loss = float(ref.loss_and_grad()[0])
+    return weights, (x, y), ref, float(ref.loss_and_grad()[0])
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(lib, structure):
+    cfg = _cfg(structure)
+    weights, (x, y), ref, ref_loss = fp32_reference(lib, cfg)
     model = _bf16_model(lib, cfg)
     model.load_state_dict(weights)
     model.load_tokens(x, y)
