@@ -6,11 +6,7 @@ generator/row_schedule.py's; here each stage's impls become kernels with their p
 
 A norm-shaped op (one that takes the `add` fusion) has its kernels, the add fusion's among
 them, once more in the `autocast` precision (bf16 entry points only): the same steps and
-blocks with each pointer's own storage type, as torch.autocast stores them: the op's row
-input (the residual stream), the sum the add fusion writes, their gradients and the
-weights float32, the branch, the outputs and their gradients bf16; the backward also
-writes dx rounded to bf16 (signature.bf16_copy; a null pointer: not written), the operand
-the GEMMs of the stream's gradient read.
+blocks with each pointer's own storage type (generator/row_precision.py says which).
 """
 from __future__ import annotations
 
@@ -22,9 +18,9 @@ from eulergen.generator.emit import param_names
 from eulergen.generator.hoist import row_constant_names
 from eulergen.generator.row_schedule import (RowLayout, RowNames, RowStats, Stage, Step, Sweep,
                                              row_names, stages, variants)
+from eulergen.generator.row_precision import (AUTOCAST_DTYPES, refuse_copy_clash, storage_note,
+                                              storage_of)
 from eulergen.signature import AUTOCAST, KernelSig, bf16_copy, variant_name
-
-AUTOCAST_DTYPES = ("bf16",)   # an fp32 kernel keeps every operand in float32 already
 
 
 @dataclass(frozen=True)
@@ -45,21 +41,6 @@ def _ptr(name: str, role: str, *, const: bool, storage: str = "T") -> RowPtr:
                       tuple((d, f"{c}{planner.CTYPE[d]}*") for d in planner.DTYPES), role)
     return RowPtr(name, f"{c}{storage}*", tuple((d, f"{c}{storage}*") for d in planner.DTYPES),
                   role, storage)
-
-
-def _autocast_storage(o: RowNames):
-    """The storage of an autocast kernel's operand (over its name and the storage it has in
-    the op's own kernels: 'T' the kernel's dtype): float32 for the stream (the op's row
-    input, the sum the add fusion writes), their gradients and the weights, bf16 for the
-    other 'T' operands."""
-    x = o.rows_in[0]   # an `add`-shaped op's one row input (add_forward's branch follows it)
-    wide = {x, f"d{x}", fuse.STREAM, f"d{fuse.STREAM}", *o.weights}
-
-    def storage(name: str, default: str) -> str:
-        if default != "T":
-            return default
-        return "float" if name in wide else planner.CTYPE["bf16"]
-    return storage
 
 
 @dataclass(frozen=True)
@@ -204,7 +185,7 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
     op, where = o.op, dict(file=o.op.where.file, line=o.op.where.line)
     label = variant_name(st.name, fusion)
     stem = f"{op.name}_{label}{'_' + precision if precision else ''}"
-    storage = _autocast_storage(o) if precision else lambda name, default: default
+    storage = storage_of(o, precision)
     dtypes = AUTOCAST_DTYPES if precision else planner.DTYPES
     # the split backward's rows kernel is a part of the backward; the others are their call's
     call, part = ("backward", "rows") if st.name == "backward_rows" else (st.name, "")
@@ -276,7 +257,7 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
         kernel=stem, impl=f"{stem}{suffix}", stage=label, call=call,
         part=part, fusion=fusion,
         online=bool(suffix), layouts=layouts,
-        title=f"{title} ({precision}: {_storage_note(ptrs)})" if precision else title,
+        title=f"{title} ({precision}: {storage_note(ptrs)})" if precision else title,
         ptrs=tuple(ptrs), steps=tuple(steps), wgrads=st.wgrads,
         row_ptrs=tuple(a for a in ptrs if a.role == "row"
                        and (a.name not in st.reads or a.name in uses)),
@@ -292,18 +273,11 @@ def _kernel(o: RowNames, st: Stage, suffix: str, steps: list[Step],
         impl_params=_impl_params(ptrs, op), dtypes=dtypes, precision=precision, elems=elems)
 
 
-def _storage_note(ptrs) -> str:
-    """Which pointers of an autocast kernel are float32 and which bf16, for its title."""
-    of = {t: [a.name for a in ptrs if a.elem == t and a.role in ("row", "weight", "copy")]
-          for t in ("float", planner.CTYPE["bf16"])}
-    return f"{', '.join(of['float'])} float32; {', '.join(of[planner.CTYPE['bf16']])} bf16"
-
-
 def _wgrad_cols(o: RowNames, step: Sweep, stats: tuple[str, ...],
                 precision: str = "") -> WgradCols:
     operands = tuple(a for a in o.operands if a in step.uses)
     weights = tuple(w for w in o.weights if w in step.uses)
-    storage = _autocast_storage(o) if precision else lambda name, default: default
+    storage = storage_of(o, precision)
     ptrs = ([_ptr(a, "row", const=True, storage=storage(a, "T")) for a in operands + weights]
             + [_ptr("rowstats", "stats", const=True, storage="float")]
             + [_ptr(f"{g}_partials", "partials", const=False, storage="float")
@@ -393,16 +367,6 @@ def _add_impls(op: ir.DerivedOp, names, stats: tuple[str, ...]) -> list[tuple]:
     return out
 
 
-def _refuse_copy_clash(op: ir.DerivedOp) -> None:
-    """An autocast backward's bf16 copy of dx must not take the name of an operand."""
-    taken = {o.name for o in op.inputs + op.outputs} | {p.name for p in op.params}
-    taken |= {f"d{o.name}" for o in op.inputs + op.outputs}
-    clash = sorted(taken & {bf16_copy(f"d{o.name}") for o in op.inputs if o.role == "row"})
-    if clash:
-        raise EulerError(f"'{clash[0]}' is the name of the bf16 copy an autocast backward "
-                         "writes; rename the operand", file=op.where.file, line=op.where.line)
-
-
 def plan_row(op: ir.DerivedOp) -> RowPlan:
     """Every choice of a row op's kernels: stages, impls, steps, pointers, shapes, entry
     points; a norm-shaped op's again in the autocast precision (the same impls)."""
@@ -416,7 +380,7 @@ def plan_row(op: ir.DerivedOp) -> RowPlan:
     impls += _add_impls(op, names, stats)
     precisions = ("",)
     if fuse.takes_add(op):
-        _refuse_copy_clash(op)
+        refuse_copy_clash(op)
         precisions += (AUTOCAST,)
     kernels = tuple(_kernel(*impl, precision=pr) for pr in precisions for impl in impls)
     splits = tuple(_wgrad_cols(o, wgrad_step, stats, pr) for pr in precisions) if wgrad_step \
