@@ -27,7 +27,8 @@ against torch's bf16 autocast (fp32 parameters, residual stream and gradients, b
 matmuls and SDPA) and llm.c's bf16 (bf16 weights, activations and gradients, fp32 master
 weights and moments); with --autocast also eulergen in training.precision=autocast (what
 autocast keeps in fp32: the residual stream, its gradient, the norms' weights, the
-gradients), a row of its own. How each is timed, and how MFU counts attention: benchmarks/measure.py.
+gradients), a row of its own. How each is timed, and how MFU counts attention:
+benchmarks/measure.py.
 tok/s is B·T over the median of the repeats' median steps; `spread` the repeats' lowest
 and highest tok/s. peak/plan: eulergen's pool against its plan (the target is within 5%);
 dev/plan: the driver's bytes in use (the pool, the cuBLAS workspace, the kernel modules)

@@ -94,9 +94,9 @@ class DataParallel:
         """The ranks' summed squares of their shares of the gradients (a tail, which every
         rank holds, counted by rank 0 alone), in the planned `dp_sumsq`, which it returns:
         step_control.decide takes its root. On the GPU: norms of the share's spans (float32
-        gradients) or rows (bf16 ones) into planned memory, then their dot with themselves (cuBLAS, into
-        device memory); the spans a rank does not count leave their norms at the 0 the
-        planned memory starts with."""
+        gradients) or rows (bf16 ones) into planned memory, then their dot with themselves
+        (cuBLAS, into device memory); the spans a rank does not count leave their norms at
+        the 0 the planned memory starts with."""
         m = self.model
         g, out = m.mem.arenas["grads"], m.mem["dp_sumsq"]
         counted = [(k, s) for k, s in enumerate(self.owned) if not s.tail or self.rank == 0]
