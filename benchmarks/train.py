@@ -6,6 +6,7 @@ configuration (torch.compile, the best of its modes) and llm.c, in one run on on
         --modes default                                          # sizes, against one mode
     python benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 \\
         --batch 2 --modes default --sdpa flash,cudnn             # long context
+    python benchmarks/train.py --dtype bf16 --autocast --modes default --llmc ''   # its cost
     python benchmarks/train.py --quick                            # few steps, torch eager only
     python benchmarks/train.py --dry-run                          # tiny, numpy and CPU torch
 
@@ -24,7 +25,10 @@ allow_tf32). --dtype bf16: eulergen's training.dtype=bf16 (bf16 activations, res
 GEMM operands and gradients, fp32 accumulation, fp32 master weights and AdamW moments)
 against torch's bf16 autocast (fp32 parameters, residual stream and gradients, bf16
 matmuls and SDPA) and llm.c's bf16 (bf16 weights, activations and gradients, fp32 master
-weights and moments). How each is timed, and how MFU counts attention: benchmarks/measure.py.
+weights and moments); with --autocast also eulergen in training.precision=autocast (what
+autocast keeps in fp32: the residual stream, its gradient, the norms' weights, the
+gradients), a row of its own. How each is timed, and how MFU counts attention:
+benchmarks/measure.py.
 tok/s is B·T over the median of the repeats' median steps; `spread` the repeats' lowest
 and highest tok/s. peak/plan: eulergen's pool against its plan (the target is within 5%);
 dev/plan: the driver's bytes in use (the pool, the cuBLAS workspace, the kernel modules)
@@ -54,6 +58,9 @@ TINY = ("training.device=numpy", "model.num_layers=2", "model.hidden_dim=64", "m
 def systems(args, preset: str, seq: int) -> list[tuple[str, list[str]]]:
     """(row name, measure.py arguments) of every system a row group runs."""
     rows = [("eulergen", ["--system", "eulergen"])]
+    if args.autocast:
+        rows.append(("eulergen autocast", ["--system", "eulergen",
+                                           "--set=training.precision=autocast"]))
     if args.eager:
         rows.append(("eulergen eager", ["--system", "eulergen-eager"]))
     for mode in args.modes.split(","):
@@ -102,6 +109,8 @@ def main() -> None:
     ap.add_argument("--sdpa", default="auto", help=f"torch SDPA backends, of {', '.join(SDPA)}")
     ap.add_argument("--eager", action="store_true",
                     help="also eulergen without CUDA graphs (training.cuda_graph=false)")
+    ap.add_argument("--autocast", action="store_true",
+                    help="also eulergen in training.precision=autocast (with --dtype bf16)")
     ap.add_argument("--llmc", default=str(llmc.SOURCE), help="llm.c's source ('' for none)")
     ap.add_argument("--llmc-work", default=str(Path(tempfile.gettempdir()) / "eulergen-llmc"))
     ap.add_argument("--warmup", type=int, default=5)
@@ -121,6 +130,8 @@ def main() -> None:
     unknown = set(args.modes.split(",")) - set(MODES) or set(args.sdpa.split(",")) - set(SDPA)
     if unknown:
         ap.error(f"unknown --modes or --sdpa value: {', '.join(sorted(unknown))}")
+    if args.autocast and args.dtype != "bf16":
+        ap.error("--autocast is a bf16 precision: give --dtype bf16 too")
     tiny = list(TINY) if args.dry_run else []
     presets = args.presets.split(",")
     seqs = [min(int(s), 32) if args.dry_run else int(s) for s in args.seq.split(",")]

@@ -37,6 +37,11 @@ def default_named(cfg) -> str:
     return f", the built-in {cfg.default.upper()} default" if cfg.default else ""
 
 
+def precision_label(t) -> str:
+    """A run's training.dtype, with training.precision where that says more (bf16 runs)."""
+    return f"{t.dtype} ({t.precision})" if t.dtype == "bf16" and t.precision != "bf16" else t.dtype
+
+
 def library(cfg, ops_dirs, names=None):
     """The OpLibrary for a run: its ops (or `names`: a sweep's, of all its runs) regenerated
     first where stale, then the built-in manifest and the user ops' manifests loaded over

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import RANKS, default_named, library, limit_blas_threads, ops_option
+from eulergen.cli.common import (RANKS, default_named, library, limit_blas_threads,
+                                 ops_option, precision_label)
 from eulergen.errors import EulerError
 
 
@@ -71,7 +72,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         click.echo(f"eulergen train: {lib.backend.device}{default_named(cfg)}, "
                    f"{trainer.model.param_total:,} "
                    f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
-                   f"{t.dtype}, GEMMs {gemm.describe(lib.backend)}, memory plan "
+                   f"{precision_label(t)}, GEMMs {gemm.describe(lib.backend)}, memory plan "
                    f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
                    + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
         result = trainer.run()

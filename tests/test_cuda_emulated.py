@@ -516,11 +516,12 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
                               equal_nan=True), f"{k} {case}: wrote outside the view"
 
 
-def _update_case(name: str, dtype: str, control: dict):
+def _update_case(name: str, dtype: str, control: dict, precision: str = ""):
     """A step of `name` over 2051 elements (two blocks: every grid-stride loop and the scalar
-    tail run) with the control slots `control` (the rest: not skipped, grads unscaled):
-    (the kernel's written buffers, the float64 reference state after the numpy step, the
-    buffers as they went in)."""
+    tail run) with the control slots `control` (the rest: not skipped, grads unscaled), by
+    its kernel of grads in `dtype` (and `precision`: autocast's, of float32 grads and a bf16
+    copy): (the kernel's written buffers, the float64 reference state after the numpy step,
+    the buffers as they went in)."""
     op = OPS[name]
     mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
     n = 2051
@@ -530,7 +531,7 @@ def _update_case(name: str, dtype: str, control: dict):
         a = rng.uniform(0, 1, n) if o["name"] == "v" else rng.uniform(-1, 1, n)
         arrays[o["name"]] = (inputs_as_stored([a], dtype)[0] if o["role"] == "grad"
                              else a.astype(np.float32).astype(np.float64))
-    k = f"{name}_step_{dtype}"
+    k = f"{name}_step_{precision + '_' if precision else ''}{dtype}"
     slots = {"skip": 0.0, "grad_scale": 1.0, "lr": 1e-2, "step": 3.0, **control}
     ctl = np.array([slots[c] for c in mod.CONTROL], np.float32)   # as the device holds it
     assert tuple(op["kernels"][k]["control"]) == mod.CONTROL
@@ -545,23 +546,27 @@ def _update_case(name: str, dtype: str, control: dict):
     return got, ref, {**bufs, **copy}
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+UPDATE_KERNELS = [("f32", ""), ("bf16", ""), ("f32", "autocast")]   # (grads, precision)
+
+
+@pytest.mark.parametrize("dtype,precision", UPDATE_KERNELS)
 @pytest.mark.parametrize("name", _ops("update"))
-def test_update_step_matches_numpy_with_scaled_grads_and_writes_the_bf16_copy(name, dtype):
-    got, ref, _ = _update_case(name, dtype, {"grad_scale": 0.37})
+def test_update_step_matches_numpy_with_scaled_grads_and_writes_the_bf16_copy(name, dtype,
+                                                                              precision):
+    got, ref, _ = _update_case(name, dtype, {"grad_scale": 0.37}, precision)
     state = [o["name"] for o in OPS[name]["inputs"] if o["role"] == "state"]
     for s in state:
         close(got[s].astype(np.float64), ref[s], TOL["f32"], f"{name} {dtype} {s}")
     copies = [a for a in got if a not in state]
-    assert copies == ([f"{state[0]}_bf16"] if dtype == "bf16" else [])
+    assert copies == ([f"{state[0]}_bf16"] if dtype == "bf16" or precision else [])
     for c in copies:   # the updated weight as written, rounded once
         np.testing.assert_array_equal(got[c], to_bf16(got[state[0]]))
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype,precision", UPDATE_KERNELS)
 @pytest.mark.parametrize("name", _ops("update"))
-def test_a_skipped_update_step_writes_nothing(name, dtype):
-    got, ref, before = _update_case(name, dtype, {"skip": 1.0})
+def test_a_skipped_update_step_writes_nothing(name, dtype, precision):
+    got, ref, before = _update_case(name, dtype, {"skip": 1.0}, precision)
     for n, a in got.items():
         np.testing.assert_array_equal(a, before[n], err_msg=f"{name} {dtype}: wrote {n}")
         if n in ref:

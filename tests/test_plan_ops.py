@@ -65,14 +65,19 @@ def test_an_update_plan_keeps_state_float32_and_grads_in_the_storage_dtype():
 def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_writes_a_copy():
     """lr and step are no scalar arguments (a captured step replays with new ones): the
     kernels read them, the skip flag and the gradient scale from `control`; the bf16 entry
-    point also takes the weight's bf16 copy."""
-    f32, bf16 = _plan("adamw").stages[0].sigs
-    for sig in (f32, bf16):
+    point also takes the weight's bf16 copy, and so does the autocast one, of float32
+    grads, whose vectors are the copy's 8 elements (whole 16-byte stores)."""
+    f32, bf16, autocast = _plan("adamw").stages[0].sigs
+    for sig in (f32, bf16, autocast):
         assert sig.control == ("skip", "grad_scale", "lr", "step")
         assert dict(sig.args)["control"] == "const float*"
         assert not {"lr", "step"} & set(dict(sig.args))
     assert dict(bf16.args)["p_bf16"] == "__nv_bfloat16*" and "p_bf16" not in dict(f32.args)
+    assert (autocast.dtype, autocast.precision, autocast.geometry.vec) == ("f32", "autocast", 8)
+    assert dict(autocast.args)["g"] == "const float*"
+    assert dict(autocast.args)["p_bf16"] == "__nv_bfloat16*"
     assert MANIFEST.ops["adamw"].kernel("step", "bf16").control == bf16.control
+    assert MANIFEST.ops["adamw"].kernel("step", "f32").name == f32.name   # '' before autocast
 
 
 def test_the_embedding_plan_has_its_forward_and_every_backward_part_in_every_dtype():

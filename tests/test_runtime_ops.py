@@ -205,6 +205,19 @@ def test_backward_of_an_update_op_is_refused(lib):
         lib.backward("sgd", np.float32([1]), np.float32([1]))
 
 
+def test_a_precision_variant_is_for_a_kind_that_has_one(lib):
+    """A row op's numpy module computes in its arrays' dtype, autocast's math; a pointwise
+    op has no autocast kernels, and numpy no bf16 copy."""
+    x, t = np.float32([[1, 2, 3]]), np.int32([2])
+    np.testing.assert_array_equal(lib.forward("xent", x, t, precision="autocast"),
+                                  lib.forward("xent", x, t))
+    with pytest.raises(EulerError, match="pointwise op: it has no 'autocast' precision"):
+        lib.forward("scale", np.float32([1]), precision="autocast")
+    with pytest.raises(EulerError, match="copy= is a bf16 copy; the numpy backend"):
+        lib.backward("xent", x, t, np.float32([1]), precision="autocast",
+                     copy=np.zeros((1, 3), np.uint16))
+
+
 def test_a_later_manifest_replaces_an_op_of_the_same_name(tmp_path):
     first = write_manifest(tmp_path / "a")
     modules = dict(MODULES, scale=MODULES["scale"].replace("x * k", "x * k + 1"))

@@ -7,6 +7,7 @@ from a `control` array, not scalar arguments, so that a captured step replays wi
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from eulergen.generator.numeric import compile_exprs
 from eulergen.generator.opspec import Formula, role_inputs
 from eulergen.generator.plan import CTYPE, update_launch
 from eulergen.generator.stage_plan import OpPlan, entries, stage
-from eulergen.signature import CONTROL, KernelSig
+from eulergen.signature import AUTOCAST, CONTROL, KernelSig, bf16_copy
 
 
 class Update(OpKind):
@@ -57,7 +58,8 @@ class Update(OpKind):
     def plan(self, op) -> OpPlan:
         """State is float32 in every variant; grads are the storage dtype, scaled by the
         control's grad_scale as they are read. The bf16 variant also writes the weight's bf16
-        copy (a null pointer: none)."""
+        copy (a null pointer: none), and so does the autocast one, of float32 grads (a bf16
+        model whose gradients are float32, as torch.autocast's are)."""
         for o in op.inputs:
             if o.role not in ("state", "grad"):
                 raise EulerError(f"update op input {o.name!r} has role {o.role!r} (expected "
@@ -71,7 +73,7 @@ class Update(OpKind):
         if not state:
             raise EulerError("an update op needs a state input (the weight it updates)",
                              file=op.where.file, line=op.where.line, key="inputs")
-        copy = f"{weight(op)}_bf16"
+        copy = bf16_copy(weight(op))
         taken = {o.name for o in op.inputs} | {p.name for p in op.params}
         for name in (*CONTROL, "control", copy):
             if name in taken:
@@ -80,20 +82,24 @@ class Update(OpKind):
                                  key="inputs" if name in {o.name for o in op.inputs} else "params")
         fixed = tuple((p.name, "float") for p in op.params if p.default is not None)
 
-        def args(dt):
+        def args(dt, copied: bool = False):
             pointers = tuple((o.name, f"const {CTYPE[dt]}*" if o.role == "grad" else "float*")
                              for o in op.inputs)
-            if dt == "bf16":
-                pointers += ((copy, f"{CTYPE[dt]}*"),)
+            if dt == "bf16" or copied:
+                pointers += ((copy, f"{CTYPE['bf16']}*"),)
             return pointers + (("control", "const float*"),) + fixed + (("n", "long long"),)
-        return OpPlan((stage(op, "step", [o.name for o in op.inputs], state, args, update_launch,
-                             control=control(op)),))
+        st = stage(op, "step", [o.name for o in op.inputs], state, args, update_launch,
+                   control=control(op))
+        # vectors of the copy's width: its stores are whole 16-byte ones
+        autocast = KernelSig(f"{st.name}_{AUTOCAST}_f32", args("f32", True), "f32", "step",
+                             update_launch("bf16"), control=control(op), precision=AUTOCAST)
+        return OpPlan((replace(st, sigs=st.sigs + (autocast,)),))
 
     def render(self, op, plan: OpPlan, header):
         body: ir.UpdateDerived = op.body
         (st,) = plan.stages
         slots, w = st.sigs[0].control, weight(op)
-        points = [dict(e, impl_args=_impl_args(e["sig"], f"{w}_bf16")) for e in entries(st)]
+        points = [dict(e, impl_args=_impl_args(e["sig"], bf16_copy(w))) for e in entries(st)]
         source = self.render_template(
             header=header, op=op.name, operands=list(op.inputs),
             params=[p.name for p in op.params if p.default is not None], weight=w,

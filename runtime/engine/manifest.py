@@ -75,15 +75,16 @@ class OpEntry:
         return tuple(o.name for o in self.inputs if o.differentiable)
 
     def kernel(self, stage: str, dtype: str, *, part: str = "", fusion: str = "",
-               **geometry) -> KernelSig:
-        """The first kernel of one call's `part` (of the `fusion` variant) in `dtype` whose
-        geometry has the given fields (signature.select), or EulerError naming those there
-        are."""
-        found = select(self.kernels.values(), stage, dtype, part=part, fusion=fusion, **geometry)
+               precision: str = "", **geometry) -> KernelSig:
+        """The first kernel of one call's `part` (of the `fusion` variant, in the `precision`
+        variant) in `dtype` whose geometry has the given fields (signature.select), or
+        EulerError naming those there are."""
+        found = select(self.kernels.values(), stage, dtype, part=part, fusion=fusion,
+                       precision=precision, **geometry)
         if found:
             return found[0]
-        what = "/".join(w for w in (stage, part, fusion) if w)
-        have = sorted({"/".join(w for w in (k.stage, k.part, k.fusion, k.dtype) if w)
+        what = "/".join(w for w in (stage, part, fusion, precision) if w)
+        have = sorted({"/".join(w for w in (k.stage, k.part, k.fusion, k.precision, k.dtype) if w)
                        for k in self.kernels.values()}) or ["none"]
         given = "".join(f", {f}={v!r}" for f, v in geometry.items())
         raise EulerError(f"no {what} kernel for dtype {dtype}{given} (have: {', '.join(have)})",

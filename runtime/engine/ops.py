@@ -86,15 +86,16 @@ class OpLibrary:
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
 
     def workspace_elements(self, op: OpEntry, stage: str, shape, *, dtype: str = "f32",
-                           table_rows: int = 0, fusion: str = "") -> int:
-        """The float32 elements a `stage` call of `op` (its `fusion` variant) over `dtype`
-        ("f32" | "bf16") inputs of `shape` needs from the caller's `workspace=` on this
-        backend (a memory plan asks): the CUDA kernels' temporaries
-        (cuda_ops.workspace_elements); numpy needs none."""
+                           table_rows: int = 0, fusion: str = "", precision: str = "") -> int:
+        """The float32 elements a `stage` call of `op` (its `fusion` variant, in the
+        `precision` variant) over `dtype` ("f32" | "bf16") inputs of `shape` needs from the
+        caller's `workspace=` on this backend (a memory plan asks): the CUDA kernels'
+        temporaries (cuda_ops.workspace_elements); numpy needs none."""
         if not self._cuda:
             return 0
         from eulergen.runtime.engine.cuda_ops import workspace_elements
-        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion)
+        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion,
+                                  precision=precision)
 
     def _entry(self, op: str | OpEntry) -> OpEntry:
         """A call's op: its name, looked up here, or its entry, resolved once by the caller."""
@@ -102,38 +103,50 @@ class OpLibrary:
 
     # -- the calls: each takes an op's name or its OpEntry (`lib.op(name)`) ---------------
 
-    def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "", **params):
-        """`fusion`: the op's fused variant of that name (module docstring)."""
+    def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "",
+                precision: str = "", **params):
+        """`fusion`: the op's fused variant of that name (module docstring); `precision`:
+        its precision variant (signature.PRECISIONS: the operands' storage types; numpy
+        computes in its arrays' dtype, which is the same math)."""
         op = self._entry(name)
         kind = _kind(op, "forward")
         side = self._side(op, fusion, "forward")
         self._arity(op, "forward", inputs, len(side.inputs), side)
-        keywords = kind.keywords(params)
+        keywords = kind.keywords(params) | kind.precision_keywords(op, precision)
         p = self._params(op, params)
         if self._cuda:
             got = kind.forward(self._cuda, op, inputs, _tuple(out), p, fusion, **keywords)
             return got[0] if len(got) == 1 else tuple(got)
+        keywords.pop("precision", None)
         got = getattr(kind.module(op), variant_name("forward", fusion))(*inputs, **p, **keywords)
         return self._deliver(op, "forward", got, out, len(side.outputs))
 
     def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
-                 accumulate=False, fusion: str = "", **params):
+                 accumulate=False, fusion: str = "", precision: str = "", copy=None,
+                 **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
         (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
         all or one per gradient (GRADS order); ops of a kind that accumulates only (the
         embedding: its table gradient meets the tied LM head's). `fusion`: the op's fused
-        variant of that name."""
+        variant of that name; `precision` as for forward, and `copy`: a bf16 array its
+        autocast kernels also write the row input's gradient into, rounded (GPU only)."""
         op = self._entry(name)
         kind = _kind(op, "backward")
         side = self._side(op, fusion, "backward")
         self._arity(op, "backward", inputs_and_douts, len(kind.backward_names(op, side)), side)
-        keywords = kind.keywords(params)
+        keywords = kind.keywords(params) | kind.precision_keywords(op, precision)
         adds = self._accumulate(op, kind, accumulate, out)
         p = self._params(op, params)
         if self._cuda:
+            if copy is not None:
+                keywords["copy"] = copy
             return tuple(kind.backward(self._cuda, op, inputs_and_douts, _tuple(out), p,
                                        workspace, adds, fusion, **keywords))
+        if copy is not None:
+            raise EulerError(f"{op.name}.backward: copy= is a bf16 copy; the numpy backend "
+                             "has no bf16", file=op.spec, key="copy")
+        keywords.pop("precision", None)
         module = kind.module(op)
         if kind.accumulates:   # its numpy backward writes into `out` itself, adding as asked
             return module.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)

@@ -22,6 +22,7 @@ import yaml
 from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.data.tokenizer import tokenizer_file
+from eulergen.signature import PRECISIONS
 from eulergen.userfiles import compose_yaml, construct_yaml, load_json, load_yaml, read_text
 
 
@@ -75,6 +76,10 @@ class TrainingConfig:
     seed: int = 1337
     dtype: str = "auto"              # "auto" (bf16 on a GPU with bf16 tensor cores, else fp32)
                                      # | "fp32" | "bf16" (mixed precision: runtime/model/gpt.py)
+    precision: str = "bf16"          # what a bf16 run stores in bf16 (runtime/model/plan.py's
+                                     # Precision): "bf16" (as llm.c: the residual stream and
+                                     # the gradients too) | "autocast" (as torch.autocast:
+                                     # those and the norms' weights float32)
     tf32: bool = True
     cuda_graph: bool = True          # GPU: capture the step as CUDA graphs; false: launch eagerly
     device: str = "auto"             # "auto" | "cuda" | "numpy"
@@ -151,6 +156,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rope"),
     "training.schedule": ("cosine", "linear", "constant"),
     "training.dtype": ("auto", "fp32", "bf16"),
+    "training.precision": ("bf16", *PRECISIONS),   # bf16: no kernel of another precision
     "training.device": ("auto", "cuda", "numpy"),
 }
 

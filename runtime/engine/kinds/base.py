@@ -21,11 +21,26 @@ class OpKind:
     name: ClassVar[str]
     calls: ClassVar[tuple[str, ...]] = ("forward", "backward", "fused")
     accumulates: ClassVar[bool] = False   # its backward may add into out= (accumulate=)
+    # the precision variants (signature.PRECISIONS) its forward and backward take, as
+    # `precision=` (and the backward a bf16 `copy=` of its input gradient), and its
+    # workspace_elements as `precision=`
+    precisions: ClassVar[tuple[str, ...]] = ()
 
     def keywords(self, params: dict) -> dict:
         """Takes out of a call's keywords those that are no spec parameter (a pair op's
         `pos0`); they go on to the numpy module and the kernels."""
         return {}
+
+    def precision_keywords(self, op: OpEntry, precision: str) -> dict:
+        """`precision=` as a call's keyword where the kind takes it (none for ''); one
+        line naming the kind's precisions where it does not."""
+        if not precision:
+            return {}
+        if precision not in self.precisions:
+            raise EulerError(f"op {op.name!r} is a {self.name} op: it has no {precision!r} "
+                             f"precision (its kind's: {', '.join(self.precisions) or 'none'})",
+                             file=op.spec, key="precision")
+        return {"precision": precision}
 
     def module(self, op: OpEntry):
         """What runs its calls on numpy: the op's generated module."""

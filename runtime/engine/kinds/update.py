@@ -1,12 +1,14 @@
 """Update ops on a GPU: an optimizer's step, in place over flat buffers (state float32,
-grads in the storage dtype), its per-step values read from a float32 `control` array on
-the device (signature.CONTROL, then the op's runtime params)."""
+grads in the storage dtype, or float32 beside a bf16 weight copy: the autocast kernel),
+its per-step values read from a float32 `control` array on the device (signature.CONTROL,
+then the op's runtime params)."""
 from __future__ import annotations
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.kernels import NULL, storage_dtype_name
 from eulergen.runtime.engine.kinds.base import OpKind
 from eulergen.runtime.engine.launch_args import same_shape
+from eulergen.signature import AUTOCAST
 
 
 class Update(OpKind):
@@ -16,15 +18,18 @@ class Update(OpKind):
     def step(self, cuda, op, args: tuple, params: dict, control, copy=None) -> None:
         """Every operand the same shape (the caller launches once per weight-decay range).
         `control`: the float32 device array of the kernel's control slots; `copy`: a bf16
-        array the bf16 kernel writes the updated weight into (None: not written)."""
+        array the kernel writes the updated weight into (None: not written): the bf16
+        kernel's, or with float32 grads the autocast kernel's."""
         named = dict(zip((o.name for o in op.inputs), args))
         same_shape(op, "step", named, args[0].shape)
         grads = [a for o, a in zip(op.inputs, args) if o.role == "grad"]
-        kernel = op.kernel("step", storage_dtype_name(grads[0]) if grads else "f32")
+        dtype = storage_dtype_name(grads[0]) if grads else "f32"
+        kernel = op.kernel("step", dtype, precision=AUTOCAST if copy is not None and
+                           dtype == "f32" else "")
         # the pointer the signature has beyond the operands and control: the bf16 copy
         extra = [n for n, t in kernel.args if t.endswith("*") and n not in named and n != "control"]
         if copy is not None and (not extra or tuple(copy.shape) != tuple(args[0].shape)):
-            raise EulerError(f"{op.name}.step: copy= wants bf16 grads and the weight's shape "
+            raise EulerError(f"{op.name}.step: copy= wants the weight's shape "
                              f"{tuple(args[0].shape)}, got {tuple(copy.shape)} for {kernel.name}",
                              file=op.spec, key="copy")
         n = args[0].size
