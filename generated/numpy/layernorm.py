@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, w, b, *, eps=1e-05):
+def forward(x, w, b, *, eps=1e-05, out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -45,10 +56,10 @@ def forward(x, w, b, *, eps=1e-05):
     var = (x - mu)**2
     var = _reduce('mean', var, shape)
     y = b + w*(x - mu)/np.sqrt(eps + var)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, out, 0)
 
 
-def backward(x, w, b, dy, *, eps=1e-05):
+def backward(x, w, b, dy, *, eps=1e-05, out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -74,10 +85,10 @@ def backward(x, w, b, dy, *, eps=1e-05):
     dx = dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
     dw = t3*(x - mu)
     db = dy
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 2))
 
 
-def forward_add(x, _branch, w, b, *, eps=1e-05):
+def forward_add(x, _branch, w, b, *, eps=1e-05, out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     w = np.asarray(w)
@@ -92,10 +103,10 @@ def forward_add(x, _branch, w, b, *, eps=1e-05):
     var = _reduce('mean', var, shape)
     _stream = _branch + x
     y = b + w*(_branch + x - mu)/np.sqrt(eps + var)
-    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+    return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
 
 
-def backward_add(x, w, b, dy, d_stream, *, eps=1e-05):
+def backward_add(x, w, b, dy, d_stream, *, eps=1e-05, out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -122,4 +133,4 @@ def backward_add(x, w, b, dy, d_stream, *, eps=1e-05):
     dx = d_stream + dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
     dw = t3*(x - mu)
     db = dy
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 2))

@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x):
+def forward(x, *, out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -43,10 +54,10 @@ def forward(x):
     z = np.exp(x - m)
     z = _reduce('sum', z, shape)
     y = x - m - np.log(z)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, out, 0)
 
 
-def backward(x, dy):
+def backward(x, dy, *, out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -61,10 +72,10 @@ def backward(x, dy):
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/z
     dx = dy + dz*np.exp(x - m)
-    return _fresh(dx, shape, dtype)
+    return _fresh(dx, shape, dtype, out, 0)
 
 
-def forward_add(x, _branch):
+def forward_add(x, _branch, *, out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     shape = x.shape
@@ -77,10 +88,10 @@ def forward_add(x, _branch):
     z = _reduce('sum', z, shape)
     _stream = _branch + x
     y = _branch + x - m - np.log(z)
-    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+    return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
 
 
-def backward_add(x, dy, d_stream):
+def backward_add(x, dy, d_stream, *, out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -96,4 +107,4 @@ def backward_add(x, dy, d_stream):
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/z
     dx = d_stream + dy + dz*np.exp(x - m)
-    return _fresh(dx, shape, dtype)
+    return _fresh(dx, shape, dtype, out, 0)

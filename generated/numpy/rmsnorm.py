@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, w, *, eps=1e-05):
+def forward(x, w, *, eps=1e-05, out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -42,10 +53,10 @@ def forward(x, w, *, eps=1e-05):
     ms = x*x
     ms = _reduce('mean', ms, shape)
     y = w*x/np.sqrt(eps + ms)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, out, 0)
 
 
-def backward(x, w, dy, *, eps=1e-05):
+def backward(x, w, dy, *, eps=1e-05, out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -61,10 +72,10 @@ def backward(x, w, dy, *, eps=1e-05):
     t0 = dy/np.sqrt(eps + ms)
     dx = t0*w + 2.0*dms*x/N
     dw = t0*x
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1))
 
 
-def forward_add(x, _branch, w, *, eps=1e-05):
+def forward_add(x, _branch, w, *, eps=1e-05, out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     w = np.asarray(w)
@@ -76,10 +87,10 @@ def forward_add(x, _branch, w, *, eps=1e-05):
     ms = _reduce('mean', ms, shape)
     _stream = _branch + x
     y = w*(_branch + x)/np.sqrt(eps + ms)
-    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+    return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
 
 
-def backward_add(x, w, dy, d_stream, *, eps=1e-05):
+def backward_add(x, w, dy, d_stream, *, eps=1e-05, out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -96,4 +107,4 @@ def backward_add(x, w, dy, d_stream, *, eps=1e-05):
     t0 = dy/np.sqrt(eps + ms)
     dx = d_stream + t0*w + 2.0*dms*x/N
     dw = t0*x
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1))
