@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from eulergen.generator import ir
 from eulergen.generator.emit import numpy_header
+from eulergen.generator.numpy_cse import shared
 from eulergen.generator.printer import numpy_helpers, numpy_imports, print_numpy
 
 # The support blocks the kinds' functions share. Every function takes `out=`: None, or a
@@ -73,6 +74,12 @@ def signature(fname: str, args: list[str], params: tuple[ir.Param, ...],
 
 def code(c: ir.Code) -> list[str]:
     return ["    " + line for line in print_numpy(c)]
+
+
+def body(lines: list[str]) -> list[str]:
+    """A function's straight-line statements (`name = expr`, indented), each repeated
+    subexpression computed once (numpy_cse), across the codes they were printed from."""
+    return ["    " + line for line in shared([line.strip() for line in lines])]
 
 
 def returns(values: list[str]) -> str:

@@ -69,12 +69,14 @@ def backward(x, target, dloss, *, out=None):
     dtype = _dtype(x)
     dloss = np.asarray(dloss)[..., None]
     m = x
-    picked = np.where(i == target, x, 0.0)
+    _c0 = i == target
+    picked = np.where(_c0, x, 0.0)
     m = _reduce('max', m, shape)
     picked = _reduce('sum', picked, shape)
-    z = np.exp(x - m)
+    _c1 = np.exp(x - m)
+    z = _c1
     z = _reduce('sum', z, shape)
     dz = dloss/z
     dpicked = -dloss
-    dx = dpicked*np.where(i == target, 1.0, 0.0) + dz*np.exp(x - m)
+    dx = dpicked*np.where(_c0, 1.0, 0.0) + dz*_c1
     return _fresh(dx, shape, dtype, out, 0)

@@ -63,7 +63,8 @@ def forward_bias(a, b, _bias_a, _bias_b, *, out=None):
     _bias_b = np.asarray(_bias_b)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b)
-    y = 0.5*(np.tanh(0.7978845608028654*(_bias_a + a + 0.044715*(_bias_a + a)**2*(_bias_a + a))) + 1.0)*(_bias_a + a)*(_bias_b + b)
+    _c0 = _bias_a + a
+    y = 0.5*(np.tanh(0.7978845608028654*(_c0 + 0.044715*_c0**2*_c0)) + 1.0)*_c0*(_bias_b + b)
     return _fresh(y, shape, dtype, out, 0)
 
 
@@ -75,10 +76,13 @@ def backward_bias(a, b, _bias_a, _bias_b, dy, *, out=None):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape, dy.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b, dy)
-    t0 = np.tanh(0.7978845608028654*(_bias_a + a + 0.044715*(_bias_a + a)**2*(_bias_a + a)))
+    _c0 = _bias_a + a
+    _c1 = _c0**2
+    t0 = np.tanh(0.7978845608028654*(_c0 + 0.044715*_c1*_c0))
     t1 = 0.5*t0 + 0.5
-    da = dy*(t1*(_bias_b + b) + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*(_bias_a + a)**2 + 1.0)*(_bias_a + a)*(_bias_b + b))
-    db = dy*t1*(_bias_a + a)
+    _c2 = _bias_b + b
+    da = dy*(t1*_c2 + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*_c1 + 1.0)*_c0*_c2)
+    db = dy*t1*_c0
     d_bias_a = da
     d_bias_b = db
     return (_fresh(da, shape, dtype, out, 0), _fresh(db, shape, dtype, out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, out, 3))

@@ -57,7 +57,8 @@ def forward_bias(x, _bias_x, *, out=None):
     _bias_x = np.asarray(_bias_x)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape)
     dtype = _dtype(x, _bias_x)
-    y = 0.5*(np.tanh(0.7978845608028654*(_bias_x + x + 0.044715*(_bias_x + x)**2*(_bias_x + x))) + 1.0)*(_bias_x + x)
+    _c0 = _bias_x + x
+    y = 0.5*(np.tanh(0.7978845608028654*(_c0 + 0.044715*_c0**2*_c0)) + 1.0)*_c0
     return _fresh(y, shape, dtype, out, 0)
 
 
@@ -67,7 +68,9 @@ def backward_bias(x, _bias_x, dy, *, out=None):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
     dtype = _dtype(x, _bias_x, dy)
-    t0 = np.tanh(0.7978845608028654*(_bias_x + x + 0.044715*(_bias_x + x)**2*(_bias_x + x)))
-    dx = dy*(0.5*t0 + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*(_bias_x + x)**2 + 1.0)*(_bias_x + x) + 0.5)
+    _c0 = _bias_x + x
+    _c1 = _c0**2
+    t0 = np.tanh(0.7978845608028654*(_c0 + 0.044715*_c1*_c0))
+    dx = dy*(0.5*t0 + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*_c1 + 1.0)*_c0 + 0.5)
     d_bias_x = dx
     return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, out, 1))

@@ -51,9 +51,10 @@ def forward(x, *, out=None):
     dtype = _dtype(x)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = x - m
+    z = np.exp(_c0)
     z = _reduce('sum', z, shape)
-    y = x - m - np.log(z)
+    y = _c0 - np.log(z)
     return _fresh(y, shape, dtype, out, 0)
 
 
@@ -66,12 +67,13 @@ def backward(x, dy, *, out=None):
     dy = np.asarray(dy)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
     sum_dz = dy
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/z
-    dx = dy + dz*np.exp(x - m)
+    dx = dy + dz*_c0
     return _fresh(dx, shape, dtype, out, 0)
 
 
@@ -82,12 +84,14 @@ def forward_add(x, _branch, *, out=None):
     N = shape[-1]
     i = np.arange(N)
     dtype = _dtype(x, _branch)
-    m = _branch + x
+    _c0 = _branch + x
+    m = _c0
     m = _reduce('max', m, shape)
-    z = np.exp(_branch + x - m)
+    _c1 = _c0 - m
+    z = np.exp(_c1)
     z = _reduce('sum', z, shape)
-    _stream = _branch + x
-    y = _branch + x - m - np.log(z)
+    _stream = _c0
+    y = _c1 - np.log(z)
     return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
 
 
@@ -101,10 +105,11 @@ def backward_add(x, dy, d_stream, *, out=None):
     d_stream = np.asarray(d_stream)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
     sum_dz = dy
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/z
-    dx = d_stream + dy + dz*np.exp(x - m)
+    dx = d_stream + dy + dz*_c0
     return _fresh(dx, shape, dtype, out, 0)

@@ -68,8 +68,10 @@ def backward(x, w, dy, *, eps=1e-05, out=None):
     ms = _reduce('mean', ms, shape)
     sum_dms = dy*w*x
     sum_dms = _reduce('sum', sum_dms, shape)
-    dms = -0.5*sum_dms*1.0/((eps + ms)*np.sqrt(eps + ms))
-    t0 = dy/np.sqrt(eps + ms)
+    _c0 = eps + ms
+    _c1 = np.sqrt(_c0)
+    dms = -0.5*sum_dms*1.0/(_c0*_c1)
+    t0 = dy/_c1
     dx = t0*w + 2.0*dms*x/N
     dw = t0*x
     return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1))
@@ -83,10 +85,11 @@ def forward_add(x, _branch, w, *, eps=1e-05, out=None):
     N = shape[-1]
     i = np.arange(N)
     dtype = _dtype(x, _branch, w)
-    ms = (_branch + x)**2
+    _c0 = _branch + x
+    ms = _c0**2
     ms = _reduce('mean', ms, shape)
-    _stream = _branch + x
-    y = w*(_branch + x)/np.sqrt(eps + ms)
+    _stream = _c0
+    y = w*_c0/np.sqrt(eps + ms)
     return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
 
 
@@ -103,8 +106,10 @@ def backward_add(x, w, dy, d_stream, *, eps=1e-05, out=None):
     ms = _reduce('mean', ms, shape)
     sum_dms = dy*w*x
     sum_dms = _reduce('sum', sum_dms, shape)
-    dms = -0.5*sum_dms*1.0/((eps + ms)*np.sqrt(eps + ms))
-    t0 = dy/np.sqrt(eps + ms)
+    _c0 = eps + ms
+    _c1 = np.sqrt(_c0)
+    dms = -0.5*sum_dms*1.0/(_c0*_c1)
+    t0 = dy/_c1
     dx = d_stream + t0*w + 2.0*dms*x/N
     dw = t0*x
     return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1))

@@ -62,7 +62,8 @@ def forward_bias(x, _bias_x, *, out=None):
     _bias_x = np.asarray(_bias_x)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape)
     dtype = _dtype(x, _bias_x)
-    y = (_bias_x + x)*_sigmoid(_bias_x + x)
+    _c0 = _bias_x + x
+    y = _c0*_sigmoid(_c0)
     return _fresh(y, shape, dtype, out, 0)
 
 
@@ -72,7 +73,8 @@ def backward_bias(x, _bias_x, dy, *, out=None):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
     dtype = _dtype(x, _bias_x, dy)
-    t0 = _sigmoid(_bias_x + x)
-    dx = dy*(t0 + t0*(1.0 - t0)*(_bias_x + x))
+    _c0 = _bias_x + x
+    t0 = _sigmoid(_c0)
+    dx = dy*(t0 + t0*(1.0 - t0)*_c0)
     d_bias_x = dx
     return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, out, 1))

@@ -51,9 +51,10 @@ def forward(x, *, out=None):
     dtype = _dtype(x)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
-    y = np.exp(x - m)/z
+    y = _c0/z
     return _fresh(y, shape, dtype, out, 0)
 
 
@@ -66,12 +67,13 @@ def backward(x, dy, *, out=None):
     dy = np.asarray(dy)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
-    sum_dz = dy*np.exp(x - m)
+    sum_dz = dy*_c0
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/(z*z)
-    t0 = np.exp(x - m)
+    t0 = _c0
     dx = dz*t0 + dy*t0/z
     return _fresh(dx, shape, dtype, out, 0)
 
@@ -83,12 +85,14 @@ def forward_add(x, _branch, *, out=None):
     N = shape[-1]
     i = np.arange(N)
     dtype = _dtype(x, _branch)
-    m = _branch + x
+    _c0 = _branch + x
+    m = _c0
     m = _reduce('max', m, shape)
-    z = np.exp(_branch + x - m)
+    _c1 = np.exp(_c0 - m)
+    z = _c1
     z = _reduce('sum', z, shape)
-    _stream = _branch + x
-    y = np.exp(_branch + x - m)/z
+    _stream = _c0
+    y = _c1/z
     return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
 
 
@@ -102,11 +106,12 @@ def backward_add(x, dy, d_stream, *, out=None):
     d_stream = np.asarray(d_stream)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
-    sum_dz = dy*np.exp(x - m)
+    sum_dz = dy*_c0
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/(z*z)
-    t0 = np.exp(x - m)
+    t0 = _c0
     dx = d_stream + dz*t0 + dy*t0/z
     return _fresh(dx, shape, dtype, out, 0)

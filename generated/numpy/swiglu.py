@@ -68,7 +68,8 @@ def forward_bias(a, b, _bias_a, _bias_b, *, out=None):
     _bias_b = np.asarray(_bias_b)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b)
-    y = (_bias_a + a)*(_bias_b + b)*_sigmoid(_bias_a + a)
+    _c0 = _bias_a + a
+    y = _c0*(_bias_b + b)*_sigmoid(_c0)
     return _fresh(y, shape, dtype, out, 0)
 
 
@@ -80,10 +81,11 @@ def backward_bias(a, b, _bias_a, _bias_b, dy, *, out=None):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape, dy.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b, dy)
-    t0 = _sigmoid(_bias_a + a)
+    _c0 = _bias_a + a
+    t0 = _sigmoid(_c0)
     t1 = t0*(_bias_b + b)
-    da = dy*(t1 + t1*(1.0 - t0)*(_bias_a + a))
-    db = dy*t0*(_bias_a + a)
+    da = dy*(t1 + t1*(1.0 - t0)*_c0)
+    db = dy*t0*_c0
     d_bias_a = da
     d_bias_b = db
     return (_fresh(da, shape, dtype, out, 0), _fresh(db, shape, dtype, out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, out, 3))

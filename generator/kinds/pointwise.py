@@ -262,7 +262,7 @@ def _numpy_pair(d: ir.DerivedOp, suffix: str) -> list[str]:
            *(f"    {a} = np.asarray({a})" for a in ins),
            f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in ins)})",
            f"    dtype = _dtype({', '.join(ins)})",
-           *numpy_text.code(body.forward),
+           *numpy_text.body(numpy_text.code(body.forward)),
            numpy_text.returns([f"_fresh({o.name}, shape, dtype, out, {n})"
                                for n, o in enumerate(d.outputs)]), "", ""]
     args = ins + douts
@@ -273,6 +273,6 @@ def _numpy_pair(d: ir.DerivedOp, suffix: str) -> list[str]:
             *(f"    {a} = np.asarray({a})" for a in args),
             f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in args)})",
             f"    dtype = _dtype({', '.join(args)})",
-            *numpy_text.code(body.backward),
+            *numpy_text.body(numpy_text.code(body.backward)),
             numpy_text.returns(grads)]
     return out

@@ -203,22 +203,25 @@ def _forward(d: ir.DerivedOp, name: str) -> list[str]:
             results.append(f"_fresh(np.broadcast_to({o.name}, shape[:-1] + (1,))[..., 0], "
                            f"shape[:-1], dtype, out, {n})")
     return [numpy_text.signature(name, [o.name for o in d.inputs], d.params, ("out=None",)),
-            *_prologue(d),
-            *_passes(body.passes), *numpy_text.code(body.elem_outputs),
-            *numpy_text.code(body.row_outputs), numpy_text.returns(results)]
+            *numpy_text.body([*_prologue(d), *_passes(body.passes),
+                              *numpy_text.code(body.elem_outputs),
+                              *numpy_text.code(body.row_outputs)]),
+            numpy_text.returns(results)]
 
 
 def _backward(d: ir.DerivedOp, name: str) -> list[str]:
     body: ir.RowDerived = d.body
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out = [numpy_text.signature(name, ins + douts, d.params, ("out=None",)), *_prologue(d)]
-    out += [f"    d{o.name} = np.asarray(d{o.name})" + ("[..., None]" if o.role == "scalar" else "")
-            for o in d.outputs]
-    out += _passes(body.passes)
+    lines = _prologue(d)
+    lines += [f"    d{o.name} = np.asarray(d{o.name})" + ("[..., None]" if o.role == "scalar" else "")
+              for o in d.outputs]
+    lines += _passes(body.passes)
     if body.adjoint_pass is not None:
-        out += _passes((body.adjoint_pass,))
-    out += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
+        lines += _passes((body.adjoint_pass,))
+    lines += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
+    out = [numpy_text.signature(name, ins + douts, d.params, ("out=None",)),
+           *numpy_text.body(lines)]
     grads = []
     for o in d.inputs:
         n = len(grads)
