@@ -88,10 +88,10 @@ def _attend(q, k, v, i, j{param_kw}):
     return o.astype(q.dtype), lse.astype(q.dtype)
 
 
-def forward(q, k, v{param_kw}, *, out=None):
+def forward(q, k, v{param_kw}, *, _out=None):
     """-> (o [B, T, H, D], lse [B, H, T])."""
     positions = np.arange(q.shape[1])
-    return _results(_attend(q, k, v, positions, positions{param_names}), out)
+    return _results(_attend(q, k, v, positions, positions{param_names}), _out)
 
 
 def decode(q, k_cache, v_cache, pos0{param_kw}):
@@ -109,7 +109,7 @@ def _per_kv_head(g, kvh):
     return g.reshape(B, T, kvh, H // kvh, D).sum(axis=3)
 
 
-def backward(q, k, v, o, lse, do{param_kw}, *, out=None):
+def backward(q, k, v, o, lse, do{param_kw}, *, _out=None):
     """-> (dq, dk, dv): P = exp(score - lse), dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) ∘ ∂score/∂s."""
     positions = np.arange(q.shape[1])
     _, x, dx, visible, kr = _scores(q, k, positions, positions{param_names})
@@ -123,7 +123,7 @@ def backward(q, k, v, o, lse, do{param_kw}, *, out=None):
     dk = _hm(ds.swapaxes(-1, -2) @ _hm(q))
     kvh = k.shape[2]
     return _results((dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
-                     _per_kv_head(dv, kvh).astype(q.dtype)), out)
+                     _per_kv_head(dv, kvh).astype(q.dtype)), _out)
 '''
 
 

@@ -4,7 +4,7 @@ functions share, the helpers the printer's functions need, then the kind's funct
 the pieces those functions are printed from.
 
 Generated functions compute in the float dtype of their inputs and return their results in
-fresh arrays of the op's shape, or in the arrays `out=` gives (a formula may reduce to a
+fresh arrays of the op's shape, or in the arrays `_out=` gives (a formula may reduce to a
 constant or to one of its inputs, `db = dy`, so a result is never a view of an input):
 callers may write into what they get back.
 """
@@ -15,8 +15,9 @@ from eulergen.generator.emit import numpy_header
 from eulergen.generator.numpy_cse import shared
 from eulergen.generator.printer import numpy_helpers, numpy_imports, print_numpy
 
-# The support blocks the kinds' functions share. Every function takes `out=`: None, or a
-# tuple holding an array (or None) per result, which the result is written into.
+# The support blocks the kinds' functions share. Every function takes `_out=` (a spec's names
+# never start with _, so it is no operand's or parameter's): None, or a tuple holding an
+# array (or None) per result, which the result is written into.
 DTYPE = '''\
 def _dtype(*arrays):
     """The float dtype to compute in: that of the float inputs (float64 if none are)."""

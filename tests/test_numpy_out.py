@@ -1,4 +1,4 @@
-"""The generated numpy modules write their results into the arrays `out=` gives (the training
+"""The generated numpy modules write their results into the arrays `_out=` gives (the training
 tape's planned buffers, so nothing is copied after), bit for bit what they return without
 it, an input among them where the kernels allow that (a norm's stream, the cross-entropy's
 dlogits over the logits, rope in place); an out of another shape is refused."""
@@ -44,7 +44,7 @@ def test_results_written_into_out_equal_the_returned_ones(op, name, arrays, over
     given = [np.array(arrays[k]) if k is not None else np.empty_like(r)
              for r, k in zip(alone, over)]
     inputs = [next((g for g, k in zip(given, over) if k == n), a) for n, a in enumerate(arrays)]
-    got = function(*inputs, out=tuple(given))
+    got = function(*inputs, _out=tuple(given))
     got = got if isinstance(got, tuple) else (got,)
     for n, (r, g, o) in enumerate(zip(alone, got, given)):
         assert g is o, f"{op}.{name}: result {n} is not the out array"
@@ -53,7 +53,7 @@ def test_results_written_into_out_equal_the_returned_ones(op, name, arrays, over
 
 def test_an_out_of_another_shape_is_refused():
     with pytest.raises(ValueError, match=r"out\[1\] has shape \(3,\), the result \(8,\)"):
-        _module("gelu").backward_bias(X, B, DY, out=(None, np.empty(3, np.float32)))
+        _module("gelu").backward_bias(X, B, DY, _out=(None, np.empty(3, np.float32)))
 
 
 def _module(op):

@@ -91,10 +91,10 @@ def _attend(q, k, v, i, j):
     return o.astype(q.dtype), lse.astype(q.dtype)
 
 
-def forward(q, k, v, *, out=None):
+def forward(q, k, v, *, _out=None):
     """-> (o [B, T, H, D], lse [B, H, T])."""
     positions = np.arange(q.shape[1])
-    return _results(_attend(q, k, v, positions, positions), out)
+    return _results(_attend(q, k, v, positions, positions), _out)
 
 
 def decode(q, k_cache, v_cache, pos0):
@@ -112,7 +112,7 @@ def _per_kv_head(g, kvh):
     return g.reshape(B, T, kvh, H // kvh, D).sum(axis=3)
 
 
-def backward(q, k, v, o, lse, do, *, out=None):
+def backward(q, k, v, o, lse, do, *, _out=None):
     """-> (dq, dk, dv): P = exp(score - lse), dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) ∘ ∂score/∂s."""
     positions = np.arange(q.shape[1])
     _, x, dx, visible, kr = _scores(q, k, positions, positions)
@@ -126,4 +126,4 @@ def backward(q, k, v, o, lse, do, *, out=None):
     dk = _hm(ds.swapaxes(-1, -2) @ _hm(q))
     kvh = k.shape[2]
     return _results((dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
-                     _per_kv_head(dv, kvh).astype(q.dtype)), out)
+                     _per_kv_head(dv, kvh).astype(q.dtype)), _out)

@@ -43,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, target, *, out=None):
+def forward(x, target, *, _out=None):
     x = np.asarray(x)
     target = np.asarray(target)[..., None]
     shape = x.shape
@@ -57,10 +57,10 @@ def forward(x, target, *, out=None):
     z = np.exp(x - m)
     z = _reduce('sum', z, shape)
     loss = m + np.log(z) - picked
-    return _fresh(np.broadcast_to(loss, shape[:-1] + (1,))[..., 0], shape[:-1], dtype, out, 0)
+    return _fresh(np.broadcast_to(loss, shape[:-1] + (1,))[..., 0], shape[:-1], dtype, _out, 0)
 
 
-def backward(x, target, dloss, *, out=None):
+def backward(x, target, dloss, *, _out=None):
     x = np.asarray(x)
     target = np.asarray(target)[..., None]
     shape = x.shape
@@ -79,4 +79,4 @@ def backward(x, target, dloss, *, out=None):
     dz = dloss/z
     dpicked = -dloss
     dx = dpicked*np.where(_c0, 1.0, 0.0) + dz*_c1
-    return _fresh(dx, shape, dtype, out, 0)
+    return _fresh(dx, shape, dtype, _out, 0)

@@ -34,16 +34,16 @@ def _fresh(value, shape, dtype, out=None, n=0):
     return into
 
 
-def forward(a, b, *, out=None):
+def forward(a, b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     shape = np.broadcast_shapes(a.shape, b.shape)
     dtype = _dtype(a, b)
     y = 0.5*a*b*(np.tanh(0.7978845608028654*(a + 0.044715*a*a*a)) + 1.0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(a, b, dy, *, out=None):
+def backward(a, b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     dy = np.asarray(dy)
@@ -53,10 +53,10 @@ def backward(a, b, dy, *, out=None):
     t1 = 0.5*t0 + 0.5
     da = dy*(b*t1 + 0.3989422804014327*a*b*(1.0 - t0*t0)*(0.134145*a*a + 1.0))
     db = a*dy*t1
-    return (_fresh(da, shape, dtype, out, 0), _fresh(db, shape, dtype, out, 1))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1))
 
 
-def forward_bias(a, b, _bias_a, _bias_b, *, out=None):
+def forward_bias(a, b, _bias_a, _bias_b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
@@ -65,10 +65,10 @@ def forward_bias(a, b, _bias_a, _bias_b, *, out=None):
     dtype = _dtype(a, b, _bias_a, _bias_b)
     _c0 = _bias_a + a
     y = 0.5*(np.tanh(0.7978845608028654*(_c0 + 0.044715*_c0**2*_c0)) + 1.0)*_c0*(_bias_b + b)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(a, b, _bias_a, _bias_b, dy, *, out=None):
+def backward_bias(a, b, _bias_a, _bias_b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
@@ -85,4 +85,4 @@ def backward_bias(a, b, _bias_a, _bias_b, dy, *, out=None):
     db = dy*t1*_c0
     d_bias_a = da
     d_bias_b = db
-    return (_fresh(da, shape, dtype, out, 0), _fresh(db, shape, dtype, out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, out, 3))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, _out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, _out, 3))

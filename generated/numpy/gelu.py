@@ -34,35 +34,35 @@ def _fresh(value, shape, dtype, out=None, n=0):
     return into
 
 
-def forward(x, *, out=None):
+def forward(x, *, _out=None):
     x = np.asarray(x)
     shape = np.broadcast_shapes(x.shape)
     dtype = _dtype(x)
     y = 0.5*x*(np.tanh(0.7978845608028654*(x + 0.044715*x*x*x)) + 1.0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, dy, *, out=None):
+def backward(x, dy, *, _out=None):
     x = np.asarray(x)
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, dy.shape)
     dtype = _dtype(x, dy)
     t0 = np.tanh(0.7978845608028654*(x + 0.044715*x*x*x))
     dx = dy*(0.5*t0 + 0.3989422804014327*x*(1.0 - t0*t0)*(0.134145*x*x + 1.0) + 0.5)
-    return _fresh(dx, shape, dtype, out, 0)
+    return _fresh(dx, shape, dtype, _out, 0)
 
 
-def forward_bias(x, _bias_x, *, out=None):
+def forward_bias(x, _bias_x, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape)
     dtype = _dtype(x, _bias_x)
     _c0 = _bias_x + x
     y = 0.5*(np.tanh(0.7978845608028654*(_c0 + 0.044715*_c0**2*_c0)) + 1.0)*_c0
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(x, _bias_x, dy, *, out=None):
+def backward_bias(x, _bias_x, dy, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     dy = np.asarray(dy)
@@ -73,4 +73,4 @@ def backward_bias(x, _bias_x, dy, *, out=None):
     t0 = np.tanh(0.7978845608028654*(_c0 + 0.044715*_c1*_c0))
     dx = dy*(0.5*t0 + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*_c1 + 1.0)*_c0 + 0.5)
     d_bias_x = dx
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, out, 1))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, _out, 1))

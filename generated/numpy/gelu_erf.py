@@ -42,36 +42,36 @@ def _erf(x):
     return np.vectorize(math.erf, otypes=[dtype])(x)
 
 
-def forward(x, *, out=None):
+def forward(x, *, _out=None):
     x = np.asarray(x)
     shape = np.broadcast_shapes(x.shape)
     dtype = _dtype(x)
     t0 = 0.5*x
     y = t0*(_erf(1.4142135623730951*t0) + 1.0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, dy, *, out=None):
+def backward(x, dy, *, _out=None):
     x = np.asarray(x)
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, dy.shape)
     dtype = _dtype(x, dy)
     t1 = 0.7071067811865476*x
     dx = dy*(0.5*_erf(t1) + 0.5641895835477563*t1*np.exp(-0.5*x*x) + 0.5)
-    return _fresh(dx, shape, dtype, out, 0)
+    return _fresh(dx, shape, dtype, _out, 0)
 
 
-def forward_bias(x, _bias_x, *, out=None):
+def forward_bias(x, _bias_x, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape)
     dtype = _dtype(x, _bias_x)
     t0 = 0.5*_bias_x + 0.5*x
     y = t0*(_erf(1.4142135623730951*t0) + 1.0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(x, _bias_x, dy, *, out=None):
+def backward_bias(x, _bias_x, dy, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     dy = np.asarray(dy)
@@ -81,4 +81,4 @@ def backward_bias(x, _bias_x, dy, *, out=None):
     t1 = 0.7071067811865476*_c0
     dx = dy*(0.5*_erf(t1) + 0.5641895835477563*t1*np.exp(-0.5*_c0**2) + 0.5)
     d_bias_x = dx
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, out, 1))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, _out, 1))

@@ -43,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, w, b, *, eps=1e-05, out=None):
+def forward(x, w, b, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -57,10 +57,10 @@ def forward(x, w, b, *, eps=1e-05, out=None):
     var = _c0**2
     var = _reduce('mean', var, shape)
     y = b + w*_c0/np.sqrt(eps + var)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, w, b, dy, *, eps=1e-05, out=None):
+def backward(x, w, b, dy, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -89,10 +89,10 @@ def backward(x, w, b, dy, *, eps=1e-05, out=None):
     dx = dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
     dw = t3*_c0
     db = dy
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 2))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 2))
 
 
-def forward_add(x, _branch, w, b, *, eps=1e-05, out=None):
+def forward_add(x, _branch, w, b, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     w = np.asarray(w)
@@ -109,10 +109,10 @@ def forward_add(x, _branch, w, b, *, eps=1e-05, out=None):
     var = _reduce('mean', var, shape)
     _stream = _c0
     y = b + w*_c1/np.sqrt(eps + var)
-    return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
+    return (_fresh(_stream, shape, dtype, _out, 0), _fresh(y, shape, dtype, _out, 1))
 
 
-def backward_add(x, w, b, dy, d_stream, *, eps=1e-05, out=None):
+def backward_add(x, w, b, dy, d_stream, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -142,4 +142,4 @@ def backward_add(x, w, b, dy, d_stream, *, eps=1e-05, out=None):
     dx = d_stream + dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
     dw = t3*_c0
     db = dy
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 2))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 2))

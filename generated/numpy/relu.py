@@ -34,33 +34,33 @@ def _fresh(value, shape, dtype, out=None, n=0):
     return into
 
 
-def forward(x, *, out=None):
+def forward(x, *, _out=None):
     x = np.asarray(x)
     shape = np.broadcast_shapes(x.shape)
     dtype = _dtype(x)
     y = np.maximum(x, 0.0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, dy, *, out=None):
+def backward(x, dy, *, _out=None):
     x = np.asarray(x)
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, dy.shape)
     dtype = _dtype(x, dy)
     dx = dy*np.heaviside(x, 0.0)
-    return _fresh(dx, shape, dtype, out, 0)
+    return _fresh(dx, shape, dtype, _out, 0)
 
 
-def forward_bias(x, _bias_x, *, out=None):
+def forward_bias(x, _bias_x, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape)
     dtype = _dtype(x, _bias_x)
     y = np.maximum(_bias_x + x, 0.0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(x, _bias_x, dy, *, out=None):
+def backward_bias(x, _bias_x, dy, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     dy = np.asarray(dy)
@@ -68,4 +68,4 @@ def backward_bias(x, _bias_x, dy, *, out=None):
     dtype = _dtype(x, _bias_x, dy)
     dx = dy*np.heaviside(_bias_x + x, 0.0)
     d_bias_x = dx
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, out, 1))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, _out, 1))

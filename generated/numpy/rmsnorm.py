@@ -43,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, w, *, eps=1e-05, out=None):
+def forward(x, w, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -53,10 +53,10 @@ def forward(x, w, *, eps=1e-05, out=None):
     ms = x*x
     ms = _reduce('mean', ms, shape)
     y = w*x/np.sqrt(eps + ms)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, w, dy, *, eps=1e-05, out=None):
+def backward(x, w, dy, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -74,10 +74,10 @@ def backward(x, w, dy, *, eps=1e-05, out=None):
     t0 = dy/_c1
     dx = t0*w + 2.0*dms*x/N
     dw = t0*x
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1))
 
 
-def forward_add(x, _branch, w, *, eps=1e-05, out=None):
+def forward_add(x, _branch, w, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     w = np.asarray(w)
@@ -90,10 +90,10 @@ def forward_add(x, _branch, w, *, eps=1e-05, out=None):
     ms = _reduce('mean', ms, shape)
     _stream = _c0
     y = w*_c0/np.sqrt(eps + ms)
-    return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
+    return (_fresh(_stream, shape, dtype, _out, 0), _fresh(y, shape, dtype, _out, 1))
 
 
-def backward_add(x, w, dy, d_stream, *, eps=1e-05, out=None):
+def backward_add(x, w, dy, d_stream, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -112,4 +112,4 @@ def backward_add(x, w, dy, d_stream, *, eps=1e-05, out=None):
     t0 = dy/_c1
     dx = d_stream + t0*w + 2.0*dms*x/N
     dw = t0*x
-    return (_fresh(dx, shape, dtype, out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, out, 1))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1))

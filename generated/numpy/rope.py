@@ -27,7 +27,7 @@ def _into(out, n, shape, dtype):
     return given
 
 
-def forward(x, *, base=10000.0, pos0=0, out=None):
+def forward(x, *, base=10000.0, pos0=0, _out=None):
     x = np.asarray(x)
     shape = x.shape
     if len(shape) != 4 or shape[-1] % 2:
@@ -43,13 +43,13 @@ def forward(x, *, base=10000.0, pos0=0, out=None):
     t2 = np.sin(t0)
     y0 = t1*x0 - t2*x1
     y1 = t1*x1 + t2*x0
-    y = _into(out, 0, shape, dtype)
+    y = _into(_out, 0, shape, dtype)
     y[..., :half] = y0
     y[..., half:] = y1
     return y
 
 
-def backward(x, dy, *, base=10000.0, pos0=0, out=None):
+def backward(x, dy, *, base=10000.0, pos0=0, _out=None):
     x = np.asarray(x)
     dy = np.asarray(dy)
     shape = x.shape
@@ -67,7 +67,7 @@ def backward(x, dy, *, base=10000.0, pos0=0, out=None):
     t5 = np.sin(t3)
     dx0 = dy0*t4 + dy1*t5
     dx1 = dy1*t4 - dy0*t5
-    dx = _into(out, 0, shape, dtype)
+    dx = _into(_out, 0, shape, dtype)
     dx[..., :half] = dx0
     dx[..., half:] = dx1
     return dx

@@ -43,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, *, out=None):
+def forward(x, *, _out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -55,10 +55,10 @@ def forward(x, *, out=None):
     z = _c0
     z = _reduce('sum', z, shape)
     y = _c0/z
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, dy, *, out=None):
+def backward(x, dy, *, _out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -75,10 +75,10 @@ def backward(x, dy, *, out=None):
     dz = -sum_dz/(z*z)
     t0 = _c0
     dx = dz*t0 + dy*t0/z
-    return _fresh(dx, shape, dtype, out, 0)
+    return _fresh(dx, shape, dtype, _out, 0)
 
 
-def forward_add(x, _branch, *, out=None):
+def forward_add(x, _branch, *, _out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     shape = x.shape
@@ -93,10 +93,10 @@ def forward_add(x, _branch, *, out=None):
     z = _reduce('sum', z, shape)
     _stream = _c0
     y = _c1/z
-    return (_fresh(_stream, shape, dtype, out, 0), _fresh(y, shape, dtype, out, 1))
+    return (_fresh(_stream, shape, dtype, _out, 0), _fresh(y, shape, dtype, _out, 1))
 
 
-def backward_add(x, dy, d_stream, *, out=None):
+def backward_add(x, dy, d_stream, *, _out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -114,4 +114,4 @@ def backward_add(x, dy, d_stream, *, out=None):
     dz = -sum_dz/(z*z)
     t0 = _c0
     dx = d_stream + dz*t0 + dy*t0/z
-    return _fresh(dx, shape, dtype, out, 0)
+    return _fresh(dx, shape, dtype, _out, 0)

@@ -39,16 +39,16 @@ def _sigmoid(x):
     return np.exp(-np.logaddexp(0.0, -x))
 
 
-def forward(a, b, *, out=None):
+def forward(a, b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     shape = np.broadcast_shapes(a.shape, b.shape)
     dtype = _dtype(a, b)
     y = a*b*_sigmoid(a)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(a, b, dy, *, out=None):
+def backward(a, b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     dy = np.asarray(dy)
@@ -58,10 +58,10 @@ def backward(a, b, dy, *, out=None):
     t1 = b*t0
     da = dy*(t1 + a*t1*(1.0 - t0))
     db = a*dy*t0
-    return (_fresh(da, shape, dtype, out, 0), _fresh(db, shape, dtype, out, 1))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1))
 
 
-def forward_bias(a, b, _bias_a, _bias_b, *, out=None):
+def forward_bias(a, b, _bias_a, _bias_b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
@@ -70,10 +70,10 @@ def forward_bias(a, b, _bias_a, _bias_b, *, out=None):
     dtype = _dtype(a, b, _bias_a, _bias_b)
     _c0 = _bias_a + a
     y = _c0*(_bias_b + b)*_sigmoid(_c0)
-    return _fresh(y, shape, dtype, out, 0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(a, b, _bias_a, _bias_b, dy, *, out=None):
+def backward_bias(a, b, _bias_a, _bias_b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
@@ -88,4 +88,4 @@ def backward_bias(a, b, _bias_a, _bias_b, dy, *, out=None):
     db = dy*t0*_c0
     d_bias_a = da
     d_bias_b = db
-    return (_fresh(da, shape, dtype, out, 0), _fresh(db, shape, dtype, out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, out, 3))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, _out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, _out, 3))

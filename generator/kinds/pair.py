@@ -125,10 +125,10 @@ class Pair(OpKind):
         ins = [o.name for o in op.inputs]
         outs = [o.name for o in op.outputs]
         # pos0: the position of the first row (KV-cache decoding), as the CUDA kernels take it
-        functions = [numpy_text.signature("forward", ins, op.params, ("pos0=0", "out=None")),
+        functions = [numpy_text.signature("forward", ins, op.params, ("pos0=0", "_out=None")),
                      *_prologue(op, ins), *numpy_text.code(body.forward), *_results(outs), "", ""]
         args = ins + ["d" + n for n in outs]
-        functions += [numpy_text.signature("backward", args, op.params, ("pos0=0", "out=None")),
+        functions += [numpy_text.signature("backward", args, op.params, ("pos0=0", "_out=None")),
                       *_prologue(op, args), *numpy_text.code(body.backward),
                       *_results(["d" + n for n in ins])]
         return numpy_text.module(op, functions, support=(numpy_text.DTYPE, numpy_text.INTO))
@@ -255,7 +255,7 @@ def _results(names: list[str]) -> list[str]:
     computed before either is written: out may be the input, rope in place)."""
     lines = []
     for k, n in enumerate(names):
-        lines += [f"    {n} = _into(out, {k}, shape, dtype)",
+        lines += [f"    {n} = _into(_out, {k}, shape, dtype)",
                   f"    {n}[..., :half] = {n}0",
                   f"    {n}[..., half:] = {n}1"]
     return lines + [numpy_text.returns(names)]

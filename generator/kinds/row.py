@@ -198,11 +198,11 @@ def _forward(d: ir.DerivedOp, name: str) -> list[str]:
     results = []
     for n, o in enumerate(d.outputs):
         if o.role == "row":
-            results.append(f"_fresh({o.name}, shape, dtype, out, {n})")
+            results.append(f"_fresh({o.name}, shape, dtype, _out, {n})")
         else:
             results.append(f"_fresh(np.broadcast_to({o.name}, shape[:-1] + (1,))[..., 0], "
-                           f"shape[:-1], dtype, out, {n})")
-    return [numpy_text.signature(name, [o.name for o in d.inputs], d.params, ("out=None",)),
+                           f"shape[:-1], dtype, _out, {n})")
+    return [numpy_text.signature(name, [o.name for o in d.inputs], d.params, ("_out=None",)),
             *numpy_text.body([*_prologue(d), *_passes(body.passes),
                               *numpy_text.code(body.elem_outputs),
                               *numpy_text.code(body.row_outputs)]),
@@ -220,16 +220,16 @@ def _backward(d: ir.DerivedOp, name: str) -> list[str]:
     if body.adjoint_pass is not None:
         lines += _passes((body.adjoint_pass,))
     lines += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
-    out = [numpy_text.signature(name, ins + douts, d.params, ("out=None",)),
+    out = [numpy_text.signature(name, ins + douts, d.params, ("_out=None",)),
            *numpy_text.body(lines)]
     grads = []
     for o in d.inputs:
         n = len(grads)
         if o.role == "row":
-            grads.append(f"_fresh(d{o.name}, shape, dtype, out, {n})")
+            grads.append(f"_fresh(d{o.name}, shape, dtype, _out, {n})")
         elif o.role == "weight":  # shared across rows: the sum over every row
             grads.append(f"_fresh(np.broadcast_to(d{o.name}, shape).reshape(-1, N).sum(axis=0), "
-                         f"(N,), dtype, out, {n})")
+                         f"(N,), dtype, _out, {n})")
     out.append(numpy_text.returns(grads))
     return out
 

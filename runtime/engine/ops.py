@@ -119,7 +119,7 @@ class OpLibrary:
             return got[0] if len(got) == 1 else tuple(got)
         keywords.pop("precision", None)
         got = getattr(kind.module(op), variant_name("forward", fusion))(
-            *inputs, **p, **keywords, out=_tuple(out))
+            *inputs, **p, **keywords, _out=_tuple(out))
         return self._deliver(op, "forward", got, out, len(side.outputs))
 
     def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
@@ -152,7 +152,7 @@ class OpLibrary:
         if kind.accumulates:   # its numpy backward writes into `out` itself, adding as asked
             return module.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
         got = getattr(module, variant_name("backward", fusion))(*inputs_and_douts, **p,
-                                                                 **keywords, out=_tuple(out))
+                                                                 **keywords, _out=_tuple(out))
         grads = self._deliver(op, "backward", got, out, len(side.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
@@ -243,7 +243,7 @@ class OpLibrary:
         fwd = module.forward(*inputs, **p)
         fwd = fwd if isinstance(fwd, tuple) else (fwd,)
         grads = module.backward(*inputs_and_douts, **p,
-                                out=None if out is None else _tuple(out)[len(fwd):])
+                                _out=None if out is None else _tuple(out)[len(fwd):])
         grads = grads if isinstance(grads, tuple) else (grads,)
         return self._deliver(op, "fused", fwd + grads, out,
                              len(op.outputs) + len(op.grads), bare=False)
@@ -307,7 +307,7 @@ class OpLibrary:
 
     def _deliver(self, op: OpEntry, call: str, got, out, count: int, bare: bool = True):
         """Return the module's results, or the caller's `out` arrays, the results copied
-        into those the module has not written itself (numpy modules take `out=`)."""
+        into those the module has not written itself (numpy modules take `_out=`)."""
         results = got if isinstance(got, tuple) else (got,)
         if len(results) != count:
             raise EulerError(f"numpy module returned {len(results)} arrays from {call}, "

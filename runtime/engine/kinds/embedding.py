@@ -165,10 +165,10 @@ class _Numpy:
                              f"has {wte.shape[0]} rows", key="ids")
 
     @staticmethod
-    def forward(ids, wte, wpe, *, out=None):
-        """wte[ids] (+ wpe[:T]), into out[0] where given (mode clip: the ids are checked)."""
+    def forward(ids, wte, wpe, *, _out=None):
+        """wte[ids] (+ wpe[:T]), into _out[0] where given (mode clip: the ids are checked)."""
         _Numpy._check(ids, wte, "forward")
-        y = np.take(wte, ids, axis=0, out=None if out is None else out[0], mode="clip")
+        y = np.take(wte, ids, axis=0, out=None if _out is None else _out[0], mode="clip")
         if wpe is not None:
             y += wpe[: ids.shape[-1]]
         return y
