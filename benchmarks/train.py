@@ -9,7 +9,7 @@ configuration (torch.compile, the best of its modes) and llm.c, in one run on on
     python benchmarks/train.py --dtype bf16 --autocast --modes default --llmc ''   # its cost
     python benchmarks/train.py --quick                            # few steps, torch eager only
     python benchmarks/train.py --dry-run                          # tiny, numpy and CPU torch
-    python benchmarks/train.py --cpu                              # the CPU default: numpy, CPU torch
+    python benchmarks/train.py --cpu                              # CPU default: numpy, CPU torch
 
 Every configuration (preset, B, T, system) runs in a fresh process (benchmarks/measure.py,
 through benchmarks/isolated.py): torch.compile(dynamic=False) after torch._dynamo.reset(),
@@ -161,9 +161,7 @@ def main() -> None:
                     r = run_llmc(args, binary, batch, seq, deadline) if name == "llm.c" \
                         else _measure(args, preset, batch, seq, extra, tiny, deadline)
                     r.update(preset=preset, system=name, batch=batch, seq=seq, dtype=args.dtype)
-                    if args.out:
-                        args.out.mkdir(parents=True, exist_ok=True)
-                        emit(str(args.out / "train.jsonl"), r)
+                    _record(args, r)
                     if "seconds" in r:
                         say(f"{preset} B={batch} T={seq}: {name} {r['tokens_per_s']:,.0f} tok/s")
                     rows.append(r)
@@ -184,14 +182,13 @@ def cpu_rows(args, deadline: Deadline) -> None:
             r = _measure(args, CPU_DEFAULT, t.batch_size, t.seq_len, extra, [], deadline, env,
                          dtype="fp32")
             r.update(system=name, threads=threads)
-            if args.out:
-                args.out.mkdir(parents=True, exist_ok=True)
-                emit(str(args.out / "train.jsonl"), r)
+            _record(args, r)
             rows.append(r)
     print(f"training step, the built-in CPU default (B={t.batch_size} T={t.seq_len}, fp32, "
           f"AdamW); 1-minute load {load:.2f} before, {os.getloadavg()[0]:.2f} after; bar: torch "
           "eager at the same threads")
-    head = f"{'system':<16} {'threads':>7} {'tok/s':>8} {'spread':>13} {'ms/step':>8} {'vs bar':>6} {'loss':>7}"
+    head = (f"{'system':<16} {'threads':>7} {'tok/s':>8} {'spread':>13} {'ms/step':>8} "
+            f"{'vs bar':>6} {'loss':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -206,6 +203,13 @@ def cpu_rows(args, deadline: Deadline) -> None:
               f"{f'{min(tps):,.0f}-{max(tps):,.0f}':>13} {1e3 * r['seconds']:8.1f} {vs} "
               f"{r['loss']:7.3f}")
     print(flush=True)
+
+
+def _record(args, r: dict) -> None:
+    """A row, also as a JSON line of OUT/train.jsonl where --out is given."""
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        emit(str(args.out / "train.jsonl"), r)
 
 
 def _measure(args, preset, batch, seq, extra, tiny, deadline: Deadline, env=None,

@@ -69,7 +69,8 @@ def pane():
 def _eulergen(*args: str) -> str:
     env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("PYTHONPATH",)
                    if k in os.environ)
-    return f"env {env} {shlex.quote(sys.executable)} -m eulergen " + " ".join(map(shlex.quote, args))
+    command = [sys.executable, "-m", "eulergen", *args]
+    return f"env {env} " + " ".join(map(shlex.quote, command))
 
 
 def _index(lines: list[str], test, what: str) -> int:

@@ -214,8 +214,8 @@ def _backward(d: ir.DerivedOp, name: str) -> list[str]:
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
     lines = _prologue(d)
-    lines += [f"    d{o.name} = np.asarray(d{o.name})" + ("[..., None]" if o.role == "scalar" else "")
-              for o in d.outputs]
+    lines += [f"    d{o.name} = np.asarray(d{o.name})" +
+              ("[..., None]" if o.role == "scalar" else "") for o in d.outputs]
     lines += _passes(body.passes)
     if body.adjoint_pass is not None:
         lines += _passes((body.adjoint_pass,))
