@@ -20,8 +20,13 @@ ops_option = click.option(
     help="Extra directory of op specs (repeatable); also EULERGEN_OPS_PATH.")
 
 
-def warn(message: str) -> None:
-    click.echo(f"warning: {message}", err=True)
+def warn(message: str, bar=None) -> None:
+    """One warning line on stderr; above `bar` (progress.Bar) while one runs."""
+    line = f"warning: {message}"
+    if bar is not None:
+        bar.print(line)
+    else:
+        click.echo(line, err=True)
 
 
 def console():

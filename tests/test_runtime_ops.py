@@ -1,5 +1,6 @@
 """OpLibrary on the numpy backend, against a small hand-written manifest and modules
-(so these tests do not depend on what `eulergen build` currently produces)."""
+(so these tests do not depend on what `eulergen build` currently produces). Their functions
+take `_out=` and return arrays of their own, which the library copies into it."""
 from __future__ import annotations
 
 import json
@@ -21,10 +22,10 @@ MODULES = {
         PARAMS = {"k": 2.0}
         GRADS = ("x",)
 
-        def forward(x, k=2.0):
+        def forward(x, k=2.0, _out=None):
             return x * k
 
-        def backward(x, dy, k=2.0):
+        def backward(x, dy, k=2.0, _out=None):
             return dy * k
     """,
     "mulsplit": """
@@ -34,10 +35,10 @@ MODULES = {
         PARAMS = {}
         GRADS = ("a", "b")
 
-        def forward(a, b):
+        def forward(a, b, _out=None):
             return a * b, a + b
 
-        def backward(a, b, dp, ds):
+        def backward(a, b, dp, ds, _out=None):
             return dp * b + ds, dp * a + ds
     """,
     "xent": """
@@ -48,12 +49,12 @@ MODULES = {
         GRADS = ("x",)
         import numpy as np
 
-        def forward(x, t):
+        def forward(x, t, _out=None):
             m = x.max(-1, keepdims=True)
             lse = np.log(np.exp(x - m).sum(-1)) + m[..., 0]
             return lse - np.take_along_axis(x, t[..., None], -1)[..., 0]
 
-        def backward(x, t, dloss):
+        def backward(x, t, dloss, _out=None):
             p = np.exp(x - x.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             np.put_along_axis(p, t[..., None], np.take_along_axis(p, t[..., None], -1) - 1, -1)

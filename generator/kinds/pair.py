@@ -125,13 +125,13 @@ class Pair(OpKind):
         ins = [o.name for o in op.inputs]
         outs = [o.name for o in op.outputs]
         # pos0: the position of the first row (KV-cache decoding), as the CUDA kernels take it
-        functions = [numpy_text.signature("forward", ins, op.params, ("pos0=0",)),
+        functions = [numpy_text.signature("forward", ins, op.params, ("pos0=0", "_out=None")),
                      *_prologue(op, ins), *numpy_text.code(body.forward), *_results(outs), "", ""]
         args = ins + ["d" + n for n in outs]
-        functions += [numpy_text.signature("backward", args, op.params, ("pos0=0",)),
+        functions += [numpy_text.signature("backward", args, op.params, ("pos0=0", "_out=None")),
                       *_prologue(op, args), *numpy_text.code(body.backward),
                       *_results(["d" + n for n in ins])]
-        return numpy_text.module(op, functions)
+        return numpy_text.module(op, functions, support=(numpy_text.DTYPE, numpy_text.INTO))
 
     def c_source(self, op, header):
         """forward over [B, T, H, D] operands given by (batch, token, head) strides, as the
@@ -251,9 +251,11 @@ def _prologue(d: ir.DerivedOp, arrays: list[str]) -> list[str]:
 
 
 def _results(names: list[str]) -> list[str]:
-    out = []
-    for n in names:
-        out += [f"    {n} = np.empty(shape, dtype)",
-                f"    {n}[..., :half] = {n}0",
-                f"    {n}[..., half:] = {n}1"]
-    return out + [numpy_text.returns(names)]
+    """Each result from its halves, into its array of `out` or a new one (both halves are
+    computed before either is written: out may be the input, rope in place)."""
+    lines = []
+    for k, n in enumerate(names):
+        lines += [f"    {n} = _into(_out, {k}, shape, dtype)",
+                  f"    {n}[..., :half] = {n}0",
+                  f"    {n}[..., half:] = {n}1"]
+    return lines + [numpy_text.returns(names)]

@@ -258,20 +258,21 @@ def _numpy_pair(d: ir.DerivedOp, suffix: str) -> list[str]:
     body: ir.PointwiseDerived = d.body
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out = [numpy_text.signature(f"forward{suffix}", ins, d.params),
+    out = [numpy_text.signature(f"forward{suffix}", ins, d.params, ("_out=None",)),
            *(f"    {a} = np.asarray({a})" for a in ins),
            f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in ins)})",
            f"    dtype = _dtype({', '.join(ins)})",
-           *numpy_text.code(body.forward),
-           numpy_text.returns([f"_fresh({o.name}, shape, dtype)" for o in d.outputs]), "", ""]
+           *numpy_text.body(numpy_text.code(body.forward)),
+           numpy_text.returns([f"_fresh({o.name}, shape, dtype, _out, {n})"
+                               for n, o in enumerate(d.outputs)]), "", ""]
     args = ins + douts
     grads = [f"_fresh(np.broadcast_to(d{o.name}, shape).reshape(-1, shape[-1]).sum(axis=0), "
-             f"{o.name}.shape, dtype)" if o.role == "bias" else f"_fresh(d{o.name}, shape, dtype)"
-             for o in d.inputs]
-    out += [numpy_text.signature(f"backward{suffix}", args, d.params),
+             f"{o.name}.shape, dtype, _out, {n})" if o.role == "bias" else
+             f"_fresh(d{o.name}, shape, dtype, _out, {n})" for n, o in enumerate(d.inputs)]
+    out += [numpy_text.signature(f"backward{suffix}", args, d.params, ("_out=None",)),
             *(f"    {a} = np.asarray({a})" for a in args),
             f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in args)})",
             f"    dtype = _dtype({', '.join(args)})",
-            *numpy_text.code(body.backward),
+            *numpy_text.body(numpy_text.code(body.backward)),
             numpy_text.returns(grads)]
     return out

@@ -76,7 +76,7 @@ class Row(OpKind):
         if fused:
             functions += ["", "", *_forward(fused[0], variant_name("forward", ADD)), "", "",
                           *_backward(fused[1], variant_name("backward", ADD))]
-        return numpy_text.module(op, functions, support=(numpy_text.LAYOUT, _REDUCE))
+        return numpy_text.module(op, functions, support=(*numpy_text.LAYOUT, _REDUCE))
 
     def c_source(self, op, header):
         """forward, and the `add` fusion's forward_add where the op has it."""
@@ -196,35 +196,40 @@ def _passes(passes: tuple[ir.Pass, ...]) -> list[str]:
 def _forward(d: ir.DerivedOp, name: str) -> list[str]:
     body: ir.RowDerived = d.body
     results = []
-    for o in d.outputs:
+    for n, o in enumerate(d.outputs):
         if o.role == "row":
-            results.append(f"_fresh({o.name}, shape, dtype)")
+            results.append(f"_fresh({o.name}, shape, dtype, _out, {n})")
         else:
             results.append(f"_fresh(np.broadcast_to({o.name}, shape[:-1] + (1,))[..., 0], "
-                           "shape[:-1], dtype)")
-    return [numpy_text.signature(name, [o.name for o in d.inputs], d.params), *_prologue(d),
-            *_passes(body.passes), *numpy_text.code(body.elem_outputs),
-            *numpy_text.code(body.row_outputs), numpy_text.returns(results)]
+                           f"shape[:-1], dtype, _out, {n})")
+    return [numpy_text.signature(name, [o.name for o in d.inputs], d.params, ("_out=None",)),
+            *numpy_text.body([*_prologue(d), *_passes(body.passes),
+                              *numpy_text.code(body.elem_outputs),
+                              *numpy_text.code(body.row_outputs)]),
+            numpy_text.returns(results)]
 
 
 def _backward(d: ir.DerivedOp, name: str) -> list[str]:
     body: ir.RowDerived = d.body
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out = [numpy_text.signature(name, ins + douts, d.params), *_prologue(d)]
-    out += [f"    d{o.name} = np.asarray(d{o.name})" + ("[..., None]" if o.role == "scalar" else "")
-            for o in d.outputs]
-    out += _passes(body.passes)
+    lines = _prologue(d)
+    lines += [f"    d{o.name} = np.asarray(d{o.name})" +
+              ("[..., None]" if o.role == "scalar" else "") for o in d.outputs]
+    lines += _passes(body.passes)
     if body.adjoint_pass is not None:
-        out += _passes((body.adjoint_pass,))
-    out += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
+        lines += _passes((body.adjoint_pass,))
+    lines += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
+    out = [numpy_text.signature(name, ins + douts, d.params, ("_out=None",)),
+           *numpy_text.body(lines)]
     grads = []
     for o in d.inputs:
+        n = len(grads)
         if o.role == "row":
-            grads.append(f"_fresh(d{o.name}, shape, dtype)")
+            grads.append(f"_fresh(d{o.name}, shape, dtype, _out, {n})")
         elif o.role == "weight":  # shared across rows: the sum over every row
             grads.append(f"_fresh(np.broadcast_to(d{o.name}, shape).reshape(-1, N).sum(axis=0), "
-                         "(N,), dtype)")
+                         f"(N,), dtype, _out, {n})")
     out.append(numpy_text.returns(grads))
     return out
 

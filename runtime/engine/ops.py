@@ -118,7 +118,8 @@ class OpLibrary:
             got = kind.forward(self._cuda, op, inputs, _tuple(out), p, fusion, **keywords)
             return got[0] if len(got) == 1 else tuple(got)
         keywords.pop("precision", None)
-        got = getattr(kind.module(op), variant_name("forward", fusion))(*inputs, **p, **keywords)
+        got = getattr(kind.module(op), variant_name("forward", fusion))(
+            *inputs, **p, **keywords, _out=_tuple(out))
         return self._deliver(op, "forward", got, out, len(side.outputs))
 
     def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
@@ -151,7 +152,7 @@ class OpLibrary:
         if kind.accumulates:   # its numpy backward writes into `out` itself, adding as asked
             return module.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
         got = getattr(module, variant_name("backward", fusion))(*inputs_and_douts, **p,
-                                                                 **keywords)
+                                                                 **keywords, _out=_tuple(out))
         grads = self._deliver(op, "backward", got, out, len(side.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
@@ -226,9 +227,10 @@ class OpLibrary:
 
         On a GPU this is the op's one-pass kernel where it has one (cross-entropy's
         `fwdbwd`: loss and dlogits in one pass, without storing probabilities). On numpy it
-        is forward then backward of the same generated module; the outputs are copied into
-        `out` only after both ran, so a gradient buffer may alias an input (dlogits over
-        logits) here too."""
+        is forward then backward of the same generated module, the backward writing `out`'s
+        gradients as it goes (each row read before it is written) and the forward's outputs
+        copied after, so a gradient buffer may alias an input (dlogits over logits) here
+        too."""
         op = self._entry(name)
         kind = _kind(op, "fused")
         n_in = len(op.inputs)
@@ -240,7 +242,8 @@ class OpLibrary:
         module = kind.module(op)
         fwd = module.forward(*inputs, **p)
         fwd = fwd if isinstance(fwd, tuple) else (fwd,)
-        grads = module.backward(*inputs_and_douts, **p)
+        grads = module.backward(*inputs_and_douts, **p,
+                                _out=None if out is None else _tuple(out)[len(fwd):])
         grads = grads if isinstance(grads, tuple) else (grads,)
         return self._deliver(op, "fused", fwd + grads, out,
                              len(op.outputs) + len(op.grads), bare=False)
@@ -303,7 +306,8 @@ class OpLibrary:
         return merged
 
     def _deliver(self, op: OpEntry, call: str, got, out, count: int, bare: bool = True):
-        """Return the module's results, or copy them into the caller's `out` arrays."""
+        """Return the module's results, or the caller's `out` arrays, the results copied
+        into those the module has not written itself (numpy modules take `_out=`)."""
         results = got if isinstance(got, tuple) else (got,)
         if len(results) != count:
             raise EulerError(f"numpy module returned {len(results)} arrays from {call}, "
@@ -322,7 +326,7 @@ class OpLibrary:
                 raise EulerError(f"{op.name}.{call}: out[{n}] has shape {tuple(dst.shape)}, "
                                  f"the result has {tuple(src.shape)}", file=op.spec, key="out")
         for dst, src in zip(outs, results):
-            if src is not None and dst is not None:
+            if src is not None and dst is not None and src is not dst:
                 self.backend.xp.copyto(dst, src, casting="same_kind")
         return outs[0] if bare and count == 1 else tuple(outs)
 

@@ -59,7 +59,7 @@ class TrainingConfig:
     learning_rate: float = 3e-3
     min_lr: float = 3e-4             # not given: learning_rate / 10
     warmup_steps: int = 20
-    total_steps: int = 700
+    total_steps: int = 650           # ends within 150 s where this model trains at 3.3k tok/s
     schedule: str = "cosine"         # "cosine" | "linear" | "constant"
     gradient_accumulation: int = 1
     weight_decay: float = 0.1

@@ -165,12 +165,13 @@ class _Numpy:
                              f"has {wte.shape[0]} rows", key="ids")
 
     @staticmethod
-    def forward(ids, wte, wpe):
+    def forward(ids, wte, wpe, *, _out=None):
+        """wte[ids] (+ wpe[:T]), into _out[0] where given (mode clip: the ids are checked)."""
         _Numpy._check(ids, wte, "forward")
-        out = np.take(wte, ids, axis=0)
+        y = np.take(wte, ids, axis=0, out=None if _out is None else _out[0], mode="clip")
         if wpe is not None:
-            out += wpe[: ids.shape[-1]]
-        return out
+            y += wpe[: ids.shape[-1]]
+        return y
 
     @staticmethod
     def backward(ids, wte, wpe, dout, *, out=None, accumulate=(False, False)):
