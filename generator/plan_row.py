@@ -105,7 +105,7 @@ class RowKernel:
 
     def shape(self, layout: str, dtype: str) -> planner.RowShape | None:
         """The block of this impl's `layout` kernel of `dtype` (None: that layout has none)."""
-        return next(s for lay, dt, s in self.shapes if (lay, dt) == (layout, dtype))
+        return next((s for lay, dt, s in self.shapes if (lay, dt) == (layout, dtype)), None)
 
     @property
     def aligned_rows(self) -> bool:
