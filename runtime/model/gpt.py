@@ -201,17 +201,17 @@ def check_ids(ids: np.ndarray, vocab: int, hint: str = "") -> np.ndarray:
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
           precision: str = "bf16", shared: dict | None = None, tf32: bool = False,
-          buckets=None) -> GPT:
+          buckets=None, recompute: str = "none") -> GPT:
     """Resolve, plan, allocate and record a model from a ModelConfig (what evaluation and
     the tests make; a training run resolves its own once, runtime/train/resolve.py).
     `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy); `precision`:
     training.precision (plan.py's Precision); `shared`: arenas allocated already
-    (Memory's)."""
+    (Memory's); `recompute`: training.recompute (runtime/model/recompute.py)."""
     arch = arch_of(cfg, lib)
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
     plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, precision=precision,
-                   buckets=buckets)
+                   buckets=buckets, recompute=recompute)
     return allocate(arch, lib, plan, batch, seq, shared=shared, tf32=tf32)
 
 

@@ -12,6 +12,7 @@ from eulergen.runtime.engine import gemm
 from eulergen.runtime.model.arch import Arch
 from eulergen.runtime.model.memory import ALIGN, Plan, Planner
 from eulergen.runtime.model.params import plan_params
+from eulergen.runtime.model.recompute import NONE, per_layer, shared
 from eulergen.signature import AUTOCAST, bf16_copy
 
 
@@ -45,7 +46,7 @@ class Precision:
 
 def plan_on(lib, a: Arch, batch: int, seq: int, *, training: bool = True,
             dtype: str = "float32", precision: str = "bf16", buckets=None,
-            for_gpu: bool = False) -> Plan:
+            for_gpu: bool = False, recompute: str = NONE) -> Plan:
     """plan_model with the workspaces a run on `lib`'s backend plans: on a GPU the
     kernels' (lib.workspace_elements) and the GEMM libraries' (gemm.workspace_bytes), on
     numpy none. `for_gpu`: a GPU's on any machine (`eulergen plan`: no GPU needed)."""
@@ -56,12 +57,13 @@ def plan_on(lib, a: Arch, batch: int, seq: int, *, training: bool = True,
     else:
         workspace, gemm_workspace = lib.workspace_elements, gemm.workspace_bytes(lib.backend)
     return plan_model(a, batch, seq, training=training, dtype=dtype, precision=precision,
-                      workspace=workspace, gemm_workspace=gemm_workspace, buckets=buckets)
+                      workspace=workspace, gemm_workspace=gemm_workspace, buckets=buckets,
+                      recompute=recompute)
 
 
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                dtype: str = "float32", precision: str = "bf16", workspace=None,
-               gemm_workspace: int = 0, buckets=None) -> Plan:
+               gemm_workspace: int = 0, buckets=None, recompute: str = NONE) -> Plan:
     """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
@@ -77,7 +79,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     nothing), its own arena `gemm`; 0: none. plan_on passes a run's.
     `buckets`: data-parallel training's BucketPlan (runtime/distributed/buckets.py): with ZeRO-1 the
     AdamW moments hold one rank's share; the rank's loss and sum of squares have a slot
-    each for the collectives."""
+    each for the collectives. `recompute`: training.recompute (runtime/model/recompute.py):
+    "blocks" keeps a layer's x and ln_1 only, and the rest a backward reads once."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -117,10 +120,14 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     # parts (q, k, v of qkv) are views of their root's buffers
     block = [g.values[n] for n in g.order(g.block)
              if n not in g.handoff and not g.values[n].part]
+    mine = per_layer(g, recompute)
     for layer in range(a.layers):
         for v in block:
-            if v.name in kept:
+            if v.name in mine:
                 add("activations", f"h.{layer}.{v.name}", v.shape(lead), v.per_row, of(v))
+    for v in block:   # recomputing: one block's, which each block's forward writes again
+        if v.name in kept - mine:
+            add("activations", shared(v.name), v.shape(lead), v.per_row, of(v))
     for name in dict.fromkeys([head for _, head in g.handoff.values()] + g.order(g.head)):
         add("activations", name, g.values[name].shape(lead), of=of(g.values[name]))
     add("activations", "losses", (N,), per_row=True)   # the fused cross-entropy writes dlogits

@@ -17,9 +17,14 @@ float32 stream and its gradient, reading the master (float32) weights, as the em
 does; a GEMM whose output joins the stream reads its gradient's bf16 copy, which the norm
 before it in the backward writes beside the float32 gradient (none where no GEMM reads it
 later: the stem's).
+
+training.recompute (runtime/model/recompute.py), read from the plan: a value a layer does
+not keep is one block's buffer, and the block's first node in backward order a Replay that
+runs the block's forward nodes again first.
 """
 from __future__ import annotations
 
+from eulergen.runtime.model import recompute
 from eulergen.runtime.model.tape import Embedding, Grad, Linear, Norm, Op
 from eulergen.signature import AUTOCAST, bf16_copy
 
@@ -36,6 +41,8 @@ class _Recorder:
     def __init__(self, model):
         self.model, self.g = model, model.graph
         self.kept = self.g.kept()
+        self.recompute = recompute.planned(self.g, model.mem)
+        self.mine = recompute.per_layer(self.g, self.recompute)   # kept a layer each
         self.joined: dict[tuple, tuple] = {}   # a value -> the one whose gradient it shares
         self.written: set = set()
         self.copied: set = set()   # the norm steps whose backward writes a bf16 copy of dx
@@ -54,7 +61,7 @@ class _Recorder:
             elif node.kind == "norm" and read and self._copy(self._normed(node)) is not None:
                 self.copied.add((layer, node, part))
         built = [self._node(*step) for step in reversed(steps)]   # backward order
-        for node in reversed(built):
+        for node in recompute.replayed(g, steps, built[::-1], self.recompute):
             self.model.tape.record(node)
 
     # -- names ------------------------------------------------------------------------
@@ -70,8 +77,10 @@ class _Recorder:
         block, name = self.g.key(layer, name)
         if block is None:
             return self.model.mem[name]
-        if name in self.kept:
+        if name in self.mine:
             return self.model.mem[f"h.{block}.{name}"]
+        if name in self.kept:
+            return self.model.mem[recompute.shared(name)]
         return self.model.mem[self.g.values[name].buffer]   # no backward reads it: shared
 
     def _rows(self, t):

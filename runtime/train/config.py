@@ -18,6 +18,7 @@ from typing import Any
 
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.data.tokenizer import tokenizer_file
+from eulergen.runtime.model.recompute import MODES as RECOMPUTE
 from eulergen.runtime.train.config_read import locate, read_file, show, typed
 from eulergen.runtime.train.presets import DEFAULTS, PRESETS
 from eulergen.signature import PRECISIONS
@@ -78,6 +79,8 @@ class TrainingConfig:
                                      # Precision): "bf16" (as llm.c: the residual stream and
                                      # the gradients too) | "autocast" (as torch.autocast:
                                      # those and the norms' weights float32)
+    recompute: str = "none"          # "none" | "blocks": keep a block's input only, run its
+                                     # forward again in the backward (runtime/model/recompute.py)
     tf32: bool = True
     cuda_graph: bool = True          # GPU: capture the step as CUDA graphs; false: launch eagerly
     device: str = "auto"             # "auto" | "cuda" | "numpy"
@@ -114,6 +117,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.schedule": ("cosine", "linear", "constant"),
     "training.dtype": ("auto", "fp32", "bf16"),
     "training.precision": ("bf16", *PRECISIONS),   # bf16: no kernel of another precision
+    "training.recompute": RECOMPUTE,
     "training.device": ("auto", "cuda", "numpy"),
 }
 

@@ -57,7 +57,7 @@ def resolve(cfg: RunConfig, lib, *, ranks: int | None = None, for_gpu: bool = Fa
             return plan_decoder(a, t.batch_size, t.seq_len, dtype=dtype,
                                 sms=PLAN_SMS if gpu_plan else decode_sms(lib.backend))
         return plan_on(lib, a, t.batch_size, t.seq_len, dtype=dtype, precision=t.precision,
-                       buckets=buckets, for_gpu=for_gpu)
+                       buckets=buckets, for_gpu=for_gpu, recompute=t.recompute)
 
     if not gpu_plan:   # from the plans of one and two layers: no million-layer plan made
         budget.check_fits(cfg, arch, lib.backend, lambda a: plan(a, buckets_of(a)),
