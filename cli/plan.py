@@ -2,6 +2,7 @@
 its sampler."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -36,8 +37,8 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     # a GPU run's plan (a GPU with bf16 tensor cores: training.dtype auto is bf16), the
     # kernels' and cuBLASLt's workspaces included, whatever this machine runs on: the
     # manifest alone, no GPU needed
-    run = resolve(cfg, OpLibrary(NUMPY, manifests), ranks=None if nproc == 1 else nproc,
-                  for_gpu=True, inference=inference)
+    lib, world = OpLibrary(NUMPY, manifests), None if nproc == 1 else nproc
+    run = resolve(cfg, lib, ranks=world, for_gpu=True, inference=inference)
     t, buckets = cfg.training, run.buckets
     ranks = "" if buckets is None else \
         f", one rank of {nproc}{' with ZeRO-1' if buckets.zero else ''}"
@@ -45,3 +46,47 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     title = (f"memory plan{default_named(cfg)}: {param_count(run.arch):,} parameters, "
              f"B={t.batch_size}, T={t.seq_len}, {what}{ranks}")
     console().print(plan_table(run.plan, title))
+    if not inference:
+        other = resolve(replace(cfg, training=replace(t, recompute=_other(t.recompute))),
+                        lib, ranks=world, for_gpu=True)
+        console().print(recompute_line(run, other))
+
+
+def _other(mode: str) -> str:
+    from eulergen.runtime.model.recompute import BLOCKS, NONE
+    return NONE if mode == BLOCKS else BLOCKS
+
+
+def recompute_line(run, other) -> str:
+    """What training.recompute blocks saves and costs against none, from the two runs'
+    resolved plans (`run` the config's, `other` the same run in the other mode): the
+    bytes the blocks keep for the backward, the plans' totals, the FLOPs of the forwards
+    run twice (a third of a block's training FLOPs, as runtime/train/trainer.py counts
+    them: 2 of the 6 a weight, 4 of attention's 12)."""
+    from eulergen.runtime.model.memory import format_bytes
+    from eulergen.runtime.model.recompute import BLOCKS, kept_bytes, rerun_layers
+    from eulergen.runtime.train.trainer import flops_per_token
+    t, a = run.cfg.training, run.arch
+    blocks, none = (run, other) if t.recompute == BLOCKS else (other, run)
+    kept = {r: format_bytes(kept_bytes(a.graph, r.plan)) for r in (blocks, none)}
+    total = {r: format_bytes(r.plan.total_bytes) for r in (blocks, none)}
+    tokens = t.batch_size * t.seq_len
+    one, two = (flops_per_token(replace(a, layers=n), t.seq_len) for n in (1, 2))
+    again = rerun_layers(a.layers, BLOCKS)
+    extra, step = again * (two - one) / 3 * tokens, flops_per_token(a, t.seq_len) * tokens
+    cost = (f"the forward of {again} of {a.layers} blocks run again in the backward, "
+            f"+{_flops(extra)} a step (+{100 * extra / step:.0f}% of {_flops(step)})")
+    if run is blocks:
+        return (f"training.recompute blocks: the blocks keep {kept[blocks]} for the backward "
+                f"(none: {kept[none]}), the plan {total[blocks]} (none: {total[none]}), for "
+                f"{cost}")
+    return (f"training.recompute none: the blocks keep {kept[none]} for the backward; blocks "
+            f"would keep {kept[blocks]} (the plan {total[blocks]}, not {total[none]}) for "
+            f"{cost}")
+
+
+def _flops(n: float) -> str:
+    for unit in ("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP"):
+        if n < 1000 or unit == "TFLOP":
+            return f"{n:.3g} {unit}"
+        n /= 1000
