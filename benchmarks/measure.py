@@ -200,7 +200,8 @@ def run_eulergen(cfg, warmup: int, steps: int, repeats: int, cuda_graph: bool = 
     used = _device_used(backend)
     lib = OpLibrary(backend)
     model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True,
-                  dtype="bf16" if t.dtype == "bf16" else "float32")
+                  dtype="bf16" if t.dtype == "bf16" else "float32", precision=t.precision,
+                  recompute=t.recompute)
     model.init_weights(0)
     model.set_accumulation(1)
     optim = AdamW(model, t)

@@ -7,6 +7,8 @@ configuration (torch.compile, the best of its modes) and llm.c, in one run on on
     python benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 \\
         --batch 2 --modes default --sdpa flash,cudnn             # long context
     python benchmarks/train.py --dtype bf16 --autocast --modes default --llmc ''   # its cost
+    python benchmarks/train.py --dtype bf16 --presets gpt2-large,gpt2-xl --batch 16 \\
+        --recompute --modes default --llmc ''                    # recompute's cost and saving
     python benchmarks/train.py --quick                            # few steps, torch eager only
     python benchmarks/train.py --dry-run                          # tiny, numpy and CPU torch
     python benchmarks/train.py --cpu                              # CPU default: numpy, CPU torch
@@ -33,8 +35,10 @@ against torch's bf16 autocast (fp32 parameters, residual stream and gradients, b
 matmuls and SDPA) and llm.c's bf16 (bf16 weights, activations and gradients, fp32 master
 weights and moments); with --autocast also eulergen in training.precision=autocast (what
 autocast keeps in fp32: the residual stream, its gradient, the norms' weights, the
-gradients), a row of its own. How each is timed, and how MFU counts attention:
-benchmarks/measure.py.
+gradients), a row of its own; with --recompute also eulergen in training.recompute=blocks
+(each block's forward run again in its backward: its tok/s cost, its peak and plan GiB the
+saving; MFU counts the model's FLOPs, not the forwards run twice). How each is timed, and
+how MFU counts attention: benchmarks/measure.py.
 tok/s is B·T over the median of the repeats' median steps; `spread` the repeats' lowest
 and highest tok/s. peak/plan: eulergen's pool against its plan (the target is within 5%);
 dev/plan: the driver's bytes in use (the pool, the cuBLAS workspace, the kernel modules)
@@ -68,6 +72,9 @@ def systems(args, preset: str, seq: int) -> list[tuple[str, list[str]]]:
     if args.autocast:
         rows.append(("eulergen autocast", ["--system", "eulergen",
                                            "--set=training.precision=autocast"]))
+    if args.recompute:
+        rows.append(("eulergen recompute", ["--system", "eulergen",
+                                            "--set=training.recompute=blocks"]))
     if args.eager:
         rows.append(("eulergen eager", ["--system", "eulergen-eager"]))
     for mode in args.modes.split(","):
@@ -118,6 +125,8 @@ def main() -> None:
                     help="also eulergen without CUDA graphs (training.cuda_graph=false)")
     ap.add_argument("--autocast", action="store_true",
                     help="also eulergen in training.precision=autocast (with --dtype bf16)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="also eulergen in training.recompute=blocks")
     ap.add_argument("--llmc", default=str(llmc.SOURCE), help="llm.c's source ('' for none)")
     ap.add_argument("--llmc-work", default=str(Path(tempfile.gettempdir()) / "eulergen-llmc"))
     ap.add_argument("--warmup", type=int, default=5)
