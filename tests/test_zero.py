@@ -42,11 +42,13 @@ def test_buckets_cover_the_arena_in_the_order_their_gradients_become_final(sets)
     assert param_ready(a)["wte.weight"] == plan.nodes - 1
 
 
-def test_a_bucket_holds_its_final_gradients_when_the_backward_reaches_it(shard):
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+def test_a_bucket_holds_its_final_gradients_when_the_backward_reaches_it(shard, recompute):
     """The backward's hook sees each bucket's gradients as they are after the whole
-    backward: no later node writes into a bucket once it is issued."""
+    backward: no later node writes into a bucket once it is issued (training.recompute
+    blocks: a block's forward run again inside the backward moves none)."""
     cfg = load_config(None, [*SMALL, "training.batch_size=2", "training.seq_len=16"])
-    model = build(cfg.model, LIB, 2, 16)
+    model = build(cfg.model, LIB, 2, 16, recompute=recompute)
     model.init_weights(0)
     plan = plan_buckets(model.arch, 2, bucket_mb=float(BUCKET_MB))
     tokens = np.frombuffer(shard.read_bytes()[1024:1024 + 2 * 17], np.uint8).reshape(2, 17)

@@ -191,4 +191,7 @@ CONFIGS = surface("configs", [
          where="training.beta2", fault="silent"),
     Case("set-dtype", ("plan", "--set", "training.dtype=fp64"), "is not one of",
          where="training.dtype"),
+    Case("set-recompute-typo", (*TRAIN, *ON_SHARD, "--set", "training.recompute=block"),
+         "is not one of none, blocks (did you mean 'blocks'?)", uses=("shard",),
+         where="training.recompute"),
 ])

@@ -136,7 +136,7 @@ def _growth_hook():
 
 
 def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps=3,
-                         precision="bf16"):
+                         precision="bf16", recompute="none"):
     """Builds the model and runs training steps on one batch as the trainer runs them
     (runtime/train/step_graph.py: clipped to norm 1, step control and AdamW on the device; eager
     unless `cuda_graph`); the model, its Stepper and the pool's size after each step."""
@@ -145,7 +145,8 @@ def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps
     from eulergen.runtime.train.step_graph import Stepper
     from eulergen.runtime.train.adamw import AdamW
     t = cfg.training
-    model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype, precision=precision)
+    model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype, precision=precision,
+                  recompute=recompute)
     model.init_weights(0)
     optim = AdamW(model, t)
     stepper = Stepper(model, optim, StepRule.of(t, optim.slots), cuda_graph=cuda_graph)
