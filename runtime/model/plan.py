@@ -12,7 +12,7 @@ from eulergen.runtime.engine import gemm
 from eulergen.runtime.model.arch import Arch
 from eulergen.runtime.model.memory import ALIGN, Plan, Planner
 from eulergen.runtime.model.params import plan_params
-from eulergen.runtime.model.recompute import NONE, per_layer, shared
+from eulergen.runtime.model.recompute import NONE, own, per_layer, shared
 from eulergen.signature import AUTOCAST, bf16_copy
 
 
@@ -124,7 +124,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     for layer in range(a.layers):
         for v in block:
             if v.name in mine:
-                add("activations", f"h.{layer}.{v.name}", v.shape(lead), v.per_row, of(v))
+                add("activations", own(layer, v.name), v.shape(lead), v.per_row, of(v))
     for v in block:   # recomputing: one block's, which each block's forward writes again
         if v.name in kept - mine:
             add("activations", shared(v.name), v.shape(lead), v.per_row, of(v))

@@ -11,8 +11,8 @@ backward reads what it would have read. Two forwards are never re-run: the last 
 whose values are still there when the backward starts, and each block's closing norm, which
 writes only what it hands on (the next block's x and ln_1, kept).
 
-The plan (runtime/model/plan.py) lays out each layer's values by `per_layer` and the one
-block's by `shared`; the training tape (runtime/model/training_tape.py) reads the mode back
+The plan (runtime/model/plan.py) lays out each layer's values by `per_layer` (`own`) and
+the one block's (`shared`); the training tape (runtime/model/training_tape.py) reads the mode back
 from the plan (`planned`) and wraps the first node of each re-run block's backward in a
 `Replay`, so the tape keeps its nodes and their order (data parallel's buckets are issued by
 node, runtime/distributed/buckets.py). Imports nothing of the runtime: graph values only.
@@ -24,27 +24,32 @@ MODES = (NONE, BLOCKS)
 _SHARED = "block."
 
 
+def own(layer: int, name: str) -> str:
+    """The buffer of block value `name` that layer `layer` keeps for itself."""
+    return f"h.{layer}.{name}"
+
+
 def shared(name: str) -> str:
     """The buffer of block value `name` where one block's values serve every block."""
     return _SHARED + name
 
 
 def per_layer(g, mode: str) -> frozenset[str]:
-    """The block values a layer keeps, each in a buffer of its own (`h.{layer}.{name}`):
+    """The block values a layer keeps, each in a buffer of its own (`own`):
     every one a backward reads (none), or those the block before it hands on (blocks)."""
     kept = g.kept()
     return kept if mode == NONE else kept & {ours for ours, _ in g.handoff.values()}
 
 
 def planned(g, memory) -> str:
-    """The mode a plan was made in (a Memory's or a Plan's names): the tape follows it."""
+    """The mode a Memory's plan was made in: the tape follows it."""
     return BLOCKS if any(shared(n) in memory for n in g.kept()) else NONE
 
 
 def kept_bytes(g, plan) -> int:
     """The bytes of a plan's buffers that hold block values from the forward for the
     backward: each layer's and the one block's."""
-    names = {f"h.{layer}.{n}" for layer in range(g.layers) for n in g.kept()}
+    names = {own(layer, n) for layer in range(g.layers) for n in g.kept()}
     names |= {shared(n) for n in g.kept()}
     return sum(plan.buffer(n).nbytes for n in names if n in plan.index)
 

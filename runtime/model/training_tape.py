@@ -78,7 +78,7 @@ class _Recorder:
         if block is None:
             return self.model.mem[name]
         if name in self.mine:
-            return self.model.mem[f"h.{block}.{name}"]
+            return self.model.mem[recompute.own(block, name)]
         if name in self.kept:
             return self.model.mem[recompute.shared(name)]
         return self.model.mem[self.g.values[name].buffer]   # no backward reads it: shared
