@@ -68,9 +68,9 @@ extern "C" __global__ void __launch_bounds__(256) muon_step_bf16(
 }
 
 template <typename scalar_t, int VEC>
-__device__ __forceinline__ void muon_normalize(float* u_ptr, const float* _norm_ptr, const float* control_, long long n_) {
+__device__ __forceinline__ void muon_normalize(float* u_ptr, const float* _sumsq_ptr, const float* control_, long long n_) {
   if (control_[0] != 0.0f) return;
-  const float _norm = _norm_ptr[0];
+  const float _sumsq = _sumsq_ptr[0];
   const long long tid_ = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   const long long stride_ = (long long)gridDim.x * blockDim.x;
   const bool aligned_ = (reinterpret_cast<unsigned long long>(u_ptr)) % 16 == 0;
@@ -81,26 +81,26 @@ __device__ __forceinline__ void muon_normalize(float* u_ptr, const float* _norm_
 #pragma unroll
     for (int e_ = 0; e_ < VEC; ++e_) {
       float u = u_v_[e_];
-      u = u/(_norm + 1e-07f);
+      u = u/(sqrtf(_sumsq) + 1e-07f);
       u_v_[e_] = u;
     }
     eg_store_n<VEC>(u_ptr, q_ * VEC, u_v_);
   }
   for (long long i_ = nvec_ * VEC + tid_; i_ < n_; i_ += stride_) {
     float u = eg_load(u_ptr, i_);
-    u = u/(_norm + 1e-07f);
+    u = u/(sqrtf(_sumsq) + 1e-07f);
     u_ptr[i_] = u;
   }
 }
 
 extern "C" __global__ void __launch_bounds__(256) muon_normalize_f32(
-    float* u, const float* _norm, const float* control, long long n) {
-  muon_normalize<float, 4>(u, _norm, control, n);
+    float* u, const float* _sumsq, const float* control, long long n) {
+  muon_normalize<float, 4>(u, _sumsq, control, n);
 }
 
 extern "C" __global__ void __launch_bounds__(256) muon_normalize_bf16(
-    float* u, const float* _norm, const float* control, long long n) {
-  muon_normalize<__nv_bfloat16, 8>(u, _norm, control, n);
+    float* u, const float* _sumsq, const float* control, long long n) {
+  muon_normalize<__nv_bfloat16, 8>(u, _sumsq, control, n);
 }
 
 template <typename scalar_t, int VEC>

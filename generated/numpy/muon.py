@@ -27,13 +27,13 @@ def step(p, g, m, u, control, *, momentum=0.95, lr_scale=10.0, weight_decay=0.0,
     _u[...] = u
 
 
-def normalize(u, _norm, control):
-    """u over its Frobenius norm (_norm[0]), before the Newton-Schulz GEMMs."""
+def normalize(u, _sumsq, control):
+    """u over its Frobenius norm (the root of _sumsq[0]), before the Newton-Schulz GEMMs."""
     skip, grad_scale, lr = (float(c) for c in control)
     if skip:
         return
     _u = u
-    u = u/(_norm + 1e-07)
+    u = u/(np.sqrt(_sumsq) + 1e-07)
     _u[...] = u
 
 

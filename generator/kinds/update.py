@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import sympy as sp
 
 from eulergen.errors import EulerError, suggest
 from eulergen.generator import formula, ir, numpy_text
@@ -28,7 +29,7 @@ from eulergen.generator.stage_plan import OpPlan, entries, stage
 from eulergen.signature import CONTROL, KernelSig
 
 SHAPE = ("rows", "cols")   # a matrix op's symbols: the parameter's shape
-NORM = "_norm"             # the normalize kernel's pointer to the work input's norm
+SUMSQ = "_sumsq"           # the normalize kernel's pointer to the work input's sum of squares
 MAX_STEPS = 32             # Newton-Schulz iterations a matrix step may ask for
 
 
@@ -74,7 +75,8 @@ class Update(OpKind):
         if mx is None:
             return ir.UpdateDerived(step=step), inputs, outputs
         x = symbol(mx.orthogonalize)
-        normalize = temps.code([(x.name, x / (symbol(NORM) + mx.eps))], fixed=frozenset({x.name}))
+        normalize = temps.code([(x.name, x / (sp.sqrt(symbol(SUMSQ)) + mx.eps))],
+                               fixed=frozenset({x.name}))
         applied = frozenset(f.name for f in spec.apply)
         apply = temps.code([(f.name, f.expr) for f in spec.apply], fixed=applied)
         return ir.UpdateDerived(step=step, matrix=mx, normalize=normalize, apply=apply), \
@@ -105,8 +107,8 @@ class Update(OpKind):
         w = weight(op)
         copy = f"{w}_bf16"
         taken = {o.name for o in op.inputs} | {p.name for p in op.params}
-        # a phase's numpy function names each result's array _<result>: no input `norm`
-        reserved = (*CONTROL, "control", copy) + ((NORM[1:],) if body.matrix else ())
+        # a phase's numpy function names each result's array _<result>: no input `sumsq`
+        reserved = (*CONTROL, "control", copy) + ((SUMSQ[1:],) if body.matrix else ())
         for name in reserved:
             if name in taken:
                 raise EulerError(f"{name!r} names the update kernels' own argument; rename the "
@@ -133,8 +135,8 @@ class Update(OpKind):
         if body.matrix is not None:
             x = body.matrix.orthogonalize
             stages += [
-                stage(op, "step", [x, NORM], [x], lambda dt: (
-                    (x, "float*"), (NORM, "const float*"), ("control", "const float*"),
+                stage(op, "step", [x, SUMSQ], [x], lambda dt: (
+                    (x, "float*"), (SUMSQ, "const float*"), ("control", "const float*"),
                     ("n", "long long")), update_launch, part="normalize", control=slots),
                 phase(body.apply, "apply")]
         return OpPlan(tuple(stages))
@@ -152,7 +154,7 @@ class Update(OpKind):
             phases.append(dict(
                 label=st.label, operands=operands,
                 scaled=any(o.role == "grad" for o in operands),
-                scalars=[NORM] if normalize else [],
+                scalars=[SUMSQ] if normalize else [],
                 params=[] if normalize else _fixed(op),
                 runtime=[(n, i) for i, n in enumerate(slots)
                          if n not in CONTROL and n in code.uses],
@@ -180,9 +182,9 @@ class Update(OpKind):
         if body.matrix is not None:
             mx = body.matrix
             x = mx.orthogonalize
-            functions += ["", ""] + _numpy_phase("normalize", [x, NORM], slots, (), (),
+            functions += ["", ""] + _numpy_phase("normalize", [x, SUMSQ], slots, (), (),
                                              body.normalize, (), [
-                f'    """{x} over its Frobenius norm ({NORM}[0]), before the Newton-Schulz GEMMs."""'])
+                f'    """{x} over its Frobenius norm (the root of {SUMSQ}[0]), before the Newton-Schulz GEMMs."""'])
             functions += ["", ""] + _numpy_phase("apply", ins, slots, fixed, shape, body.apply, (), [
                 f'    """After the matrix step: {", ".join(body.apply.names)} from {x} '
                 'orthogonalised."""'])

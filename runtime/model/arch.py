@@ -84,9 +84,12 @@ def _op_params(op, wanted: dict) -> dict:
 
 
 def ops_used(cfg) -> tuple[str, ...]:
-    """The ops a run of this ModelConfig calls: what `eulergen train` builds before it starts."""
-    return tuple(dict.fromkeys((cfg.norm, cfg.activation, cfg.attention, "cross_entropy", "adamw")
-                               + (("rope",) if cfg.positions == "rope" else ())))
+    """The ops a run of this RunConfig calls: what `eulergen train` builds before it starts
+    (a matrix optimizer's rest op is built with it: it names that op in its own spec)."""
+    m = cfg.model
+    return tuple(dict.fromkeys((m.norm, m.activation, m.attention, "cross_entropy",
+                                cfg.training.optimizer)
+                               + (("rope",) if m.positions == "rope" else ())))
 
 
 def arch_of(cfg, lib) -> Arch:

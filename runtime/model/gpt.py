@@ -197,15 +197,17 @@ def check_ids(ids: np.ndarray, vocab: int, hint: str = "") -> np.ndarray:
 
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
-          shared: dict | None = None, tf32: bool = False, buckets=None) -> GPT:
+          shared: dict | None = None, tf32: bool = False, buckets=None, optimizer=None) -> GPT:
     """Resolve, plan, allocate and record a model from a ModelConfig (what evaluation and
     the tests make; a training run resolves its own once, runtime/train/resolve.py).
     `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy); `shared`:
-    arenas allocated already (Memory's)."""
+    arenas allocated already (Memory's); `optimizer`: the UpdateOps whose state the plan
+    holds (runtime/model/optimizer_plan.py; None: none)."""
     arch = arch_of(cfg, lib)
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
-    plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, buckets=buckets)
+    plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, buckets=buckets,
+                   optimizer=optimizer)
     return allocate(arch, lib, plan, batch, seq, shared=shared, tf32=tf32)
 
 

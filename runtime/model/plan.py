@@ -10,40 +10,47 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine import gemm
 from eulergen.runtime.model.arch import Arch
 from eulergen.runtime.model.memory import ALIGN, Plan, Planner
+from eulergen.runtime.model.optimizer_plan import plan_optimizer
 from eulergen.runtime.model.params import plan_params
 
 
 def plan_on(lib, a: Arch, batch: int, seq: int, *, training: bool = True,
-            dtype: str = "float32", buckets=None, for_gpu: bool = False) -> Plan:
+            dtype: str = "float32", buckets=None, for_gpu: bool = False,
+            optimizer=None) -> Plan:
     """plan_model with the workspaces a run on `lib`'s backend plans: on a GPU the
     kernels' (lib.workspace_elements) and the GEMM libraries' (gemm.workspace_bytes), on
-    numpy none. `for_gpu`: a GPU's on any machine (`eulergen plan`: no GPU needed)."""
+    numpy none. `for_gpu`: a GPU's on any machine (`eulergen plan`: no GPU needed).
+    `optimizer`: the run's UpdateOps (runtime/model/optimizer_plan.py), whose state a
+    training plan holds; None: none."""
     if for_gpu and not lib.backend.is_gpu:
         from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
         from eulergen.runtime.engine.cuda_ops import workspace_elements
         workspace, gemm_workspace = workspace_elements, WORKSPACE_BYTES
     else:
         workspace, gemm_workspace = lib.workspace_elements, gemm.workspace_bytes(lib.backend)
+    planned = plan_optimizer(a, optimizer, buckets) if optimizer is not None and training \
+        else None
     return plan_model(a, batch, seq, training=training, dtype=dtype, workspace=workspace,
-                      gemm_workspace=gemm_workspace, buckets=buckets)
+                      gemm_workspace=gemm_workspace, buckets=buckets, optimizer=planned)
 
 
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                dtype: str = "float32", workspace=None, gemm_workspace: int = 0,
-               buckets=None) -> Plan:
-    """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
+               buckets=None, optimizer=None) -> Plan:
+    """Lay out parameters, (gradients, optimizer state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
-    numpy) or "bf16" (mixed precision: float32 master weights and AdamW moments beside a
+    numpy) or "bf16" (mixed precision: float32 master weights and optimizer state beside a
     bf16 copy the kernels read, bf16 gradients, activations and workspace, the per-row
     float32 values in `stats`). `workspace(op, stage, shape, dtype=, table_rows=,
     fusion=)`: the float32 elements a backward call needs from the kernels' workspace, as
     OpLibrary.workspace_elements answers it; None: none. `gemm_workspace`: the bytes of the
     GEMM libraries' workspace (on a GPU, so that a captured step's GEMMs allocate
     nothing), its own arena `gemm`; 0: none. plan_on passes a run's.
-    `buckets`: data-parallel training's BucketPlan (runtime/distributed/buckets.py): with ZeRO-1 the
-    AdamW moments hold one rank's share; the rank's loss and sum of squares have a slot
-    each for the collectives."""
+    `buckets`: data-parallel training's BucketPlan (runtime/distributed/buckets.py): the
+    rank's loss and sum of squares have a slot each for the collectives. `optimizer`: the
+    OptimizerPlan (runtime/model/optimizer_plan.py) whose buffers the `optimizer` arena
+    holds (with ZeRO-1 one rank's share); None: no optimizer state."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -67,9 +74,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     if training:
         # same layout as params: a parameter's gradient / moments sit at its offset
         p.add("grads", "grads", (total,), dtype)
-        moments = buckets.moments if buckets is not None and buckets.zero else total
-        for arena in ("adam_m", "adam_v"):
-            p.add(arena, arena, (moments,), master)
+        for name, size in optimizer.buffers() if optimizer is not None else ():
+            p.add("optimizer", name, (size,), master)
 
     # what a block hands on is the next block's x and ln_1, and after the last the head's;
     # parts (q, k, v of qkv) are views of their root's buffers
