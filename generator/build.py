@@ -4,7 +4,8 @@ Per op: load and derive the spec, render the CUDA and the numpy module, and reco
 in manifest.json (docs/internals.md, "Manifest"), asking the op's kind (generator/kinds/)
 what its entry holds. An op whose build key (spec bytes, the bytes of the templates its kind
 renders through, which its entry lists, the generator's own sources) matches the manifest
-is not derived again. Files are written atomically (temp file + os.replace) and only when
+is not derived again, nor one built before from the same inputs (generator/derived_cache.py:
+a spec edited back). Files are written atomically (temp file + os.replace) and only when
 their bytes change; the output depends on nothing but those inputs.
 
 Built-in ops (ops/) build into generated/, shipped with the package, with the ops of the
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.files import write_atomic
-from eulergen.generator import ir, ops_path
+from eulergen.generator import derived_cache, ir, ops_path
 from eulergen.userfiles import read_bytes
 
 FORMAT = 3
@@ -82,11 +83,15 @@ class Output:
 
     common_key: str = ""
 
-    def manifest_bytes(self) -> bytes:
+    def manifest_bytes(self, previous: tuple[dict, bytes] = ({}, b"")) -> bytes:
+        """The manifest's text; `previous` (the one on disk, parsed, and its bytes) where it
+        says the same: an unchanged build does not encode it again (a tenth of a second)."""
         data = {"format": FORMAT, "generator": __version__, "common": f"cuda/{COMMON}",
                 "common_key": self.common_key,
                 "common_sha256": _sha(self.files[f"cuda/{COMMON}"]),
                 "ops": {name: self.ops[name] for name in sorted(self.ops)}}
+        if data == previous[0]:
+            return previous[1]
         return (json.dumps(data, indent=1) + "\n").encode()
 
 
@@ -165,13 +170,14 @@ def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
     return entry, {entry["cuda"]: cuda}
 
 
-def _previous(root: Path) -> dict:
-    """The manifest `root` holds, or {} (none, unreadable)."""
+def _previous(root: Path) -> tuple[dict, bytes]:
+    """The manifest `root` holds, parsed, and its bytes, or ({}, b"") (none, unreadable)."""
     try:
-        data = json.loads((root / "manifest.json").read_text())
+        raw = (root / "manifest.json").read_bytes()
+        data = json.loads(raw)
     except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        return {}, b""
+    return (data, raw) if isinstance(data, dict) else ({}, b"")
 
 
 def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None:
@@ -232,7 +238,8 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
                log=None) -> Output:
     """Everything `root` should hold for these specs (name -> spec path) and, where
     `template_ops`, the ops of the kinds without a spec."""
-    prev_manifest = {} if force else _previous(root)
+    previous = ({}, b"") if force else _previous(root)
+    prev_manifest = previous[0]
     prev = prev_manifest.get("ops")
     prev = prev if isinstance(prev, dict) else {}   # a damaged manifest: build it all again
     fingerprint = generator_fingerprint()
@@ -242,10 +249,16 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
     out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
         data = read_bytes(specs[name], "spec file")   # a regular file, bounded: the user's
-        files = _reused(prev.get(name),
-                        lambda t: _key(fingerprint, [COMMON_TEMPLATE, *t], data), root)
+
+        def key_of(templates):
+            return _key(fingerprint, [COMMON_TEMPLATE, *templates], data)
+        entry, files = prev.get(name), _reused(prev.get(name), key_of, root)
+        held = derived_cache.folder(fingerprint, specs[name], data)
+        if files is None and not force:   # a version built before, kept by its content
+            entry = derived_cache.entry(held)
+            files = _reused(entry, key_of, held)
         if files is not None:
-            out.ops[name] = prev[name]
+            out.ops[name] = entry
             out.files.update(files)
             continue
         if log:
@@ -253,11 +266,12 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
         from eulergen.generator import derive, spec as spec_mod   # sympy: only for a stale op
         derived = derive.derive(spec_mod.load_spec(specs[name], data))
         entry, files = _render_op(derived, data, fingerprint)
+        derived_cache.store(held, entry, files)
         out.ops[name] = entry
         out.files.update(files)
     if template_ops:
         _add_template_ops(out, prev, fingerprint, common is not None)
-    out.files["manifest.json"] = out.manifest_bytes()
+    out.files["manifest.json"] = out.manifest_bytes(previous)
     return out
 
 

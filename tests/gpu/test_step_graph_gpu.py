@@ -18,7 +18,7 @@ from test_model_gpu import _cfg, _three_planned_steps  # noqa: E402  (tests/gpu 
 pytestmark = pytest.mark.gpu
 
 
-def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike):
+def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike, optimizer="adamw"):
     # head dim 64 (a size the flash kernels take), GQA; evaluation between replays at 7
     sets = [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
             "model.preset=nanoeuler", "model.vocab_size=256", "model.hidden_dim=128",
@@ -28,7 +28,8 @@ def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike):
             "training.eval_every=7", "training.eval_steps=2", "training.checkpoint_every=0",
             "training.log_every=1", "training.sample_tokens=0", "training.device=cuda",
             f"training.dtype={dtype}", f"training.cuda_graph={str(graph).lower()}",
-            f"training.gradient_accumulation={accumulation}", f"training.spike_factor={spike}"]
+            f"training.gradient_accumulation={accumulation}", f"training.spike_factor={spike}",
+            f"training.optimizer={optimizer}"]
     return Trainer(load_config(None, sets), lib, progress=False, tensorboard=False)
 
 
@@ -43,17 +44,20 @@ def _finished(trainer: Trainer) -> dict:
 
 # spike factor 0.1: past the guard's warm-up (10 steps) every loss is above 0.1 x its mean,
 # so steps 11-14 are skipped (0.9 skipped none: the loss falls faster than its mean)
-@pytest.mark.parametrize("dtype, accumulation, spike", [
-    ("fp32", 1, 4.0), ("bf16", 1, 4.0), ("bf16", 2, 0.1), ("fp32", 2, 0.1)])
+# muon: its Newton-Schulz GEMMs on the model's cuBLAS handle inside the update's graph
+@pytest.mark.parametrize("dtype, accumulation, spike, optimizer", [
+    ("fp32", 1, 4.0, "adamw"), ("bf16", 1, 4.0, "adamw"), ("bf16", 2, 0.1, "adamw"),
+    ("fp32", 2, 0.1, "adamw"), ("bf16", 1, 4.0, "muon"), ("fp32", 1, 4.0, "muon"),
+    ("bf16", 1, 4.0, "lion")])
 def test_a_graphed_run_repeats_the_eager_run_bitwise(libs, shard, tmp_path, dtype,
-                                                     accumulation, spike):
+                                                     accumulation, spike, optimizer):
     cuda = libs[0]
     eager_trainer = _trainer(cuda, shard, tmp_path / "eager", dtype=dtype, graph=False,
-                             accumulation=accumulation, spike=spike)
+                             accumulation=accumulation, spike=spike, optimizer=optimizer)
     eager = _finished(eager_trainer)
     assert eager_trainer.stepper.device.graphs is None
     graphed_trainer = _trainer(cuda, shard, tmp_path / "graph", dtype=dtype, graph=True,
-                               accumulation=accumulation, spike=spike)
+                               accumulation=accumulation, spike=spike, optimizer=optimizer)
     graphed = _finished(graphed_trainer)
     want = {("micro", True, False), ("update",)} | (
         {("micro", False, False)} if accumulation > 1 else set())
