@@ -193,3 +193,20 @@ def test_the_plan_command_shows_each_op_s_state(tmp_path):
     for name in ("muon.m", "muon.u", "muon.newton_schulz", "adamw.m", "adamw.v",
                  "optimizer total"):
         assert name in result.output
+
+
+@pytest.mark.parametrize("optimizer, zero", [("sgd_momentum", 1), ("muon", 0)])
+def test_two_ranks_of_4_train_as_one_process_of_8(shard, tmp_path, optimizer, zero):
+    """Data parallel on the CPU collective: sgd_momentum's state shared by ZeRO-1 (each rank
+    its share, gathered whole into the checkpoint), muon on whole gradients (its matrix
+    step needs whole matrices): the losses of 1 x 8 within float32 summation order."""
+    from test_ddp import _on_ranks, _train, max_rel
+    one = _train(shard, tmp_path / "one", 8, optimizer=optimizer)
+    out = _on_ranks(2, lambda c: _train(shard, tmp_path / "two", 4, c, optimizer=optimizer,
+                                        zero=zero, bucket_mb="0.01"), timeout=60)
+    assert not any(isinstance(o, Exception) for o in out), out
+    rel = max_rel(out[0], one)
+    print(f"{optimizer}: 2 x 4 against 1 x 8, max relative loss difference {rel:.2e}")
+    assert rel < 1e-5
+    ours, theirs = checkpoint.load(tmp_path / "two"), checkpoint.load(tmp_path / "one")
+    assert ours.optim.keys() == theirs.optim.keys()
