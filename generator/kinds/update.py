@@ -182,13 +182,17 @@ class Update(OpKind):
         if body.matrix is not None:
             mx = body.matrix
             x = mx.orthogonalize
-            functions += ["", ""] + _numpy_phase("normalize", [x, SUMSQ], slots, (), (),
-                                             body.normalize, (), [
-                f'    """{x} over its Frobenius norm (the root of {SUMSQ}[0]), before the Newton-Schulz GEMMs."""'])
-            functions += ["", ""] + _numpy_phase("apply", ins, slots, fixed, shape, body.apply, (), [
-                f'    """After the matrix step: {", ".join(body.apply.names)} from {x} '
-                'orthogonalised."""'])
-            constants.append(f"MATRIX = {dict(orthogonalize=x, steps=mx.steps, coefficients=mx.coefficients, eps=mx.eps, rest=mx.rest)!r}")
+            functions += ["", ""] + _numpy_phase(
+                "normalize", [x, SUMSQ], slots, (), (), body.normalize, (),
+                [f'    """{x} over its Frobenius norm (the root of {SUMSQ}[0]), before the '
+                 'Newton-Schulz GEMMs."""'])
+            functions += ["", ""] + _numpy_phase(
+                "apply", ins, slots, fixed, shape, body.apply, (),
+                [f'    """After the matrix step: {", ".join(body.apply.names)} from {x} '
+                 'orthogonalised."""'])
+            settings = dict(orthogonalize=x, steps=mx.steps, coefficients=mx.coefficients,
+                            eps=mx.eps, rest=mx.rest)
+            constants.append(f"MATRIX = {settings!r}")
         return numpy_text.module(op, functions, grads=False, constants=tuple(constants),
                                  support=())
 
