@@ -42,10 +42,10 @@ def _cfg(preset: str):
 
 def _model(lib, cfg):
     """A model and its one-step call (the trainer's Stepper, uncaptured: numpy)."""
-    adamw = update_ops(lib, "adamw")
-    model = build(cfg.model, lib, B, T, dtype="float32", optimizer=adamw)
+    ops = update_ops(lib, cfg.training.optimizer)
+    model = build(cfg.model, lib, B, T, dtype="float32", optimizer=ops)
     model.init_weights(0)
-    return model, sp.eulergen_stepper(model, Optimizer(model, adamw, cfg.training),
+    return model, sp.eulergen_stepper(model, Optimizer(model, ops, cfg.training),
                                       cfg.training)[1]
 
 
@@ -104,6 +104,25 @@ def test_the_gemm_lines_count_six_flops_per_weight_and_token(lib):
                if name.endswith(".bias") and ".c_" in name and ".c_fc." not in name)
     grads = sum(f for (name, kind), (_, _, f, _) in lines.items() if name.endswith("bias grad"))
     assert grads == 2 * B * T * bias
+
+
+def test_muon_s_line_counts_its_newton_schulz_flops_and_adamw_steps_the_rest(lib):
+    """With training.optimizer=muon: a muon line a Linear weight (its three phases and
+    GEMMs; ‖X‖² and 5 steps of A = XXᵀ, A·A, BX), an adamw line a range of the rest."""
+    cfg = sp.config("gpt2", B, T, "fp32", "training.device=numpy", "model.num_layers=2",
+                    "model.hidden_dim=32", "model.num_heads=2", "model.num_kv_heads=2",
+                    "model.vocab_size=100", "model.max_seq_len=16", "training.optimizer=muon")
+    model, step = _model(lib, cfg)
+    spans = sp.Spans(NUMPY)
+    sp.instrument(model, spans)
+    step(np.zeros((B, T)), np.ones((B, T)))
+    lines = spans.collect()
+    matrices = [v.shape for name, v in model.params.items()
+                if name.endswith(".weight") and ".c_" in name]
+    flops = sum(2 * min(s) * max(s) + 5 * 2 * (2 * min(s) ** 2 * max(s) + min(s) ** 3)
+                for s in matrices)
+    assert lines[("muon", "optimizer")][1:3] == [len(matrices), flops]
+    assert lines[("adamw", "optimizer")][1] == 2   # the embeddings, then the 1-D parameters
 
 
 def test_the_embedding_backward_bytes_follow_its_kernels(lib):
