@@ -36,8 +36,8 @@ class Optimizer:
         mem = model.mem
         missing = [n for n, _ in self.plan.buffers() if n not in mem]
         if missing:
-            raise EulerError(f"the model's plan holds no {missing[0]} (plan it with the "
-                             f"optimizer, optimizer=)", key="training.optimizer")
+            raise EulerError(f"the model's plan holds no {missing[0]} (build or plan the "
+                             "model with optimizer=)", key="training.optimizer")
         self.launches = []
         for g in self.plan.groups:
             op = self.plan.op(g.op)
@@ -48,8 +48,8 @@ class Optimizer:
                 copy = None if copy is None else copy.reshape(g.shape)
                 extra = {"gemm": model.tape.gemm, "workspace": mem[f"{op.name}.newton_schulz"]}
             # its own control slots: the first of the shared array's (update_ops checks)
-            slots = len(model.lib.control_slots(op))
-            self.launches.append((op, arrays, copy, slots, {**_params(op, t, g.decay), **extra}))
+            own = len(model.lib.control_slots(op))
+            self.launches.append((op, arrays, copy, own, {**_params(op, t, g.decay), **extra}))
 
     def _array(self, op, o, g):
         """The view of input `o` of `op` that group g's launch takes."""
@@ -66,8 +66,8 @@ class Optimizer:
 
     def step(self, control) -> None:
         lib = self.model.lib
-        for op, arrays, copy, slots, params in self.launches:
-            lib.step(op, *arrays, control=control[:slots], copy=copy, **params)
+        for op, arrays, copy, own, params in self.launches:
+            lib.step(op, *arrays, control=control[:own], copy=copy, **params)
 
     # -- checkpoints: whole tensors by name ------------------------------------------------
 
