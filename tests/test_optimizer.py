@@ -39,8 +39,9 @@ def _orthogonalise(u, steps=5, eps=1e-7):
     return x.T if tall else x
 
 
-def _muon(p, g, m, lr, momentum=F32(0.95), scale=F32(10.0)):
-    """Nesterov momentum, its update orthogonalised, scaled by sqrt(max(1, rows/cols))."""
+def _muon(p, g, m, lr, momentum=F32(0.95), scale=F32(5.0)):
+    """Nesterov momentum, its update orthogonalised, scaled by sqrt(max(1, rows/cols)) and
+    muon.yaml's lr_scale (its learning rate over the run's)."""
     m = momentum * m + g
     o = _orthogonalise(g + momentum * m)
     rows, cols = p.shape
