@@ -4,9 +4,9 @@ Per op: load and derive the spec, render the CUDA and the numpy module, and reco
 in manifest.json (docs/internals.md, "Manifest"), asking the op's kind (generator/kinds/)
 what its entry holds. An op whose build key (spec bytes, the bytes of the templates its kind
 renders through, which its entry lists, the generator's own sources) matches the manifest
-is not derived again, nor one built before from the same inputs (generator/derived_cache.py:
-a spec edited back). Files are written atomically (temp file + os.replace) and only when
-their bytes change; the output depends on nothing but those inputs.
+is not derived again, nor one built before from the same inputs (derived_cache.py: a spec
+edited back). Files are written atomically (temp file + os.replace), only when their bytes
+change; the output depends on nothing but those inputs.
 
 Built-in ops (ops/) build into generated/, shipped with the package, with the ops of the
 kinds without a spec (the embedding: from its templates alone). User ops (--ops DIR,
@@ -84,8 +84,7 @@ class Output:
     common_key: str = ""
 
     def manifest_bytes(self, previous: tuple[dict, bytes] = ({}, b"")) -> bytes:
-        """The manifest's text; `previous` (the one on disk, parsed, and its bytes) where it
-        says the same: an unchanged build does not encode it again (a tenth of a second)."""
+        """Its text: `previous`'s bytes (the manifest on disk) where that says the same."""
         data = {"format": FORMAT, "generator": __version__, "common": f"cuda/{COMMON}",
                 "common_key": self.common_key,
                 "common_sha256": _sha(self.files[f"cuda/{COMMON}"]),
