@@ -258,8 +258,9 @@ def safetensors_header(f: BinaryIO, path: Path) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def read_safetensors(path: str | Path, what: str = "weights file") -> dict:
-    """Every tensor of a safetensors file as float32 (f16 and bf16 widen exactly)."""
+def read_safetensors(path: str | Path, what: str = "weights file", each=None) -> dict:
+    """Every tensor of a safetensors file as float32 (f16 and bf16 widen exactly);
+    `each()` after each tensor (a progress bar)."""
     import numpy as np
     path = Path(path)
     with opened(path, what) as f:
@@ -272,6 +273,8 @@ def read_safetensors(path: str | Path, what: str = "weights file") -> dict:
                 out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
             else:
                 out[name] = raw.astype(np.float32).reshape(shape)
+            if each is not None:
+                each()
         return out
 
 

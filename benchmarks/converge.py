@@ -1,12 +1,14 @@
-"""Training on real text side by side: eulergen bf16, eulergen fp32 (TF32 GEMMs) as the
-reference, and PyTorch bf16 autocast + torch.compile from two initialisations, each side in
-its own process (benchmarks/converge_side.py), the same tokens, weights and
-hyper-parameters; val loss at every evaluation and the wall time each side takes to reach
-PyTorch's final val loss.
+"""Training on real text side by side: eulergen bf16, eulergen bf16 in autocast precision
+(training.precision=autocast: what autocast keeps in fp32, eulergen does), eulergen fp32
+(TF32 GEMMs) as the reference, and PyTorch bf16 autocast + torch.compile from two
+initialisations, each side in its own process (benchmarks/converge_side.py), the same
+tokens, weights and hyper-parameters; val loss at every evaluation and the wall time each
+side takes to reach PyTorch's final val loss.
 
-    python benchmarks/converge.py --preset gpt2 --out $OUT        # one preset, four sides
+    python benchmarks/converge.py --preset gpt2 --out $OUT        # one preset, five sides
     python benchmarks/converge.py --preset nanoeuler --sides eulergen-bf16,torch-s0
-    python benchmarks/converge.py --report a/converge.jsonl b/converge.jsonl   # saved runs
+    python benchmarks/converge.py --sides eulergen-autocast --out $OUT   # one side more, then
+    python benchmarks/converge.py --report saved/converge.jsonl $OUT/converge.jsonl   # both
     python benchmarks/converge.py --dry-run                        # tiny, numpy and CPU torch
 
 Data: the running Python's standard library (`builtin:stdlib`'s files,
@@ -18,14 +20,15 @@ first --val-tokens are the validation shard, the rest train). All of it is cache
 
 Estimates on one H200 at 124M, 2000 steps of 8x1024 (each side adds ~10-20 s of start-up,
 its evaluations and, for the trainer, its final checkpoint): eulergen bf16 ~18 ms/step
-(~40 s), torch.compile ~21 ms/step and ~25 s to compile (~70 s, twice), eulergen fp32/TF32
+(~40 s; autocast precision not measured yet: its float32 stream and gradients move more
+bytes), torch.compile ~21 ms/step and ~25 s to compile (~70 s, twice), eulergen fp32/TF32
 ~45-55 ms/step (~110 s); the BPE and prepare ~40 s on 16 cores once: one preset with all
 sides ~7 minutes, within --deadline (a side still running at the deadline is stopped and
 reported; the table is printed with what there is).
 
-Targets (issue 31): eulergen bf16's val loss within the two PyTorch seeds' spread, or 0.5%
-of torch-s0's if wider, at every evaluation after the first 10% of the run; eulergen bf16
-reaching torch-s0's final val loss at least 1.25x sooner.
+Targets (issue 31): eulergen bf16's (and autocast's) val loss within the two PyTorch seeds'
+spread, or 0.5% of torch-s0's if wider, at every evaluation after the first 10% of the run;
+eulergen bf16 reaching torch-s0's final val loss at least 1.25x sooner.
 """
 from __future__ import annotations
 
@@ -97,52 +100,64 @@ def time_to(records: list[dict], target: float) -> float | None:
     return next((r["train_s"] for r in records if r["val_loss"] <= target), None)
 
 
+# the sides the target is about: each gets a column of its distance to torch-s0 and verdict
+JUDGED = {"eulergen-bf16": "bf16", "eulergen-autocast": "autocast"}
+
+
 def report(records: list[dict]) -> None:
     """Per preset: val loss at every evaluation by side, the spread and the target's
-    verdict; then each side's final loss, speed and time to torch-s0's final val loss."""
+    verdict for each judged side; then each side's final loss, speed and time to
+    torch-s0's final val loss."""
     for preset in dict.fromkeys(r["preset"] for r in records):
         mine = [r for r in records if r["preset"] == preset]
         evals = {s: [r for r in mine if r["side"] == s and "val_loss" in r] for s in SIDES}
         ends = {r["side"]: r for r in mine if "done" in r or "error" in r}
         sides = [s for s in SIDES if evals[s] or s in ends]
+        judged = [s for s in JUDGED if evals[s]]
+        width = {s: max(14, len(s)) for s in sides}
         print(f"converge: {preset}, val loss at each evaluation")
-        head = f"{'step':>6} " + " ".join(f"{s:>14}" for s in sides) + \
-            f" {'seed spread':>12} {'bf16 - s0':>10} {'within':>7}"
+        head = f"{'step':>6} " + " ".join(f"{s:>{width[s]}}" for s in sides) + \
+            f" {'seed spread':>12}" + \
+            "".join(f" {JUDGED[s] + ' - s0':>13} {'within':>7}" for s in judged)
         print(head)
         print("-" * len(head))
         steps = sorted({r["step"] for s in sides for r in evals[s]})
         at = {s: {r["step"]: r["val_loss"] for r in evals[s]} for s in sides}
         for step in steps:
-            cells = " ".join(f"{at[s][step]:14.4f}" if step in at[s] else f"{'-':>14}"
-                             for s in sides)
-            s0, s1, bf = (at.get(s, {}).get(step) for s in ("torch-s0", "torch-s1", "eulergen-bf16"))
+            cells = " ".join(f"{at[s][step]:{width[s]}.4f}" if step in at[s]
+                             else f"{'-':>{width[s]}}" for s in sides)
+            s0, s1 = (at.get(s, {}).get(step) for s in ("torch-s0", "torch-s1"))
             spread = abs(s0 - s1) if s0 is not None and s1 is not None else None
-            verdict = ""
-            if s0 is not None and bf is not None:
+            verdicts = ""
+            for side in judged:
+                ours = at[side].get(step)
+                if s0 is None or ours is None:
+                    verdicts += f" {'-':>13} {'-':>7}"
+                    continue
                 allowed = max(spread or 0.0, 0.005 * s0)
-                verdict = ("yes" if abs(bf - s0) <= allowed else "NO") \
+                verdict = ("yes" if abs(ours - s0) <= allowed else "NO") \
                     if step > 0.1 * steps[-1] else "(warm)"
+                verdicts += f" {ours - s0:+13.4f} {verdict:>7}"
             print(f"{step:6d} {cells} " +
-                  (f"{spread:12.4f}" if spread is not None else f"{'-':>12}") +
-                  (f" {bf - s0:+10.4f} {verdict:>7}" if verdict else f" {'-':>10} {'-':>7}"))
+                  (f"{spread:12.4f}" if spread is not None else f"{'-':>12}") + verdicts)
         target = evals["torch-s0"][-1]["val_loss"] if evals["torch-s0"] else None
         ref = time_to(evals["torch-s0"], target) if target is not None else None
-        print(f"\n{'side':<14} {'final val':>9} {'ms/step':>8} {'first step s':>12} "
+        print(f"\n{'side':<17} {'final val':>9} {'ms/step':>8} {'first step s':>12} "
               f"{'train s':>8} {'to torch-s0 final':>17} {'vs torch-s0':>11}")
         for s in sides:
             if s in ends and "error" in ends[s]:
-                print(f"{s:<14} failed: {ends[s]['error']}")
+                print(f"{s:<17} failed: {ends[s]['error']}")
             if not evals[s]:
                 continue
             e, end = evals[s], ends.get(s, {})
             ms = 1e3 * (e[-1]["train_s"] - e[0]["train_s"]) / max(1, e[-1]["step"] - e[0]["step"])
             reach = time_to(e, target) if target is not None else None
             first = f"{end['first_s']:12.1f}" if end.get("first_s") else f"{'-':>12}"
-            print(f"{s:<14} {e[-1]['val_loss']:9.4f} {ms:8.1f} {first} {e[-1]['train_s']:8.1f} "
+            print(f"{s:<17} {e[-1]['val_loss']:9.4f} {ms:8.1f} {first} {e[-1]['train_s']:8.1f} "
                   + (f"{reach:17.1f}" if reach is not None else f"{'not reached':>17}")
                   + (f" {ref / reach:11.2f}" if reach and ref else f" {'-':>11}"))
-        print("targets: bf16 within the seed spread (or 0.5%) after the first 10% of the run; "
-              "bf16 reaches torch-s0's final val loss >= 1.25x sooner\n", flush=True)
+        print("targets: bf16 (and autocast) within the seed spread (or 0.5%) after the first 10% "
+              "of the run; bf16 reaches torch-s0's final val loss >= 1.25x sooner\n", flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """One side of benchmarks/converge.py, trained in this process; a JSON record to --result
 at every evaluation and one at the end.
 
-Sides: `eulergen-bf16` and `eulergen-fp32` (TF32 GEMMs) are the trainer itself
+Sides: `eulergen-bf16`, `eulergen-autocast` (bf16 with training.precision=autocast: the
+residual stream, its gradient, the norms' weights and the gradients in fp32, as autocast
+keeps them) and `eulergen-fp32` (TF32 GEMMs) are the trainer itself
 (runtime/train/trainer.py, its evaluation timed out of the training time), initialised from
 training.seed; `torch-s0` and `torch-s1` are TorchGPT (benchmarks/torch_gpt.py) under bf16
 autocast and torch.compile(dynamic=False), initialised with eulergen's init of training.seed
@@ -31,12 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from isolated import emit  # noqa: E402
 
-SIDES = ("eulergen-bf16", "torch-s0", "torch-s1", "eulergen-fp32")
+# an eulergen side's precision; the torch sides train under bf16 autocast
+PRECISION = {"eulergen-bf16": ["training.dtype=bf16"],
+             "eulergen-autocast": ["training.dtype=bf16", "training.precision=autocast"],
+             "eulergen-fp32": ["training.dtype=fp32"]}
+SIDES = ("eulergen-bf16", "torch-s0", "torch-s1", "eulergen-fp32", "eulergen-autocast")
 
 
 def side_config(args, run_dir: str):
     from eulergen.runtime.train.config import load_config
-    dtype = "fp32" if args.side == "eulergen-fp32" else "bf16"
     return load_config(None, [
         f"model.preset={args.preset}", f"model.vocab_size={args.vocab}",
         f"training.batch_size={args.batch}", f"training.seq_len={args.seq}",
@@ -47,7 +52,8 @@ def side_config(args, run_dir: str):
         f"training.eval_every={args.eval_every}", f"training.eval_steps={args.eval_steps}",
         f"training.log_every={args.eval_every}", "training.checkpoint_every=0",
         "training.keep_checkpoints=1", "training.sample_tokens=0", f"training.seed={args.seed}",
-        f"training.dtype={dtype}", "training.tf32=true", f"training.device={args.device}",
+        *PRECISION.get(args.side, ["training.dtype=bf16"]), "training.tf32=true",
+        f"training.device={args.device}",
         f"data.dataset={args.data}/stdlib_train_*.bin", f"data.val_dataset={args.data}/stdlib_val_*.bin",
         f"data.tokenizer={args.tokenizer}", f"run_dir={run_dir}", *args.overrides])
 

@@ -60,16 +60,17 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
-def run_child(argv: list[str], timeout: float) -> Outcome:
-    """Run `argv --result FILE` in a process group of its own, its stderr passed through;
-    kill the group after `timeout` seconds."""
+def run_child(argv: list[str], timeout: float, env: dict | None = None) -> Outcome:
+    """Run `argv --result FILE` in a process group of its own (in `env`, default this
+    process's environment), its stderr passed through; kill the group after `timeout`
+    seconds."""
     if timeout < 1:
         return Outcome(error="not run: the benchmark's deadline had passed")
     fd, path = tempfile.mkstemp(prefix="eulergen-bench-", suffix=".jsonl")
     os.close(fd)
     started = time.monotonic()
     proc = subprocess.Popen([*argv, "--result", path], stderr=subprocess.PIPE, text=True,
-                            errors="replace", start_new_session=True)
+                            errors="replace", start_new_session=True, env=env)
     tail: deque[str] = deque(maxlen=40)
 
     def pump() -> None:

@@ -44,18 +44,22 @@ from isolated import emit  # noqa: E402
 
 LR = 6e-4
 MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+CPU_DEFAULT = "cpu-default"   # a --preset: the built-in CPU default (no model.preset)
 SDPA = ("auto", "flash", "cudnn")
 
 
 def config(preset: str, batch: int, seq: int, dtype: str, *overrides: str):
     """The benchmarked run's config; `overrides` come last (a device, a smaller model). A
-    sequence longer than the preset's gets as many positions (model.max_seq_len)."""
+    sequence longer than the preset's gets as many positions (model.max_seq_len).
+    CPU_DEFAULT: `eulergen train`'s built-in CPU default on numpy (torch: on the CPU)."""
     from eulergen.runtime.train.config import load_config
-    given = [f"model.preset={preset}", f"training.batch_size={batch}",
-             "training.device=cuda", "training.weight_decay=0.1", "training.beta1=0.9",
+    model = [] if preset == CPU_DEFAULT else [f"model.preset={preset}"]
+    device = "numpy" if preset == CPU_DEFAULT else "cuda"
+    given = [*model, f"training.batch_size={batch}",
+             f"training.device={device}", "training.weight_decay=0.1", "training.beta1=0.9",
              "training.beta2=0.95", "training.adam_eps=1e-8", "training.grad_clip=1.0",
              "training.spike_factor=0", f"training.dtype={dtype}"]
-    if seq > load_config(None, given[:1] + list(overrides)).model.max_seq_len:
+    if seq > load_config(None, model + list(overrides)).model.max_seq_len:
         given.append(f"model.max_seq_len={seq}")
     return load_config(None, [*given, f"training.seq_len={seq}", *overrides])
 
@@ -244,7 +248,7 @@ def run_torch(cfg, mode: str, sdpa: str, warmup: int, steps: int, repeats: int) 
         first, medians = timed_steps(
             lambda: loss.append(torch_step(forward, model, optim, x, y, cfg.training).item()),
             sync, warmup, steps, repeats)
-    result = dict(first_s=first, medians=medians, loss=loss[-1])
+    result = dict(first_s=first, medians=medians, loss=loss[-1], threads=torch.get_num_threads())
     if gpu:
         result.update(peak=torch.cuda.max_memory_allocated(),
                       device_name=torch.cuda.get_device_name())

@@ -6,8 +6,10 @@ configuration (torch.compile, the best of its modes) and llm.c, in one run on on
         --modes default                                          # sizes, against one mode
     python benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 \\
         --batch 2 --modes default --sdpa flash,cudnn             # long context
+    python benchmarks/train.py --dtype bf16 --autocast --modes default --llmc ''   # its cost
     python benchmarks/train.py --quick                            # few steps, torch eager only
     python benchmarks/train.py --dry-run                          # tiny, numpy and CPU torch
+    python benchmarks/train.py --cpu                              # CPU default: numpy, CPU torch
 
 Every configuration (preset, B, T, system) runs in a fresh process (benchmarks/measure.py,
 through benchmarks/isolated.py): torch.compile(dynamic=False) after torch._dynamo.reset(),
@@ -19,12 +21,20 @@ max-autotune-no-cudagraphs, max-autotune (CUDA graphs); each that ran is a row, 
 did not says why, and the fastest compile mode is the bar (torch eager where none ran).
 llm.c's train_gpt2cu (benchmarks/llmc.py) is a second peer for gpt2 at T=1024 in bf16.
 
+--cpu: `eulergen train`'s built-in CPU default (d 128, 3 layers, B=16, T=64, fp32, AdamW) on
+numpy against torch eager on the CPU, the same model, each on 1 and on 2 threads (OpenBLAS's
+threads, torch's intra-op threads); the bar is torch at the same threads. The machine's
+1-minute load is printed before and after: on shared cores the figures move with it.
+
 --dtype fp32: fp32 storage with TF32 GEMMs on both sides (eulergen: TF32 compute; torch:
 allow_tf32). --dtype bf16: eulergen's training.dtype=bf16 (bf16 activations, residual stream,
 GEMM operands and gradients, fp32 accumulation, fp32 master weights and AdamW moments)
 against torch's bf16 autocast (fp32 parameters, residual stream and gradients, bf16
 matmuls and SDPA) and llm.c's bf16 (bf16 weights, activations and gradients, fp32 master
-weights and moments). How each is timed, and how MFU counts attention: benchmarks/measure.py.
+weights and moments); with --autocast also eulergen in training.precision=autocast (what
+autocast keeps in fp32: the residual stream, its gradient, the norms' weights, the
+gradients), a row of its own. How each is timed, and how MFU counts attention:
+benchmarks/measure.py.
 tok/s is B·T over the median of the repeats' median steps; `spread` the repeats' lowest
 and highest tok/s. peak/plan: eulergen's pool against its plan (the target is within 5%);
 dev/plan: the driver's bytes in use (the pool, the cuBLAS workspace, the kernel modules)
@@ -33,6 +43,7 @@ over the plan. llm.c's peak is its own driver-level figure, its CUDA context inc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llmc  # noqa: E402
 from common import say  # noqa: E402
 from isolated import Deadline, emit, run_child  # noqa: E402
-from measure import MODES, SDPA, _mfu, config  # noqa: E402
+from measure import CPU_DEFAULT, MODES, SDPA, _mfu, config  # noqa: E402
 
 PRESETS = ("gpt2", "nanoeuler")
 COMPILE_MODES = MODES[1:]
@@ -54,6 +65,9 @@ TINY = ("training.device=numpy", "model.num_layers=2", "model.hidden_dim=64", "m
 def systems(args, preset: str, seq: int) -> list[tuple[str, list[str]]]:
     """(row name, measure.py arguments) of every system a row group runs."""
     rows = [("eulergen", ["--system", "eulergen"])]
+    if args.autocast:
+        rows.append(("eulergen autocast", ["--system", "eulergen",
+                                           "--set=training.precision=autocast"]))
     if args.eager:
         rows.append(("eulergen eager", ["--system", "eulergen-eager"]))
     for mode in args.modes.split(","):
@@ -102,6 +116,8 @@ def main() -> None:
     ap.add_argument("--sdpa", default="auto", help=f"torch SDPA backends, of {', '.join(SDPA)}")
     ap.add_argument("--eager", action="store_true",
                     help="also eulergen without CUDA graphs (training.cuda_graph=false)")
+    ap.add_argument("--autocast", action="store_true",
+                    help="also eulergen in training.precision=autocast (with --dtype bf16)")
     ap.add_argument("--llmc", default=str(llmc.SOURCE), help="llm.c's source ('' for none)")
     ap.add_argument("--llmc-work", default=str(Path(tempfile.gettempdir()) / "eulergen-llmc"))
     ap.add_argument("--warmup", type=int, default=5)
@@ -112,8 +128,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few steps, one repeat, torch eager only")
     ap.add_argument("--dry-run", action="store_true",
                     help="a tiny model on numpy and CPU torch, llm.c's build command only")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the built-in CPU default on numpy against torch eager on the CPU")
     ap.add_argument("--out", type=Path, help="also write every row as JSON lines to OUT/train.jsonl")
     args = ap.parse_args()
+    if args.cpu:
+        cpu_rows(args, Deadline(args.deadline))
+        return
     if args.quick or args.dry_run:
         args.warmup, args.steps, args.repeats = 1, 3, 2
     args.modes = args.modes or ("eager" if args.quick else "eager,default" if args.dry_run
@@ -121,6 +142,8 @@ def main() -> None:
     unknown = set(args.modes.split(",")) - set(MODES) or set(args.sdpa.split(",")) - set(SDPA)
     if unknown:
         ap.error(f"unknown --modes or --sdpa value: {', '.join(sorted(unknown))}")
+    if args.autocast and args.dtype != "bf16":
+        ap.error("--autocast is a bf16 precision: give --dtype bf16 too")
     tiny = list(TINY) if args.dry_run else []
     presets = args.presets.split(",")
     seqs = [min(int(s), 32) if args.dry_run else int(s) for s in args.seq.split(",")]
@@ -138,21 +161,64 @@ def main() -> None:
                     r = run_llmc(args, binary, batch, seq, deadline) if name == "llm.c" \
                         else _measure(args, preset, batch, seq, extra, tiny, deadline)
                     r.update(preset=preset, system=name, batch=batch, seq=seq, dtype=args.dtype)
-                    if args.out:
-                        args.out.mkdir(parents=True, exist_ok=True)
-                        emit(str(args.out / "train.jsonl"), r)
+                    _record(args, r)
                     if "seconds" in r:
                         say(f"{preset} B={batch} T={seq}: {name} {r['tokens_per_s']:,.0f} tok/s")
                     rows.append(r)
             _table(rows, batch, seq, args.dtype)
 
 
-def _measure(args, preset, batch, seq, extra, tiny, deadline: Deadline) -> dict:
+def cpu_rows(args, deadline: Deadline) -> None:
+    """--cpu: eulergen numpy and torch eager on the CPU default, on 1 and on 2 threads."""
+    from eulergen.runtime.train.config import load_config
+    t = load_config(None).training
+    load = os.getloadavg()[0]
+    rows = []
+    for threads in (1, 2):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+        for name, extra in (("eulergen numpy", ["--system", "eulergen"]),
+                            ("torch eager", ["--system", "torch", "--mode", "eager"])):
+            say(f"CPU default B={t.batch_size} T={t.seq_len}: {name}, {threads} thread(s)")
+            r = _measure(args, CPU_DEFAULT, t.batch_size, t.seq_len, extra, [], deadline, env,
+                         dtype="fp32")
+            r.update(system=name, threads=threads)
+            _record(args, r)
+            rows.append(r)
+    print(f"training step, the built-in CPU default (B={t.batch_size} T={t.seq_len}, fp32, "
+          f"AdamW); 1-minute load {load:.2f} before, {os.getloadavg()[0]:.2f} after; bar: torch "
+          "eager at the same threads")
+    head = (f"{'system':<16} {'threads':>7} {'tok/s':>8} {'spread':>13} {'ms/step':>8} "
+            f"{'vs bar':>6} {'loss':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['system']:<16} {r['threads']:>7} failed: {r['error']}")
+            continue
+        bar = next((b for b in rows if b["system"] == "torch eager" and "seconds" in b
+                    and b["threads"] == r["threads"]), None)
+        tps = [t.batch_size * t.seq_len / s for s in r["medians"]]
+        vs = f"{bar['seconds'] / r['seconds']:6.2f}" if bar else f"{'-':>6}"
+        print(f"{r['system']:<16} {r['threads']:>7} {r['tokens_per_s']:8,.0f} "
+              f"{f'{min(tps):,.0f}-{max(tps):,.0f}':>13} {1e3 * r['seconds']:8.1f} {vs} "
+              f"{r['loss']:7.3f}")
+    print(flush=True)
+
+
+def _record(args, r: dict) -> None:
+    """A row, also as a JSON line of OUT/train.jsonl where --out is given."""
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        emit(str(args.out / "train.jsonl"), r)
+
+
+def _measure(args, preset, batch, seq, extra, tiny, deadline: Deadline, env=None,
+             dtype=None) -> dict:
     argv = [sys.executable, str(Path(__file__).with_name("measure.py")), *extra,
-            "--preset", preset, "--batch", str(batch), "--seq", str(seq), "--dtype", args.dtype,
-            "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--repeats", str(args.repeats), *(f"--set={o}" for o in tiny)]
-    out = run_child(argv, min(args.timeout, deadline.left() - 5))
+            "--preset", preset, "--batch", str(batch), "--seq", str(seq),
+            "--dtype", dtype or args.dtype, "--warmup", str(args.warmup), "--steps",
+            str(args.steps), "--repeats", str(args.repeats), *(f"--set={o}" for o in tiny)]
+    out = run_child(argv, min(args.timeout, deadline.left() - 5), env)
     if out.error or not out.records:
         return {"error": out.error or "no result written"}
     return out.records[-1]

@@ -1,6 +1,6 @@
 """The `eulergen` command line: the click group, and a module per command or small family
 of them (build and check, data, train, sweep, plan, sample and chat, hf's export and eval,
-compare and plot).
+export-c, compare and plot).
 Each command is a thin shell over a module function; bad input arrives here as EulerError
 and is printed as one line (`--debug` shows the traceback). The command modules import
 only click at the top, so that `eulergen --help` loads nothing else."""
@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from eulergen.cli import build, compare, data, hf, plan, sample, sweep, train
+from eulergen.cli import build, compare, data, export_c, hf, plan, sample, sweep, train
 from eulergen.errors import EulerError
 
 
@@ -53,5 +53,5 @@ def main(debug: bool) -> None:
 
 for _command in (build.check, build.build, compare.plot, compare.compare, data.prepare,
                  data.tokenizer, train.train, sweep.sweep, plan.plan, sample.sample, sample.chat,
-                 hf.export, hf.eval_):
+                 hf.export, hf.eval_, export_c.export_c):
     main.add_command(_command)

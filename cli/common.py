@@ -20,8 +20,13 @@ ops_option = click.option(
     help="Extra directory of op specs (repeatable); also EULERGEN_OPS_PATH.")
 
 
-def warn(message: str) -> None:
-    click.echo(f"warning: {message}", err=True)
+def warn(message: str, bar=None) -> None:
+    """One warning line on stderr; above `bar` (progress.Bar) while one runs."""
+    line = f"warning: {message}"
+    if bar is not None:
+        bar.print(line)
+    else:
+        click.echo(line, err=True)
 
 
 def console():
@@ -37,6 +42,11 @@ def default_named(cfg) -> str:
     return f", the built-in {cfg.default.upper()} default" if cfg.default else ""
 
 
+def precision_label(t) -> str:
+    """A run's training.dtype, with training.precision where that says more (bf16 runs)."""
+    return f"{t.dtype} ({t.precision})" if t.dtype == "bf16" and t.precision != "bf16" else t.dtype
+
+
 def library(cfg, ops_dirs, names=None):
     """The OpLibrary for a run: its ops (or `names`: a sweep's, of all its runs) regenerated
     first where stale, then the built-in manifest and the user ops' manifests loaded over
@@ -48,7 +58,7 @@ def library(cfg, ops_dirs, names=None):
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.model.arch import ops_used
 
-    names = names or ops_used(cfg)
+    names = names or ops_used(cfg.model, cfg.training.optimizer)
     manifests = ensure_built(names, ops_dirs) or []
     lib = OpLibrary(get_backend(cfg.training.device), manifests)
     if lib.backend.is_gpu:

@@ -8,6 +8,7 @@ import click
 
 from eulergen.cli.common import RANKS, warn
 from eulergen.errors import EulerError
+from eulergen.progress import BYTES, Bar
 
 
 class _TokenCount(click.ParamType):
@@ -65,16 +66,16 @@ def prepare(sources, out, dataset, subset, split, text_key, tokenizer_spec, work
     document a line), .parquet (a document a row), folders or globs of them."""
     import shlex
 
-    from eulergen.runtime.data.prepare import Settings, progress_bar, train_glob
+    from eulergen.runtime.data.prepare import Settings, shown, train_glob
     from eulergen.runtime.data.prepare import prepare as run_prepare
     from eulergen.runtime.data.tokenizer import tokenizer_named
 
     source = _sources(sources, dataset, subset, split, text_key)
     tok = tokenizer_named(tokenizer_spec, key="--tokenizer")
     settings = Settings(shard_tokens, val_tokens, on_bad_text, name)
-    with progress_bar(source.total_bytes, enabled=not quiet) as progress:
-        state = run_prepare(source, out, tok, settings, workers=workers, progress=progress,
-                            warn=warn)
+    with Bar("prepare", source.total_bytes, unit=BYTES, enabled=not quiet) as bar:
+        state = run_prepare(source, out, tok, settings, workers=workers, progress=shown(bar),
+                            warn=lambda message: warn(message, bar))
     skipped = f", {state.skipped} left out as not UTF-8" if state.skipped else ""
     click.echo(f"{out}: {len(state.shards)} shards (1 val, {len(state.shards) - 1} train), "
                f"{state.tokens:,} tokens from {state.documents:,} documents{skipped}")
@@ -100,7 +101,16 @@ def tokenizer_train(sources, vocab_size, out, text_key, on_bad_text) -> None:
     from eulergen.runtime.data.sources import checked
     from eulergen.runtime.data.tokenizer import train_bpe
 
-    docs = _sources(sources, None, None, "train", text_key).documents()
-    tok = train_bpe((d.text for d in checked(docs, on_bad_text, warn) if d.text), vocab_size, out)
+    source = _sources(sources, None, None, "train", text_key)
+
+    def texts(bar):   # read as the trainer takes them; then it merges, in Rust
+        for doc in checked(source.documents(), on_bad_text, lambda m: warn(m, bar)):
+            bar.update(advance=doc.advance, status="reading")
+            if doc.text:
+                yield doc.text
+        bar.update(status=f"merging to {vocab_size:,} ids")
+
+    with Bar("tokenizer", source.total_bytes, unit=BYTES) as bar:
+        tok = train_bpe(texts(bar), vocab_size, out)
     click.echo(f"wrote {out}: byte-level BPE, {tok.vocab_size} ids, <|endoftext|> = {tok.eot}")
     click.echo(f"use it: eulergen prepare --tokenizer {out} …, and --set data.tokenizer={out}")

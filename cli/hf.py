@@ -7,6 +7,7 @@ import click
 
 from eulergen.cli.common import COUNT, library, limit_blas_threads, ops_option, warn
 from eulergen.errors import EulerError
+from eulergen.progress import Bar
 
 
 @click.command()
@@ -22,17 +23,19 @@ def export(run, out) -> None:
     from eulergen.runtime.train.evaluate import open_model, tokenizer_of
     from eulergen.runtime.data.tokenizer import hf_tokenizer_json
 
-    weights = open_model(run)
-    files, eot = {}, None
-    try:
-        tok = tokenizer_of(weights)
-        eot = tok.eot
-        text = hf_tokenizer_json(tok)
-        files = {hf.TOKENIZER: text,
-                 "tokenizer_config.json": json.dumps(hf.tokenizer_config(text, eot)).encode()}
-    except EulerError as err:
-        warn(f"no tokenizer written: {err}")
-    arch = hf.export_folder(weights.cfg.model, weights.params, out, tokenizer_files=files, eot=eot)
+    with Bar("export", unit="tensors") as bar:   # read and checked, then converted
+        weights = open_model(run, bar=bar)
+        files, eot = {}, None
+        try:
+            tok = tokenizer_of(weights)
+            eot = tok.eot
+            text = hf_tokenizer_json(tok)
+            files = {hf.TOKENIZER: text,
+                     "tokenizer_config.json": json.dumps(hf.tokenizer_config(text, eot)).encode()}
+        except EulerError as err:
+            warn(f"no tokenizer written: {err}", bar)
+        arch = hf.export_folder(weights.cfg.model, weights.params, out, tokenizer_files=files,
+                                eot=eot, bar=bar)
     click.echo(f"wrote {out}: {arch}{' with its tokenizer' if files else ''} "
                f"(transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
 
@@ -52,9 +55,12 @@ def eval_(run, dataset, batch_size, seq_len, max_batches, device, ops_dirs) -> N
     limit_blas_threads()
     from eulergen.runtime.train.evaluate import evaluate, open_model
 
-    weights = open_model(run, device)
+    with Bar("load", unit="tensors") as bar:
+        weights = open_model(run, device, bar=bar)
     seq = seq_len or weights.cfg.training.seq_len
-    result = evaluate(weights, library(weights.cfg, ops_dirs), dataset,
-                      batch=batch_size, seq=seq, max_batches=max_batches)
+    lib = library(weights.cfg, ops_dirs)   # its notices (no GPU: numpy) before the bar
+    with Bar("eval", unit="batches") as bar:
+        result = evaluate(weights, lib, dataset, batch=batch_size, seq=seq,
+                          max_batches=max_batches, bar=bar)
     click.echo(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  "
                f"({result.tokens:,} tokens, {result.windows:,} windows of {seq})")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import RANKS, console, default_named, ops_option
+from eulergen.cli.common import RANKS, console, default_named, ops_option, precision_label
 
 
 @click.command()
@@ -41,7 +41,7 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     t, buckets = cfg.training, run.buckets
     ranks = "" if buckets is None else \
         f", one rank of {nproc}{' with ZeRO-1' if buckets.zero else ''}"
+    what = "inference (KV cache)" if inference else f"training, {precision_label(t)}"
     title = (f"memory plan{default_named(cfg)}: {param_count(run.arch):,} parameters, "
-             f"B={t.batch_size}, T={t.seq_len}, "
-             f"{'inference (KV cache)' if inference else f'training, {t.dtype}'}{ranks}")
+             f"B={t.batch_size}, T={t.seq_len}, {what}{ranks}")
     console().print(plan_table(run.plan, title))

@@ -9,6 +9,7 @@ import click
 
 from eulergen.cli.common import COUNT, SEED, library, limit_blas_threads, ops_option, warn
 from eulergen.errors import EulerError
+from eulergen.progress import Bar
 
 
 def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
@@ -19,7 +20,8 @@ def _checkpoint_sampler(run, device, ops_dirs, num_samples: int, dtype: str):
     from eulergen.runtime.train.evaluate import open_model, open_sampler, tokenizer_of
     from eulergen.runtime.generate.sample import sampling_dtype
 
-    weights = open_model(run, device)
+    with Bar("load", unit="tensors") as bar:
+        weights = open_model(run, device, bar=bar)
     cfg = weights.cfg
     tok = tokenizer_of(weights)
     lib = library(cfg, ops_dirs)
@@ -141,6 +143,8 @@ def chat(run, max_new_tokens, unlimited, temperature, top_k, top_p, seed, device
 
     settings = _settings(temperature, top_k, top_p, seed, max_new_tokens, unlimited)
     tok, sampler = _checkpoint_sampler(run, device, ops_dirs, 1, dtype)
+    click.echo("eulergen chat: type a line and press Enter, and the model goes on from it; "
+               "Ctrl-D or /quit leaves", err=True)
     for turn in itertools.count():
         click.echo("> ", nl=False)
         raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline()

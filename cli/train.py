@@ -7,8 +7,10 @@ from pathlib import Path
 
 import click
 
-from eulergen.cli.common import RANKS, default_named, library, limit_blas_threads, ops_option
+from eulergen.cli.common import (RANKS, default_named, library, limit_blas_threads,
+                                 ops_option, precision_label)
 from eulergen.errors import EulerError
+from eulergen.progress import Bar
 
 
 @click.command()
@@ -48,8 +50,9 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
                      ops_dirs)
         return
     # under a launcher every rank must name the same folder: the config's, not a fresh one
-    begin = start(config_path, overrides, resume=resume, run_dir=run_dir, device=device,
-                  init_from=init_from, fresh_run_dir=rv is None)
+    with Bar("import", unit="tensors", enabled=init_from is not None) as bar:
+        begin = start(config_path, overrides, resume=resume, run_dir=run_dir, device=device,
+                      init_from=init_from, fresh_run_dir=rv is None, bar=bar)
     cfg = begin.cfg
     if rv is not None and cfg.training.device != "numpy":
         coll.select_gpu(rv)   # GPU LOCAL_RANK, before any kernel touches a device
@@ -71,7 +74,7 @@ def train(config_path, overrides, resume, run_dir, device, init_from, ops_dirs, 
         click.echo(f"eulergen train: {lib.backend.device}{default_named(cfg)}, "
                    f"{trainer.model.param_total:,} "
                    f"parameters, {ranks}B={t.batch_size} T={t.seq_len} x{t.gradient_accumulation}, "
-                   f"{t.dtype}, GEMMs {gemm.describe(lib.backend)}, memory plan "
+                   f"{precision_label(t)}, GEMMs {gemm.describe(lib.backend)}, memory plan "
                    f"{format_bytes(trainer.model.mem.plan.total_bytes)}, run {cfg.run_dir}"
                    + (f", resuming at step {trainer.step}" if resume is not None else ""), err=True)
         result = trainer.run()

@@ -1,12 +1,13 @@
 """`eulergen build`: every op on the search path → generated/ (or a user build folder).
 
-Per op: load and derive the spec, render the CUDA and the numpy module, and record both
-in manifest.json (docs/internals.md, "Manifest"), asking the op's kind (generator/kinds/)
-what its entry holds. An op whose build key (spec bytes, the bytes of the templates its kind
-renders through, which its entry lists, the generator's own sources) matches the manifest
-is not derived again, nor one built before from the same inputs (derived_cache.py: a spec
-edited back). Files are written atomically (temp file + os.replace), only when their bytes
-change; the output depends on nothing but those inputs.
+Per op: load and derive the spec, render the CUDA, the numpy module and (where its kind
+prints C) its C functions, and record them in manifest.json (docs/internals.md,
+"Manifest"), asking the op's kind (generator/kinds/) what its entry holds. An op whose
+build key (spec bytes, the bytes of the templates its kind renders through, which its entry
+lists, the generator's own sources) matches the manifest is not derived again, nor one
+built before from the same inputs (derived_cache.py: a spec edited back). Files are
+written atomically (temp file + os.replace) and only when their bytes change; the output
+depends on nothing but those inputs.
 
 Built-in ops (ops/) build into generated/, shipped with the package, with the ops of the
 kinds without a spec (the embedding: from its templates alone). User ops (--ops DIR,
@@ -62,14 +63,6 @@ def _template_key(fingerprint: str, *templates: Path) -> str:
     kinds without a spec), so that an unchanged build need not render them (nor import
     sympy)."""
     return _key(fingerprint, templates)
-
-
-def _listed_templates(entry: dict) -> list[Path] | None:
-    """The templates a manifest entry says its op renders through (None: it says none)."""
-    listed = entry.get("templates")
-    if not (isinstance(listed, list) and all(isinstance(t, str) for t in listed)):
-        return None
-    return [PACKAGE_DIR / t for t in listed]   # relative to the package, or absolute
 
 
 # ---- what a build produces ------------------------------------------------------------
@@ -148,7 +141,18 @@ def _render_op(derived: ir.DerivedOp, data: bytes,
         entry["fusions"] = fusions
     if derived.fast_math:  # the runtime compiles this op's kernels with --use_fast_math
         entry["fast_math"] = True
-    return entry, {entry["cuda"]: cuda, entry["numpy"]: py}
+    c = kind.c_source(derived, emit.header(label, derived.spec_sha256))
+    return entry, {entry["cuda"]: cuda, entry["numpy"]: py, **_add_c(entry, derived.name, c)}
+
+
+def _add_c(entry: dict, name: str, rendered: ir.RenderedC | None) -> dict[str, bytes]:
+    """The op's C (its kind's, if any) into its entry: file, hash, functions' signatures."""
+    if rendered is None:
+        return {}
+    c = rendered.source.encode()
+    entry.update({"c": f"c/{name}.c", "c_sha256": _sha(c),
+                  "c_functions": {f.name: f.to_json() for f in rendered.functions}})
+    return {entry["c"]: c}
 
 
 def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
@@ -166,7 +170,8 @@ def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
         "template": kind.template_label, "templates": [emit.file_label(t) for t in templates],
         "kernels": _kernels(rendered),
         "build_key": _template_key(fingerprint, COMMON_TEMPLATE, *templates)}
-    return entry, {entry["cuda"]: cuda}
+    c = _add_c(entry, kind.name, kind.c_alone(emit.header(kind.template_label, sha)))
+    return entry, {entry["cuda"]: cuda, **c}
 
 
 def _previous(root: Path) -> tuple[dict, bytes]:
@@ -179,36 +184,6 @@ def _previous(root: Path) -> tuple[dict, bytes]:
     return (data, raw) if isinstance(data, dict) else ({}, b"")
 
 
-def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None:
-    """The files of an op built before with the same key, if they are intact on disk."""
-    if not prev or prev.get("build_key") != key:
-        return None
-    files = {}
-    for path_key, sha_key in (("cuda", "cuda_sha256"), ("numpy", "numpy_sha256")):
-        rel = prev.get(path_key)
-        if rel is None:
-            continue
-        try:
-            data = (root / rel).read_bytes()
-        except OSError:
-            return None
-        if _sha(data) != prev.get(sha_key):
-            return None
-        files[rel] = data
-    return files
-
-
-def _reused(prev: dict, key_of, root: Path) -> dict[str, bytes] | None:
-    """The files of an earlier entry whose key, as its listed templates give it
-    (`key_of(templates)`), is still its build key."""
-    if not isinstance(prev, dict) or (templates := _listed_templates(prev)) is None:
-        return None
-    try:
-        return _reusable(prev, key_of(templates), root)
-    except OSError:   # a listed template is gone
-        return None
-
-
 def _add_template_ops(out: Output, prev: dict, fingerprint: str, unchanged: bool) -> None:
     """The ops of the kinds without a spec. An unchanged generator (`unchanged`: its sources,
     which list the kinds, gave the common header's key again) has the kinds the last build
@@ -216,8 +191,10 @@ def _add_template_ops(out: Output, prev: dict, fingerprint: str, unchanged: bool
     still match, and no kind is imported; otherwise the registry says which there are."""
     earlier = {n: e for n, e in prev.items()
                if isinstance(e, dict) and e.get("spec") == e.get("template")}
-    reused = {n: _reused(e, lambda t: _template_key(fingerprint, COMMON_TEMPLATE, *t), out.root)
-              for n, e in earlier.items()}
+
+    def key_of(templates):
+        return _template_key(fingerprint, COMMON_TEMPLATE, *templates)
+    reused = {n: derived_cache.reused(e, key_of, out.root) for n, e in earlier.items()}
     if unchanged and earlier and None not in reused.values():
         for name, files in reused.items():
             out.ops[name] = prev[name]
@@ -243,19 +220,20 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
     prev = prev if isinstance(prev, dict) else {}   # a damaged manifest: build it all again
     fingerprint = generator_fingerprint()
     out = Output(root, common_key=_template_key(fingerprint, COMMON_TEMPLATE))
-    common = _reusable({"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
-                        "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
+    common = derived_cache.reusable(
+        {"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
+         "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
     out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
         data = read_bytes(specs[name], "spec file")   # a regular file, bounded: the user's
 
         def key_of(templates):
             return _key(fingerprint, [COMMON_TEMPLATE, *templates], data)
-        entry, files = prev.get(name), _reused(prev.get(name), key_of, root)
+        entry, files = prev.get(name), derived_cache.reused(prev.get(name), key_of, root)
         held = derived_cache.folder(fingerprint, specs[name], data)
         if files is None and not force:   # a version built before, kept by its content
             entry = derived_cache.entry(held)
-            files = _reused(entry, key_of, held)
+            files = derived_cache.reused(entry, key_of, held)
         if files is not None:
             out.ops[name] = entry
             out.files.update(files)
@@ -278,7 +256,7 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
 
 def _generated_files(root: Path) -> set[str]:
     found = set()
-    for sub, pattern in (("cuda", "*.cu"), ("cuda", "*.cuh"), ("numpy", "*.py")):
+    for sub, pattern in (("cuda", "*.cu"), ("cuda", "*.cuh"), ("numpy", "*.py"), ("c", "*.c")):
         found |= {p.relative_to(root).as_posix() for p in (root / sub).glob(pattern)}
     if (root / "manifest.json").exists():
         found.add("manifest.json")

@@ -3,14 +3,14 @@
 Every value here is frozen and built once from an OpSpec. Expressions are sympy
 expressions over real Symbols named exactly as in the spec (inputs, params, reductions,
 index symbols); gradients are named `d<name>`; CSE temporaries are `t0, t1, …`.
-Templates never see sympy: printers turn `Code` into lines of CUDA or numpy.
+Templates never see sympy: printers turn `Code` into lines of CUDA, numpy or C.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from eulergen.signature import KernelSig
+from eulergen.signature import CFunction, KernelSig
 
 if TYPE_CHECKING:   # sympy costs 0.5-3 s to import: a run whose ops are built never needs it
     import sympy as sp
@@ -223,3 +223,10 @@ class RenderedCuda:
     """The CUDA of one op: the .cu text and the kernels it defines."""
     source: str
     kernels: tuple[KernelSig, ...]
+
+
+@dataclass(frozen=True)
+class RenderedC:
+    """The C of one op (`eulergen export-c`'s CPU build): the .c text and its functions."""
+    source: str
+    functions: tuple[CFunction, ...]

@@ -12,6 +12,7 @@ import sympy as sp
 
 from eulergen.generator import ir
 from eulergen.generator.emit import numpy_header
+from eulergen.generator.numpy_text import LAYOUT
 from eulergen.generator.printer import numpy_expr, numpy_helpers, numpy_imports
 from eulergen.generator.plan_attention import check_symbols
 
@@ -43,6 +44,13 @@ def _dscore(s, i, j, h, n_heads, scale{param_args}):
 
 def _visible(i, j, h, n_heads{param_args}):
     return {mask_np}
+
+
+{layout}
+
+def _results(values, out):
+    """The values, each into its array of `out` or a new one (numpy_text.LAYOUT's _fresh)."""
+    return tuple(_fresh(v, v.shape, v.dtype, out, n) for n, v in enumerate(values))
 
 
 def _hm(x):
@@ -80,10 +88,10 @@ def _attend(q, k, v, i, j{param_kw}):
     return o.astype(q.dtype), lse.astype(q.dtype)
 
 
-def forward(q, k, v{param_kw}):
+def forward(q, k, v{param_kw}, *, _out=None):
     """-> (o [B, T, H, D], lse [B, H, T])."""
     positions = np.arange(q.shape[1])
-    return _attend(q, k, v, positions, positions{param_names})
+    return _results(_attend(q, k, v, positions, positions{param_names}), _out)
 
 
 def decode(q, k_cache, v_cache, pos0{param_kw}):
@@ -101,7 +109,7 @@ def _per_kv_head(g, kvh):
     return g.reshape(B, T, kvh, H // kvh, D).sum(axis=3)
 
 
-def backward(q, k, v, o, lse, do{param_kw}):
+def backward(q, k, v, o, lse, do{param_kw}, *, _out=None):
     """-> (dq, dk, dv): P = exp(score - lse), dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) ∘ ∂score/∂s."""
     positions = np.arange(q.shape[1])
     _, x, dx, visible, kr = _scores(q, k, positions, positions{param_names})
@@ -114,8 +122,8 @@ def backward(q, k, v, o, lse, do{param_kw}):
     dq = _hm(ds @ _hm(kr))
     dk = _hm(ds.swapaxes(-1, -2) @ _hm(q))
     kvh = k.shape[2]
-    return (dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
-            _per_kv_head(dv, kvh).astype(q.dtype))
+    return _results((dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
+                     _per_kv_head(dv, kvh).astype(q.dtype)), _out)
 '''
 
 
@@ -131,7 +139,7 @@ def render_attention_module(derived: ir.DerivedOp) -> str:
     lines = [score_np, dscore_np, mask_np]
     helpers = "\n".join(numpy_helpers(lines))
     return _TEMPLATE.format(
-        header=numpy_header(derived), name=derived.name,
+        header=numpy_header(derived), name=derived.name, layout="\n\n".join(LAYOUT),
         score=body.score, mask=mask,
         imports="\n".join(numpy_imports(lines)),
         params_dict="{" + ", ".join(f"{p.name!r}: {p.default!r}" for p in derived.params) + "}",

@@ -102,10 +102,14 @@ class _Printer:
             text += "/" + (dtext if dprec >= _POW else f"({dtext})")
         return text, _MUL
 
+    divides_by_sqrt = False   # x**(-1/2) factors as a division by sqrt(x), not an rsqrt
+
     def denominator(self, f: sp.Expr) -> sp.Expr | None:
         """If factor f is best written as a division, what to divide by."""
         if isinstance(f, sp.Pow) and f.exp.is_Integer and f.exp < 0:
             return f.base ** -f.exp
+        if self.divides_by_sqrt and isinstance(f, sp.Pow) and f.exp == -sp.S.Half:
+            return sp.sqrt(f.base)
         return None
 
     def _piecewise(self, e: sp.Piecewise) -> tuple[str, int]:
@@ -161,6 +165,7 @@ def _flt(value: float) -> str:
 
 class CudaPrinter(_Printer):
     one = "1.0f"
+    rsqrt = "rsqrtf"   # the C printer's libm has none
 
     _FUNCS = {sp.exp: "expf", sp.log: "logf", sp.tanh: "tanhf", sp.erf: "erff",
               log1p: "log1pf", sp.sin: "eg_sinf", sp.cos: "eg_cosf", sp.Abs: "fabsf",
@@ -219,12 +224,12 @@ class CudaPrinter(_Printer):
         if exp == sp.S.Half:
             return f"sqrtf({self.expr(base)})", _ATOM
         if exp == -sp.S.Half:
-            return f"rsqrtf({self.expr(base)})", _ATOM
+            return f"{self.rsqrt}({self.expr(base)})", _ATOM
         if exp.is_Rational and exp.q == 2 and abs(exp.p) <= 7:
             # x**(±k/2): a square root (or rsqrt) times a small power, not powf:
             # norm backwards hold (var + eps)**(-3/2) in every element's expression.
             whole = abs(exp.p) // 2
-            root = f"{'sqrtf' if exp > 0 else 'rsqrtf'}({self.expr(base)})"
+            root = f"{'sqrtf' if exp > 0 else self.rsqrt}({self.expr(base)})"
             power = self._wrap(base ** whole, _POW) if whole > 1 else b
             return (f"{power}*{root}" if exp > 0 else f"{root}/{power}"), _MUL
         return f"powf({self.expr(base)}, {self.expr(exp)})", _ATOM
@@ -234,6 +239,7 @@ class NumpyPrinter(_Printer):
     """numpy source over arrays of one float dtype. Literals are Python floats, which
     numpy treats as weakly typed, so float32 inputs stay float32."""
     one = "1.0"
+    divides_by_sqrt = True
 
     _FUNCS = {sp.exp: "np.exp", sp.log: "np.log", sp.tanh: "np.tanh", sp.erf: "_erf",
               log1p: "np.log1p", sp.sin: "np.sin", sp.cos: "np.cos", sp.Abs: "np.abs",
@@ -242,11 +248,6 @@ class NumpyPrinter(_Printer):
     def number(self, e):
         value = _float_value(e)
         return repr(value), (_NEG if value < 0 else _ATOM)
-
-    def denominator(self, f):
-        if isinstance(f, sp.Pow) and f.exp == -sp.S.Half:
-            return sp.sqrt(f.base)
-        return super().denominator(f)
 
     def boolean(self, value):
         return "True" if value else "False"

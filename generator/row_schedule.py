@@ -80,6 +80,14 @@ class Sweep:
     batched: bool = False            # takes the BATCH loop (the kernel's first sweep)
     whole: bool = False              # takes the WHOLE loop
     read: tuple[tuple[str, str], ...] = ()   # the reductions later steps read, (name, op)
+    # an autocast kernel's (plan_row): each pointer's element type, and the stores also
+    # written rounded to bf16 (store, its copy's pointer) where that pointer is not null
+    elems: tuple[tuple[str, str], ...] = ()
+    copies: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.elems)
 
     @property
     def kind(self) -> str:

@@ -81,8 +81,11 @@ class RoundingLibrary:
     def forward(self, op, *args, out, **params):
         return self._rounding("forward", op, args, out, params)
 
-    def backward(self, op, *args, out, **params):
-        return self._rounding("backward", op, args, out, params)
+    def backward(self, op, *args, out, copy=None, **params):
+        got = self._rounding("backward", op, args, out, params)
+        if copy is not None:   # an autocast backward's bf16 copy of dx, rounded from it
+            to_bf16(out[0], out=copy)
+        return got
 
     def fused(self, op, *args, out, **params):
         return self._rounding("fused", op, args, out, params)
@@ -94,21 +97,26 @@ class RoundingLibrary:
 
 
 def rounding_gemm(a, b, out, *, ta=False, tb=False, add=False):
-    """What the bf16 cublasGemmEx computes: bf16 operands, a float32 sum, one rounding."""
+    """What the bf16 cublasGemmEx computes: bf16 operands, a float32 sum, one rounding (a
+    float32 out, autocast's gradients, takes the sum as it is)."""
     a, b = from_bf16(a), from_bf16(b)
     got = (a.T if ta else a) @ (b.T if tb else b)
-    to_bf16(got + from_bf16(out) if add else got, out=out)
+    if out.dtype == np.float32:
+        out[...] = got + out if add else got
+    else:
+        to_bf16(got + from_bf16(out) if add else got, out=out)
 
 
 def _cfg(structure):
     return load_config(None, STRUCTURES[structure] + COMMON)
 
 
-def _bf16_model(lib, cfg):
-    """A bf16 GPT on the CPU (build refuses bf16 on numpy: this is the test's own)."""
+def _bf16_model(lib, cfg, precision: str = "bf16"):
+    """A bf16 GPT on the CPU (build refuses bf16 on numpy: this is the test's own), in
+    training.precision `precision`."""
     t = cfg.training
     arch = arch_of(cfg.model, lib)
-    plan = plan_model(arch, t.batch_size, t.seq_len, dtype="bf16",
+    plan = plan_model(arch, t.batch_size, t.seq_len, dtype="bf16", precision=precision,
                       optimizer=plan_optimizer(arch, update_ops(lib, "adamw")))
     model = GPT(arch, RoundingLibrary(lib), Memory(plan, np), t.batch_size, t.seq_len)
     model.tape.gemm = rounding_gemm
@@ -275,15 +283,20 @@ def test_a_bf16_model_reads_the_bf16_copy_and_checkpoints_the_master(lib):
     assert model.mem["ones"].tolist() == [[0x3F80] * cfg.training.batch_size * cfg.training.seq_len]
 
 
-@pytest.mark.parametrize("structure", sorted(STRUCTURES))
-def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(lib, structure):
-    cfg = _cfg(structure)
+def fp32_reference(lib, cfg):
+    """The fp32 model's step on _weights and _batch: (weights, batch, model, its loss)."""
     t = cfg.training
     weights, (x, y) = _weights(lib, cfg), _batch(cfg)
     ref = build(cfg.model, lib, t.batch_size, t.seq_len)
     ref.load_state_dict(weights)
     ref.load_tokens(x, y)
-    ref_loss = float(ref.loss_and_grad()[0])
+    return weights, (x, y), ref, float(ref.loss_and_grad()[0])
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(lib, structure):
+    cfg = _cfg(structure)
+    weights, (x, y), ref, ref_loss = fp32_reference(lib, cfg)
     model = _bf16_model(lib, cfg)
     model.load_state_dict(weights)
     model.load_tokens(x, y)

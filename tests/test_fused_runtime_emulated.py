@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")]
 
 EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
-_CTYPES = {np.float32: ctypes.c_float, np.int32: ctypes.c_int, np.int64: ctypes.c_longlong}
+_CTYPES = {np.float32: ctypes.c_float, np.int32: ctypes.c_int, np.int64: ctypes.c_longlong,
+           np.uint64: lambda p: ctypes.c_void_p(int(p))}   # bind's null pointer
 TOL = {"f32": 1e-5, "bf16": 2.0 ** -8}
 
 
@@ -188,3 +189,69 @@ def test_a_gated_activation_s_bias_fusion_through_the_cuda_calls(libs, shift, dt
     for name, got, w in zip(("da", "db", "d_bias_a", "d_bias_b"), grads, want):
         _close(got, w, dtype, name)
     assert launched == [f"swiglu_backward_bias{variant}_{dtype}"] + [f"swiglu_reduce_bias_{dtype}"] * 2
+
+
+def test_a_norm_s_autocast_calls_take_its_float32_stream_and_write_float32_gradients(libs):
+    """precision="autocast" (runtime/engine/kinds/row.py): the add fusion's forward over the
+    float32 stream and a bf16 branch, its outputs allocated in the kernel's types (the sum
+    float32, y bf16); its backward adds dx into the float32 d_stream, writes the bf16 copy
+    and the float32 weight gradient through the reduce of float32; the op's own backward
+    (no copy: none written) allocates dw in its weight's float32."""
+    gpu, ref, launched = libs
+    op = gpu.op("rmsnorm")
+    rows, cols = 37, 24
+    rng = np.random.default_rng(5)
+    x, dh = (_values(rng, (rows, cols), "f32") for _ in range(2))
+    branch, dy = (_values(rng, (rows, cols), "bf16") for _ in range(2))
+    w = _values(rng, (cols,), "f32")
+    launched.clear()
+    h, y = gpu.forward(op, _dev(x, "f32"), _dev(branch, "bf16"), _dev(w, "f32"), fusion="add",
+                       precision="autocast")
+    assert (h.dtype, y.dtype) == (np.float32, np.uint16)
+    want_h, want_y = ref.forward("rmsnorm", x, branch, w, fusion="add")
+    _close(h, want_h, "f32", "_stream")
+    _close(y, want_y, "bf16", "y")
+    assert launched == ["rmsnorm_forward_add_autocast_bf16"]
+
+    stream, dw = _dev(dh, "f32"), _dev(np.zeros(cols), "f32")
+    copy = np.zeros((rows, cols), np.uint16).view(FakeArray)
+    need = gpu.workspace_elements(op, "backward", (rows, cols), dtype="bf16", fusion="add",
+                                  precision="autocast")
+    launched.clear()
+    gpu.backward(op, _dev(_host(h, "f32"), "f32"), _dev(w, "f32"), _dev(dy, "bf16"), stream,
+                 out=(stream, dw), workspace=np.empty(need, np.float32).view(FakeArray),
+                 fusion="add", precision="autocast", copy=copy)
+    want_dx, want_dw = ref.backward("rmsnorm", _host(h, "f32"), w, dy, dh, fusion="add")
+    _close(stream, want_dx, "f32", "dx (added in place into d_stream)")
+    _close(dw, want_dw, "f32", "dw")
+    np.testing.assert_array_equal(copy, to_bf16(np.asarray(stream)))
+    assert launched == ["rmsnorm_backward_add_autocast_bf16", "rmsnorm_wgrad_reduce_f32"]
+
+    launched.clear()
+    dx, dw = gpu.backward(op, _dev(x, "f32"), _dev(w, "f32"), _dev(dy, "bf16"),
+                          precision="autocast")
+    assert (dx.dtype, dw.dtype) == (np.float32, np.float32)
+    want_dx, want_dw = ref.backward("rmsnorm", x, w, dy)
+    _close(dx, want_dx, "f32", "dx")
+    _close(dw, want_dw, "f32", "dw")
+    assert launched == ["rmsnorm_backward_autocast_bf16", "rmsnorm_wgrad_reduce_f32"]
+
+
+def test_a_bias_gradient_in_float32_takes_the_reduce_of_its_dtype(libs):
+    """autocast's float32 gradients of a bf16 activation's biases: the bf16 kernels, then the
+    reduce that writes float32 (the gradient's dtype picks it)."""
+    gpu, ref, launched = libs
+    op = gpu.op("gelu")
+    rows, cols = 29, 40
+    rng = np.random.default_rng(9)
+    x, dy = (_values(rng, (rows, cols), "bf16") for _ in range(2))
+    b = _values(rng, (cols,), "bf16")
+    dx, db = _dev(np.zeros((rows, cols)), "bf16"), _dev(np.zeros(cols), "f32")
+    need = gpu.workspace_elements(op, "backward", (rows, cols), dtype="bf16", fusion="bias")
+    launched.clear()
+    gpu.backward(op, _dev(x, "bf16"), _dev(b, "bf16"), _dev(dy, "bf16"), out=(dx, db),
+                 workspace=np.empty(need, np.float32).view(FakeArray), fusion="bias")
+    want_dx, want_db = ref.backward("gelu", x, b, dy, fusion="bias")
+    _close(dx, want_dx, "bf16", "dx")
+    _close(db, want_db, "f32", "db", tol=TOL["bf16"])   # a sum of the bf16 kernel's terms
+    assert launched == ["gelu_backward_bias_bf16", "gelu_reduce_bias_f32"]

@@ -101,6 +101,7 @@ def test_runtime_layers_import_only_the_layers_below_them():
 
 @pytest.mark.parametrize("leaf,allowed", [("launch.py", ()), ("errors.py", ()),
                                           ("step_record.py", ()),
+                                          ("progress.py", ()),
                                           ("signature.py", ("eulergen.launch",))])
 def test_the_shared_leaves_import_at_most_launch(leaf, allowed):
     """The leaves both sides share import nothing of eulergen, but signature.py launch.py."""

@@ -160,8 +160,8 @@ outputs:
 """
 # A step of a kernel's row loop starts at its comment, at the loop body's indent.
 _STEP = re.compile(r"^    // (pass|per element|per row)\b", re.M)
-_LOAD = re.compile(r"eg_load_group\((\w+), [^;]*;")
-_STORE = re.compile(r"eg_store_group\([^;]*;")
+_LOAD = re.compile(r"eg_load_group(?:_n<VEC>)?\((\w+), [^;]*;")   # _n: autocast's
+_STORE = re.compile(r"eg_store_group(?:_n<VEC>)?\([^;]*;")
 
 
 def _sweeps(source: str) -> list[tuple[str, str]]:
@@ -181,8 +181,9 @@ def center_sweeps(tmp_path_factory) -> list[tuple[str, str]]:
     sweeps = _sweeps(render_op(*planned(derive(load_spec(path))), "header").source)
     kinds = [k for k, _ in sweeps]
     # forward, backward, and the split backward's rows kernel (plan.WGRAD_SPLIT_COLS); then
-    # the same three of its `add` fusion (generator/fuse.py)
-    assert kinds.count("pass") >= 6 and kinds.count("per element") == 6, kinds
+    # the same three of its `add` fusion (generator/fuse.py); then all six in the autocast
+    # precision (plan_row.AUTOCAST)
+    assert kinds.count("pass") >= 12 and kinds.count("per element") == 12, kinds
     return sweeps
 
 

@@ -471,9 +471,15 @@ def test_a_bf16_update_step_takes_its_control_array_and_writes_the_bf16_copy(nam
         gpu.step(name, *arrays, control=control, **{slots[-1]: 1.0})
     with pytest.raises(EulerError, match="must be float32"):
         gpu.step(name, *arrays, control=dev(np.zeros(len(slots))))
-    with pytest.raises(EulerError, match="copy= wants bf16 grads"):
-        gpu.step(name, *[dev(np.asarray(a, np.float32) if a.dtype == np.uint16 else a)
-                         for a in arrays], control=control, copy=copy)
+    with pytest.raises(EulerError, match="copy= wants the weight's shape"):
+        gpu.step(name, *arrays, control=control, copy=dev(np.zeros(39, np.uint16)))
+    # float32 grads beside a bf16 copy (autocast): the autocast kernel writes it
+    emu.launches.clear()
+    wide = [dev(from_bf16(np.asarray(a)) if a.dtype == np.uint16 else a) for a in arrays]
+    gpu.step(name, *wide, control=control, copy=copy)
+    (kernel, _, _, values), = emu.launches
+    assert kernel == f"{name}_step_autocast_f32" and values["control"] is control
+    np.testing.assert_array_equal(copy, to_bf16(np.asarray(wide[0])))
 
 
 @needs_manifest

@@ -1,5 +1,6 @@
 """OpLibrary on the numpy backend, against a small hand-written manifest and modules
-(so these tests do not depend on what `eulergen build` currently produces)."""
+(so these tests do not depend on what `eulergen build` currently produces). Their functions
+take `_out=` and return arrays of their own, which the library copies into it."""
 from __future__ import annotations
 
 import json
@@ -21,10 +22,10 @@ MODULES = {
         PARAMS = {"k": 2.0}
         GRADS = ("x",)
 
-        def forward(x, k=2.0):
+        def forward(x, k=2.0, _out=None):
             return x * k
 
-        def backward(x, dy, k=2.0):
+        def backward(x, dy, k=2.0, _out=None):
             return dy * k
     """,
     "mulsplit": """
@@ -34,10 +35,10 @@ MODULES = {
         PARAMS = {}
         GRADS = ("a", "b")
 
-        def forward(a, b):
+        def forward(a, b, _out=None):
             return a * b, a + b
 
-        def backward(a, b, dp, ds):
+        def backward(a, b, dp, ds, _out=None):
             return dp * b + ds, dp * a + ds
     """,
     "xent": """
@@ -48,12 +49,12 @@ MODULES = {
         GRADS = ("x",)
         import numpy as np
 
-        def forward(x, t):
+        def forward(x, t, _out=None):
             m = x.max(-1, keepdims=True)
             lse = np.log(np.exp(x - m).sum(-1)) + m[..., 0]
             return lse - np.take_along_axis(x, t[..., None], -1)[..., 0]
 
-        def backward(x, t, dloss):
+        def backward(x, t, dloss, _out=None):
             p = np.exp(x - x.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             np.put_along_axis(p, t[..., None], np.take_along_axis(p, t[..., None], -1) - 1, -1)
@@ -203,6 +204,19 @@ def test_the_wrong_number_of_arrays_names_what_is_expected(lib):
 def test_backward_of_an_update_op_is_refused(lib):
     with pytest.raises(EulerError, match="update op"):
         lib.backward("sgd", np.float32([1]), np.float32([1]))
+
+
+def test_a_precision_variant_is_for_a_kind_that_has_one(lib):
+    """A row op's numpy module computes in its arrays' dtype, autocast's math; a pointwise
+    op has no autocast kernels, and numpy no bf16 copy."""
+    x, t = np.float32([[1, 2, 3]]), np.int32([2])
+    np.testing.assert_array_equal(lib.forward("xent", x, t, precision="autocast"),
+                                  lib.forward("xent", x, t))
+    with pytest.raises(EulerError, match="pointwise op: it has no 'autocast' precision"):
+        lib.forward("scale", np.float32([1]), precision="autocast")
+    with pytest.raises(EulerError, match="copy= is a bf16 copy; the numpy backend"):
+        lib.backward("xent", x, t, np.float32([1]), precision="autocast",
+                     copy=np.zeros((1, 3), np.uint16))
 
 
 def test_a_later_manifest_replaces_an_op_of_the_same_name(tmp_path):

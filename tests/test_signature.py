@@ -47,11 +47,18 @@ def test_select_finds_a_kernel_by_stage_dtype_part_fusion_and_geometry():
     assert [k.name for k in select(MANIFEST.ops["causal_attention"].kernels.values(),
                                    "backward", "f32", part="dq", head_dim=128)] == [
         "causal_attention_backward_dq_d128_f32"]
+    # a precision variant only where asked for: its operands' C types are its own
+    autocast = select(kernels, "backward", "bf16", part="rows", fusion="add",
+                      precision="autocast", aligned=False)
+    assert [k.name for k in autocast] == ["rmsnorm_backward_rows_add_autocast_block_unaligned_bf16"]
+    assert dict(autocast[0].args)["d_stream"] == "const float*"
+    assert dict(autocast[0].args)["dy"] == "const __nv_bfloat16*"
 
 
 @pytest.mark.parametrize("change,key", [({"dtype": "f16"}, "dtype"), ({"stage": 1}, "stage"),
                                         ({"args": [["x"]]}, "args"), ({"pass": "forward"}, "pass"),
-                                        ({"geometry": {"shape": "nope"}}, "geometry")])
+                                        ({"geometry": {"shape": "nope"}}, "geometry"),
+                                        ({"precision": "fp8"}, "precision")])
 def test_a_bad_entry_names_its_field(change, key):
     good = MANIFEST.ops["gelu"].kernel("forward", "f32").to_json()
     with pytest.raises(BadSignature) as err:

@@ -216,7 +216,7 @@ def _gpt2_shaped_json(path: Path) -> Path:
     """A byte-level BPE with GPT-2's shape (ids 0-50255 the BPE, merge n making id 256 + n,
     <|endoftext|> = 50256); GPT-2's own files are not reachable from the tests."""
     import tokenizers as tk
-    chars = T._byte_chars()
+    chars = T.byte_chars()
     vocab = {c: i for i, c in enumerate(chars)}
     merges = []
     for a in chars:
@@ -269,7 +269,7 @@ def test_a_tokenizer_folder_is_its_tokenizer_json(tmp_path):
 def test_a_tiktoken_bpe_exports_as_a_tokenizer_json_with_the_same_ids(tmp_path):
     import tiktoken
     trained = T.train_bpe([FORMS_TEXT * 3, "return the results, re-read them"] * 20, 400, tmp_path / "t.json")
-    byte_of = {c: b for b, c in enumerate(T._byte_chars())}
+    byte_of = {c: b for b, c in enumerate(T.byte_chars())}
     ranks = {bytes(byte_of[c] for c in t): i for t, i in trained._tok.get_vocab().items()
              if t != T.ENDOFTEXT}
     enc = tiktoken.Encoding("t", pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",

@@ -122,18 +122,20 @@ update:
 def test_a_users_optimizer_reads_its_runtime_params_from_the_control_array(tmp_path):
     """A user's update op gets the convention adamw has, with no Python: its lr, a skip flag
     and the gradient scale come from `control` (kernels and numpy module alike), and its
-    bf16 kernel writes the first state input's bf16 copy."""
+    bf16 kernel writes the first state input's bf16 copy, as its autocast kernel does from
+    float32 grads."""
     from eulergen.generator.plan_ops import plan_op
     (tmp_path / "lion.yaml").write_text(LION)
     derived = derive(load_spec(tmp_path / "lion.yaml"))
-    f32, bf16 = plan_op(derived).stages[0].sigs
-    assert f32.control == bf16.control == ("skip", "grad_scale", "lr")
-    assert [n for n, _ in bf16.args] == ["p", "g", "m", "p_bf16", "control", "beta1", "beta2",
-                                         "weight_decay", "n"]
+    f32, bf16, autocast = plan_op(derived).stages[0].sigs
+    assert f32.control == bf16.control == autocast.control == ("skip", "grad_scale", "lr")
+    assert [n for n, _ in bf16.args] == [n for n, _ in autocast.args] == [
+        "p", "g", "m", "p_bf16", "control", "beta1", "beta2", "weight_decay", "n"]
     from eulergen.generator.render import render_op
     source = render_op(derived, plan_op(derived), "lion").source
     assert "lion_step<float, 4>(p, g, m, nullptr, control, " in source
     assert "lion_step<__nv_bfloat16, 8>(p, g, m, p_bf16, control, " in source
+    assert "lion_step<float, 8>(p, g, m, p_bf16, control, " in source   # autocast's
     mod = load_module_from_source("lion", render_numpy_module(derived))
     assert mod.CONTROL == f32.control
     rng = np.random.default_rng(0)

@@ -88,9 +88,9 @@ class Map(OpKind):
 
     def numpy_source(self, op):
         (x,) = (o.name for o in op.inputs)
-        forward = [numpy_text.signature("forward", [x], op.params),
+        forward = [numpy_text.signature("forward", [x], op.params, ("_out=None",)),
                    f"    {x} = np.asarray({x})", *numpy_text.code(op.body),
-                   numpy_text.returns([f"_fresh(y, {x}.shape, _dtype({x}))"])]
+                   numpy_text.returns([f"_fresh(y, {x}.shape, _dtype({x}), _out)"])]
         return numpy_text.module(op, forward, grads=False)
 
 

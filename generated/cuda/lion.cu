@@ -8,8 +8,8 @@
 // The values that change from step to step come from the device array `control` (so a
 // captured step replays with new ones): a non-zero skip slot leaves everything unwritten,
 // every grad is scaled by the grad_scale slot as it is read, the runtime params follow.
-// With a non-null `copy_ptr` (bf16 entry points) the new p is also written
-// rounded to bf16, the copy the model's kernels read.
+// With a non-null `copy_ptr` (the bf16 entry point, and the autocast one of float32 grads)
+// the new p is also written rounded to bf16, the copy the model's kernels read.
 #include "eulergen_common.cuh"
 
 template <typename scalar_t, int VEC>
@@ -69,4 +69,10 @@ extern "C" __global__ void __launch_bounds__(256) lion_step_bf16(
     float* p, const __nv_bfloat16* g, float* m, __nv_bfloat16* p_bf16, const float* control,
     float beta1, float beta2, float weight_decay, long long n) {
   lion_step<__nv_bfloat16, 8>(p, g, m, p_bf16, control, beta1, beta2, weight_decay, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) lion_step_autocast_f32(
+    float* p, const float* g, float* m, __nv_bfloat16* p_bf16, const float* control, float beta1,
+    float beta2, float weight_decay, long long n) {
+  lion_step<float, 8>(p, g, m, p_bf16, control, beta1, beta2, weight_decay, n);
 }

@@ -30,6 +30,12 @@
 // and a sum that is one column's value (a picked target) reads that column; a stage forms
 // only the reductions it reads. Sums go through fixed butterflies (a warp's lanes, then a
 // block's warps, a lane a warp), so results are deterministic.
+// The `_autocast` kernels (KernelSig.precision) have pointers of two storage types, float32
+// and bf16 (each its C type): a group is VEC columns of the kernel's dtype (bf16's 8) of
+// every operand, as many 16-byte words as they fill (EgRaw), and a row takes 16-byte
+// access only where every row of every operand starts on a boundary (no head). Their
+// backward also stores dx rounded to bf16 where that pointer is not null.
+
 // A block per row stores its element outputs, and re-reads its last sweep, evict-first:
 // what it is done with would otherwise push out of L2 the rows still to be re-read
 // (benchmarks/RESULTS.md, "row.cu.j2: evict-first in a block's last sweep").
@@ -2584,4 +2590,2457 @@ extern "C" __global__ void __launch_bounds__(512, 2) log_softmax_backward_add_bl
 }
 extern "C" __global__ void __launch_bounds__(512, 2) log_softmax_backward_add_block_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const __nv_bfloat16* d_stream, __nv_bfloat16* dx, long long rows, int cols) {
   log_softmax_backward_add_online<__nv_bfloat16, false, 2, 1, true, 1, true, false>(x, dy, d_stream, dx, rows, cols);
+}
+
+// forward: y from x (autocast: x float32; y bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_forward_autocast(const float* x_ptr, __nv_bfloat16* y_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0);
+  __shared__ float red_[1][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    __nv_bfloat16* y_row_ = y_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float m = x;
+        acc_m_ = fmaxf(acc_m_, m);
+      }
+    }
+
+    acc_m_ = eg_warp_max(acc_m_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    // pass: z = sum of the per-element terms
+    float acc_z_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float z = expf(x - m);
+        acc_z_ += z;
+      }
+    }
+
+    acc_z_ = eg_warp_sum(acc_z_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float z = acc_z_;
+    // per element: y
+    // once per row: the element terms' row-invariant parts
+    const float r0_ = -m - logf(z);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float y = r0_ + x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float y = r0_ + x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float y = r0_ + x;
+        eg_store(y_row_, col_, y);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_autocast_bf16(const float* x, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y)) % 16 != 0) __trap();
+  log_softmax_forward_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_autocast_unaligned_bf16(const float* x, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_autocast_held_bf16(const float* x, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y)) % 16 != 0) __trap();
+  log_softmax_forward_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_forward_autocast_held_unaligned_bf16(const float* x, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, y, rows, cols);
+}
+
+// forward: y from x (autocast: x float32; y bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_forward_autocast_online(const float* x_ptr, __nv_bfloat16* y_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    __nv_bfloat16* y_row_ = y_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max, z = sum against the running m of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
+        const bool in_ = true;
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = x;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = x;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float was_m_ = acc_m_;
+      {
+        const float m = x;
+        acc_m_ = fmaxf(acc_m_, m);
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
+    }
+
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
+    }
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      // online sums: each warp's rescaled to the row's max (one factor a lane, none where
+      // the warp holds it), then summed
+      {
+        const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
+        const float sum_ = has_ ? red_[1][lane_ % 32] : 0.0f;
+        acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
+      }
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    const float z = acc_z_;
+    // per element: y
+    // once per row: the element terms' row-invariant parts
+    const float r0_ = -m - logf(z);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float y = r0_ + x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float y_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float y = r0_ + x;
+            y_o_[e_] = y;
+          }
+        }
+        eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP, true);
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float y_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float y = r0_ + x;
+            y_o_[e_] = y;
+          }
+        }
+        eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float y = r0_ + x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float y = r0_ + x;
+        eg_store(y_row_, col_, y);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_autocast_block_bf16(const float* x, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y)) % 16 != 0) __trap();
+  log_softmax_forward_autocast_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_autocast_block_unaligned_bf16(const float* x, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_autocast_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, y, rows, cols);
+}
+
+// backward: dx from x, dy (autocast: x, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_backward_autocast(const float* x_ptr, const __nv_bfloat16* dy_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max, sum_dz = sum of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_sum_dz_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      {
+        const float m = x;
+        const float sum_dz = dy;
+        acc_m_ = fmaxf(acc_m_, m);
+        acc_sum_dz_ += sum_dz;
+      }
+    }
+
+    acc_m_ = eg_warp_max(acc_m_);
+    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    const float sum_dz = acc_sum_dz_;
+    // pass: z = sum of the per-element terms
+    float acc_z_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float z = expf(x - m);
+        acc_z_ += z;
+      }
+    }
+
+    acc_z_ = eg_warp_sum(acc_z_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float z = acc_z_;
+    // per row: dz
+    float dz;
+    {
+      dz = -sum_dz/z;
+    }
+    // per element: dx
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float dx = dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float dx = dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      {
+        const float dx = dy + dz*expf(x - m);
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_autocast_bf16(const float* x, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16)) % 16 != 0) __trap();
+  log_softmax_backward_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, dy, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_autocast_unaligned_bf16(const float* x, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  log_softmax_backward_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_backward_autocast_held_bf16(const float* x, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16)) % 16 != 0) __trap();
+  log_softmax_backward_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, dy, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_backward_autocast_held_unaligned_bf16(const float* x, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  log_softmax_backward_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, dy, dx, dx_bf16, rows, cols);
+}
+
+// backward: dx from x, dy (autocast: x, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_backward_autocast_online(const float* x_ptr, const __nv_bfloat16* dy_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr)) % 16 == 0);
+  __shared__ float red_[3][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max, sum_dz = sum, z = sum against the running m of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_sum_dz_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false, true);
+        const bool in_ = true;
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          {
+            const float m = x;
+            const float sum_dz = dy;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+              acc_sum_dz_ += sum_dz;
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          {
+            const float m = x;
+            const float sum_dz = dy;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+              acc_sum_dz_ += sum_dz;
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float was_m_ = acc_m_;
+      {
+        const float m = x;
+        const float sum_dz = dy;
+        acc_m_ = fmaxf(acc_m_, m);
+        acc_sum_dz_ += sum_dz;
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
+    }
+
+    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
+    }
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
+        red_[2][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      // online sums: each warp's rescaled to the row's max (one factor a lane, none where
+      // the warp holds it), then summed
+      {
+        const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
+        const float sum_ = has_ ? red_[2][lane_ % 32] : 0.0f;
+        acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
+      }
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    const float sum_dz = acc_sum_dz_;
+    const float z = acc_z_;
+    // per row: dz
+    float dz;
+    {
+      dz = -sum_dz/z;
+    }
+    // per element: dx
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float dx = dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float dx_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP, true);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          {
+            const float dx = dy + dz*expf(x - m);
+            dx_o_[e_] = dx;
+          }
+        }
+        eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP, true);
+        if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP, true);
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float dx_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          {
+            const float dx = dy + dz*expf(x - m);
+            dx_o_[e_] = dx;
+          }
+        }
+        eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+        if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float dx = dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      {
+        const float dx = dy + dz*expf(x - m);
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(512, 2) log_softmax_backward_autocast_block_bf16(const float* x, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16)) % 16 != 0) __trap();
+  log_softmax_backward_autocast_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, dy, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) log_softmax_backward_autocast_block_unaligned_bf16(const float* x, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  log_softmax_backward_autocast_online<__nv_bfloat16, false, 2, 1, true, 1, true, false>(x, dy, dx, dx_bf16, rows, cols);
+}
+
+// forward_add: _stream, y from x, _branch (autocast: x, _stream float32; _branch, y bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_forward_add_autocast(const float* x_ptr, const __nv_bfloat16* _branch_ptr, float* _stream_ptr, __nv_bfloat16* y_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(_branch_ptr) | reinterpret_cast<unsigned long long>(_stream_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0);
+  __shared__ float red_[1][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> _branch_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      _branch_next_[s_] = eg_load_group_raw_n<VEC>(_branch_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* _branch_row_ = _branch_ptr + row_ * cols_;
+    float* _stream_row_ = _stream_ptr + row_ * cols_;
+    __nv_bfloat16* y_row_ = y_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> _branch_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        _branch_c_[s_] = _branch_next_[s_];
+        if (next_ < rows_)
+          _branch_next_[s_] = eg_load_group_raw_n<VEC>(_branch_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        _branch_c_[s_] = eg_load_group_raw_n<VEC>(_branch_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float m = _branch + x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float m = _branch + x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      {
+        const float m = _branch + x;
+        acc_m_ = fmaxf(acc_m_, m);
+      }
+    }
+
+    acc_m_ = eg_warp_max(acc_m_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    // pass: z = sum of the per-element terms
+    float acc_z_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float z = expf(_branch + x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float z = expf(_branch + x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      {
+        const float z = expf(_branch + x - m);
+        acc_z_ += z;
+      }
+    }
+
+    acc_z_ = eg_warp_sum(acc_z_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float z = acc_z_;
+    // per element: _stream, y
+    // once per row: the element terms' row-invariant parts
+    const float r1_ = -m - logf(z);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float _stream_o_[VEC];
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float _stream = _branch + x;
+          const float y = _branch + r1_ + x;
+          _stream_o_[e_] = _stream;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float _stream_o_[VEC];
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float _stream = _branch + x;
+          const float y = _branch + r1_ + x;
+          _stream_o_[e_] = _stream;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      {
+        const float _stream = _branch + x;
+        const float y = _branch + r1_ + x;
+        eg_store(_stream_row_, col_, _stream);
+        eg_store(y_row_, col_, y);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_add_autocast_bf16(const float* x, const __nv_bfloat16* _branch, float* _stream, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y)) % 16 != 0) __trap();
+  log_softmax_forward_add_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, _stream, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_add_autocast_unaligned_bf16(const float* x, const __nv_bfloat16* _branch, float* _stream, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_add_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, _stream, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_add_autocast_held_bf16(const float* x, const __nv_bfloat16* _branch, float* _stream, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y)) % 16 != 0) __trap();
+  log_softmax_forward_add_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, _stream, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_forward_add_autocast_held_unaligned_bf16(const float* x, const __nv_bfloat16* _branch, float* _stream, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_add_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, _branch, _stream, y, rows, cols);
+}
+
+// forward_add: _stream, y from x, _branch (autocast: x, _stream float32; _branch, y bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_forward_add_autocast_online(const float* x_ptr, const __nv_bfloat16* _branch_ptr, float* _stream_ptr, __nv_bfloat16* y_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(_branch_ptr) | reinterpret_cast<unsigned long long>(_stream_ptr) | reinterpret_cast<unsigned long long>(y_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> _branch_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      _branch_next_[s_] = eg_load_group_raw_n<VEC>(_branch_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* _branch_row_ = _branch_ptr + row_ * cols_;
+    float* _stream_row_ = _stream_ptr + row_ * cols_;
+    __nv_bfloat16* y_row_ = y_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> _branch_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        _branch_c_[s_] = _branch_next_[s_];
+        if (next_ < rows_)
+          _branch_next_[s_] = eg_load_group_raw_n<VEC>(_branch_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        _branch_c_[s_] = eg_load_group_raw_n<VEC>(_branch_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max, z = sum against the running m of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float m = _branch + x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(_branch + x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
+        float _branch_r_[VEC];
+        eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, false, true);
+        const bool in_ = true;
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float _branch = _branch_r_[e_];
+          {
+            const float m = _branch + x;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float _branch = _branch_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(_branch + x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+        float _branch_r_[VEC];
+        eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, false);
+        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float _branch = _branch_r_[e_];
+          {
+            const float m = _branch + x;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float _branch = _branch_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(_branch + x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float m = _branch + x;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+          }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(_branch + x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      const float was_m_ = acc_m_;
+      {
+        const float m = _branch + x;
+        acc_m_ = fmaxf(acc_m_, m);
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(_branch + x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
+    }
+
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
+    }
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      // online sums: each warp's rescaled to the row's max (one factor a lane, none where
+      // the warp holds it), then summed
+      {
+        const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
+        const float sum_ = has_ ? red_[1][lane_ % 32] : 0.0f;
+        acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
+      }
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    const float z = acc_z_;
+    // per element: _stream, y
+    // once per row: the element terms' row-invariant parts
+    const float r1_ = -m - logf(z);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float _stream_o_[VEC];
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float _stream = _branch + x;
+          const float y = _branch + r1_ + x;
+          _stream_o_[e_] = _stream;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float _stream_o_[VEC];
+        float y_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
+        float _branch_r_[VEC];
+        eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, !WARP, true);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float _branch = _branch_r_[e_];
+          {
+            const float _stream = _branch + x;
+            const float y = _branch + r1_ + x;
+            _stream_o_[e_] = _stream;
+            y_o_[e_] = y;
+          }
+        }
+        eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP, true);
+        eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP, true);
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float _stream_o_[VEC];
+        float y_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+        float _branch_r_[VEC];
+        eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, !WARP);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float _branch = _branch_r_[e_];
+          {
+            const float _stream = _branch + x;
+            const float y = _branch + r1_ + x;
+            _stream_o_[e_] = _stream;
+            y_o_[e_] = y;
+          }
+        }
+        eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+        eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float _stream_o_[VEC];
+      float y_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float _stream = _branch + x;
+          const float y = _branch + r1_ + x;
+          _stream_o_[e_] = _stream;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      {
+        const float _stream = _branch + x;
+        const float y = _branch + r1_ + x;
+        eg_store(_stream_row_, col_, _stream);
+        eg_store(y_row_, col_, y);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_add_autocast_block_bf16(const float* x, const __nv_bfloat16* _branch, float* _stream, __nv_bfloat16* y, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y)) % 16 != 0) __trap();
+  log_softmax_forward_add_autocast_online<__nv_bfloat16, false, 1, 1, true, 1, true, true>(x, _branch, _stream, y, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) log_softmax_forward_add_autocast_block_unaligned_bf16(const float* x, const __nv_bfloat16* _branch, float* _stream, __nv_bfloat16* y, long long rows, int cols) {
+  log_softmax_forward_add_autocast_online<__nv_bfloat16, false, 1, 1, true, 1, true, false>(x, _branch, _stream, y, rows, cols);
+}
+
+// backward_add: dx from x, dy, d_stream (autocast: x, d_stream, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_backward_add_autocast(const float* x_ptr, const __nv_bfloat16* dy_ptr, const float* d_stream_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(d_stream_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    const float* d_stream_row_ = d_stream_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max, sum_dz = sum of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_sum_dz_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      {
+        const float m = x;
+        const float sum_dz = dy;
+        acc_m_ = fmaxf(acc_m_, m);
+        acc_sum_dz_ += sum_dz;
+      }
+    }
+
+    acc_m_ = eg_warp_max(acc_m_);
+    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    const float sum_dz = acc_sum_dz_;
+    // pass: z = sum of the per-element terms
+    float acc_z_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float z = expf(x - m);
+          if (in_) {
+            acc_z_ += z;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float z = expf(x - m);
+        acc_z_ += z;
+      }
+    }
+
+    acc_z_ = eg_warp_sum(acc_z_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_z_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float z = acc_z_;
+    // per row: dz
+    float dz;
+    {
+      dz = -sum_dz/z;
+    }
+    // per element: dx
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        {
+          const float dx = d_stream + dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        {
+          const float dx = d_stream + dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float d_stream = eg_load(d_stream_row_, col_);
+      {
+        const float dx = d_stream + dy + dz*expf(x - m);
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_add_autocast_bf16(const float* x, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16)) % 16 != 0) __trap();
+  log_softmax_backward_add_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, dy, d_stream, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) log_softmax_backward_add_autocast_unaligned_bf16(const float* x, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  log_softmax_backward_add_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, dy, d_stream, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_backward_add_autocast_held_bf16(const float* x, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16)) % 16 != 0) __trap();
+  log_softmax_backward_add_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, dy, d_stream, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) log_softmax_backward_add_autocast_held_unaligned_bf16(const float* x, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  log_softmax_backward_add_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, dy, d_stream, dx, dx_bf16, rows, cols);
+}
+
+// backward_add: dx from x, dy, d_stream (autocast: x, d_stream, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void log_softmax_backward_add_autocast_online(const float* x_ptr, const __nv_bfloat16* dy_ptr, const float* d_stream_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(d_stream_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr)) % 16 == 0);
+  __shared__ float red_[3][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    const float* d_stream_row_ = d_stream_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: m = max, sum_dz = sum, z = sum against the running m of the per-element terms
+    float acc_m_ = -__int_as_float(0x7f800000);
+    float acc_sum_dz_ = 0.0f;
+    float acc_z_ = 0.0f;
+    const auto z_rescale_ = [=](float from_, float to_) { return expf(from_ - to_); };
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false, true);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false, true);
+        const bool in_ = true;
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          {
+            const float m = x;
+            const float sum_dz = dy;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+              acc_sum_dz_ += sum_dz;
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+        const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+        const float was_m_ = acc_m_;
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          {
+            const float m = x;
+            const float sum_dz = dy;
+            if (in_) {
+              acc_m_ = fmaxf(acc_m_, m);
+              acc_sum_dz_ += sum_dz;
+            }
+          }
+        }
+        if (acc_m_ != was_m_) {
+          acc_z_ *= z_rescale_(was_m_, acc_m_);
+        }
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          {
+            const float m = acc_m_;
+            const float z = expf(x - m);
+            if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+          }
+        }
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      const float was_m_ = acc_m_;
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float m = x;
+          const float sum_dz = dy;
+          if (in_) {
+            acc_m_ = fmaxf(acc_m_, m);
+            acc_sum_dz_ += sum_dz;
+          }
+        }
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float m = acc_m_;
+          const float z = expf(x - m);
+          if (in_ && m != -__int_as_float(0x7f800000)) acc_z_ += z;
+        }
+      }
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float was_m_ = acc_m_;
+      {
+        const float m = x;
+        const float sum_dz = dy;
+        acc_m_ = fmaxf(acc_m_, m);
+        acc_sum_dz_ += sum_dz;
+      }
+      if (acc_m_ != was_m_) {
+        acc_z_ *= z_rescale_(was_m_, acc_m_);
+      }
+      {
+        const float m = acc_m_;
+        const float z = expf(x - m);
+        if (m != -__int_as_float(0x7f800000)) acc_z_ += z;
+      }
+    }
+
+    acc_sum_dz_ = eg_warp_sum(acc_sum_dz_);
+    {
+      // online sums: the warp's max first, then each lane's sums rescaled to it (one
+      // factor a lane, none where the lane holds the max), then summed as any other
+      const float lane_max_ = acc_m_;
+      acc_m_ = eg_warp_max(acc_m_);
+      if (lane_max_ != acc_m_) acc_z_ *= z_rescale_(lane_max_, acc_m_);
+      acc_z_ = eg_warp_sum(acc_z_);
+    }
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_m_;
+        red_[1][lane_ / 32] = acc_sum_dz_;
+        red_[2][lane_ / 32] = acc_z_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_m_ = eg_warp_max(has_ ? red_[0][lane_ % 32] : -__int_as_float(0x7f800000));
+      acc_sum_dz_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      // online sums: each warp's rescaled to the row's max (one factor a lane, none where
+      // the warp holds it), then summed
+      {
+        const float from_ = has_ ? red_[0][lane_ % 32] : acc_m_;
+        const float sum_ = has_ ? red_[2][lane_ % 32] : 0.0f;
+        acc_z_ = eg_warp_sum(from_ == acc_m_ ? sum_ : sum_ * z_rescale_(from_, acc_m_));
+      }
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float m = acc_m_;
+    const float sum_dz = acc_sum_dz_;
+    const float z = acc_z_;
+    // per row: dz
+    float dz;
+    {
+      dz = -sum_dz/z;
+    }
+    // per element: dx
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        {
+          const float dx = d_stream + dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (WHOLE && ALIGNED) {  // whole groups (every lane's in the body) unchecked, then the last
+      const int whole_end_ = eg_whole_end(sp_, SLOTS * lanes_ * VEC, lanes_ * VEC);
+      for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_end_; g0_ += lanes_ * VEC) {
+        float dx_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP, true);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP, true);
+        float d_stream_r_[VEC];
+        eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP, true);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          const float d_stream = d_stream_r_[e_];
+          {
+            const float dx = d_stream + dy + dz*expf(x - m);
+            dx_o_[e_] = dx;
+          }
+        }
+        eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP, true);
+        if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP, true);
+      }
+      if (whole_end_ < sp_.end - sp_.head) {
+        const int g0_ = whole_end_;
+        float dx_o_[VEC];
+        float x_r_[VEC];
+        eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+        float dy_r_[VEC];
+        eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+        float d_stream_r_[VEC];
+        eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+        #pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) {
+          const float x = x_r_[e_];
+          const float dy = dy_r_[e_];
+          const float d_stream = d_stream_r_[e_];
+          {
+            const float dx = d_stream + dy + dz*expf(x - m);
+            dx_o_[e_] = dx;
+          }
+        }
+        eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+        if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+      }
+    } else {
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        {
+          const float dx = d_stream + dy + dz*expf(x - m);
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float d_stream = eg_load(d_stream_row_, col_);
+      {
+        const float dx = d_stream + dy + dz*expf(x - m);
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(512, 2) log_softmax_backward_add_autocast_block_bf16(const float* x, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16)) % 16 != 0) __trap();
+  log_softmax_backward_add_autocast_online<__nv_bfloat16, false, 2, 1, true, 1, true, true>(x, dy, d_stream, dx, dx_bf16, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) log_softmax_backward_add_autocast_block_unaligned_bf16(const float* x, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, long long rows, int cols) {
+  log_softmax_backward_add_autocast_online<__nv_bfloat16, false, 2, 1, true, 1, true, false>(x, dy, d_stream, dx, dx_bf16, rows, cols);
 }

@@ -8,8 +8,8 @@
 // The values that change from step to step come from the device array `control` (so a
 // captured step replays with new ones): a non-zero skip slot leaves everything unwritten,
 // every grad is scaled by the grad_scale slot as it is read, the runtime params follow.
-// With a non-null `copy_ptr` (bf16 entry points) the new p is also written
-// rounded to bf16, the copy the model's kernels read.
+// With a non-null `copy_ptr` (the bf16 entry point, and the autocast one of float32 grads)
+// the new p is also written rounded to bf16, the copy the model's kernels read.
 // A matrix step: `muon_step` writes u, `muon_normalize` divides it by its norm
 // (read from the device) plus 1e-07, the runtime's GEMMs run 5 Newton-Schulz
 // iterations over it, and `muon_apply` updates p from the result. Each launch is one
@@ -150,4 +150,10 @@ extern "C" __global__ void __launch_bounds__(256) muon_apply_bf16(
     float* p, float* u, __nv_bfloat16* p_bf16, const float* control, float momentum,
     float lr_scale, float weight_decay, float rows, float cols, long long n) {
   muon_apply<__nv_bfloat16, 8>(p, u, p_bf16, control, momentum, lr_scale, weight_decay, rows, cols, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) muon_apply_autocast_f32(
+    float* p, float* u, __nv_bfloat16* p_bf16, const float* control, float momentum,
+    float lr_scale, float weight_decay, float rows, float cols, long long n) {
+  muon_apply<float, 8>(p, u, p_bf16, control, momentum, lr_scale, weight_decay, rows, cols, n);
 }

@@ -32,6 +32,12 @@
 // block's warps, a lane a warp), so results are deterministic. Weight gradients are summed per row worker into a float32
 // workspace row and reduced across workers by `rmsnorm_wgrad_reduce_<dt>`, in a fixed
 // order (no atomics).
+// The `_autocast` kernels (KernelSig.precision) have pointers of two storage types, float32
+// and bf16 (each its C type): a group is VEC columns of the kernel's dtype (bf16's 8) of
+// every operand, as many 16-byte words as they fill (EgRaw), and a row takes 16-byte
+// access only where every row of every operand starts on a boundary (no head). Their
+// backward also stores dx rounded to bf16 where that pointer is not null.
+
 // A block per row stores its element outputs, and re-reads its last sweep, evict-first:
 // what it is done with would otherwise push out of L2 the rows still to be re-read
 // (benchmarks/RESULTS.md, "row.cu.j2: evict-first in a block's last sweep").
@@ -1523,6 +1529,1413 @@ extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_add_b
   rmsnorm_backward_rows_add<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, d_stream, dx, rowstats, eps, rows, cols);
 }
 
+// forward: y from x, w (autocast: x, w float32; y bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_forward_autocast(const float* x_ptr, const float* w_ptr, __nv_bfloat16* y_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(y_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
+  __shared__ float red_[1][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    __nv_bfloat16* y_row_ = y_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean of the per-element terms
+    float acc_ms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float ms = x*x;
+          if (in_) {
+            acc_ms_ += ms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        {
+          const float ms = x*x;
+          if (in_) {
+            acc_ms_ += ms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      {
+        const float ms = x*x;
+        acc_ms_ += ms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    // per element: y
+    // once per row: the element terms' row-invariant parts
+    const float r2_ = rsqrtf(eps + ms);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float y = r2_*w*x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float y = r2_*w*x;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float y = r2_*w*x;
+        eg_store(y_row_, col_, y);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_autocast_bf16(const float* x, const float* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_autocast_unaligned_bf16(const float* x, const float* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_autocast_held_bf16(const float* x, const float* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_forward_autocast_held_unaligned_bf16(const float* x, const float* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_autocast_block_bf16(const float* x, const float* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_autocast_block_unaligned_bf16(const float* x, const float* w, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, y, eps, rows, cols);
+}
+
+// backward: dx, dw from x, w, dy (autocast: x, w, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_backward_autocast(const float* x_ptr, const float* w_ptr, const __nv_bfloat16* dy_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // A thread keeps its own columns' weight-gradient partials across rows, so every row
+  // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
+  // aligned bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  const EgSplit whole_ = eg_split_n<VEC>(cols_, vec_);   // every row's split
+  const float zero_[VEC] = {};
+  // This worker's partial dw row. The cached columns: per warp in shared memory (in
+  // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
+  // element, lane) so that a warp's 32 accesses hit 32 banks; per thread in registers for
+  // a block per row. Each thread only ever touches its own columns. The other columns:
+  // the workspace row, zeroed here by the thread that later adds into it.
+  float* dw_part_ = dw_partials_ptr + worker_ * cols_;
+  float dw_acc_[WARP ? 1 : SLOTS][VEC];
+  __shared__ float dw_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
+  float* dw_mine_ = dw_sm_[WARP ? threadIdx.x / 32 : 0];
+#pragma unroll
+  for (int s_ = 0; s_ < SLOTS; ++s_)
+#pragma unroll
+    for (int e_ = 0; e_ < VEC; ++e_) {
+      if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
+    }
+  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_.end; g0_ += lanes_ * VEC)
+    if (eg_in_body<VEC>(whole_, g0_, lane_))
+      eg_partials_set<VEC>(dw_part_, whole_, eg_col<VEC>(whole_, g0_, lane_, 0), zero_);
+  if (lane_ < eg_edge_count(whole_, cols_)) dw_part_[eg_edge_col(whole_, lane_)] = 0.0f;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const float N = (float)cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean, sum_dms = sum of the per-element terms
+    float acc_ms_ = 0.0f;
+    float acc_sum_dms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float ms = x*x;
+        const float sum_dms = dy*w*x;
+        acc_ms_ += ms;
+        acc_sum_dms_ += sum_dms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    acc_sum_dms_ = eg_warp_sum(acc_sum_dms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+        red_[1][lane_ / 32] = acc_sum_dms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dms_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    const float sum_dms = acc_sum_dms_;
+    // per row: dms
+    float dms;
+    {
+      dms = -0.5f*sum_dms*rsqrtf(eps + ms)/(eps + ms);
+    }
+    // per element: dx, dw
+    // once per row: the element terms' row-invariant parts
+    const float r0_ = rsqrtf(eps + ms);
+    const float r1_ = 2.0f*dms/N;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r0_;
+          const float dx = r1_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+          if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float dw_g_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r0_;
+          const float dx = r1_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+          dw_g_[e_] = dw;
+        }
+      }
+      if (in_) eg_partials_add<VEC>(dw_part_, sp_, eg_col<VEC>(sp_, g0_, lane_, 0), dw_g_);
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t0 = dy*r0_;
+        const float dx = r1_*x + t0*w;
+        const float dw = t0*x;
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+        dw_part_[col_] += dw;
+      }
+    }
+
+  }
+#pragma unroll
+  for (int s_ = 0; s_ < SLOTS; ++s_) {
+    float v_[VEC];
+#pragma unroll
+    for (int e_ = 0; e_ < VEC; ++e_)
+      v_[e_] = WARP ? dw_mine_[(s_ * VEC + e_) * 32 + lane_] : dw_acc_[WARP ? 0 : s_][e_];
+    if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
+      eg_partials_set<VEC>(dw_part_, whole_, eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, 0), v_);
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_autocast_bf16(const float* x, const float* w, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_autocast<__nv_bfloat16, true, 3, 4, true, 1, false, true>(x, w, dy, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_autocast_unaligned_bf16(const float* x, const float* w, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward_autocast<__nv_bfloat16, true, 3, 4, true, 1, false, false>(x, w, dy, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_autocast_block_bf16(const float* x, const float* w, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_autocast_block_unaligned_bf16(const float* x, const float* w, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+
+// backward_rows: dx from x, w, dy (autocast: x, w, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_backward_rows_autocast(const float* x_ptr, const float* w_ptr, const __nv_bfloat16* dy_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, float* rowstats_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const float N = (float)cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean, sum_dms = sum of the per-element terms
+    float acc_ms_ = 0.0f;
+    float acc_sum_dms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float ms = x*x;
+        const float sum_dms = dy*w*x;
+        acc_ms_ += ms;
+        acc_sum_dms_ += sum_dms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    acc_sum_dms_ = eg_warp_sum(acc_sum_dms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+        red_[1][lane_ / 32] = acc_sum_dms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dms_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    const float sum_dms = acc_sum_dms_;
+    // per row: dms
+    float dms;
+    {
+      dms = -0.5f*sum_dms*rsqrtf(eps + ms)/(eps + ms);
+    }
+    // what the weight-gradient terms read of this row, for rmsnorm_wgrad_cols
+    if (lane_ == 0) {
+      rowstats_ptr[row_ * 1 + 0] = ms;
+    }
+    // per element: dx
+    // once per row: the element terms' row-invariant parts
+    const float r4_ = rsqrtf(eps + ms);
+    const float r5_ = 2.0f*dms/N;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r4_;
+          const float dx = r5_*x + t0*w;
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r4_;
+          const float dx = r5_*x + t0*w;
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t0 = dy*r4_;
+        const float dx = r5_*x + t0*w;
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_autocast_block_bf16(const float* x, const float* w, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, float* rowstats, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_rows_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, dx, dx_bf16, rowstats, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_autocast_block_unaligned_bf16(const float* x, const float* w, const __nv_bfloat16* dy, float* dx, __nv_bfloat16* dx_bf16, float* rowstats, float eps, long long rows, int cols) {
+  rmsnorm_backward_rows_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, dx, dx_bf16, rowstats, eps, rows, cols);
+}
+
+// forward_add: _stream, y from x, _branch, w (autocast: x, w, _stream float32; _branch, y bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_forward_add_autocast(const float* x_ptr, const __nv_bfloat16* _branch_ptr, const float* w_ptr, float* _stream_ptr, __nv_bfloat16* y_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(_branch_ptr) | reinterpret_cast<unsigned long long>(_stream_ptr) | reinterpret_cast<unsigned long long>(y_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
+  __shared__ float red_[1][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> _branch_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      _branch_next_[s_] = eg_load_group_raw_n<VEC>(_branch_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* _branch_row_ = _branch_ptr + row_ * cols_;
+    float* _stream_row_ = _stream_ptr + row_ * cols_;
+    __nv_bfloat16* y_row_ = y_ptr + row_ * cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> _branch_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        _branch_c_[s_] = _branch_next_[s_];
+        if (next_ < rows_)
+          _branch_next_[s_] = eg_load_group_raw_n<VEC>(_branch_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        _branch_c_[s_] = eg_load_group_raw_n<VEC>(_branch_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean of the per-element terms
+    float acc_ms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float ms = (_branch + x)*(_branch + x);
+          if (in_) {
+            acc_ms_ += ms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        {
+          const float ms = (_branch + x)*(_branch + x);
+          if (in_) {
+            acc_ms_ += ms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      {
+        const float ms = (_branch + x)*(_branch + x);
+        acc_ms_ += ms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    // per element: _stream, y
+    // once per row: the element terms' row-invariant parts
+    const float r6_ = rsqrtf(eps + ms);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float _stream_o_[VEC];
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float _branch_r_[VEC];
+      eg_unpack_n<VEC>(_branch_c_[s_], _branch_r_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float _stream = _branch + x;
+          const float y = r6_*w*(_branch + x);
+          _stream_o_[e_] = _stream;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float _stream_o_[VEC];
+      float y_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float _branch_r_[VEC];
+      eg_load_group_n<VEC>(_branch_row_, sp_, g0_, lane_, true, _branch_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float _branch = _branch_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float _stream = _branch + x;
+          const float y = r6_*w*(_branch + x);
+          _stream_o_[e_] = _stream;
+          y_o_[e_] = y;
+        }
+      }
+      eg_store_group_n<VEC>(_stream_row_, sp_, g0_, lane_, _stream_o_, !WARP);
+      eg_store_group_n<VEC>(y_row_, sp_, g0_, lane_, y_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float _branch = eg_load(_branch_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float _stream = _branch + x;
+        const float y = r6_*w*(_branch + x);
+        eg_store(_stream_row_, col_, _stream);
+        eg_store(y_row_, col_, y);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_autocast_bf16(const float* x, const __nv_bfloat16* _branch, const float* w, float* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward_add_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_autocast_unaligned_bf16(const float* x, const __nv_bfloat16* _branch, const float* w, float* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward_add_autocast<__nv_bfloat16, true, 3, 8, true, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_autocast_held_bf16(const float* x, const __nv_bfloat16* _branch, const float* w, float* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward_add_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_add_autocast_held_unaligned_bf16(const float* x, const __nv_bfloat16* _branch, const float* w, float* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward_add_autocast<__nv_bfloat16, false, 4, 1, false, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_add_autocast_block_bf16(const float* x, const __nv_bfloat16* _branch, const float* w, float* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(_branch) | reinterpret_cast<unsigned long long>(_stream) | reinterpret_cast<unsigned long long>(y) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_forward_add_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, _branch, w, _stream, y, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_forward_add_autocast_block_unaligned_bf16(const float* x, const __nv_bfloat16* _branch, const float* w, float* _stream, __nv_bfloat16* y, float eps, long long rows, int cols) {
+  rmsnorm_forward_add_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, _branch, w, _stream, y, eps, rows, cols);
+}
+
+// backward_add: dx, dw from x, w, dy, d_stream (autocast: x, w, d_stream, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_backward_add_autocast(const float* x_ptr, const float* w_ptr, const __nv_bfloat16* dy_ptr, const float* d_stream_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // A thread keeps its own columns' weight-gradient partials across rows, so every row
+  // must split alike (no head): 16-byte access needs whole vectors per row and 16-byte
+  // aligned bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(d_stream_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  const EgSplit whole_ = eg_split_n<VEC>(cols_, vec_);   // every row's split
+  const float zero_[VEC] = {};
+  // This worker's partial dw row. The cached columns: per warp in shared memory (in
+  // registers they would halve a warp-per-row backward's occupancy), indexed by (slot,
+  // element, lane) so that a warp's 32 accesses hit 32 banks; per thread in registers for
+  // a block per row. Each thread only ever touches its own columns. The other columns:
+  // the workspace row, zeroed here by the thread that later adds into it.
+  float* dw_part_ = dw_partials_ptr + worker_ * cols_;
+  float dw_acc_[WARP ? 1 : SLOTS][VEC];
+  __shared__ float dw_sm_[WARP ? RPB : 1][WARP ? SLOTS * 32 * VEC : 1];
+  float* dw_mine_ = dw_sm_[WARP ? threadIdx.x / 32 : 0];
+#pragma unroll
+  for (int s_ = 0; s_ < SLOTS; ++s_)
+#pragma unroll
+    for (int e_ = 0; e_ < VEC; ++e_) {
+      if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] = 0.0f; else dw_acc_[WARP ? 0 : s_][e_] = 0.0f;
+    }
+  for (int g0_ = SLOTS * lanes_ * VEC; g0_ < whole_.end; g0_ += lanes_ * VEC)
+    if (eg_in_body<VEC>(whole_, g0_, lane_))
+      eg_partials_set<VEC>(dw_part_, whole_, eg_col<VEC>(whole_, g0_, lane_, 0), zero_);
+  if (lane_ < eg_edge_count(whole_, cols_)) dw_part_[eg_edge_col(whole_, lane_)] = 0.0f;
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    const float* d_stream_row_ = d_stream_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const float N = (float)cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean, sum_dms = sum of the per-element terms
+    float acc_ms_ = 0.0f;
+    float acc_sum_dms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float ms = x*x;
+        const float sum_dms = dy*w*x;
+        acc_ms_ += ms;
+        acc_sum_dms_ += sum_dms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    acc_sum_dms_ = eg_warp_sum(acc_sum_dms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+        red_[1][lane_ / 32] = acc_sum_dms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dms_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    const float sum_dms = acc_sum_dms_;
+    // per row: dms
+    float dms;
+    {
+      dms = -0.5f*sum_dms*rsqrtf(eps + ms)/(eps + ms);
+    }
+    // per element: dx, dw
+    // once per row: the element terms' row-invariant parts
+    const float r7_ = rsqrtf(eps + ms);
+    const float r8_ = 2.0f*dms/N;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r7_;
+          const float dx = d_stream + r8_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+          if (WARP) dw_mine_[(s_ * VEC + e_) * 32 + lane_] += dw; else dw_acc_[WARP ? 0 : s_][e_] += dw;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float dw_g_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r7_;
+          const float dx = d_stream + r8_*x + t0*w;
+          const float dw = t0*x;
+          dx_o_[e_] = dx;
+          dw_g_[e_] = dw;
+        }
+      }
+      if (in_) eg_partials_add<VEC>(dw_part_, sp_, eg_col<VEC>(sp_, g0_, lane_, 0), dw_g_);
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float d_stream = eg_load(d_stream_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t0 = dy*r7_;
+        const float dx = d_stream + r8_*x + t0*w;
+        const float dw = t0*x;
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+        dw_part_[col_] += dw;
+      }
+    }
+
+  }
+#pragma unroll
+  for (int s_ = 0; s_ < SLOTS; ++s_) {
+    float v_[VEC];
+#pragma unroll
+    for (int e_ = 0; e_ < VEC; ++e_)
+      v_[e_] = WARP ? dw_mine_[(s_ * VEC + e_) * 32 + lane_] : dw_acc_[WARP ? 0 : s_][e_];
+    if (eg_in_body<VEC>(whole_, s_ * lanes_ * VEC, lane_))
+      eg_partials_set<VEC>(dw_part_, whole_, eg_col<VEC>(whole_, s_ * lanes_ * VEC, lane_, 0), v_);
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_add_autocast_bf16(const float* x, const float* w, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_add_autocast<__nv_bfloat16, true, 3, 4, true, 1, false, true>(x, w, dy, d_stream, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_backward_add_autocast_unaligned_bf16(const float* x, const float* w, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward_add_autocast<__nv_bfloat16, true, 3, 4, true, 1, false, false>(x, w, dy, d_stream, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_add_autocast_block_bf16(const float* x, const float* w, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_add_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, d_stream, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward_add_autocast_block_unaligned_bf16(const float* x, const float* w, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_backward_add_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, d_stream, dx, dx_bf16, dw_partials, eps, rows, cols);
+}
+
+// backward_rows_add: dx from x, w, dy, d_stream (autocast: x, w, d_stream, dx float32; dy, dx_bf16 bf16)
+template <typename scalar_t, bool WARP, int SLOTS, int RPB, bool PREFETCH, int BATCH, bool WHOLE,
+          bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_backward_rows_add_autocast(const float* x_ptr, const float* w_ptr, const __nv_bfloat16* dy_ptr, const float* d_stream_ptr, float* dx_ptr, __nv_bfloat16* dx_bf16_ptr, float* rowstats_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int lanes_ = WARP ? 32 : (int)blockDim.x;
+  const int lane_ = WARP ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+  const long long worker_ = WARP ? blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32
+                                 : (long long)blockIdx.x;
+  const long long workers_ = WARP ? (long long)gridDim.x * (blockDim.x / 32) : (long long)gridDim.x;
+  // Its operands' storage types would split a row at other columns, so every row must
+  // split alike (no head): 16-byte access needs whole vectors per row and 16-byte aligned
+  // bases; otherwise scalar.
+  const bool vec_ = ALIGNED || (cols_ % VEC == 0 && (reinterpret_cast<unsigned long long>(x_ptr) | reinterpret_cast<unsigned long long>(dy_ptr) | reinterpret_cast<unsigned long long>(d_stream_ptr) | reinterpret_cast<unsigned long long>(dx_ptr) | reinterpret_cast<unsigned long long>(dx_bf16_ptr) | reinterpret_cast<unsigned long long>(w_ptr)) % 16 == 0);
+  __shared__ float red_[2][32];
+  // PREFETCH (the plan's choice, generator/plan.py PREFETCH_DTYPES): the next row's cached
+  // groups are loaded, raw, before the current row is computed.
+  EgRaw<float, VEC> x_next_[SLOTS];
+  EgRaw<__nv_bfloat16, VEC> dy_next_[SLOTS];
+  if (PREFETCH && worker_ < rows_) {
+    const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+      dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + worker_ * cols_, next_sp_,
+                                            s_ * lanes_ * VEC, lane_);
+    }
+  }
+  for (long long row_ = worker_; row_ < rows_; row_ += workers_) {
+    const float* x_row_ = x_ptr + row_ * cols_;
+    const __nv_bfloat16* dy_row_ = dy_ptr + row_ * cols_;
+    const float* d_stream_row_ = d_stream_ptr + row_ * cols_;
+    float* dx_row_ = dx_ptr + row_ * cols_;
+    const float N = (float)cols_;
+    const EgSplit sp_ = eg_split_n<VEC>(cols_, vec_);
+    const bool wide_ = ALIGNED || (sp_.vec && (reinterpret_cast<unsigned long long>(w_ptr + sp_.head)) % 16 == 0);
+    EgRaw<float, VEC> x_c_[SLOTS];
+    EgRaw<__nv_bfloat16, VEC> dy_c_[SLOTS];
+    if (PREFETCH) {
+      const long long next_ = row_ + workers_;
+      const EgSplit next_sp_ = eg_split_n<VEC>(cols_, vec_);
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = x_next_[s_];
+        if (next_ < rows_)
+          x_next_[s_] = eg_load_group_raw_n<VEC>(x_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = dy_next_[s_];
+        if (next_ < rows_)
+          dy_next_[s_] = eg_load_group_raw_n<VEC>(dy_ptr + next_ * cols_, next_sp_,
+                                                s_ * lanes_ * VEC, lane_);
+      }
+    } else {
+#pragma unroll
+      for (int s_ = 0; s_ < SLOTS; ++s_) {
+        x_c_[s_] = eg_load_group_raw_n<VEC>(x_row_, sp_, s_ * lanes_ * VEC, lane_);
+        dy_c_[s_] = eg_load_group_raw_n<VEC>(dy_row_, sp_, s_ * lanes_ * VEC, lane_);
+      }
+    }
+    // pass: ms = mean, sum_dms = sum of the per-element terms
+    float acc_ms_ = 0.0f;
+    float acc_sum_dms_ = 0.0f;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, false);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, false);
+      const bool in_ = eg_in_body<VEC>(sp_, g0_, lane_);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float ms = x*x;
+          const float sum_dms = dy*w*x;
+          if (in_) {
+            acc_ms_ += ms;
+            acc_sum_dms_ += sum_dms;
+          }
+        }
+      }
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float ms = x*x;
+        const float sum_dms = dy*w*x;
+        acc_ms_ += ms;
+        acc_sum_dms_ += sum_dms;
+      }
+    }
+
+    acc_ms_ = eg_warp_sum(acc_ms_);
+    acc_sum_dms_ = eg_warp_sum(acc_sum_dms_);
+    if (!WARP) {
+      if (lane_ % 32 == 0) {
+        red_[0][lane_ / 32] = acc_ms_;
+        red_[1][lane_ / 32] = acc_sum_dms_;
+      }
+      __syncthreads();
+      // every warp merges the block's warp results with the same butterfly, a lane a warp
+      // (lanes past the block's warps hold the identity): a few shuffles rather than a
+      // loop over the warps in each thread
+      const bool has_ = lane_ % 32 < lanes_ / 32;
+      acc_ms_ = eg_warp_sum(has_ ? red_[0][lane_ % 32] : 0.0f);
+      acc_sum_dms_ = eg_warp_sum(has_ ? red_[1][lane_ % 32] : 0.0f);
+      __syncthreads();  // red_ is reused by the next pass
+    }
+    const float ms = acc_ms_ / (float)cols_;
+    const float sum_dms = acc_sum_dms_;
+    // per row: dms
+    float dms;
+    {
+      dms = -0.5f*sum_dms*rsqrtf(eps + ms)/(eps + ms);
+    }
+    // what the weight-gradient terms read of this row, for rmsnorm_wgrad_cols
+    if (lane_ == 0) {
+      rowstats_ptr[row_ * 1 + 0] = ms;
+    }
+    // per element: dx
+    // once per row: the element terms' row-invariant parts
+    const float r11_ = rsqrtf(eps + ms);
+    const float r12_ = 2.0f*dms/N;
+#pragma unroll
+    for (int s_ = 0; s_ < SLOTS; ++s_) {
+      const int g0_ = s_ * lanes_ * VEC;
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_unpack_n<VEC>(x_c_[s_], x_r_);
+      float dy_r_[VEC];
+      eg_unpack_n<VEC>(dy_c_[s_], dy_r_);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r11_;
+          const float dx = d_stream + r12_*x + t0*w;
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    for (int g0_ = SLOTS * lanes_ * VEC; g0_ < sp_.end - sp_.head; g0_ += lanes_ * VEC) {
+      float dx_o_[VEC];
+      float w_w_[VEC];
+      eg_load_group_n<VEC>(w_ptr, sp_, g0_, lane_, wide_, w_w_);
+      float x_r_[VEC];
+      eg_load_group_n<VEC>(x_row_, sp_, g0_, lane_, true, x_r_, !WARP);
+      float dy_r_[VEC];
+      eg_load_group_n<VEC>(dy_row_, sp_, g0_, lane_, true, dy_r_, !WARP);
+      float d_stream_r_[VEC];
+      eg_load_group_n<VEC>(d_stream_row_, sp_, g0_, lane_, true, d_stream_r_, !WARP);
+      #pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        const float d_stream = d_stream_r_[e_];
+        const float w = w_w_[e_];
+        {
+          const float t0 = dy*r11_;
+          const float dx = d_stream + r12_*x + t0*w;
+          dx_o_[e_] = dx;
+        }
+      }
+      eg_store_group_n<VEC>(dx_row_, sp_, g0_, lane_, dx_o_, !WARP);
+      if (dx_bf16_ptr != nullptr) eg_store_group_n<VEC>(dx_bf16_ptr + row_ * cols_, sp_, g0_, lane_, dx_o_, !WARP);
+    }
+    if (lane_ < eg_edge_count(sp_, cols_)) {
+      const int col_ = eg_edge_col(sp_, lane_);
+      const float x = eg_load(x_row_, col_);
+      const float dy = eg_load(dy_row_, col_);
+      const float d_stream = eg_load(d_stream_row_, col_);
+      const float w = eg_load(w_ptr, col_);
+      {
+        const float t0 = dy*r11_;
+        const float dx = d_stream + r12_*x + t0*w;
+        eg_store(dx_row_, col_, dx);
+        if (dx_bf16_ptr != nullptr) eg_store(dx_bf16_ptr + row_ * cols_, col_, dx);
+      }
+    }
+
+  }
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_add_autocast_block_bf16(const float* x, const float* w, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, float* rowstats, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy) | reinterpret_cast<unsigned long long>(d_stream) | reinterpret_cast<unsigned long long>(dx) | reinterpret_cast<unsigned long long>(dx_bf16) | reinterpret_cast<unsigned long long>(w)) % 16 != 0) __trap();
+  rmsnorm_backward_rows_add_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, true>(x, w, dy, d_stream, dx, dx_bf16, rowstats, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_backward_rows_add_autocast_block_unaligned_bf16(const float* x, const float* w, const __nv_bfloat16* dy, const float* d_stream, float* dx, __nv_bfloat16* dx_bf16, float* rowstats, float eps, long long rows, int cols) {
+  rmsnorm_backward_rows_add_autocast<__nv_bfloat16, false, 2, 1, true, 1, false, false>(x, w, dy, d_stream, dx, dx_bf16, rowstats, eps, rows, cols);
+}
+
 // Weight gradients of long rows, the split backward's second kernel (rmsnorm_backward_rows
 // wrote the input grads and each row's ms): a thread owns VEC
 // adjacent columns and adds their terms over the rows blockIdx.y, blockIdx.y + gridDim.y,
@@ -1604,6 +3017,80 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_bf16(const 
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_unaligned_bf16(const __nv_bfloat16* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
   rmsnorm_wgrad_cols<__nv_bfloat16, 4, false>(x, dy, rowstats, dw_partials, eps, rows, cols);
+}
+
+// Weight gradients of long rows, the split backward's second kernel (rmsnorm_backward_rows
+// wrote the input grads and each row's ms): a thread owns VEC
+// adjacent columns and adds their terms over the rows blockIdx.y, blockIdx.y + gridDim.y,
+// ... in that order, ROWS rows' loads in flight at a time, into partial row blockIdx.y,
+// which rmsnorm_wgrad_reduce sums. ALIGNED, as for the row kernels: 16-byte access.
+template <typename scalar_t, int ROWS, bool ALIGNED>
+__device__ __forceinline__ void rmsnorm_wgrad_cols_autocast(const float* x_ptr, const __nv_bfloat16* dy_ptr, const float* rowstats_ptr, float* dw_partials_ptr, float eps, long long rows_, int cols_) {
+  constexpr int VEC = EgVec<scalar_t>::N;
+  const int c0_ = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (c0_ >= cols_) return;
+  const int n_ = min(VEC, cols_ - c0_);
+  float dw_acc_[VEC];
+#pragma unroll
+  for (int e_ = 0; e_ < VEC; ++e_) dw_acc_[e_] = 0.0f;
+  for (long long r0_ = blockIdx.y; r0_ < rows_; r0_ += (long long)ROWS * gridDim.y) {
+    EgRaw<float, VEC> x_b_[ROWS];
+    EgRaw<__nv_bfloat16, VEC> dy_b_[ROWS];
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (ALIGNED && row_ < rows_) {
+        x_b_[b_] = eg_load_raw_n<VEC>(x_ptr, row_ * cols_ + c0_);
+        dy_b_[b_] = eg_load_raw_n<VEC>(dy_ptr, row_ * cols_ + c0_);
+      }
+    }
+#pragma unroll
+    for (int b_ = 0; b_ < ROWS; ++b_) {
+      const long long row_ = r0_ + (long long)b_ * gridDim.y;
+      if (row_ >= rows_) break;
+      const float ms = rowstats_ptr[row_ * 1 + 0];
+      const float r3_ = rsqrtf(eps + ms);
+      float x_r_[VEC];
+      if (ALIGNED) {
+        eg_unpack_n<VEC>(x_b_[b_], x_r_);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) x_r_[e_] = e_ < n_ ? eg_load(x_ptr, row_ * cols_ + c0_ + e_) : 0.0f;
+      }
+      float dy_r_[VEC];
+      if (ALIGNED) {
+        eg_unpack_n<VEC>(dy_b_[b_], dy_r_);
+      } else {
+#pragma unroll
+        for (int e_ = 0; e_ < VEC; ++e_) dy_r_[e_] = e_ < n_ ? eg_load(dy_ptr, row_ * cols_ + c0_ + e_) : 0.0f;
+      }
+#pragma unroll
+      for (int e_ = 0; e_ < VEC; ++e_) {
+        const float x = x_r_[e_];
+        const float dy = dy_r_[e_];
+        {
+          const float t0 = dy*r3_;
+          const float dw = t0*x;
+          if (e_ < n_) dw_acc_[e_] += dw;
+        }
+      }
+    }
+  }
+  float* dw_out_ = dw_partials_ptr + blockIdx.y * (long long)cols_ + c0_;
+  if (ALIGNED) {
+    eg_store_n<VEC>(dw_out_, 0, dw_acc_);
+  } else {
+    for (int e_ = 0; e_ < n_; ++e_) dw_out_[e_] = dw_acc_[e_];
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_autocast_bf16(const float* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
+  // Launched for such operands only (runtime/engine/kernels.py, row_aligned): anything else is a
+  // caller's bug, stopped here rather than read and written at the wrong columns.
+  if (cols % EgVec<__nv_bfloat16>::N != 0 || (reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(dy)) % 16 != 0) __trap();
+  rmsnorm_wgrad_cols_autocast<__nv_bfloat16, 4, true>(x, dy, rowstats, dw_partials, eps, rows, cols);
+}
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_wgrad_cols_autocast_unaligned_bf16(const float* x, const __nv_bfloat16* dy, const float* rowstats, float* dw_partials, float eps, long long rows, int cols) {
+  rmsnorm_wgrad_cols_autocast<__nv_bfloat16, 4, false>(x, dy, rowstats, dw_partials, eps, rows, cols);
 }
 
 // Sum of the per-worker partial weight gradients, in a fixed order (eg_reduce_partials).

@@ -27,6 +27,35 @@ def _visible(i, j, h, n_heads):
     return j <= i
 
 
+def _dtype(*arrays):
+    """The float dtype to compute in: that of the float inputs (float64 if none are)."""
+    floats = [a.dtype for a in arrays if a.dtype.kind == "f"]
+    return np.result_type(*floats) if floats else np.dtype(np.float64)
+
+
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
+
+
+def _results(values, out):
+    """The values, each into its array of `out` or a new one (numpy_text.LAYOUT's _fresh)."""
+    return tuple(_fresh(v, v.shape, v.dtype, out, n) for n, v in enumerate(values))
+
+
 def _hm(x):
     """[B, T, H, D] → [B, H, T, D]: head-major, so products are batched matmuls (BLAS)."""
     return x.transpose(0, 2, 1, 3)
@@ -62,10 +91,10 @@ def _attend(q, k, v, i, j):
     return o.astype(q.dtype), lse.astype(q.dtype)
 
 
-def forward(q, k, v):
+def forward(q, k, v, *, _out=None):
     """-> (o [B, T, H, D], lse [B, H, T])."""
     positions = np.arange(q.shape[1])
-    return _attend(q, k, v, positions, positions)
+    return _results(_attend(q, k, v, positions, positions), _out)
 
 
 def decode(q, k_cache, v_cache, pos0):
@@ -83,7 +112,7 @@ def _per_kv_head(g, kvh):
     return g.reshape(B, T, kvh, H // kvh, D).sum(axis=3)
 
 
-def backward(q, k, v, o, lse, do):
+def backward(q, k, v, o, lse, do, *, _out=None):
     """-> (dq, dk, dv): P = exp(score - lse), dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)) ∘ ∂score/∂s."""
     positions = np.arange(q.shape[1])
     _, x, dx, visible, kr = _scores(q, k, positions, positions)
@@ -96,5 +125,5 @@ def backward(q, k, v, o, lse, do):
     dq = _hm(ds @ _hm(kr))
     dk = _hm(ds.swapaxes(-1, -2) @ _hm(q))
     kvh = k.shape[2]
-    return (dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
-            _per_kv_head(dv, kvh).astype(q.dtype))
+    return _results((dq.astype(q.dtype), _per_kv_head(dk, kvh).astype(q.dtype),
+                     _per_kv_head(dv, kvh).astype(q.dtype)), _out)

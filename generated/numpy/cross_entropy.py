@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, target):
+def forward(x, target, *, _out=None):
     x = np.asarray(x)
     target = np.asarray(target)[..., None]
     shape = x.shape
@@ -46,10 +57,10 @@ def forward(x, target):
     z = np.exp(x - m)
     z = _reduce('sum', z, shape)
     loss = m + np.log(z) - picked
-    return _fresh(np.broadcast_to(loss, shape[:-1] + (1,))[..., 0], shape[:-1], dtype)
+    return _fresh(np.broadcast_to(loss, shape[:-1] + (1,))[..., 0], shape[:-1], dtype, _out, 0)
 
 
-def backward(x, target, dloss):
+def backward(x, target, dloss, *, _out=None):
     x = np.asarray(x)
     target = np.asarray(target)[..., None]
     shape = x.shape
@@ -58,12 +69,14 @@ def backward(x, target, dloss):
     dtype = _dtype(x)
     dloss = np.asarray(dloss)[..., None]
     m = x
-    picked = np.where(i == target, x, 0.0)
+    _c0 = i == target
+    picked = np.where(_c0, x, 0.0)
     m = _reduce('max', m, shape)
     picked = _reduce('sum', picked, shape)
-    z = np.exp(x - m)
+    _c1 = np.exp(x - m)
+    z = _c1
     z = _reduce('sum', z, shape)
     dz = dloss/z
     dpicked = -dloss
-    dx = dpicked*np.where(i == target, 1.0, 0.0) + dz*np.exp(x - m)
-    return _fresh(dx, shape, dtype)
+    dx = dpicked*np.where(_c0, 1.0, 0.0) + dz*_c1
+    return _fresh(dx, shape, dtype, _out, 0)

@@ -16,23 +16,34 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
 
 
-def forward(a, b):
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
+
+
+def forward(a, b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     shape = np.broadcast_shapes(a.shape, b.shape)
     dtype = _dtype(a, b)
     y = 0.5*a*b*(np.tanh(0.7978845608028654*(a + 0.044715*a*a*a)) + 1.0)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(a, b, dy):
+def backward(a, b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     dy = np.asarray(dy)
@@ -42,21 +53,22 @@ def backward(a, b, dy):
     t1 = 0.5*t0 + 0.5
     da = dy*(b*t1 + 0.3989422804014327*a*b*(1.0 - t0*t0)*(0.134145*a*a + 1.0))
     db = a*dy*t1
-    return (_fresh(da, shape, dtype), _fresh(db, shape, dtype))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1))
 
 
-def forward_bias(a, b, _bias_a, _bias_b):
+def forward_bias(a, b, _bias_a, _bias_b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
     _bias_b = np.asarray(_bias_b)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b)
-    y = 0.5*(np.tanh(0.7978845608028654*(_bias_a + a + 0.044715*(_bias_a + a)**2*(_bias_a + a))) + 1.0)*(_bias_a + a)*(_bias_b + b)
-    return _fresh(y, shape, dtype)
+    _c0 = _bias_a + a
+    y = 0.5*(np.tanh(0.7978845608028654*(_c0 + 0.044715*_c0**2*_c0)) + 1.0)*_c0*(_bias_b + b)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(a, b, _bias_a, _bias_b, dy):
+def backward_bias(a, b, _bias_a, _bias_b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
@@ -64,10 +76,13 @@ def backward_bias(a, b, _bias_a, _bias_b, dy):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape, dy.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b, dy)
-    t0 = np.tanh(0.7978845608028654*(_bias_a + a + 0.044715*(_bias_a + a)**2*(_bias_a + a)))
+    _c0 = _bias_a + a
+    _c1 = _c0**2
+    t0 = np.tanh(0.7978845608028654*(_c0 + 0.044715*_c1*_c0))
     t1 = 0.5*t0 + 0.5
-    da = dy*(t1*(_bias_b + b) + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*(_bias_a + a)**2 + 1.0)*(_bias_a + a)*(_bias_b + b))
-    db = dy*t1*(_bias_a + a)
+    _c2 = _bias_b + b
+    da = dy*(t1*_c2 + 0.3989422804014327*(1.0 - t0*t0)*(0.134145*_c1 + 1.0)*_c0*_c2)
+    db = dy*t1*_c0
     d_bias_a = da
     d_bias_b = db
-    return (_fresh(da, shape, dtype), _fresh(db, shape, dtype), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, _out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, _out, 3))

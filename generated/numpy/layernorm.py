@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, w, b, *, eps=1e-05):
+def forward(x, w, b, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -42,13 +53,14 @@ def forward(x, w, b, *, eps=1e-05):
     dtype = _dtype(x, w, b)
     mu = x
     mu = _reduce('mean', mu, shape)
-    var = (x - mu)**2
+    _c0 = x - mu
+    var = _c0**2
     var = _reduce('mean', var, shape)
-    y = b + w*(x - mu)/np.sqrt(eps + var)
-    return _fresh(y, shape, dtype)
+    y = b + w*_c0/np.sqrt(eps + var)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, w, b, dy, *, eps=1e-05):
+def backward(x, w, b, dy, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -59,25 +71,28 @@ def backward(x, w, b, dy, *, eps=1e-05):
     dy = np.asarray(dy)
     mu = x
     mu = _reduce('mean', mu, shape)
-    var = (x - mu)**2
+    _c0 = x - mu
+    var = _c0**2
     var = _reduce('mean', var, shape)
     t0 = dy*w
-    sum_dvar = t0*(x - mu)
+    sum_dvar = t0*_c0
     sum_dmu = t0
     sum_dvar = _reduce('sum', sum_dvar, shape)
     sum_dmu = _reduce('sum', sum_dmu, shape)
-    t1 = eps + var
-    dmu = -sum_dmu/np.sqrt(t1)
-    dvar = -0.5*sum_dvar*1.0/(t1*np.sqrt(t1))
+    _c1 = eps + var
+    t1 = _c1
+    _c2 = np.sqrt(t1)
+    dmu = -sum_dmu/_c2
+    dvar = -0.5*sum_dvar*1.0/(t1*_c2)
     t2 = 1.0/N
-    t3 = dy/np.sqrt(eps + var)
+    t3 = dy/np.sqrt(_c1)
     dx = dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
-    dw = t3*(x - mu)
+    dw = t3*_c0
     db = dy
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 2))
 
 
-def forward_add(x, _branch, w, b, *, eps=1e-05):
+def forward_add(x, _branch, w, b, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     w = np.asarray(w)
@@ -86,16 +101,18 @@ def forward_add(x, _branch, w, b, *, eps=1e-05):
     N = shape[-1]
     i = np.arange(N)
     dtype = _dtype(x, _branch, w, b)
-    mu = _branch + x
+    _c0 = _branch + x
+    mu = _c0
     mu = _reduce('mean', mu, shape)
-    var = (_branch + x - mu)**2
+    _c1 = _c0 - mu
+    var = _c1**2
     var = _reduce('mean', var, shape)
-    _stream = _branch + x
-    y = b + w*(_branch + x - mu)/np.sqrt(eps + var)
-    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+    _stream = _c0
+    y = b + w*_c1/np.sqrt(eps + var)
+    return (_fresh(_stream, shape, dtype, _out, 0), _fresh(y, shape, dtype, _out, 1))
 
 
-def backward_add(x, w, b, dy, d_stream, *, eps=1e-05):
+def backward_add(x, w, b, dy, d_stream, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     b = np.asarray(b)
@@ -107,19 +124,22 @@ def backward_add(x, w, b, dy, d_stream, *, eps=1e-05):
     d_stream = np.asarray(d_stream)
     mu = x
     mu = _reduce('mean', mu, shape)
-    var = (x - mu)**2
+    _c0 = x - mu
+    var = _c0**2
     var = _reduce('mean', var, shape)
     t0 = dy*w
-    sum_dvar = t0*(x - mu)
+    sum_dvar = t0*_c0
     sum_dmu = t0
     sum_dvar = _reduce('sum', sum_dvar, shape)
     sum_dmu = _reduce('sum', sum_dmu, shape)
-    t1 = eps + var
-    dmu = -sum_dmu/np.sqrt(t1)
-    dvar = -0.5*sum_dvar*1.0/(t1*np.sqrt(t1))
+    _c1 = eps + var
+    t1 = _c1
+    _c2 = np.sqrt(t1)
+    dmu = -sum_dmu/_c2
+    dvar = -0.5*sum_dvar*1.0/(t1*_c2)
     t2 = 1.0/N
-    t3 = dy/np.sqrt(eps + var)
+    t3 = dy/np.sqrt(_c1)
     dx = d_stream + dmu*t2 + t3*w + dvar*t2*(2.0*x - 2.0*mu)
-    dw = t3*(x - mu)
+    dw = t3*_c0
     db = dy
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1), _fresh(np.broadcast_to(db, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 2))

@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x, w, *, eps=1e-05):
+def forward(x, w, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -42,10 +53,10 @@ def forward(x, w, *, eps=1e-05):
     ms = x*x
     ms = _reduce('mean', ms, shape)
     y = w*x/np.sqrt(eps + ms)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, w, dy, *, eps=1e-05):
+def backward(x, w, dy, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -57,14 +68,16 @@ def backward(x, w, dy, *, eps=1e-05):
     ms = _reduce('mean', ms, shape)
     sum_dms = dy*w*x
     sum_dms = _reduce('sum', sum_dms, shape)
-    dms = -0.5*sum_dms*1.0/((eps + ms)*np.sqrt(eps + ms))
-    t0 = dy/np.sqrt(eps + ms)
+    _c0 = eps + ms
+    _c1 = np.sqrt(_c0)
+    dms = -0.5*sum_dms*1.0/(_c0*_c1)
+    t0 = dy/_c1
     dx = t0*w + 2.0*dms*x/N
     dw = t0*x
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1))
 
 
-def forward_add(x, _branch, w, *, eps=1e-05):
+def forward_add(x, _branch, w, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     w = np.asarray(w)
@@ -72,14 +85,15 @@ def forward_add(x, _branch, w, *, eps=1e-05):
     N = shape[-1]
     i = np.arange(N)
     dtype = _dtype(x, _branch, w)
-    ms = (_branch + x)**2
+    _c0 = _branch + x
+    ms = _c0**2
     ms = _reduce('mean', ms, shape)
-    _stream = _branch + x
-    y = w*(_branch + x)/np.sqrt(eps + ms)
-    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+    _stream = _c0
+    y = w*_c0/np.sqrt(eps + ms)
+    return (_fresh(_stream, shape, dtype, _out, 0), _fresh(y, shape, dtype, _out, 1))
 
 
-def backward_add(x, w, dy, d_stream, *, eps=1e-05):
+def backward_add(x, w, dy, d_stream, *, eps=1e-05, _out=None):
     x = np.asarray(x)
     w = np.asarray(w)
     shape = x.shape
@@ -92,8 +106,10 @@ def backward_add(x, w, dy, d_stream, *, eps=1e-05):
     ms = _reduce('mean', ms, shape)
     sum_dms = dy*w*x
     sum_dms = _reduce('sum', sum_dms, shape)
-    dms = -0.5*sum_dms*1.0/((eps + ms)*np.sqrt(eps + ms))
-    t0 = dy/np.sqrt(eps + ms)
+    _c0 = eps + ms
+    _c1 = np.sqrt(_c0)
+    dms = -0.5*sum_dms*1.0/(_c0*_c1)
+    t0 = dy/_c1
     dx = d_stream + t0*w + 2.0*dms*x/N
     dw = t0*x
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(dw, shape).reshape(-1, N).sum(axis=0), (N,), dtype, _out, 1))

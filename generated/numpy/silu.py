@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _sigmoid(x):
@@ -28,40 +39,42 @@ def _sigmoid(x):
     return np.exp(-np.logaddexp(0.0, -x))
 
 
-def forward(x):
+def forward(x, *, _out=None):
     x = np.asarray(x)
     shape = np.broadcast_shapes(x.shape)
     dtype = _dtype(x)
     y = x*_sigmoid(x)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, dy):
+def backward(x, dy, *, _out=None):
     x = np.asarray(x)
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, dy.shape)
     dtype = _dtype(x, dy)
     t0 = _sigmoid(x)
     dx = dy*(t0 + t0*x*(1.0 - t0))
-    return _fresh(dx, shape, dtype)
+    return _fresh(dx, shape, dtype, _out, 0)
 
 
-def forward_bias(x, _bias_x):
+def forward_bias(x, _bias_x, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape)
     dtype = _dtype(x, _bias_x)
-    y = (_bias_x + x)*_sigmoid(_bias_x + x)
-    return _fresh(y, shape, dtype)
+    _c0 = _bias_x + x
+    y = _c0*_sigmoid(_c0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(x, _bias_x, dy):
+def backward_bias(x, _bias_x, dy, *, _out=None):
     x = np.asarray(x)
     _bias_x = np.asarray(_bias_x)
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(x.shape, _bias_x.shape, dy.shape)
     dtype = _dtype(x, _bias_x, dy)
-    t0 = _sigmoid(_bias_x + x)
-    dx = dy*(t0 + t0*(1.0 - t0)*(_bias_x + x))
+    _c0 = _bias_x + x
+    t0 = _sigmoid(_c0)
+    dx = dy*(t0 + t0*(1.0 - t0)*_c0)
     d_bias_x = dx
-    return (_fresh(dx, shape, dtype), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype))
+    return (_fresh(dx, shape, dtype, _out, 0), _fresh(np.broadcast_to(d_bias_x, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_x.shape, dtype, _out, 1))

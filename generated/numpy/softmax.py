@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _reduce(op, term, shape):
@@ -32,7 +43,7 @@ def _reduce(op, term, shape):
     return total / shape[-1] if op == "mean" else total
 
 
-def forward(x):
+def forward(x, *, _out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -40,13 +51,14 @@ def forward(x):
     dtype = _dtype(x)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
-    y = np.exp(x - m)/z
-    return _fresh(y, shape, dtype)
+    y = _c0/z
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(x, dy):
+def backward(x, dy, *, _out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -55,33 +67,36 @@ def backward(x, dy):
     dy = np.asarray(dy)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
-    sum_dz = dy*np.exp(x - m)
+    sum_dz = dy*_c0
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/(z*z)
-    t0 = np.exp(x - m)
+    t0 = _c0
     dx = dz*t0 + dy*t0/z
-    return _fresh(dx, shape, dtype)
+    return _fresh(dx, shape, dtype, _out, 0)
 
 
-def forward_add(x, _branch):
+def forward_add(x, _branch, *, _out=None):
     x = np.asarray(x)
     _branch = np.asarray(_branch)
     shape = x.shape
     N = shape[-1]
     i = np.arange(N)
     dtype = _dtype(x, _branch)
-    m = _branch + x
+    _c0 = _branch + x
+    m = _c0
     m = _reduce('max', m, shape)
-    z = np.exp(_branch + x - m)
+    _c1 = np.exp(_c0 - m)
+    z = _c1
     z = _reduce('sum', z, shape)
-    _stream = _branch + x
-    y = np.exp(_branch + x - m)/z
-    return (_fresh(_stream, shape, dtype), _fresh(y, shape, dtype))
+    _stream = _c0
+    y = _c1/z
+    return (_fresh(_stream, shape, dtype, _out, 0), _fresh(y, shape, dtype, _out, 1))
 
 
-def backward_add(x, dy, d_stream):
+def backward_add(x, dy, d_stream, *, _out=None):
     x = np.asarray(x)
     shape = x.shape
     N = shape[-1]
@@ -91,11 +106,12 @@ def backward_add(x, dy, d_stream):
     d_stream = np.asarray(d_stream)
     m = x
     m = _reduce('max', m, shape)
-    z = np.exp(x - m)
+    _c0 = np.exp(x - m)
+    z = _c0
     z = _reduce('sum', z, shape)
-    sum_dz = dy*np.exp(x - m)
+    sum_dz = dy*_c0
     sum_dz = _reduce('sum', sum_dz, shape)
     dz = -sum_dz/(z*z)
-    t0 = np.exp(x - m)
+    t0 = _c0
     dx = d_stream + dz*t0 + dy*t0/z
-    return _fresh(dx, shape, dtype)
+    return _fresh(dx, shape, dtype, _out, 0)

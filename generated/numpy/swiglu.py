@@ -16,11 +16,22 @@ def _dtype(*arrays):
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _fresh(value, shape, dtype):
-    """value as a new array of the given shape and dtype."""
-    out = np.empty(shape, dtype)
-    out[...] = value
-    return out
+def _into(out, n, shape, dtype):
+    """Where result n goes: out[n], which must have the result's shape, or a new array
+    where `out` gives none."""
+    given = None if out is None else out[n]
+    if given is None:
+        return np.empty(shape, dtype)
+    if given.shape != tuple(shape):
+        raise ValueError(f"out[{n}] has shape {given.shape}, the result {tuple(shape)}")
+    return given
+
+
+def _fresh(value, shape, dtype, out=None, n=0):
+    """value as result n: written into out[n] or a new array of the given shape and dtype."""
+    into = _into(out, n, shape, dtype)
+    into[...] = value
+    return into
 
 
 def _sigmoid(x):
@@ -28,16 +39,16 @@ def _sigmoid(x):
     return np.exp(-np.logaddexp(0.0, -x))
 
 
-def forward(a, b):
+def forward(a, b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     shape = np.broadcast_shapes(a.shape, b.shape)
     dtype = _dtype(a, b)
     y = a*b*_sigmoid(a)
-    return _fresh(y, shape, dtype)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward(a, b, dy):
+def backward(a, b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     dy = np.asarray(dy)
@@ -47,21 +58,22 @@ def backward(a, b, dy):
     t1 = b*t0
     da = dy*(t1 + a*t1*(1.0 - t0))
     db = a*dy*t0
-    return (_fresh(da, shape, dtype), _fresh(db, shape, dtype))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1))
 
 
-def forward_bias(a, b, _bias_a, _bias_b):
+def forward_bias(a, b, _bias_a, _bias_b, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
     _bias_b = np.asarray(_bias_b)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b)
-    y = (_bias_a + a)*(_bias_b + b)*_sigmoid(_bias_a + a)
-    return _fresh(y, shape, dtype)
+    _c0 = _bias_a + a
+    y = _c0*(_bias_b + b)*_sigmoid(_c0)
+    return _fresh(y, shape, dtype, _out, 0)
 
 
-def backward_bias(a, b, _bias_a, _bias_b, dy):
+def backward_bias(a, b, _bias_a, _bias_b, dy, *, _out=None):
     a = np.asarray(a)
     b = np.asarray(b)
     _bias_a = np.asarray(_bias_a)
@@ -69,10 +81,11 @@ def backward_bias(a, b, _bias_a, _bias_b, dy):
     dy = np.asarray(dy)
     shape = np.broadcast_shapes(a.shape, b.shape, _bias_a.shape, _bias_b.shape, dy.shape)
     dtype = _dtype(a, b, _bias_a, _bias_b, dy)
-    t0 = _sigmoid(_bias_a + a)
+    _c0 = _bias_a + a
+    t0 = _sigmoid(_c0)
     t1 = t0*(_bias_b + b)
-    da = dy*(t1 + t1*(1.0 - t0)*(_bias_a + a))
-    db = dy*t0*(_bias_a + a)
+    da = dy*(t1 + t1*(1.0 - t0)*_c0)
+    db = dy*t0*_c0
     d_bias_a = da
     d_bias_b = db
-    return (_fresh(da, shape, dtype), _fresh(db, shape, dtype), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype))
+    return (_fresh(da, shape, dtype, _out, 0), _fresh(db, shape, dtype, _out, 1), _fresh(np.broadcast_to(d_bias_a, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_a.shape, dtype, _out, 2), _fresh(np.broadcast_to(d_bias_b, shape).reshape(-1, shape[-1]).sum(axis=0), _bias_b.shape, dtype, _out, 3))

@@ -43,7 +43,8 @@ class OpKind:
 
     # ---- the stages' questions ----------------------------------------------------------
     # A kind of specs answers derive, check, plan, render and numpy_source, and those below
-    # where their defaults do not serve it; a kind without, render_alone.
+    # where their defaults do not serve it; a kind without, render_alone. Either may print
+    # C (c_source, c_alone).
 
     def derive(self, spec, temps) -> tuple:
         """(body, inputs, outputs: ir.Operands) of an OpSpec's DerivedOp
@@ -70,6 +71,16 @@ class OpKind:
     def render_alone(self, header: str) -> ir.RenderedCuda:
         """A kind without specs: its op's .cu text and signatures, from its templates."""
         raise NotImplementedError(f"{self.name} ops are rendered from specs")
+
+    def c_source(self, op: ir.DerivedOp, header: str) -> ir.RenderedC | None:
+        """The op's forward as C functions (generator/c_text.py), printed from its derived
+        expressions, for `eulergen export-c`'s CPU build; None: the kind has no C printer,
+        and export-c refuses a model that runs its ops."""
+        return None
+
+    def c_alone(self, header: str) -> ir.RenderedC | None:
+        """A kind without specs: its op's C functions (None: none)."""
+        return None
 
     def read_operands(self, doc, data: dict, names) -> dict:
         """OpSpec fields read before the params and lets: its inputs (and index)."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eulergen.generator import ir
+from eulergen.generator import c_text, ir
 from eulergen.generator.emit import dtype_values
 from eulergen.generator.kinds.base import OpKind
 from eulergen.generator.plan import (CTYPE, DTYPES, EMBEDDING_FETCH, EMBEDDING_LONG_ROWS,
                                      EMBEDDING_MERGE_GROUP, EMBEDDING_MERGE_MIN_BLOCKS,
                                      EMBEDDING_WTE_WARP_ROWS, embedding_launch)
-from eulergen.signature import KernelSig, select
+from eulergen.signature import CFunction, KernelSig, select
 
 # The forward (''), then the backward's kernels in launch order.
 PARTS = ("", "sort", "merge", "wte", "wte_long", "wpe")
@@ -57,6 +57,20 @@ class Embedding(OpKind):
             long_run=plan.sig("wte_long").geometry.long_run,
             long_threads=plan.sig("wte_long").geometry.threads, long_rows=plan.long_rows)
         return ir.RenderedCuda(source, plan.sigs)
+
+    def c_alone(self, header):
+        """The forward, with the arguments of its kernels."""
+        fn = CFunction("embedding_forward", plan_embedding().sig("").args, "forward")
+        text = [c_text.opening(fn),
+                "  for (long long r_ = 0; r_ < BT; ++r_) {",
+                "    const float* row_ = wte + (long long)ids[r_] * C;",
+                "    const float* at_ = wpe ? wpe + (r_ % T) * C : 0;",
+                "    for (int c_ = 0; c_ < C; ++c_)",
+                "      out[r_ * C + c_] = at_ ? row_[c_] + at_[c_] : row_[c_];",
+                "  }", "}", ""]
+        about = ("embedding: out[r] = wte[ids[r]] (+ wpe[r % T] where wpe is not null) for BT "
+                 "rows of C columns; ids are in [0, V), which the caller checks.")
+        return ir.RenderedC(c_text.source(header, about, text), (fn,))
 
 
 KIND = Embedding()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from eulergen.errors import EulerError, suggest
-from eulergen.generator import formula, ir, numpy_text
+from eulergen.generator import c_text, formula, ir, numpy_text
 from eulergen.generator.differentiate import jvp
 from eulergen.generator.emit import block, param_names
 from eulergen.generator.gradcheck import EXTREMES, check_gradients, each_element, loss_roundoff
@@ -17,6 +17,7 @@ from eulergen.generator.kinds.base import OpKind
 from eulergen.generator.opspec import Formula, identifier, role_inputs, symbol
 from eulergen.generator.plan import pair_launch
 from eulergen.generator.stage_plan import OpPlan, entries, floats, pointers, ptrs, stage, title
+from eulergen.signature import CFunction
 
 # What each index role is at a pair (b, t, h, k) of a [B, T, H, D] tensor, as
 # templates/pair.cu.j2 names it, and in the numpy module.
@@ -25,6 +26,9 @@ _NUMPY_INDEX = {"position": "(pos0 + np.arange(shape[1])).reshape(1, -1, 1, 1)",
                 "head": "np.arange(shape[2]).reshape(1, 1, -1, 1)",
                 "pair": "np.arange(half)",
                 "head_dim": "shape[-1]"}
+# ... and in the C function's loops (generator/c_text.py)
+_C_INDEX = {"position": "(float)(t_ + pos0)", "pair": "(float)k_", "head_dim": "(float)D",
+            "head": "(float)h_"}
 # Roles that differ between the heads of one (token, k): what reads them is not tabled.
 _PER_HEAD = {"head"}
 
@@ -121,13 +125,51 @@ class Pair(OpKind):
         ins = [o.name for o in op.inputs]
         outs = [o.name for o in op.outputs]
         # pos0: the position of the first row (KV-cache decoding), as the CUDA kernels take it
-        functions = [numpy_text.signature("forward", ins, op.params, ("pos0=0",)),
+        functions = [numpy_text.signature("forward", ins, op.params, ("pos0=0", "_out=None")),
                      *_prologue(op, ins), *numpy_text.code(body.forward), *_results(outs), "", ""]
         args = ins + ["d" + n for n in outs]
-        functions += [numpy_text.signature("backward", args, op.params, ("pos0=0",)),
+        functions += [numpy_text.signature("backward", args, op.params, ("pos0=0", "_out=None")),
                       *_prologue(op, args), *numpy_text.code(body.backward),
                       *_results(["d" + n for n in ins])]
-        return numpy_text.module(op, functions)
+        return numpy_text.module(op, functions, support=(numpy_text.DTYPE, numpy_text.INTO))
+
+    def c_source(self, op, header):
+        """forward over [B, T, H, D] operands given by (batch, token, head) strides, as the
+        CUDA kernels take them; y may be x."""
+        body: ir.PairDerived = op.body
+        ins = [o.name for o in op.inputs]
+        outs = [o.name for o in op.outputs]
+
+        def strided(names, ctype):
+            return tuple(a for n in names for a in ((n, ctype), (f"{n}_sb", "long long"),
+                                                    (f"{n}_st", "long long"),
+                                                    (f"{n}_sh", "long long")))
+        fn = CFunction(f"{op.name}_forward", strided(ins, "const float*")
+                       + strided(outs, "float*") + c_text.floats(op)
+                       + tuple((n, "int") for n in ("B", "T", "H", "D", "pos0")), "forward")
+        halves = [f"{n}{h}" for n in outs for h in "01"]
+        order = [f"{n}{h}" for n in ins for h in "01"] + [n for n, _ in body.index]
+        order += [p.name for p in op.params]
+        at = {f"{n}{h}": f"{n}_at_[k_{' + half_' if h == '1' else ''}]" for n in ins for h in "01"}
+        at |= {n: _C_INDEX[role] for n, role in body.index}
+        text = [line for y in halves
+                for line in c_text.element(op, f"{op.name}_{y}", body.forward, y, order)]
+        text += [c_text.opening(fn), "  const int half_ = D / 2;",
+                 "  for (int b_ = 0; b_ < B; ++b_)", "    for (int t_ = 0; t_ < T; ++t_)",
+                 "      for (int h_ = 0; h_ < H; ++h_) {",
+                 *(f"        {'const ' if n in ins else ''}float* {n}_at_ = {n} + b_ * {n}_sb"
+                   f" + t_ * {n}_st + h_ * {n}_sh;" for n in ins + outs),
+                 "        for (int k_ = 0; k_ < half_; ++k_) {",
+                 *(f"          const float {y}_ = "
+                   f"{c_text.call(f'{op.name}_{y}', body.forward, y, order, at)};"
+                   for y in halves),
+                 *(f"          {y[:-1]}_at_[k_{' + half_' if y[-1] == '1' else ''}] = {y}_;"
+                   for y in halves),
+                 "        }", "      }", "}", ""]
+        about = (f"{op.name}: pairs (k, k + D/2) of the last axis of [B, T, H, D] operands; "
+                 "the position is the token's index plus pos0 (the first row's, KV-cache "
+                 "decoding).")
+        return ir.RenderedC(c_text.source(header, about, text), (fn,))
 
 
 KIND = Pair()
@@ -209,9 +251,11 @@ def _prologue(d: ir.DerivedOp, arrays: list[str]) -> list[str]:
 
 
 def _results(names: list[str]) -> list[str]:
-    out = []
-    for n in names:
-        out += [f"    {n} = np.empty(shape, dtype)",
-                f"    {n}[..., :half] = {n}0",
-                f"    {n}[..., half:] = {n}1"]
-    return out + [numpy_text.returns(names)]
+    """Each result from its halves, into its array of `out` or a new one (both halves are
+    computed before either is written: out may be the input, rope in place)."""
+    lines = []
+    for k, n in enumerate(names):
+        lines += [f"    {n} = _into(_out, {k}, shape, dtype)",
+                  f"    {n}[..., :half] = {n}0",
+                  f"    {n}[..., half:] = {n}1"]
+    return lines + [numpy_text.returns(names)]

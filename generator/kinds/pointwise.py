@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 
 from eulergen.errors import suggest
-from eulergen.generator import formula, fuse, ir, numpy_text
+from eulergen.generator import c_text, formula, fuse, ir, numpy_text
 from eulergen.generator.differentiate import jvp
 from eulergen.generator.emit import block, param_names
 from eulergen.generator.gradcheck import EPS, EXTREMES, as_tuple, check_gradients, roundoff_floor
@@ -21,7 +21,7 @@ from eulergen.generator.plan import (DTYPES, WGRAD_REDUCE_LAUNCH, arithmetic_lig
                                      pointwise_launch, reduce_args)
 from eulergen.generator.stage_plan import (OpPlan, StagePlan, entries, floats, pointers, ptrs,
                                            stage, title)
-from eulergen.signature import KernelSig, variant_name
+from eulergen.signature import CFunction, KernelSig, variant_name
 
 BIAS = "bias"
 
@@ -127,6 +127,42 @@ class Pointwise(OpKind):
         return numpy_text.module(op, [*_numpy_pair(op, ""), "", "",
                                       *_numpy_pair(fuse.bias_variant(op), f"_{BIAS}")])
 
+    # ---- C ----------------------------------------------------------------------------------
+
+    def c_source(self, op, header):
+        """forward over n elements; forward_bias, the bias variant's, over [rows, cols] inputs
+        and [cols] biases."""
+        fused = fuse.bias_variant(op)
+        outs = [o.name for o in op.outputs]
+        sizes = {"": (("n", "long long"),), BIAS: (("rows", "long long"), ("cols", "int"))}
+        text, fns = [], []
+        for fusion, d in (("", op), (BIAS, fused)):
+            ins = [o.name for o in d.inputs]
+            fn = CFunction(f"{op.name}_{variant_name('forward', fusion)}",
+                           c_text.pointers(d, ins, outs) + c_text.floats(op) + sizes[fusion],
+                           "forward", fusion)
+            order = ins + [p.name for p in op.params]
+            stem = f"{op.name}_{fusion}_" if fusion else f"{op.name}_"
+            code = d.body.forward
+            for o in outs:
+                text += c_text.element(op, stem + o, code, o, order)
+            at = {o.name: f"{o.name}[{'c_' if o.role == 'bias' else 'i_'}]" for o in d.inputs}
+            loop = (["  for (long long i_ = 0; i_ < n; ++i_) {"] if not fusion else
+                    ["  for (long long r_ = 0; r_ < rows; ++r_)",
+                     "    for (int c_ = 0; c_ < cols; ++c_) {",
+                     "      const long long i_ = r_ * cols + c_;"])
+            pad = "    " if not fusion else "      "
+            # every output computed before any is stored: outputs may alias inputs
+            values = [f"{pad}const float {o}_ = {c_text.call(stem + o, code, o, order, at)};"
+                      for o in outs]
+            text += [c_text.opening(fn), *loop, *values,
+                     *(f"{pad}{o}[i_] = {o}_;" for o in outs), "  " * (2 - (not fusion)) + "}",
+                     "}", ""]
+            fns.append(fn)
+        about = (f"{op.name}: pointwise over every element; its bias variant, of x + b for "
+                 "inputs [rows, cols] and biases [cols].")
+        return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
+
 
 KIND = Pointwise()
 
@@ -222,20 +258,21 @@ def _numpy_pair(d: ir.DerivedOp, suffix: str) -> list[str]:
     body: ir.PointwiseDerived = d.body
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out = [numpy_text.signature(f"forward{suffix}", ins, d.params),
+    out = [numpy_text.signature(f"forward{suffix}", ins, d.params, ("_out=None",)),
            *(f"    {a} = np.asarray({a})" for a in ins),
            f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in ins)})",
            f"    dtype = _dtype({', '.join(ins)})",
-           *numpy_text.code(body.forward),
-           numpy_text.returns([f"_fresh({o.name}, shape, dtype)" for o in d.outputs]), "", ""]
+           *numpy_text.body(numpy_text.code(body.forward)),
+           numpy_text.returns([f"_fresh({o.name}, shape, dtype, _out, {n})"
+                               for n, o in enumerate(d.outputs)]), "", ""]
     args = ins + douts
     grads = [f"_fresh(np.broadcast_to(d{o.name}, shape).reshape(-1, shape[-1]).sum(axis=0), "
-             f"{o.name}.shape, dtype)" if o.role == "bias" else f"_fresh(d{o.name}, shape, dtype)"
-             for o in d.inputs]
-    out += [numpy_text.signature(f"backward{suffix}", args, d.params),
+             f"{o.name}.shape, dtype, _out, {n})" if o.role == "bias" else
+             f"_fresh(d{o.name}, shape, dtype, _out, {n})" for n, o in enumerate(d.inputs)]
+    out += [numpy_text.signature(f"backward{suffix}", args, d.params, ("_out=None",)),
             *(f"    {a} = np.asarray({a})" for a in args),
             f"    shape = np.broadcast_shapes({', '.join(a + '.shape' for a in args)})",
             f"    dtype = _dtype({', '.join(args)})",
-            *numpy_text.code(body.backward),
+            *numpy_text.body(numpy_text.code(body.backward)),
             numpy_text.returns(grads)]
     return out

@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from eulergen.errors import suggest
-from eulergen.generator import formula, fuse, ir, numpy_text
+from eulergen.generator import c_text, formula, fuse, ir, numpy_text
 from eulergen.generator.derive_row import derive_row
 from eulergen.generator.gradcheck import (EXTREMES, check_gradients, each_element,
                                           loss_roundoff)
 from eulergen.generator.kinds.base import OpKind
 from eulergen.generator.opspec import Reduction, formulas, role_inputs
 from eulergen.generator.plan_row import RowPlan, plan_row
-from eulergen.signature import variant_name
+from eulergen.signature import CFunction, variant_name
 
 ADD = "add"
 ROLES = ("row", "weight", "index")
@@ -76,7 +76,20 @@ class Row(OpKind):
         if fused:
             functions += ["", "", *_forward(fused[0], variant_name("forward", ADD)), "", "",
                           *_backward(fused[1], variant_name("backward", ADD))]
-        return numpy_text.module(op, functions, support=(numpy_text.LAYOUT, _REDUCE))
+        return numpy_text.module(op, functions, support=(*numpy_text.LAYOUT, _REDUCE))
+
+    def c_source(self, op, header):
+        """forward, and the `add` fusion's forward_add where the op has it."""
+        fused = fuse.add_variants(op)
+        sides = [("", op)] + ([(ADD, fused[0])] if fused else [])
+        text, fns = [], []
+        for fusion, d in sides:
+            fn_text, fn = _c_forward(op, d, fusion)
+            text += fn_text
+            fns.append(fn)
+        about = (f"{op.name}: a row op over rows [rows, cols]: its reductions a sweep of the "
+                 "row each, then its outputs per element (or per row).")
+        return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
 
 
 KIND = Row()
@@ -183,34 +196,91 @@ def _passes(passes: tuple[ir.Pass, ...]) -> list[str]:
 def _forward(d: ir.DerivedOp, name: str) -> list[str]:
     body: ir.RowDerived = d.body
     results = []
-    for o in d.outputs:
+    for n, o in enumerate(d.outputs):
         if o.role == "row":
-            results.append(f"_fresh({o.name}, shape, dtype)")
+            results.append(f"_fresh({o.name}, shape, dtype, _out, {n})")
         else:
             results.append(f"_fresh(np.broadcast_to({o.name}, shape[:-1] + (1,))[..., 0], "
-                           "shape[:-1], dtype)")
-    return [numpy_text.signature(name, [o.name for o in d.inputs], d.params), *_prologue(d),
-            *_passes(body.passes), *numpy_text.code(body.elem_outputs),
-            *numpy_text.code(body.row_outputs), numpy_text.returns(results)]
+                           f"shape[:-1], dtype, _out, {n})")
+    return [numpy_text.signature(name, [o.name for o in d.inputs], d.params, ("_out=None",)),
+            *numpy_text.body([*_prologue(d), *_passes(body.passes),
+                              *numpy_text.code(body.elem_outputs),
+                              *numpy_text.code(body.row_outputs)]),
+            numpy_text.returns(results)]
 
 
 def _backward(d: ir.DerivedOp, name: str) -> list[str]:
     body: ir.RowDerived = d.body
     ins = [o.name for o in d.inputs]
     douts = ["d" + o.name for o in d.outputs]
-    out = [numpy_text.signature(name, ins + douts, d.params), *_prologue(d)]
-    out += [f"    d{o.name} = np.asarray(d{o.name})" + ("[..., None]" if o.role == "scalar" else "")
-            for o in d.outputs]
-    out += _passes(body.passes)
+    lines = _prologue(d)
+    lines += [f"    d{o.name} = np.asarray(d{o.name})" +
+              ("[..., None]" if o.role == "scalar" else "") for o in d.outputs]
+    lines += _passes(body.passes)
     if body.adjoint_pass is not None:
-        out += _passes((body.adjoint_pass,))
-    out += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
+        lines += _passes((body.adjoint_pass,))
+    lines += numpy_text.code(body.adjoints) + numpy_text.code(body.elem_grads)
+    out = [numpy_text.signature(name, ins + douts, d.params, ("_out=None",)),
+           *numpy_text.body(lines)]
     grads = []
     for o in d.inputs:
+        n = len(grads)
         if o.role == "row":
-            grads.append(f"_fresh(d{o.name}, shape, dtype)")
+            grads.append(f"_fresh(d{o.name}, shape, dtype, _out, {n})")
         elif o.role == "weight":  # shared across rows: the sum over every row
             grads.append(f"_fresh(np.broadcast_to(d{o.name}, shape).reshape(-1, N).sum(axis=0), "
-                         "(N,), dtype)")
+                         f"(N,), dtype, _out, {n})")
     out.append(numpy_text.returns(grads))
     return out
+
+
+# ---- the C functions ---------------------------------------------------------------------
+
+_C_START = {"sum": "0.0f", "mean": "0.0f", "max": "-INFINITY"}
+
+
+def _c_forward(op: ir.DerivedOp, d: ir.DerivedOp, fusion: str) -> tuple[list[str], CFunction]:
+    """The C forward of `d` (the op or a fused variant's forward): per row, each pass's
+    sweep forms its reductions, then each element's outputs are computed and stored, then
+    the per-row outputs. Outputs may alias inputs (forward_add's _stream may be x): a sweep
+    reads before any output is stored, and an element's outputs are all computed before."""
+    body: ir.RowDerived = d.body
+    by_role = {r: [o.name for o in d.inputs if o.role == r] for r in ROLES}
+    ins = by_role["row"] + by_role["weight"] + by_role["index"]
+    elem = [o.name for o in d.outputs if o.role == "row"]
+    per_row = [o.name for o in d.outputs if o.role != "row"]
+    fn = CFunction(f"{op.name}_{variant_name('forward', fusion)}",
+                   c_text.pointers(d, ins, elem + per_row) + c_text.floats(op)
+                   + (("rows", "long long"), ("cols", "int")), "forward", fusion)
+    reductions = [name for p in body.passes for name, _ in p.ops]
+    order = ins + reductions + ["i", "N"] + [p.name for p in op.params]
+    at = {**{n: f"{n}[at_ + c_]" for n in by_role["row"]},
+          **{n: f"{n}[c_]" for n in by_role["weight"]},
+          **{n: f"(float){n}[r_]" for n in by_role["index"]}, "i": "(float)c_", "N": "(float)cols"}
+    stem = f"{op.name}_{fusion}_" if fusion else f"{op.name}_"
+    text, loop = [], ["  for (long long r_ = 0; r_ < rows; ++r_) {",
+                      "    const long long at_ = r_ * cols;"]
+    for p in body.passes:
+        for name, how in p.ops:
+            text += c_text.element(op, stem + name, p.body, name, order)
+            loop.append(f"    float {name} = {_C_START[how]};")
+        loop.append("    for (int c_ = 0; c_ < cols; ++c_) {")
+        for name, how in p.ops:
+            term = c_text.call(stem + name, p.body, name, order, at)
+            loop.append(f"      {name} = fmaxf({name}, {term});" if how == "max" else
+                        f"      {name} += {term};")
+        loop.append("    }")
+        loop += [f"    {name} /= (float)cols;" for name, how in p.ops if how == "mean"]
+    for code, names, store in ((body.elem_outputs, elem, "at_ + c_"),
+                               (body.row_outputs, per_row, "r_")):
+        if not names:
+            continue
+        for o in names:
+            text += c_text.element(op, stem + o.lstrip("_"), code, o, order)
+        pad = "      " if store != "r_" else "    "
+        values = [f"{pad}const float {o}_ = "
+                  f"{c_text.call(stem + o.lstrip('_'), code, o, order, at)};" for o in names]
+        stores = [f"{pad}{o}[{store}] = {o}_;" for o in names]
+        loop += (["    for (int c_ = 0; c_ < cols; ++c_) {", *values, *stores, "    }"]
+                 if store != "r_" else [*values, *stores])
+    return text + [c_text.opening(fn), *loop, "  }", "}", ""], fn

@@ -13,6 +13,7 @@ after the runtime's Newton-Schulz GEMMs, `apply:`. Their formulas may read the m
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import sympy as sp
@@ -26,7 +27,7 @@ from eulergen.generator.numeric import compile_exprs
 from eulergen.generator.opspec import Formula, identifier, role_inputs, symbol
 from eulergen.generator.plan import CTYPE, update_launch
 from eulergen.generator.stage_plan import OpPlan, entries, stage
-from eulergen.signature import CONTROL, KernelSig
+from eulergen.signature import AUTOCAST, CONTROL, KernelSig, bf16_copy
 
 SHAPE = ("rows", "cols")   # a matrix op's symbols: the parameter's shape
 SUMSQ = "_sumsq"           # the normalize kernel's pointer to the work input's sum of squares
@@ -87,8 +88,9 @@ class Update(OpKind):
 
     def plan(self, op) -> OpPlan:
         """State is float32 in every variant; grads are the storage dtype, scaled by the
-        control's grad_scale as they are read. The bf16 variant of the phase that updates
-        the weight also writes its bf16 copy (a null pointer: none)."""
+        control's grad_scale as they are read. The bf16 variant of a phase that updates the
+        weight also writes its bf16 copy (a null pointer: none), and so does its autocast
+        one, of float32 grads (a bf16 model's, as torch.autocast keeps them)."""
         for o in op.inputs:
             if o.role not in ("state", "grad", "work"):
                 raise EulerError(f"update op input {o.name!r} has role {o.role!r} (expected "
@@ -105,7 +107,7 @@ class Update(OpKind):
             raise EulerError("an update op needs a state input (the weight it updates)",
                              file=op.where.file, line=op.where.line, key="inputs")
         w = weight(op)
-        copy = f"{w}_bf16"
+        copy = bf16_copy(w)
         taken = {o.name for o in op.inputs} | {p.name for p in op.params}
         # a phase's numpy function names each result's array _<result>: no input `sumsq`
         reserved = (*CONTROL, "control", copy) + ((SUMSQ[1:],) if body.matrix else ())
@@ -117,20 +119,27 @@ class Update(OpKind):
         fixed = tuple((p, "float") for p in _fixed(op))
 
         def args(code: ir.Code):
-            def of(dt):
+            def of(dt, copied: bool = False):
                 pointers = tuple((o.name, f"const {CTYPE[dt]}*" if o.role == "grad" else "float*")
                                  for o in _operands(op, code))
-                if dt == "bf16" and w in code.names:
-                    pointers += ((copy, f"{CTYPE[dt]}*"),)
+                if (dt == "bf16" or copied) and w in code.names:
+                    pointers += ((copy, f"{CTYPE['bf16']}*"),)
                 return pointers + (("control", "const float*"),) + fixed + (("n", "long long"),)
             return of
         slots = control(op)
 
         def phase(code: ir.Code, part: str = ""):
             used = _operands(op, code)
-            return stage(op, "step", [o.name for o in used],
-                         [o.name for o in used if o.name in code.names], args(code),
-                         update_launch, part=part, control=slots)
+            st = stage(op, "step", [o.name for o in used],
+                       [o.name for o in used if o.name in code.names], args(code),
+                       update_launch, part=part, control=slots)
+            if w not in code.names:
+                return st
+            # vectors of the copy's width: its stores are whole 16-byte ones
+            autocast = KernelSig(f"{st.name}_{AUTOCAST}_f32", args(code)("f32", True), "f32",
+                                 "step", update_launch("bf16"), part=part, control=slots,
+                                 precision=AUTOCAST)
+            return replace(st, sigs=st.sigs + (autocast,))
         stages = [phase(body.step)]
         if body.matrix is not None:
             x = body.matrix.orthogonalize
@@ -160,7 +169,7 @@ class Update(OpKind):
                          if n not in CONTROL and n in code.uses],
                 bf16_copy=w in code.names and not normalize,   # not `copy`: a dict's method
                 code=block(code, declare=False),
-                entries=[dict(e, impl_args=_impl_args(e["sig"], f"{w}_bf16",
+                entries=[dict(e, impl_args=_impl_args(e["sig"], bf16_copy(w),
                                                       w in code.names and not normalize))
                          for e in entries(st)]))
         source = self.render_template(

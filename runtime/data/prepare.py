@@ -22,7 +22,6 @@ import re
 import sys
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -32,6 +31,7 @@ import numpy as np
 from eulergen import outputs
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
+from eulergen.progress import Bar
 from eulergen.runtime.data.loader import open_tokens, write_shard
 from eulergen.runtime.data.prepared import STATE_FILE, PrepareState, ShardRecord, show
 from eulergen.runtime.data.sources import ON_BAD_TEXT, Document, Source, checked
@@ -72,34 +72,17 @@ class Progress:
             self.on_update(self)
 
 
-@contextmanager
-def progress_bar(total_bytes: int | None, enabled: bool = True) -> Iterator[Progress]:
-    """A rich bar on stderr over the source's bytes (pulsing when a stream's size is
-    unknown), with tokens, shards and tokens/s."""
-    from rich.console import Console
-    progress, console = Progress(), Console(stderr=True)
-    if not enabled or not console.is_terminal:   # a log file gets the summary, not bar frames
-        yield progress
-        return
-    from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
-    from rich.progress import Progress as Bar
-
-    bar = Bar(TextColumn("prepare"), BarColumn(), TaskProgressColumn(),
-              TextColumn("{task.fields[tokens]:,} tokens, {task.fields[shards]} shards, "
-                         "{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
-              console=console)
-    task = bar.add_task("prepare", total=total_bytes, tokens=0, shards=0, rate=0.0)
+def shown(bar: Bar) -> Progress:
+    """prepare's counters shown on `bar` (over the source's bytes): tokens, shards, tokens/s
+    (of this run: a resumed one's earlier tokens left out)."""
     started, first = time.perf_counter(), None
 
     def show(p: Progress) -> None:
         nonlocal first
-        first = p.tokens if first is None else first   # tokens a resumed run had before
+        first = p.tokens if first is None else first
         rate = (p.tokens - first) / max(1e-9, time.perf_counter() - started)
-        bar.update(task, completed=p.advance, tokens=p.tokens, shards=p.shards, rate=rate)
-
-    progress.on_update = show
-    with bar:
-        yield progress
+        bar.update(p.advance, status=f"{p.tokens:,} tokens, {p.shards} shards, {rate:,.0f} tok/s")
+    return Progress(on_update=show)
 
 
 def shard_name(name: str, index: int) -> str:

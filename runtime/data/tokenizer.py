@@ -241,7 +241,7 @@ def _tokenizers(key: str):
 
 # -- GPT-2's BPE between tiktoken and Hugging Face, and tokenizer.json for export -----------
 
-def _byte_chars() -> list[str]:
+def byte_chars() -> list[str]:
     """GPT-2's byte-level alphabet: the printable character that stands for each byte in
     a tokenizer.json's vocab (the `bytes_to_unicode` table of GPT-2's encoder.py)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
@@ -289,7 +289,7 @@ def gpt2_from_tokenizer_json(path: Path, *, key: str = "data.tokenizer"):
             len(bpe) != GPT2_VOCAB - 1 or set(bpe.values()) != set(range(GPT2_VOCAB - 1)):
         raise EulerError(f"not GPT-2's tokenizer.json: want a BPE of ids 0-{GPT2_VOCAB - 2} "
                          f"and {ENDOFTEXT} = {GPT2_VOCAB - 1}", file=str(path), key=key)
-    byte_of = {c: b for b, c in enumerate(_byte_chars())}
+    byte_of = {c: b for b, c in enumerate(byte_chars())}
     try:
         ranks = {bytes(byte_of[c] for c in token): i for token, i in bpe.items()}
     except KeyError as err:
@@ -310,7 +310,7 @@ def hf_tokenizer_json(tok: Tokenizer) -> bytes:
     # every byte its own id, no merges, no regex split: ids are the UTF-8 bytes, but for
     # byte 0, which never occurs in text: it is the end of text, named as GPT-2 names its own
     lib = _tokenizers("export")
-    chars = _byte_chars()
+    chars = byte_chars()
     vocab = {chars[b]: b for b in range(256) if b != BYTE_EOT} | {ENDOFTEXT: BYTE_EOT}
     hf = lib.Tokenizer(lib.models.BPE(vocab, []))
     hf.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -323,17 +323,18 @@ def byte_level_bpe_json(ranks: dict[bytes, int], specials: dict[str, int]) -> by
     """tokenizer.json of a tiktoken-style BPE (token bytes -> rank = id) with GPT-2's
     pre-tokenizer, and special tokens at their ids."""
     lib = _tokenizers("export")
-    chars = _byte_chars()
+    chars = byte_chars()
     text = {token: "".join(chars[b] for b in token) for token in ranks}
     vocab = {**{text[t]: r for t, r in ranks.items()}, **specials}
-    hf = lib.Tokenizer(lib.models.BPE(vocab, [(text[a], text[b]) for a, b in _merges(ranks)]))
+    merges = [(text[a], text[b]) for a, b in bpe_merges(ranks)]
+    hf = lib.Tokenizer(lib.models.BPE(vocab, merges))
     hf.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = lib.decoders.ByteLevel()
     hf.add_special_tokens(list(specials))
     return hf.to_str(pretty=True).encode("utf-8")
 
 
-def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     """Merges under which HF's BPE (lowest merge first) gives tiktoken's ids (lowest rank
     first): every split of a token into two tokens, ranked by the token it makes (as
     transformers' TikTokenConverter builds them)."""

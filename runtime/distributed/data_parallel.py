@@ -93,10 +93,10 @@ class DataParallel:
     def sumsq(self):
         """The ranks' summed squares of their shares of the gradients (a tail, which every
         rank holds, counted by rank 0 alone), in the planned `dp_sumsq`, which it returns:
-        step_control.decide takes its root. On the GPU: norms of the share's spans (fp32)
-        or rows (bf16) into planned memory, then their dot with themselves (cuBLAS, into
-        device memory); the spans a rank does not count leave their norms at the 0 the
-        planned memory starts with."""
+        step_control.decide takes its root. On the GPU: norms of the share's spans (float32
+        gradients) or rows (bf16 ones) into planned memory, then their dot with themselves
+        (cuBLAS, into device memory); the spans a rank does not count leave their norms at
+        the 0 the planned memory starts with."""
         m = self.model
         g, out = m.mem.arenas["grads"], m.mem["dp_sumsq"]
         counted = [(k, s) for k, s in enumerate(self.owned) if not s.tail or self.rank == 0]
@@ -104,7 +104,7 @@ class DataParallel:
             out[0] = sum(float(np.dot(g[s.lo:s.hi], g[s.lo:s.hi])) for _, s in counted)
         else:
             blas = m.tape.blas
-            if m.bf16:
+            if m.bf16_grads:
                 norms = m.mem["shard_rows"]
                 for _, s in counted:
                     bf16.row_norms(g[s.lo:s.hi].reshape(-1, ALIGN),

@@ -4,6 +4,8 @@
 else numpy with a one-line notice saying why, so a run on a laptop still works."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -64,6 +66,32 @@ def _cuda_backend() -> Backend:
 
 NUMPY = Backend("numpy", np, False, "cpu")
 
+# glibc's mallopt parameters, and the values numpy runs under (_keep_freed_memory)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 << 20    # glibc's largest; blocks past it are a rare, large array
+_TRIM_THRESHOLD = 256 << 20   # freed memory kept at the heap's top before any goes back
+
+
+@functools.cache
+def _keep_freed_memory() -> None:
+    """Keep the memory numpy frees for its next arrays. By default glibc gives a block past
+    its mmap threshold (128 KiB at first, rising as such blocks are freed) back to the
+    system, and trims the heap once its top holds twice that threshold free; so a step's
+    temporaries of a few MiB each came back as fresh pages, a fault per 4 KiB, which in a
+    VM cost a third of a CPU training step (benchmarks/RESULTS.md, "The CPU step"). Fixed
+    thresholds keep them in the heap. glibc only: elsewhere (no mallopt) nothing changes."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+
+
+def _numpy() -> Backend:
+    _keep_freed_memory()
+    return NUMPY
+
 
 def get_backend(kind: str = "auto", *, notice=None) -> Backend:
     """'numpy', 'cuda' (EulerError if CuPy or a GPU is missing) or 'auto'.
@@ -71,7 +99,7 @@ def get_backend(kind: str = "auto", *, notice=None) -> Backend:
     `notice` receives the one line printed when 'auto' falls back to numpy (default:
     stderr), so the CLI and tests can route it."""
     if kind == "numpy":
-        return NUMPY
+        return _numpy()
     if kind == "cuda":
         return _cuda_backend()
     if kind != "auto":
@@ -82,4 +110,4 @@ def get_backend(kind: str = "auto", *, notice=None) -> Backend:
     except EulerError as err:
         line = f"eulergen: no GPU backend ({err.message}); running on numpy"
         (notice or (lambda s: print(s, file=sys.stderr)))(line)
-        return NUMPY
+        return _numpy()

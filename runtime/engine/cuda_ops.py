@@ -13,13 +13,15 @@ from eulergen.runtime.engine.registry import kind_of
 
 
 def workspace_elements(op: OpEntry, stage: str, shape, dtype: str = "f32", *,
-                       table_rows: int = 0, fusion: str = "") -> int:
-    """The float32 elements a `stage` call of `op` (its `fusion` variant) needs from a
-    caller's `workspace` (0: none) for inputs of `shape` (a row op's row input, a pointwise
-    op's, attention's q [B, T, H, D], the embedding's ids, with `table_rows` the rows of
-    its token table). Pure: a memory planner calls it without a GPU."""
-    return kind_of(op).workspace_elements(op, stage, shape, dtype, table_rows=table_rows,
-                                          fusion=fusion)
+                       table_rows: int = 0, fusion: str = "", precision: str = "") -> int:
+    """The float32 elements a `stage` call of `op` (its `fusion` variant, in the
+    `precision` variant: a kind that takes one) needs from a caller's `workspace` (0: none)
+    for inputs of `shape` (a row op's row input, a pointwise op's, attention's q [B, T, H,
+    D], the embedding's ids, with `table_rows` the rows of its token table). Pure: a memory
+    planner calls it without a GPU."""
+    kind = kind_of(op)
+    return kind.workspace_elements(op, stage, shape, dtype, table_rows=table_rows,
+                                   fusion=fusion, **kind.precision_keywords(op, precision))
 
 
 class CudaOps:

@@ -18,6 +18,8 @@ library runs them. The choice is made here, once a process, and stated (`describ
 EULERGEN_GEMM: auto (the default: cuBLASLt where it starts), lt (cuBLASLt or an error),
 cublas (cublasGemmEx). Both CUDA paths compute in float32 (TF32 tensor cores for float32
 arrays when training.tf32) and round once to the output's dtype; bf16 arrays are uint16 bits.
+bf16 operands may write a float32 output (autocast's float32 weight gradients; the
+sampler's float32 logits), without epilogues.
 
 cuBLASLt's algorithm for each (dtype, compute, transposes, shape, leading dimensions,
 alignments, epilogue, workspace) comes from its heuristic at the first call and is kept
@@ -189,7 +191,7 @@ class LtContext:
     def plan(self, key: tuple, vector: int) -> _LtPlan:
         """The plan of `key` (LtGemm.__call__ builds it, in cuBLAS's column-major terms),
         made at its first call: cuBLASLt's best algorithm for it."""
-        kind, compute, ta, tb, m, n, k, lda, ldb, ldd, epilogue, aligns, workspace = key
+        kind, out_kind, compute, ta, tb, m, n, k, lda, ldb, ldd, epilogue, aligns, workspace = key
         lt, D = self.lt, self.lt.MatmulDescAttribute
         desc = lt.matmul_desc_create(compute, R_32F)
         set_desc = functools.partial(self._set, lt.matmul_desc_set_attribute,
@@ -201,7 +203,7 @@ class LtContext:
             set_desc(D.BIAS_POINTER, vector)
         a = lt.matrix_layout_create(kind, *((k, m) if ta else (m, k)), lda)
         b = lt.matrix_layout_create(kind, *((n, k) if tb else (k, n)), ldb)
-        d = lt.matrix_layout_create(kind, m, n, ldd)
+        d = lt.matrix_layout_create(out_kind, m, n, ldd)
         P = lt.MatmulPreferenceAttribute
         pref = lt.matmul_preference_create()
         set_pref = functools.partial(self._set, lt.matmul_preference_set_attribute,
@@ -223,6 +225,8 @@ class LtContext:
         if found[0] < 1:
             name = lt.Epilogue(epilogue).name
             dtype = "bf16" if kind == R_16BF else "float32"
+            if out_kind != kind:
+                dtype += " (float32 out)"
             raise EulerError(f"cuBLASLt has no algorithm for a {dtype} GEMM of {m}x{n}x{k} "
                              f"(transposes {ta:d}{tb:d}, epilogue {name}){why}; {ENV}=cublas "
                              "runs cublasGemmEx instead", key=ENV)
@@ -256,8 +260,9 @@ class LtGemm:
                  alpha=1.0, beta=None):
         m, n, k, kind, out_kind = operands(a, b, out, ta, tb)
         scale = _host_scalars(*_scalars(add, alpha, beta))
-        if out_kind != kind:
-            raise ValueError(f"gemm: cuBLASLt here writes the operands' dtype, not {out.dtype}")
+        if out_kind != kind and (bias is not None or dbias is not None):
+            raise ValueError(f"gemm: cuBLASLt's epilogues here write the operands' dtype, not "
+                             f"{out.dtype}")
         if bias is not None and dbias is not None:
             raise ValueError("gemm: one epilogue at a time (bias or dbias)")
         vector, which = 0, None
@@ -267,10 +272,10 @@ class LtGemm:
             if not ta:   # cuBLAS's B is our a, and BGRADB wants it transposed
                 raise ValueError("gemm dbias: the bias-gradient epilogue wants ta=True")
             vector, which = _vector(dbias, m, out, "dbias").data.ptr, "dbias"
-        size = out.dtype.itemsize
+        size = a.dtype.itemsize
         pa, pb, pd = b.data.ptr, a.data.ptr, out.data.ptr   # cuBLAS's A is our b
-        key = (kind, _compute(kind, self.tf32), tb, ta, n, m, k, b.strides[0] // size,
-               a.strides[0] // size, out.strides[0] // size, self.epilogue[which],
+        key = (kind, out_kind, _compute(kind, self.tf32), tb, ta, n, m, k, b.strides[0] // size,
+               a.strides[0] // size, out.strides[0] // out.dtype.itemsize, self.epilogue[which],
                (_alignment(pa), _alignment(pb), _alignment(pd), _alignment(pd)), self.offered)
         ctx = self.ctx
         plan = ctx.plans.get(key) or ctx.plan(key, vector)

@@ -15,12 +15,13 @@ from eulergen.signature import KernelSig
 
 def outputs(kernel: KernelSig, names, shapes, given, op: OpEntry, call: str) -> tuple:
     """The caller's `out` arrays (shape-checked here, dtype-checked in bind) or new ones in
-    the storage type the kernel writes (a weight gradient, written by the reduce kernel
-    rather than this one, is in the storage dtype)."""
+    the storage type the kernel writes (a weight gradient `d<w>`, written by the reduce
+    kernel rather than this one, in its weight's type, else the storage dtype)."""
     import cupy
     if given is None:
         args = dict(kernel.args)
-        return tuple(cupy.empty(s, dtype=parse_ctype(args[n]).dtype if n in args
+        typed = {n: args.get(n) or args.get(n[1:]) for n in names}
+        return tuple(cupy.empty(s, dtype=parse_ctype(typed[n]).dtype if typed[n]
                                 else DTYPE_OF[kernel.dtype]) for n, s in zip(names, shapes))
     if len(given) != len(names):
         raise EulerError(f"{op.name}.{call}: out= has {len(given)} arrays, expected "

@@ -13,7 +13,7 @@ from types import ModuleType
 
 from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
-from eulergen.signature import BadSignature, KernelSig, select
+from eulergen.signature import BadSignature, CFunction, KernelSig, select
 
 FORMAT = 3
 BUILTIN_MANIFEST = GENERATED_DIR / "manifest.json"
@@ -80,6 +80,8 @@ class OpEntry:
     index: dict = field(default_factory=dict, hash=False)   # pair ops: index symbol -> role
     fusions: dict = field(default_factory=dict, hash=False)  # name -> Fusion
     matrix: MatrixStep | None = None     # update ops with a matrix step (muon)
+    c: Path | None = None                # absolute path of its C functions (None: no C printer)
+    c_functions: dict = field(default_factory=dict, hash=False)  # name -> CFunction
 
     @property
     def grads(self) -> tuple[str, ...]:
@@ -87,19 +89,30 @@ class OpEntry:
         return tuple(o.name for o in self.inputs if o.differentiable)
 
     def kernel(self, stage: str, dtype: str, *, part: str = "", fusion: str = "",
-               **geometry) -> KernelSig:
-        """The first kernel of one call's `part` (of the `fusion` variant) in `dtype` whose
-        geometry has the given fields (signature.select), or EulerError naming those there
-        are."""
-        found = select(self.kernels.values(), stage, dtype, part=part, fusion=fusion, **geometry)
+               precision: str = "", **geometry) -> KernelSig:
+        """The first kernel of one call's `part` (of the `fusion` variant, in the `precision`
+        variant) in `dtype` whose geometry has the given fields (signature.select), or
+        EulerError naming those there are."""
+        found = select(self.kernels.values(), stage, dtype, part=part, fusion=fusion,
+                       precision=precision, **geometry)
         if found:
             return found[0]
-        what = "/".join(w for w in (stage, part, fusion) if w)
-        have = sorted({"/".join(w for w in (k.stage, k.part, k.fusion, k.dtype) if w)
+        what = "/".join(w for w in (stage, part, fusion, precision) if w)
+        have = sorted({"/".join(w for w in (k.stage, k.part, k.fusion, k.precision, k.dtype) if w)
                        for k in self.kernels.values()}) or ["none"]
         given = "".join(f", {f}={v!r}" for f, v in geometry.items())
         raise EulerError(f"no {what} kernel for dtype {dtype}{given} (have: {', '.join(have)})",
                          file=str(self.manifest), key=f"ops.{self.name}.kernels")
+
+    def c_function(self, stage: str, fusion: str = "") -> CFunction:
+        """Its C function of one call (of the `fusion` variant), for `eulergen export-c`."""
+        for fn in self.c_functions.values():
+            if (fn.stage, fn.fusion) == (stage, fusion):
+                return fn
+        what = "/".join(w for w in (stage, fusion) if w)
+        raise EulerError(f"no C function for {what} (its kind has no C printer, or a build "
+                         "older than it: run `eulergen build`)", file=str(self.manifest),
+                         key=f"ops.{self.name}.c_functions")
 
 
 @dataclass(frozen=True)
@@ -130,9 +143,10 @@ def _operands(items, file: Path, where: str) -> tuple[Operand, ...]:
     return tuple(out)
 
 
-def _kernel(name: str, k, file: Path, where: str) -> KernelSig:
+def _signature(cls, name: str, data, file: Path, where: str):
+    """A KernelSig or CFunction as the manifest holds it."""
     try:
-        return KernelSig.from_json(name, k)
+        return cls.from_json(name, data)
     except BadSignature as err:
         raise EulerError(f"{err} (rebuild with `eulergen build`)", file=str(file),
                          key=f"{where}.{err.key}" if err.key else where) from None
@@ -183,6 +197,10 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
     if not isinstance(kernels, dict):
         raise EulerError("kernels should be an object name -> kernel", file=str(file),
                          key=f"{where}.kernels")
+    c_functions = o.get("c_functions") or {}
+    if not isinstance(c_functions, dict):
+        raise EulerError("c_functions should be an object name -> function", file=str(file),
+                         key=f"{where}.c_functions")
     return OpEntry(
         name=name, kind=kind, spec=str(o.get("spec", "")), spec_sha256=str(o.get("spec_sha256", "")),
         inputs=_operands(o.get("inputs"), file, f"{where}.inputs"),
@@ -191,11 +209,15 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         numpy=(folder / o["numpy"]) if o.get("numpy") else None,
         cuda=(folder / o["cuda"]) if o.get("cuda") else None,
         cuda_sha256=str(o.get("cuda_sha256", "")),
-        kernels={kn: _kernel(kn, k, file, f"{where}.kernels.{kn}") for kn, k in kernels.items()},
+        kernels={kn: _signature(KernelSig, kn, k, file, f"{where}.kernels.{kn}")
+                 for kn, k in kernels.items()},
         manifest=file, fast_math=bool(o.get("fast_math", False)),
         template=str(o.get("template", "")), index=dict(index),
         fusions=_fusions(o.get("fusions") or {}, file, f"{where}.fusions"),
-        matrix=_matrix(o.get("matrix"), file, f"{where}.matrix"))
+        matrix=_matrix(o.get("matrix"), file, f"{where}.matrix"),
+        c=(folder / o["c"]) if o.get("c") else None,
+        c_functions={n: _signature(CFunction, n, f, file, f"{where}.c_functions.{n}")
+                     for n, f in c_functions.items()})
 
 
 def load_manifest(path: str | Path) -> Manifest:

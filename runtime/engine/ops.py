@@ -86,15 +86,16 @@ class OpLibrary:
         raise EulerError(f"unknown op {name!r}{hint}", key="op") from None
 
     def workspace_elements(self, op: OpEntry, stage: str, shape, *, dtype: str = "f32",
-                           table_rows: int = 0, fusion: str = "") -> int:
-        """The float32 elements a `stage` call of `op` (its `fusion` variant) over `dtype`
-        ("f32" | "bf16") inputs of `shape` needs from the caller's `workspace=` on this
-        backend (a memory plan asks): the CUDA kernels' temporaries
-        (cuda_ops.workspace_elements); numpy needs none."""
+                           table_rows: int = 0, fusion: str = "", precision: str = "") -> int:
+        """The float32 elements a `stage` call of `op` (its `fusion` variant, in the
+        `precision` variant) over `dtype` ("f32" | "bf16") inputs of `shape` needs from the
+        caller's `workspace=` on this backend (a memory plan asks): the CUDA kernels'
+        temporaries (cuda_ops.workspace_elements); numpy needs none."""
         if not self._cuda:
             return 0
         from eulergen.runtime.engine.cuda_ops import workspace_elements
-        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion)
+        return workspace_elements(op, stage, shape, dtype, table_rows=table_rows, fusion=fusion,
+                                  precision=precision)
 
     def _entry(self, op: str | OpEntry) -> OpEntry:
         """A call's op: its name, looked up here, or its entry, resolved once by the caller."""
@@ -102,43 +103,56 @@ class OpLibrary:
 
     # -- the calls: each takes an op's name or its OpEntry (`lib.op(name)`) ---------------
 
-    def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "", **params):
-        """`fusion`: the op's fused variant of that name (module docstring)."""
+    def forward(self, name: str | OpEntry, *inputs, out=None, fusion: str = "",
+                precision: str = "", **params):
+        """`fusion`: the op's fused variant of that name (module docstring); `precision`:
+        its precision variant (signature.PRECISIONS: the operands' storage types; numpy
+        computes in its arrays' dtype, which is the same math)."""
         op = self._entry(name)
         kind = _kind(op, "forward")
         side = self._side(op, fusion, "forward")
         self._arity(op, "forward", inputs, len(side.inputs), side)
-        keywords = kind.keywords(params)
+        keywords = kind.keywords(params) | kind.precision_keywords(op, precision)
         p = self._params(op, params)
         if self._cuda:
             got = kind.forward(self._cuda, op, inputs, _tuple(out), p, fusion, **keywords)
             return got[0] if len(got) == 1 else tuple(got)
-        got = getattr(kind.module(op), variant_name("forward", fusion))(*inputs, **p, **keywords)
+        keywords.pop("precision", None)
+        got = getattr(kind.module(op), variant_name("forward", fusion))(
+            *inputs, **p, **keywords, _out=_tuple(out))
         return self._deliver(op, "forward", got, out, len(side.outputs))
 
     def backward(self, name: str | OpEntry, *inputs_and_douts, out=None, workspace=None,
-                 accumulate=False, fusion: str = "", **params):
+                 accumulate=False, fusion: str = "", precision: str = "", copy=None,
+                 **params):
         """`workspace`: a planned float32 buffer for the GPU kernels' temporaries
         (`workspace_elements` says how big); numpy needs none and ignores it.
         `accumulate`: add the gradients into `out` instead of overwriting it, one flag for
         all or one per gradient (GRADS order); ops of a kind that accumulates only (the
         embedding: its table gradient meets the tied LM head's). `fusion`: the op's fused
-        variant of that name."""
+        variant of that name; `precision` as for forward, and `copy`: a bf16 array its
+        autocast kernels also write the row input's gradient into, rounded (GPU only)."""
         op = self._entry(name)
         kind = _kind(op, "backward")
         side = self._side(op, fusion, "backward")
         self._arity(op, "backward", inputs_and_douts, len(kind.backward_names(op, side)), side)
-        keywords = kind.keywords(params)
+        keywords = kind.keywords(params) | kind.precision_keywords(op, precision)
         adds = self._accumulate(op, kind, accumulate, out)
         p = self._params(op, params)
         if self._cuda:
+            if copy is not None:
+                keywords["copy"] = copy
             return tuple(kind.backward(self._cuda, op, inputs_and_douts, _tuple(out), p,
                                        workspace, adds, fusion, **keywords))
+        if copy is not None:
+            raise EulerError(f"{op.name}.backward: copy= is a bf16 copy; the numpy backend "
+                             "has no bf16", file=op.spec, key="copy")
+        keywords.pop("precision", None)
         module = kind.module(op)
         if kind.accumulates:   # its numpy backward writes into `out` itself, adding as asked
             return module.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)
         got = getattr(module, variant_name("backward", fusion))(*inputs_and_douts, **p,
-                                                                 **keywords)
+                                                                 **keywords, _out=_tuple(out))
         grads = self._deliver(op, "backward", got, out, len(side.grads))
         return grads if isinstance(grads, tuple) else (grads,)
 
@@ -253,9 +267,10 @@ class OpLibrary:
 
         On a GPU this is the op's one-pass kernel where it has one (cross-entropy's
         `fwdbwd`: loss and dlogits in one pass, without storing probabilities). On numpy it
-        is forward then backward of the same generated module; the outputs are copied into
-        `out` only after both ran, so a gradient buffer may alias an input (dlogits over
-        logits) here too."""
+        is forward then backward of the same generated module, the backward writing `out`'s
+        gradients as it goes (each row read before it is written) and the forward's outputs
+        copied after, so a gradient buffer may alias an input (dlogits over logits) here
+        too."""
         op = self._entry(name)
         kind = _kind(op, "fused")
         n_in = len(op.inputs)
@@ -267,7 +282,8 @@ class OpLibrary:
         module = kind.module(op)
         fwd = module.forward(*inputs, **p)
         fwd = fwd if isinstance(fwd, tuple) else (fwd,)
-        grads = module.backward(*inputs_and_douts, **p)
+        grads = module.backward(*inputs_and_douts, **p,
+                                _out=None if out is None else _tuple(out)[len(fwd):])
         grads = grads if isinstance(grads, tuple) else (grads,)
         return self._deliver(op, "fused", fwd + grads, out,
                              len(op.outputs) + len(op.grads), bare=False)
@@ -330,7 +346,8 @@ class OpLibrary:
         return merged
 
     def _deliver(self, op: OpEntry, call: str, got, out, count: int, bare: bool = True):
-        """Return the module's results, or copy them into the caller's `out` arrays."""
+        """Return the module's results, or the caller's `out` arrays, the results copied
+        into those the module has not written itself (numpy modules take `_out=`)."""
         results = got if isinstance(got, tuple) else (got,)
         if len(results) != count:
             raise EulerError(f"numpy module returned {len(results)} arrays from {call}, "
@@ -349,7 +366,7 @@ class OpLibrary:
                 raise EulerError(f"{op.name}.{call}: out[{n}] has shape {tuple(dst.shape)}, "
                                  f"the result has {tuple(src.shape)}", file=op.spec, key="out")
         for dst, src in zip(outs, results):
-            if src is not None and dst is not None:
+            if src is not None and dst is not None and src is not dst:
                 self.backend.xp.copyto(dst, src, casting="same_kind")
         return outs[0] if bare and count == 1 else tuple(outs)
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from eulergen import outputs
 from eulergen.errors import EulerError
+from eulergen.progress import Bar, hidden
 from eulergen.runtime.data.tokenizer import GPT2_VOCAB
 from eulergen.runtime.interop.hf_files import (CONFIG, INDEX, OTHER_TOKENIZER_FILES, TOKENIZER,
                                                WEIGHTS, read_tensors, weight_files)
@@ -80,13 +81,16 @@ def locate(spec: str | Path, key: str = "--init-from") -> Path:
                              key=key) from None
 
 
-def load_folder(folder: Path) -> Imported:
+def load_folder(folder: Path, bar: Bar | None = None) -> Imported:
     """Read a folder's config.json and weights; every tensor is checked against the
-    config's shapes before anything is returned."""
+    config's shapes before anything is returned. `bar` (started by the caller) counts the
+    tensors read."""
     folder = Path(folder)
     arch, model = model_config(folder / CONFIG)
     files = weight_files(folder)
-    tensors = read_tensors(files)
+    bar = bar or hidden()
+    bar.update(total=(bar.total or 0) + len(files), status=f"reading {folder.name}")
+    tensors = read_tensors(files, lambda: bar.update(advance=1))
     params = _to_eulergen(arch, model, tensors, files)
     tok = folder / TOKENIZER   # there, but no file (a FIFO, a link to a device): its reader says
     return Imported(folder, arch, model, params, tok if os.path.lexists(tok) else None)
@@ -289,10 +293,13 @@ def _to_eulergen(arch: str, m: dict, tensors: dict, files: dict) -> dict:
     return out
 
 
-def to_hf(arch: str, m: dict, params: dict) -> dict:
-    """eulergen parameters (wte padded) as the tensors of `arch`'s save_pretrained."""
+def to_hf(arch: str, m: dict, params: dict, each=None) -> dict:
+    """eulergen parameters (wte padded) as the tensors of `arch`'s save_pretrained;
+    `each()` after each."""
     prefix, out = _PREFIX[arch], {}
     for rule in _rules(arch, m):
+        if each is not None:
+            each()
         t = params[rule.name]
         if rule.name == "wte.weight":
             t = t[:m["vocab_size"]]
@@ -318,12 +325,16 @@ def tokenizer_config(tokenizer_json: bytes, eot: int | None) -> dict:
 
 
 def export_folder(model_cfg, params: dict, out: Path, *, tokenizer_files: dict | None = None,
-                  eot: int | None = None) -> str:
+                  eot: int | None = None, bar: Bar | None = None) -> str:
     """Write a folder transformers.AutoModelForCausalLM.from_pretrained loads (plus the
-    tokenizer files given, name -> bytes); returns the architecture written."""
+    tokenizer files given, name -> bytes); returns the architecture written. `bar`
+    (started by the caller) counts the tensors converted, then says what is written."""
     from safetensors.numpy import save_file
     arch = architecture_of(model_cfg)
-    tensors = to_hf(arch, dataclasses.asdict(model_cfg), params)
+    bar = bar or hidden()
+    bar.update(total=(bar.total or 0) + len(params), status="converting")
+    tensors = to_hf(arch, dataclasses.asdict(model_cfg), params, lambda: bar.update(advance=1))
+    bar.update(status=f"writing {out}")
     files = {CONFIG: json.dumps(hf_config(model_cfg, arch, eot), indent=2).encode(),
              WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
              **(tokenizer_files or {})}

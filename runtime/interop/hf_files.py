@@ -50,11 +50,12 @@ def weight_files(folder: Path) -> dict[str, Path]:
                      file=str(folder))
 
 
-def read_tensors(files: dict[str, Path]) -> dict[str, np.ndarray]:
-    """Every tensor of `files` (name -> file) as float32, each where the index puts it."""
+def read_tensors(files: dict[str, Path], each=None) -> dict[str, np.ndarray]:
+    """Every tensor of `files` (name -> file) as float32, each where the index puts it;
+    `each()` after each tensor."""
     out: dict[str, np.ndarray] = {}
     for path in dict.fromkeys(files.values()):
-        for name, tensor in read_safetensors(path, "weights file").items():
+        for name, tensor in read_safetensors(path, "weights file", each).items():
             if files.get(name) != path:
                 raise EulerError(f"{name} is here but the index puts it in "
                                  f"{files[name].name if name in files else 'no file'}",

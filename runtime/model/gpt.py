@@ -48,7 +48,8 @@ class GPT:
     `master` are the weights a checkpoint holds and AdamW updates, `params` the ones the
     tape reads: the same arrays, except in a bf16 plan, where `params` is the bf16 copy
     (`params_bf16`) that `sync_weights()` rounds from the float32 master after every
-    change."""
+    change. `autocast`: a bf16 plan in autocast precision (its `stream` arena: plan.py's
+    Precision), whose norms and embedding read the master weights, its gradients float32."""
 
     def __init__(self, arch: Arch, lib, memory: Memory, batch: int, seq: int, *,
                  tf32: bool = False):
@@ -58,6 +59,8 @@ class GPT:
         self.batch, self.seq = batch, seq
         self.training = "grads" in memory.arenas
         self.bf16 = "params_bf16" in memory.arenas
+        self.autocast = "stream" in memory.arenas
+        self.bf16_grads = self.training and memory.arenas["grads"].dtype == np.uint16
         self.specs = parameters(arch)
         self.param_total = param_count(arch)
         self.master = {s.name: memory[s.name] for s in self.specs}
@@ -141,7 +144,7 @@ class GPT:
         rows of the arena into the planned `grad_rows`, then snrm2 of those (cuBLAS has no
         bf16 norm with a float32 result)."""
         g = self.mem.arenas["grads"]
-        if self.bf16:
+        if self.bf16_grads:
             rows = self.mem["grad_rows"]
             bf16.row_norms(g.reshape(rows.size, -1), rows)
             g = rows
@@ -197,17 +200,19 @@ def check_ids(ids: np.ndarray, vocab: int, hint: str = "") -> np.ndarray:
 
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
-          shared: dict | None = None, tf32: bool = False, buckets=None, optimizer=None) -> GPT:
+          precision: str = "bf16", shared: dict | None = None, tf32: bool = False,
+          buckets=None, optimizer=None) -> GPT:
     """Resolve, plan, allocate and record a model from a ModelConfig (what evaluation and
     the tests make; a training run resolves its own once, runtime/train/resolve.py).
-    `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy); `shared`:
-    arenas allocated already (Memory's); `optimizer`: the UpdateOps whose state the plan
-    holds (runtime/model/optimizer_plan.py; None: none)."""
+    `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy); `precision`:
+    training.precision (plan.py's Precision); `shared`: arenas allocated already
+    (Memory's); `optimizer`: the UpdateOps whose state the plan holds
+    (runtime/model/optimizer_plan.py; None: none)."""
     arch = arch_of(cfg, lib)
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
-    plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, buckets=buckets,
-                   optimizer=optimizer)
+    plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, precision=precision,
+                   buckets=buckets, optimizer=optimizer)
     return allocate(arch, lib, plan, batch, seq, shared=shared, tf32=tf32)
 
 

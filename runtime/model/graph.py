@@ -53,6 +53,8 @@ class Value:
     per_row: bool = False       # a per-row statistic the kernels keep in float32 in every
                                 # storage dtype (attention's lse)
     part: tuple[str, int] | None = None   # (root value, first head): a view of its heads
+    stream: bool = False        # the residual stream (the embedding's output, the norms'
+                                # sums): float32, as its gradient, in autocast precision
 
     @property
     def buffer(self) -> str:
@@ -146,6 +148,11 @@ class Graph:
         value's (the norm that ends a block: the next block's ln_1, after the last block
         ln_f). A linear whose bias a later node adds (`Node.bias`) reads its weight
         alone, and that node the bias."""
+        return [name for _, name in self.parameters(node, layer, params)]
+
+    def parameters(self, node: Node, layer: int | None, params) -> list[tuple[str, str]]:
+        """parameter_names, each with the name the node gives it (`<w>.weight`, `<w>.bias`:
+        the same at every layer)."""
         def scoped(w: str) -> str:
             if w in self.handoff:
                 block, name = self.key(layer, w)
@@ -154,12 +161,13 @@ class Graph:
         added = {n.bias for n in self.block if n.bias}
         names = []
         for w in node.weights:
-            names.append(f"{scoped(w)}.weight")
+            names.append((w, "weight"))
             if not (node.kind == "linear" and w in added):
-                names.append(f"{scoped(w)}.bias")
+                names.append((w, "bias"))
         if node.bias:
-            names.append(f"{scoped(node.bias)}.bias")
-        return [name for name in names if name in params]
+            names.append((node.bias, "bias"))
+        return [(f"{w}.{part}", f"{scoped(w)}.{part}") for w, part in names
+                if f"{scoped(w)}.{part}" in params]
 
     def steps(self) -> list[tuple]:
         """The forward pass as the training tape records it, one step a tape node:
@@ -189,7 +197,7 @@ def model_graph(a) -> Graph:
     def per_token(*tail):
         return lambda lead: (*lead, *tail)
 
-    stream = per_token(a.d)
+    width = per_token(a.d)   # a value of the model's width
     H, KVH, D = a.heads, a.kv_heads, a.head_dim
     heads, kv, qk = per_token(H, D), per_token(KVH, D), per_token(H + KVH, D)
     fc = ("fc_a", "fc_b") if a.gated else ("fc",)
@@ -200,8 +208,8 @@ def model_graph(a) -> Graph:
 
     values = [
         Value("idx", per_token()),
-        Value("x", stream, grad="d.x"),
-        Value("ln_1", stream, "ln", "d.ln"),
+        Value("x", width, grad="d.x", stream=True),
+        Value("ln_1", width, "ln", "d.ln"),
         Value("qkv", per_token(H + 2 * KVH, D), grad="d.qkv"),
         of_qkv("q", heads, 0), of_qkv("k", kv, H), of_qkv("v", kv, H + KVH),
         of_qkv("qk", qk, 0), of_qkv("qk_rope", qk, 0),
@@ -209,16 +217,16 @@ def model_graph(a) -> Graph:
           (Value("q_rope", heads, grad="d.q_rope"), Value("k_rope", kv, grad="d.k_rope"))),
         Value("attn", heads, grad="d.attn"),
         Value("lse", lambda lead: (lead[0], a.heads, *lead[1:]), per_row=True),
-        Value("attn_proj", stream, "proj", "d.x"),
-        Value("x_mid", stream, "x", "d.x"),
-        Value("ln_2", stream, "ln", "d.ln"),
+        Value("attn_proj", width, "proj", "d.x"),
+        Value("x_mid", width, "x", "d.x", stream=True),
+        Value("ln_2", width, "ln", "d.ln"),
         *(Value(name, per_token(a.ffn), grad=f"d.{name}") for name in fc),
         Value("act", per_token(a.ffn), grad="d.act"),
-        Value("mlp_proj", stream, "proj", "d.x"),
-        Value("next", stream, "x", "d.x"),
-        Value("next_ln", stream, "ln", "d.ln"),
-        Value("x_final", stream, grad="d.x"),
-        Value("ln_f", stream, grad="d.ln"),
+        Value("mlp_proj", width, "proj", "d.x"),
+        Value("next", width, "x", "d.x", stream=True),
+        Value("next_ln", width, "ln", "d.ln"),
+        Value("x_final", width, grad="d.x", stream=True),
+        Value("ln_f", width, grad="d.ln"),
         Value("logits", lambda lead: (prod(lead), a.vocab_rows), grad="logits"),  # dlogits
     ]
 

@@ -5,13 +5,16 @@ A plan is a list of named buffers placed in a few big arenas (one allocation eac
     params       every weight, flat; matrices (weight-decayed) first, so an update op
                  runs over two contiguous ranges (in bf16 runs: the float32 master weights)
     params_bf16  bf16 runs: the same layout in bf16, the copy the kernels read
-    grads        the same layout as params (in the storage dtype)
+    grads        the same layout as params (in the storage dtype; autocast: float32)
     optimizer    the update ops' state (adamw's m and v: `adamw.m`, `adamw.v`), each buffer
                  the parameters its op steps in params order (training only; float32 in
                  bf16 runs; runtime/model/optimizer_plan.py)
     activations  what the forward pass keeps for the backward pass
     stats        bf16 runs: the float32 per-row values (attention's lse, the losses and
                  their seed, the gradient norm's row sums); fp32 runs keep them with the rest
+    stream       bf16 runs in autocast precision: the float32 residual stream (the
+                 embedding's output and the norms' sums a block keeps), its gradient, and
+                 the float32 scratch of parameter gradients that are added to
     workspace    temporaries the backward pass reuses from layer to layer
     kernels      float32 workspace of the generated backward kernels (row ops' weight-
                  gradient partials, attention's row dots, the embedding's sort keys and
@@ -37,7 +40,7 @@ ALIGN = 64  # elements: every buffer starts on a 256-byte (bf16: 128-byte) bound
             # 128-bit loads line up
 
 ARENA_ORDER = ("params", "params_bf16", "grads", "optimizer", "activations", "stats",
-               "workspace", "kernels", "gemm", "tokens")
+               "stream", "workspace", "kernels", "gemm", "tokens")
 
 # CuPy has no bfloat16: a "bf16" buffer holds the bits in uint16 (runtime/engine/bf16.py)
 _STORAGE = {"bf16": "uint16"}

@@ -113,7 +113,8 @@ class Linear:
 
     With the GEMM's epilogues (cuBLASLt) the bias is added inside the forward GEMM and db
     written by the dW GEMM, unless db is added to (a later micro-step: the epilogue only
-    writes), when it is the GEMM 1ᵀ·dy against the planned `ones` with beta = 1. Without
+    writes) or of another dtype than dy (autocast's float32 gradients: the epilogue writes
+    dy's), when it is the GEMM 1ᵀ·dy against the planned `ones` with beta = 1. Without
     them db is always that GEMM, and in bf16 the bias is written first, as the rank-1
     GEMM 1·b, and the product added to it by the GEMM's beta = 1. Either way x·wᵀ + b is
     summed in float32 and rounded once; fp32 without epilogues adds the bias after."""
@@ -139,7 +140,8 @@ class Linear:
         if self.dx is not None:
             tape.gemm(self.dy, self.w, self.dx.buf, add=tape.adds(self.dx))
         db = self.db
-        if db is not None and tape.epilogues and not tape.adds(db):
+        if (db is not None and tape.epilogues and not tape.adds(db)
+                and db.buf.dtype == self.dy.dtype):
             tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw),
                       dbias=db.buf)
             return
@@ -180,31 +182,40 @@ class Norm:
     gradient, which later nodes have written) the op's `add` backward adds the norm's dx
     to it in the same pass, reading it as the stream's incoming gradient and writing it in
     place; where dx is the stream gradient's first writer, the op's own backward. Weight
-    gradients are written or added as their Grads say."""
+    gradients are written or added as their Grads say.
+
+    `precision`: the op's precision variant ('autocast': the stream, its gradient and the
+    weights float32, the branch, y and dy bf16); `copy`: where its backward also writes dx
+    rounded to bf16 (the operand of the GEMMs that read the stream's gradient next), or
+    None."""
 
     def __init__(self, op, x, branch, weights, outputs, params: dict, dy=None,
-                 dx: Grad | None = None, dweights=()):
+                 dx: Grad | None = None, dweights=(), precision: str = "", copy=None):
         self.op, self.x, self.branch, self.weights = op, x, branch, tuple(weights)
         self.outputs, self.params = tuple(outputs), params
         self.dy, self.dx, self.dweights = dy, dx, tuple(dweights)
         self.row = x if branch is None else self.outputs[0]
+        self.precision, self.copy = precision, copy
+        self.keywords = {"precision": precision} if precision else {}
 
     def forward(self, tape: Tape) -> None:
         if self.branch is None:
-            tape.lib.forward(self.op, self.x, *self.weights, out=self.outputs, **self.params)
+            tape.lib.forward(self.op, self.x, *self.weights, out=self.outputs, **self.keywords,
+                             **self.params)
         else:
             tape.lib.forward(self.op, self.x, self.branch, *self.weights, out=self.outputs,
-                             fusion="add", **self.params)
+                             fusion="add", **self.keywords, **self.params)
 
     def backward(self, tape: Tape) -> None:
         weights = tape.targets(self.dweights)
         dx = self.dx.buf
+        keywords = dict(self.keywords, copy=self.copy) if self.copy is not None else self.keywords
         if tape.adds(self.dx):
             tape.lib.backward(self.op, self.row, *self.weights, self.dy, dx, out=(dx, *weights),
-                              workspace=tape.kernel_ws, fusion="add", **self.params)
+                              workspace=tape.kernel_ws, fusion="add", **keywords, **self.params)
         else:
             tape.lib.backward(self.op, self.row, *self.weights, self.dy, out=(dx, *weights),
-                              workspace=tape.kernel_ws, **self.params)
+                              workspace=tape.kernel_ws, **keywords, **self.params)
         tape.land(self.dweights, weights)
 
 

@@ -22,6 +22,7 @@ import yaml
 from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.data.tokenizer import tokenizer_file
+from eulergen.signature import PRECISIONS
 from eulergen.userfiles import compose_yaml, construct_yaml, load_json, load_yaml, read_text
 
 
@@ -58,7 +59,7 @@ class TrainingConfig:
     learning_rate: float = 3e-3
     min_lr: float = 3e-4             # not given: learning_rate / 10
     warmup_steps: int = 20
-    total_steps: int = 700
+    total_steps: int = 650           # ends within 150 s where this model trains at 3.3k tok/s
     schedule: str = "cosine"         # "cosine" | "linear" | "constant"
     gradient_accumulation: int = 1
     optimizer: str = "adamw"         # any update op (ops/adamw.yaml, lion, sgd_momentum, muon)
@@ -76,6 +77,10 @@ class TrainingConfig:
     seed: int = 1337
     dtype: str = "auto"              # "auto" (bf16 on a GPU with bf16 tensor cores, else fp32)
                                      # | "fp32" | "bf16" (mixed precision: runtime/model/gpt.py)
+    precision: str = "bf16"          # what a bf16 run stores in bf16 (runtime/model/plan.py's
+                                     # Precision): "bf16" (as llm.c: the residual stream and
+                                     # the gradients too) | "autocast" (as torch.autocast:
+                                     # those and the norms' weights float32)
     tf32: bool = True
     cuda_graph: bool = True          # GPU: capture the step as CUDA graphs; false: launch eagerly
     device: str = "auto"             # "auto" | "cuda" | "numpy"
@@ -152,6 +157,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rope"),
     "training.schedule": ("cosine", "linear", "constant"),
     "training.dtype": ("auto", "fp32", "bf16"),
+    "training.precision": ("bf16", *PRECISIONS),   # bf16: no kernel of another precision
     "training.device": ("auto", "cuda", "numpy"),
 }
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from eulergen import outputs
 from eulergen.errors import EulerError
+from eulergen.progress import Bar, hidden
 from eulergen.runtime.train import budget, checkpoint
 from eulergen.runtime.interop import hf
 from eulergen.runtime.train.config import RunConfig, config_from_dict
@@ -49,15 +50,16 @@ def is_hf_folder(path: Path) -> bool:
         and checkpoint.latest(path) is None
 
 
-def open_model(spec: str | Path, device: str | None = None) -> Weights:
+def open_model(spec: str | Path, device: str | None = None, bar: Bar | None = None) -> Weights:
     """The config and weights of a run, a checkpoint, an HF folder (with a tokenizer
     eulergen reads: hf.tokenizer_of) or a Hub id. Weights that hold a NaN or an Inf are
     refused here, naming the tensor: nothing eulergen exports, samples or evaluates comes
-    of them."""
+    of them. `bar` (started by the caller) counts the tensors read and checked."""
+    bar = bar or hidden()
     path = Path(spec)
     training = {"device": device} if device else {}
     if not path.exists() or is_hf_folder(path):
-        imported = hf.load_folder(hf.locate(spec, key="RUN_OR_CKPT"))
+        imported = hf.load_folder(hf.locate(spec, key="RUN_OR_CKPT"), bar)
         raw = {"model": imported.model, "data": {"tokenizer": hf.tokenizer_of(imported)},
                "training": {"seq_len": min(imported.model["max_seq_len"], HF_CONTEXT),
                             **training}}
@@ -72,7 +74,9 @@ def open_model(spec: str | Path, device: str | None = None) -> Weights:
         cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
         weights = Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE),
                           recorded.text("tokenizer_digest", None))
+    bar.update(total=(bar.total or 0) + len(weights.params), status="checking for NaN and Inf")
     for name, value in weights.params.items():
+        bar.update(advance=1)
         bad = value.size - int(np.count_nonzero(np.isfinite(value)))
         if bad:
             raise EulerError(f"{bad:,} of its {value.size:,} values are NaN or Inf: eulergen "
@@ -150,9 +154,10 @@ def windows(files, seq: int, vocab: int):
 
 
 def evaluate(weights: Weights, lib, dataset: str, *, batch: int, seq: int,
-             max_batches: int | None = None, cache_dir=None) -> EvalResult:
+             max_batches: int | None = None, cache_dir=None, bar: Bar | None = None) -> EvalResult:
     """The loss over `dataset`, whose token files must be the weights' tokenizer's, with
-    B = `batch` windows of `seq` tokens priced against the memory first (--batch-size)."""
+    B = `batch` windows of `seq` tokens priced against the memory first (--batch-size).
+    `bar` (started by the caller) counts the batches, with the mean loss so far."""
     cfg = weights.cfg
     if seq > cfg.model.max_seq_len:
         raise EulerError(f"{seq} is longer than the model's max_seq_len "
@@ -164,6 +169,9 @@ def evaluate(weights: Weights, lib, dataset: str, *, batch: int, seq: int,
     budget.check_batch(cfg, arch_of(cfg.model, lib), lib.backend,
                        lambda a: plan_on(lib, a, batch, seq, training=False), what="evaluation",
                        batch=("--batch-size", batch, 1), seq=seq)
+    batches = sum(max(0, len(open_tokens(f)) - 1) // seq for f in files) // batch
+    bar = bar or hidden()
+    bar.update(0, total=min(batches, max_batches or batches), status="building the model")
     model = build(cfg.model, lib, batch, seq, training=False)
     load_into(model, weights)
     total, count, rows = 0.0, 0, []
@@ -176,6 +184,7 @@ def evaluate(weights: Weights, lib, dataset: str, *, batch: int, seq: int,
         model.load_tokens(chunk[:, :-1], chunk[:, 1:])
         total += float(model.loss()[0])     # a batch's mean over B·T tokens
         count += 1
+        bar.update(count, status=f"loss {total / count:.4f}")
         if max_batches is not None and count >= max_batches:
             break
     if not count:

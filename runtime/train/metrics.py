@@ -1,5 +1,6 @@
 """The run logger: metrics.jsonl (one JSON record per logged step), TensorBoard event
-files (tensorboardX), a live progress line; the loss plot; model FLOPs for MFU.
+files (tensorboardX), the progress bar (eulergen/progress.py: a line a record where stderr
+is no terminal); the loss plot; model FLOPs for MFU.
 
 Standard record keys: step, train_loss, val_loss, lr, grad_norm, tokens_per_s,
 ms_per_step, mfu, and elapsed_s (wall seconds since the run began, which the logger adds:
@@ -18,6 +19,7 @@ from typing import Any
 
 from eulergen import outputs
 from eulergen.errors import EulerError
+from eulergen.progress import Bar
 from eulergen.files import write_atomic
 from eulergen.userfiles import load_json, read_text
 
@@ -56,7 +58,9 @@ class RunLogger:
         self._began = time.perf_counter() - (last if isinstance(last, (int, float)) else 0.0)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = _tb_writer(self.run_dir / TB_DIR, resume_step) if tensorboard else None
-        self._progress = _Progress(total_steps, resume_step or 0) if progress else None
+        self._progress = Bar("train", total_steps, unit="steps", every=0,
+                             completed=resume_step or 0) if progress else None
+        self._last: dict[str, Any] = {}
 
     def log(self, step: int, **values: float | int | bool | None) -> dict[str, Any]:
         """Record the given metrics at `step`; None values are left out."""
@@ -75,8 +79,19 @@ class RunLogger:
                 if key != "step" and math.isfinite(value):
                     self._tb.add_scalar(_tb_tag(key), value, step)
         if self._progress is not None:
-            self._progress.update(record)
+            self._last.update({k: v for k, v in record.items() if k != "step"})
+            self._progress.update(record["step"], status=_status(self._last))
         return record
+
+    def start(self) -> None:
+        """The progress bar from here (what was printed before stays above it)."""
+        if self._progress is not None:
+            self._progress.start()
+
+    def done(self) -> None:
+        """The bar's last frame: the steps are over, what is printed next comes below it."""
+        if self._progress is not None:
+            self._progress.stop()
 
     def print(self, text: str) -> None:
         """Print above the progress line (samples, notices) without breaking it."""
@@ -86,8 +101,7 @@ class RunLogger:
             print(text)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        self.done()
         if self._tb is not None:
             self._tb.close()
         self._file.close()
@@ -246,41 +260,6 @@ def _tb_writer(folder: Path, resume_step: int | None):
     # flush_secs: a live TensorBoard sees a step within seconds, not the default 2 minutes.
     return SummaryWriter(logdir=str(folder), purge_step=None if resume_step is None else resume_step + 1,
                          filename_suffix=f".{time.time_ns()}", flush_secs=10)
-
-
-class _Progress:
-    """A rich progress bar on a terminal; one plain line per record otherwise (logs, CI)."""
-
-    def __init__(self, total: int, start: int):
-        from rich.console import Console
-
-        self.console = Console(stderr=True)
-        self.total = total
-        self._bar = None
-        self._last: dict[str, Any] = {}
-        if self.console.is_terminal:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeRemainingColumn)
-            self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                 console=self.console)
-            self._task = self._bar.add_task("train", total=total, completed=start, status="")
-            self._bar.start()
-
-    def update(self, record: dict[str, Any]) -> None:
-        self._last.update({k: v for k, v in record.items() if k != "step"})
-        status = _status(self._last)
-        if self._bar is not None:
-            self._bar.update(self._task, completed=record["step"], status=status)
-        else:
-            print(f"step {record['step']}/{self.total} | {status}", file=sys.stderr, flush=True)
-
-    def print(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
-
-    def stop(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def _status(last: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ from eulergen.runtime.generate.decoder import decode_sms, plan_decoder
 from eulergen.runtime.model.arch import Arch, arch_of
 from eulergen.runtime.model.memory import Plan, storage
 from eulergen.runtime.model.optimizer_plan import UpdateOps, update_ops
-from eulergen.runtime.model.plan import plan_on
+from eulergen.runtime.model.plan import Precision, plan_on
 from eulergen.runtime.train import budget
 from eulergen.runtime.train.config import RunConfig, TrainingConfig
 
@@ -49,16 +49,18 @@ def resolve(cfg: RunConfig, lib, *, ranks: int | None = None, for_gpu: bool = Fa
         t = replace(t, dtype="bf16" if dtype == "bf16" else "fp32")
         cfg = replace(cfg, training=t)
 
+    grads = Precision(dtype, t.precision).grads
+
     def buckets_of(a):
         return None if ranks is None or inference else plan_buckets(
-            a, ranks, zero=bool(t.zero), bucket_mb=t.bucket_mb, itemsize=storage(dtype).itemsize)
+            a, ranks, zero=bool(t.zero), bucket_mb=t.bucket_mb, itemsize=storage(grads).itemsize)
 
     def plan(a, buckets):
         if inference:
             return plan_decoder(a, t.batch_size, t.seq_len, dtype=dtype,
                                 sms=PLAN_SMS if gpu_plan else decode_sms(lib.backend))
-        return plan_on(lib, a, t.batch_size, t.seq_len, dtype=dtype, buckets=buckets,
-                       for_gpu=for_gpu, optimizer=optimizer)
+        return plan_on(lib, a, t.batch_size, t.seq_len, dtype=dtype, precision=t.precision,
+                       buckets=buckets, for_gpu=for_gpu, optimizer=optimizer)
 
     if not gpu_plan:   # from the plans of one and two layers: no million-layer plan made
         budget.check_fits(cfg, arch, lib.backend, lambda a: plan(a, buckets_of(a)),

@@ -20,21 +20,22 @@ class Start:
 
 
 def start(config_path, overrides, *, resume=None, run_dir=None, device=None, init_from=None,
-          fresh_run_dir: bool = True) -> Start:
+          fresh_run_dir: bool = True, bar=None) -> Start:
     """A run's config and its imported weights: a resumed run's saved config (and, where
     it started from an imported model and has no checkpoint yet, those weights again), an
     imported model's (its config.json the model's, read and checked in full before the run
     folder is touched), or the file's or built-in default's. `fresh_run_dir`: without
-    `run_dir`, a new folder per run (False under a launcher: every rank names the same)."""
+    `run_dir`, a new folder per run (False under a launcher: every rank names the same).
+    `bar` (progress.Bar, started by the caller) counts an imported model's tensors read."""
     if resume is not None:
         if config_path is not None or run_dir is not None or init_from is not None:
             raise EulerError("--resume continues a run with its saved config and weights: give "
                              "--set overrides, not --config, --run-dir or --init-from",
                              key="--resume")
-        return Start(resumed_config(resume, overrides, device), *_resume_import(resume))
+        return Start(resumed_config(resume, overrides, device), *_resume_import(resume, bar))
     if init_from is not None:
         from eulergen.runtime.interop import hf
-        imported = hf.load_folder(hf.locate(init_from))
+        imported = hf.load_folder(hf.locate(init_from), bar)
         source = {"init_from": str(init_from), "folder": str(imported.folder.resolve())}
         given = run_config(config_path, [*hf.model_sets(imported), *overrides], run_dir, device,
                            per_device=False)
@@ -71,7 +72,7 @@ def resumed_config(resume, overrides, device=None) -> RunConfig:
     return resume_config(resume, [*overrides, *([f"training.device={device}"] if device else [])])
 
 
-def _resume_import(run: Path):
+def _resume_import(run: Path, bar):
     """(imported weights, their record) for a resume of an --init-from run that has no
     checkpoint yet (it restarts from those weights, not from its seed), else (None, None)."""
     from eulergen.runtime.interop import hf
@@ -81,5 +82,5 @@ def _resume_import(run: Path):
     if source is None or checkpoint.latest(run) is not None:
         return None, None
     folder = Path(source["folder"])
-    return hf.load_folder(folder if folder.is_dir() else hf.locate(source["init_from"])).params, \
-        source
+    return hf.load_folder(folder if folder.is_dir() else hf.locate(source["init_from"]),
+                          bar).params, source

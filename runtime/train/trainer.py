@@ -237,12 +237,14 @@ class Trainer:
         t = self.cfg.training
         last = min(stop_after if stop_after is not None else t.total_steps, t.total_steps)
         try:
+            self.logger.start()
             while self.step < last:
                 self.train_step()
                 while len(self.stepper.pending) > 1:   # the step before: done, or nearly
                     self._finish(self.stepper.result())
                 if self._waits(self.launched, last):   # evaluation, a checkpoint, the end
                     self._finish(self.stepper.result())
+            self.logger.done()   # the bar's last frame, then what the run says after it
             if self.step == t.total_steps and t.sample_tokens and self.writer:
                 self.result.sample = self.sample(t.sample_tokens)
                 self.logger.print(f"sample:\n{self.result.sample}")
@@ -324,6 +326,12 @@ class _Quiet:
 
     def log(self, step: int, **values) -> dict:
         return values
+
+    def start(self) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
 
     def print(self, text: str) -> None:
         pass

@@ -52,56 +52,70 @@ def test_the_bf16_kernels_give_the_numpy_forms_bits(cp):
     np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5)
 
 
-def _grads(lib, cfg, weights, x, y, dtype):
+def _grads(lib, cfg, weights, x, y, dtype, precision="bf16"):
     from eulergen.runtime.model.gpt import build
     t = cfg.training
-    model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, tf32=False)
+    model = build(cfg.model, lib, t.batch_size, t.seq_len, dtype=dtype, precision=precision,
+                  tf32=False)
     model.load_state_dict(weights)
     model.load_tokens(x, y)
     loss = float(model.loss_and_grad()[0])
     grads = {k: lib.backend.asnumpy(g).copy() for k, g in model.grads.items()}
-    if dtype == "bf16":
-        grads = {k: from_bf16(g) for k, g in grads.items()}
+    grads = {k: from_bf16(g) if g.dtype == np.uint16 else g for k, g in grads.items()}
     return loss, grads, model.grad_norm()
 
 
-@pytest.mark.parametrize("structure", sorted(STRUCTURES))
-def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(libs, structure):
+def _weights(cuda, cfg) -> dict:
     from eulergen.runtime.model.gpt import build
-    cuda, _ = libs
-    cfg = _cfg(structure)
     t = cfg.training
     init = build(cfg.model, cuda, t.batch_size, t.seq_len, training=False)
     init.init_weights(1)
     rng = np.random.default_rng(2)   # norm weights and biases off 1 and 0
-    weights = {k: (v + rng.normal(0, 0.1, v.shape)).astype(np.float32) if v.ndim == 1 else v
-               for k, v in init.state_dict().items()}
-    x, y = _batch(cfg)
+    return {k: (v + rng.normal(0, 0.1, v.shape)).astype(np.float32) if v.ndim == 1 else v
+            for k, v in init.state_dict().items()}
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_bf16_loss_and_every_gradient_match_fp32_with_the_same_weights(libs, structure):
+    """Both precisions (training.precision): bf16's and autocast's each within the
+    tolerances, and autocast's gradients closer to fp32's on average (fewer roundings: no
+    bf16 stream or gradients), as on the CPU (tests/test_autocast_model.py)."""
+    cuda, _ = libs
+    cfg = _cfg(structure)
+    weights, (x, y) = _weights(cuda, cfg), _batch(cfg)
     ref_loss, ref, ref_norm = _grads(cuda, cfg, weights, x, y, "float32")
-    loss, got, norm = _grads(cuda, cfg, weights, x, y, "bf16")
-    assert loss == pytest.approx(ref_loss, rel=LOSS_TOLERANCE)
-    errors = {k: np.linalg.norm(got[k] - g) / max(np.linalg.norm(g), 1e-30)
-              for k, g in ref.items()}
-    bad = {k: f"{v:.2e}" for k, v in errors.items() if v > GRAD_TOLERANCE}
-    assert not bad, f"{structure}: bf16 gradients off: {bad}"
-    assert norm == pytest.approx(ref_norm, rel=GRAD_TOLERANCE)
+    mean = {}
+    for precision in ("bf16", "autocast"):
+        loss, got, norm = _grads(cuda, cfg, weights, x, y, "bf16", precision)
+        assert loss == pytest.approx(ref_loss, rel=LOSS_TOLERANCE), precision
+        errors = {k: np.linalg.norm(got[k] - g) / max(np.linalg.norm(g), 1e-30)
+                  for k, g in ref.items()}
+        bad = {k: f"{v:.2e}" for k, v in errors.items() if v > GRAD_TOLERANCE}
+        assert not bad, f"{structure}: {precision} gradients off: {bad}"
+        assert norm == pytest.approx(ref_norm, rel=GRAD_TOLERANCE), precision
+        mean[precision] = float(np.mean(list(errors.values())))
+    assert mean["autocast"] <= mean["bf16"], mean
 
 
-def test_bf16_training_steps_stay_within_the_plan(libs, cp):
+@pytest.mark.parametrize("precision,cuda_graph", [("bf16", False), ("autocast", True)])
+def test_bf16_training_steps_stay_within_the_plan(libs, cp, precision, cuda_graph):
     """As test_model_gpu's fp32 test: building allocates the plan, and bf16 steps (the
-    bf16 GEMMs, residual adds, the norm's row sums, clipping, AdamW writing the bf16 copy)
-    grow the pool by nothing but the step record: within 5 % of the plan, none after step
-    1; the copy AdamW wrote is the master rounded."""
+    bf16 GEMMs, residual adds, the norm's row sums, clipping, AdamW writing the bf16 copy;
+    autocast's float32 stream and gradients, captured as CUDA graphs) grow the pool by
+    nothing but the step record: within 5 % of the plan, none after step 1; the copy AdamW
+    wrote is the master rounded."""
     cuda, _ = libs
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     before = pool.total_bytes()
-    model, _, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"), dtype="bf16")
+    model, _, sizes = _three_planned_steps(cuda, cp, _cfg("nanoeuler"), dtype="bf16",
+                                           precision=precision, cuda_graph=cuda_graph)
     used = pool.total_bytes() - before
     planned = model.mem.plan.total_bytes
     assert used <= 1.05 * planned, f"pool grew to {used:,} bytes, the plan is {planned:,}"
     assert sizes[-1] == sizes[0], f"steps 2-3 grew the pool by {sizes[-1] - sizes[0]:,} bytes"
-    wide = from_bf16(cp.asnumpy(model.mem.arenas["grads"])).astype(np.float64)
+    grads = cp.asnumpy(model.mem.arenas["grads"])
+    wide = (from_bf16(grads) if grads.dtype == np.uint16 else grads).astype(np.float64)
     assert model.grad_norm() == pytest.approx(np.sqrt((wide ** 2).sum()), rel=1e-4)
     np.testing.assert_array_equal(cp.asnumpy(model.mem.arenas["params_bf16"]),
                                   to_bf16(cp.asnumpy(model.mem.arenas["params"])))

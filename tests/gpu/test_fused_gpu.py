@@ -5,6 +5,8 @@ fused functions, in fp32 and bf16, through OpLibrary as the model calls them:
   norm's dx added to the stream's gradient in place over it, at row lengths from 17 to a
   vocabulary's (the split backward from plan.WGRAD_SPLIT_COLS), with weight gradients
   reduced in a fixed order (two calls give the same bits);
+- a norm in the autocast precision (its float32 stream, gradient and weights, bf16 branch,
+  output and dy, the bf16 copy of dx);
 - a pointwise op's `bias` fusion: forward_bias and backward_bias over [rows, F] with a bias
   [F] a row, its gradient's column sums reduced in a fixed order, on aligned arrays and on
   views one element in (the `_unaligned` kernels);
@@ -19,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eulergen.runtime.engine import bf16
 from eulergen.runtime.engine.manifest import load_manifest
 from test_kernels import (MANIFEST, as_f64, check, device, domain, host_values,  # noqa: E402
                           poisoned, progress, reference)
@@ -78,6 +81,57 @@ def test_add_fusion_matches_numpy_and_adds_into_the_stream_gradient_in_place(
         check(f"{name}.backward_add.d{g}", got, w, cp)
     for g, a, b in zip(fusion.backward.grads, *results):
         assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes(), f"{name}.d{g}: two runs differ"
+
+
+@pytest.mark.parametrize("rows,cols", ADD_SHAPES)
+@pytest.mark.parametrize("name", ADD_OPS)
+def test_autocast_norm_reads_a_float32_stream_and_writes_float32_gradients(name, rows, cols,
+                                                                          cp, libs):
+    """precision="autocast": the op's forward from the float32 stream (the stem's) and the
+    add fusion's (a bf16 branch, the sum float32), y bf16; the add backward's dx added in
+    place into the float32 d_stream with its bf16 copy, and the op's own backward (ln_f's,
+    no copy); the float32 weight gradients, each call twice for the same bits."""
+    gpu, ref = libs
+    op = OPS[name]
+    fusion = op.fusions["add"]
+    progress(f"autocast {name} {rows}x{cols}")
+    rng = np.random.default_rng(rows + 3 * cols)
+    x, dh = (host_values(rng, (rows, cols), -2, 2, "f32") for _ in range(2))
+    branch, dy = (host_values(rng, (rows, cols), -2, 2, "bf16") for _ in range(2))
+    weights = [host_values(rng, (cols,), *domain(op, o.name), "f32")
+               for o in fusion.backward.inputs if o.role == "weight"]
+    ws = [device(cp, w, "f32") for w in weights]
+    y = poisoned(cp, (rows, cols), np.uint16)
+    gpu.forward(name, device(cp, x, "f32"), *ws, out=y, precision="autocast")
+    check(f"{name}.forward (autocast)", y, reference(ref.forward, name, x, *weights)[0], cp)
+    outs = (poisoned(cp, (rows, cols), np.float32), poisoned(cp, (rows, cols), np.uint16))
+    gpu.forward(name, device(cp, x, "f32"), device(cp, branch, "bf16"), *ws, out=outs,
+                fusion="add", precision="autocast")
+    for o, got, want in zip(fusion.forward.outputs, outs,
+                            reference(_fused(ref, "add", "forward"), name, x, branch, *weights)):
+        check(f"{name}.forward_add.{o.name} (autocast)", got, want, cp)
+
+    h = as_f64(cp, outs[0])
+    for call, extra in (("backward_add", [dh]), ("backward", [])):
+        fused = call == "backward_add"
+        fn = _fused(ref, "add", "backward") if fused else ref.backward
+        want = reference(fn, name, h, *weights, dy, *extra)
+        results = []
+        for _ in range(2):
+            dx = device(cp, dh, "f32") if fused else poisoned(cp, (rows, cols), np.float32)
+            copy = poisoned(cp, (rows, cols), np.uint16) if fused else None
+            dws = tuple(poisoned(cp, (cols,), np.float32) for _ in weights)
+            gpu.backward(name, device(cp, h, "f32"), *ws, device(cp, dy, "bf16"),
+                         *([dx] if fused else []), out=(dx, *dws), copy=copy,
+                         fusion="add" if fused else "", precision="autocast")
+            results.append((dx, *dws))
+            if copy is not None:   # dx as written, rounded once
+                assert cp.asnumpy(copy).tobytes() == cp.asnumpy(
+                    bf16.to_bf16(dx)).tobytes(), f"{name}.{call}: the copy"
+        for g, got, w in zip(fusion.backward.grads, results[0], want):
+            check(f"{name}.{call}.d{g} (autocast)", got, w, cp)
+        for g, a, b in zip(fusion.backward.grads, *results):
+            assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes(), f"{name}.d{g}: two runs"
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

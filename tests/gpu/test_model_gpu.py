@@ -135,7 +135,8 @@ def _growth_hook():
     return Growth()
 
 
-def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps=3):
+def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps=3,
+                         precision="bf16"):
     """Builds the model and runs training steps on one batch as the trainer runs them
     (runtime/train/step_graph.py: clipped to norm 1, step control and AdamW on the device; eager
     unless `cuda_graph`); the model, its Stepper and the pool's size after each step."""
@@ -146,7 +147,8 @@ def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps
     from eulergen.runtime.train.optimizer import Optimizer
     t = cfg.training
     ops = update_ops(cuda, t.optimizer)
-    model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype, optimizer=ops)
+    model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype, precision=precision,
+                  optimizer=ops)
     model.init_weights(0)
     optim = Optimizer(model, ops, t)
     stepper = Stepper(model, optim, StepRule.of(t, optim.slots), cuda_graph=cuda_graph)

@@ -1,5 +1,6 @@
 """Resume on the GPU (`pytest -m gpu tests/gpu`): a run stopped after its checkpoint and
-resumed repeats the uninterrupted run's losses bit for bit, in fp32 and in bf16, its steps
+resumed repeats the uninterrupted run's losses bit for bit, in fp32 and in bf16 (of either
+training.precision: bf16 or autocast), its steps
 replayed as CUDA graphs (training.cuda_graph, the default) and its step control's state
 (update count, spike guard) read back from the device into the checkpoint. This
 holds only because every kernel on the path is deterministic (no float atomics: weight
@@ -19,6 +20,11 @@ from runs import kill_minus_nine_then_resume, losses  # tests/ is on the path
 pytestmark = pytest.mark.gpu
 
 
+# a run's dtype: its training.dtype and training.precision
+PRECISIONS = {"fp32": ["training.dtype=fp32"], "bf16": ["training.dtype=bf16"],
+              "autocast": ["training.dtype=bf16", "training.precision=autocast"]}
+
+
 def _trainer(lib, shard, run_dir, preset, dtype, resume=False):
     # head dim 64 (a size the flash kernels take); TF32 stays on, as a real run has it
     sets = [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
@@ -28,12 +34,12 @@ def _trainer(lib, shard, run_dir, preset, dtype, resume=False):
             "training.seq_len=128", "training.total_steps=8", "training.warmup_steps=2",
             "training.eval_every=4", "training.eval_steps=2", "training.checkpoint_every=3",
             "training.log_every=1", "training.sample_tokens=0", "training.device=cuda",
-            f"training.dtype={dtype}"]
+            *PRECISIONS[dtype]]
     cfg = resume_config(run_dir) if resume else load_config(None, sets)
     return Trainer(cfg, lib, resume=resume, progress=False, tensorboard=False)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", sorted(PRECISIONS))
 @pytest.mark.parametrize("preset", ["gpt2", "nanoeuler"])
 def test_gpu_resume_repeats_the_uninterrupted_losses_bitwise(libs, shard, tmp_path, preset,
                                                              dtype):

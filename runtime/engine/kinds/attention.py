@@ -3,9 +3,11 @@
 tiling, strided q/k/v) on a GPU; on numpy the materialised module."""
 from __future__ import annotations
 
+from math import prod
+
 from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,
                                                attention_decode, attention_forward,
-                                               decode_geometry)
+                                               decode_geometry, decode_splits)
 from eulergen.runtime.engine.kinds.base import OpKind
 from eulergen.runtime.engine.launch_args import carve, elements
 
@@ -45,6 +47,16 @@ class Attention(OpKind):
             return 0
         B, T, H, _ = shape
         return elements([(B, H, T)])    # delta = rowsum(dO∘O), [B, H, T]
+
+    def export_launch(self, op, fn, sizes):
+        """The decode kernel, unsplit (sms 0: one split over the cache, planned for all its
+        keys as the decoder plans it), so it needs no split workspace."""
+        kernel = op.kernel("decode", "f32", head_dim=sizes["head_dim"])
+        at = kernel.geometry.launch(sizes["batch"], sizes["tq"], sizes["n_heads"],
+                                    sizes["n_kv_heads"])
+        splits, split_keys = decode_splits(prod(at.grid), sizes["keys"], kernel.geometry.tile, 0)
+        return kernel, at, {"part": "NULL", "counts": "NULL", "splits": str(splits),
+                            "split_keys": str(split_keys)}
 
 
 KIND = Attention()

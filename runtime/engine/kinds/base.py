@@ -11,18 +11,36 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from eulergen.errors import EulerError
+from eulergen.launch import Launch
 from eulergen.runtime.engine.manifest import OpEntry, load_numpy_module
+from eulergen.signature import KernelSig
 
 
 class OpKind:
     name: ClassVar[str]
     calls: ClassVar[tuple[str, ...]] = ("forward", "backward", "fused")
     accumulates: ClassVar[bool] = False   # its backward may add into out= (accumulate=)
+    # the precision variants (signature.PRECISIONS) its forward and backward take, as
+    # `precision=` (and the backward a bf16 `copy=` of its input gradient), and its
+    # workspace_elements as `precision=`
+    precisions: ClassVar[tuple[str, ...]] = ()
 
     def keywords(self, params: dict) -> dict:
         """Takes out of a call's keywords those that are no spec parameter (a pair op's
         `pos0`); they go on to the numpy module and the kernels."""
         return {}
+
+    def precision_keywords(self, op: OpEntry, precision: str) -> dict:
+        """`precision=` as a call's keyword where the kind takes it (none for ''); one
+        line naming the kind's precisions where it does not."""
+        if not precision:
+            return {}
+        if precision not in self.precisions:
+            raise EulerError(f"op {op.name!r} is a {self.name} op: it has no {precision!r} "
+                             f"precision (its kind's: {', '.join(self.precisions) or 'none'})",
+                             file=op.spec, key="precision")
+        return {"precision": precision}
 
     def module(self, op: OpEntry):
         """What runs its calls on numpy: the op's generated module."""
@@ -64,4 +82,14 @@ class OpKind:
         """The float32 elements a `stage` call needs from a caller's `workspace` (0: none)
         for inputs of `shape` (cuda_ops.workspace_elements says which shape)."""
         return 0
+
+    # ---- `eulergen export-c`'s CUDA build ----------------------------------------------
+
+    def export_launch(self, op: OpEntry, fn, sizes: dict) -> tuple[KernelSig, Launch, dict]:
+        """What the CUDA build of `eulergen export-c` launches for a call of the op's C
+        function `fn` (a signature.CFunction) with `sizes` (its integer arguments by name, and
+        `keys`, the KV cache's rows), every pointer on a 16-byte boundary: the float32
+        kernel, its launch, and the C values of the kernel's arguments that `fn` has not."""
+        raise EulerError(f"{self.name} ops have no CUDA launch for export-c",
+                         file=str(op.manifest), key=f"ops.{op.name}")
 

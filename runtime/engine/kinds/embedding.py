@@ -31,6 +31,10 @@ class Embedding(OpKind):
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
         return elements(_layout(op, prod(shape), table_rows)) if stage == "backward" else 0
 
+    def export_launch(self, op, fn, sizes):
+        kernel = op.kernel("forward", "f32")
+        return kernel, kernel.geometry.launch(sizes["BT"]), {}
+
 
 KIND = Embedding()
 
@@ -161,12 +165,13 @@ class _Numpy:
                              f"has {wte.shape[0]} rows", key="ids")
 
     @staticmethod
-    def forward(ids, wte, wpe):
+    def forward(ids, wte, wpe, *, _out=None):
+        """wte[ids] (+ wpe[:T]), into _out[0] where given (mode clip: the ids are checked)."""
         _Numpy._check(ids, wte, "forward")
-        out = np.take(wte, ids, axis=0)
+        y = np.take(wte, ids, axis=0, out=None if _out is None else _out[0], mode="clip")
         if wpe is not None:
-            out += wpe[: ids.shape[-1]]
-        return out
+            y += wpe[: ids.shape[-1]]
+        return y
 
     @staticmethod
     def backward(ids, wte, wpe, dout, *, out=None, accumulate=(False, False)):

@@ -33,6 +33,13 @@ class Pointwise(OpKind):
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
         return elements(_bias_layout(op, stage, dtype, shape)) if fusion else 0
 
+    def export_launch(self, op, fn, sizes):
+        if not fn.fusion:
+            kernel = op.kernel("forward", "f32")
+            return kernel, kernel.geometry.launch(sizes["n"]), {}
+        kernel = op.kernel("forward", "f32", fusion=BIAS, aligned=sizes["cols"] * 4 % 16 == 0)
+        return kernel, kernel.geometry.launch(sizes["rows"], sizes["cols"]), {}
+
 
 KIND = Pointwise()
 
@@ -124,10 +131,9 @@ def _bias_call(cuda, op: OpEntry, stage: str, args: tuple, out, params: dict,
     launcher = cuda.launcher(op)
     at = kernel.geometry.launch(rows, cols)
     launcher.launch(kernel, at, values)
-    if bias_grads:
-        reduce = op.kernel("backward", dtype, part="reduce", fusion=BIAS)
-        for g in bias_grads:
-            launcher.launch(reduce, reduce.geometry.launch(cols), {
-                "partials": values[f"{g}_partials"], "dw": values[g],
-                "num_partials": at.partials, "cols": cols, "accumulate": 0})
+    for g in bias_grads:   # the reduce of the gradient's own dtype (autocast: float32)
+        reduce = op.kernel("backward", storage_dtype_name(values[g]), part="reduce", fusion=BIAS)
+        launcher.launch(reduce, reduce.geometry.launch(cols), {
+            "partials": values[f"{g}_partials"], "dw": values[g],
+            "num_partials": at.partials, "cols": cols, "accumulate": 0})
     return results

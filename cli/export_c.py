@@ -1,0 +1,34 @@
+"""`eulergen export-c` (runtime/interop/c_export.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from eulergen.cli.common import ops_option
+
+
+@click.command("export-c")
+@click.argument("run", metavar="RUN_OR_CKPT")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="The folder to write (new, empty, or an earlier export-c).")
+@ops_option
+def export_c(run, out, ops_dirs) -> None:
+    """Write a checkpoint (or a transformers folder) as a C program: its weights, its
+    tokenizer, the model as C from its graph, the generated C and CUDA of its ops, a
+    Makefile (`make cpu`, `make cuda`) and a README. No Python at run time."""
+    from eulergen.generator.build import ensure_built
+    from eulergen.runtime.engine.backend import NUMPY
+    from eulergen.runtime.engine.ops import OpLibrary
+    from eulergen.runtime.interop.c_export import export_c as write
+    from eulergen.runtime.model.arch import arch_of, ops_used
+    from eulergen.runtime.train.evaluate import open_model, tokenizer_of
+
+    weights = open_model(run)
+    cfg = weights.cfg
+    tok = tokenizer_of(weights)
+    lib = OpLibrary(NUMPY, ensure_built(ops_used(cfg.model), ops_dirs))
+    no_cuda = write(arch_of(cfg.model, lib), weights.params, tok, out,
+                    context=cfg.training.seq_len)
+    cuda = f"; no CUDA build ({no_cuda})" if no_cuda else ", `make cuda`"
+    click.echo(f"wrote {out}: `make cpu`{cuda}; then {out / 'run_cpu'} --prompt TEXT")
