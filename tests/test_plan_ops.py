@@ -65,14 +65,40 @@ def test_an_update_plan_keeps_state_float32_and_grads_in_the_storage_dtype():
 def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_writes_a_copy():
     """lr and step are no scalar arguments (a captured step replays with new ones): the
     kernels read them, the skip flag and the gradient scale from `control`; the bf16 entry
-    point also takes the weight's bf16 copy."""
-    f32, bf16 = _plan("adamw").stages[0].sigs
-    for sig in (f32, bf16):
+    point also takes the weight's bf16 copy, and so does the autocast one, of float32
+    grads, whose vectors are the copy's 8 elements (whole 16-byte stores)."""
+    f32, bf16, autocast = _plan("adamw").stages[0].sigs
+    for sig in (f32, bf16, autocast):
         assert sig.control == ("skip", "grad_scale", "lr", "step")
         assert dict(sig.args)["control"] == "const float*"
         assert not {"lr", "step"} & set(dict(sig.args))
     assert dict(bf16.args)["p_bf16"] == "__nv_bfloat16*" and "p_bf16" not in dict(f32.args)
+    assert (autocast.dtype, autocast.precision, autocast.geometry.vec) == ("f32", "autocast", 8)
+    assert dict(autocast.args)["g"] == "const float*"
+    assert dict(autocast.args)["p_bf16"] == "__nv_bfloat16*"
     assert MANIFEST.ops["adamw"].kernel("step", "bf16").control == bf16.control
+    assert MANIFEST.ops["adamw"].kernel("step", "f32").name == f32.name   # '' before autocast
+
+
+@pytest.mark.parametrize("name", sorted(n for n, o in MANIFEST.ops.items() if o.kind == "update"))
+def test_the_phase_of_each_update_op_that_writes_the_weight_has_an_autocast_kernel(name):
+    """training.precision autocast steps with any update op: the phase that updates the
+    weight (the step; a matrix op's apply) has a kernel of float32 grads that writes the
+    weight's bf16 copy, which the runtime picks for float32 grads with a copy; a phase that
+    never writes it (muon's step and normalize) runs its f32 kernel there and has none."""
+    op = derive(load_spec(find_ops()[name]))
+    weight = next(o.name for o in op.inputs if o.role == "state")
+    grads = {o.name for o in op.inputs if o.role == "grad"}
+    for st in _plan(name).stages:
+        autocast = [sig for sig in st.sigs if sig.precision == "autocast"]
+        if weight not in st.stores:
+            assert autocast == [], st.name
+            continue
+        (sig,) = autocast
+        args = dict(sig.args)
+        assert sig.dtype == "f32" and args[f"{weight}_bf16"] == "__nv_bfloat16*"
+        assert all(args[g] == "const float*" for g in grads & set(args))
+        assert MANIFEST.ops[name].kernel("step", "f32", part=sig.part, precision="autocast") == sig
 
 
 def test_the_embedding_plan_has_its_forward_and_every_backward_part_in_every_dtype():
