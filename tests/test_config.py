@@ -7,8 +7,9 @@ import pytest
 
 from eulergen import CONFIG_DIR
 from eulergen.errors import EulerError
-from eulergen.runtime.train.config import (GPU_DEFAULT, ModelConfig, as_dict, config_from_dict,
-                                     derive_val_dataset, load_config)
+from eulergen.runtime.train.config import (ModelConfig, as_dict, config_from_dict,
+                                           derive_val_dataset, load_config)
+from eulergen.runtime.train.presets import GPU_DEFAULT
 
 
 def _write_json(tmp_path, data, name="run.json"):

@@ -1,14 +1,13 @@
 """Run configuration: frozen ModelConfig / TrainingConfig / DataConfig values read from
 NanoEuler-style JSON or YAML, presets, and `--set section.key=value` overrides.
 
-Resolution order for every key: the built-in default (the CPU's, or GPU_DEFAULT's on a GPU
+Resolution order for every key: the built-in default (the CPU's, or presets.GPU_DEFAULT on a GPU
 when no file is given), then the preset named by `model.preset`, then the file, then the
 overrides. Hyper-parameters never reach the kernels, so nothing here is hashed into a build.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import time
@@ -17,16 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from eulergen import PACKAGE_DIR
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.data.tokenizer import tokenizer_file
+from eulergen.runtime.train.config_read import locate, read_file, show, typed
+from eulergen.runtime.train.presets import DEFAULTS, PRESETS
 from eulergen.signature import PRECISIONS
-from eulergen.userfiles import compose_yaml, construct_yaml, load_json, load_yaml, read_text
+from eulergen.userfiles import load_yaml
 
 
-# The dataclass defaults are the built-in default on the CPU (GPU_DEFAULT below, on a GPU),
+# The dataclass defaults are the built-in default on the CPU (presets.GPU_DEFAULT, on a GPU),
 # sized by measurement for `eulergen train` with no arguments: benchmarks/RESULTS.md, "The
 # default run". Head dim 64: the CUDA attention kernels exist for 64 and 128 only.
 @dataclass(frozen=True)
@@ -112,47 +110,6 @@ class RunConfig:
 SECTIONS: dict[str, type] = {"model": ModelConfig, "training": TrainingConfig, "data": DataConfig}
 TOP_LEVEL_KEYS = ("run_dir",)
 
-# Values that differ from the built-in default. mlp_hidden and num_kv_heads, when the
-# user does not give them, keep the preset's ratio to hidden_dim and num_heads.
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(hidden_dim=768, num_layers=12, num_heads=12, num_kv_heads=12,
-                 vocab_size=50257, max_seq_len=1024, mlp_hidden=3072, norm="layernorm",
-                 activation="gelu", positions="learned", bias=True),
-    "nanoeuler": dict(hidden_dim=768, num_layers=12, num_heads=12, num_kv_heads=4,
-                      vocab_size=50257, max_seq_len=1024, mlp_hidden=2048, norm="rmsnorm",
-                      activation="swiglu", positions="rope", bias=False),
-}
-# GPT-2's larger shapes (head dim 64), and NanoEuler-style models of the same widths and
-# depths: mlp_hidden 8/3 of the width rounded up to 8 (as a changed width resolves it); none
-# of 16, 20, 25 heads divides by nanoeuler's 3 query heads per KV head, so the group is the
-# divisor of the heads nearest 3 (ties: the larger group).
-PRESETS.update({
-    "gpt2-medium": {**PRESETS["gpt2"], "num_layers": 24, "hidden_dim": 1024, "num_heads": 16,
-                    "num_kv_heads": 16, "mlp_hidden": 4096},
-    "gpt2-large": {**PRESETS["gpt2"], "num_layers": 36, "hidden_dim": 1280, "num_heads": 20,
-                   "num_kv_heads": 20, "mlp_hidden": 5120},
-    "gpt2-xl": {**PRESETS["gpt2"], "num_layers": 48, "hidden_dim": 1600, "num_heads": 25,
-                "num_kv_heads": 25, "mlp_hidden": 6400},
-    "nanoeuler-medium": {**PRESETS["nanoeuler"], "num_layers": 24, "hidden_dim": 1024,
-                         "num_heads": 16, "num_kv_heads": 4, "mlp_hidden": 2736},
-    "nanoeuler-large": {**PRESETS["nanoeuler"], "num_layers": 36, "hidden_dim": 1280,
-                        "num_heads": 20, "num_kv_heads": 5, "mlp_hidden": 3416},
-    "nanoeuler-xl": {**PRESETS["nanoeuler"], "num_layers": 48, "hidden_dim": 1600,
-                     "num_heads": 25, "num_kv_heads": 5, "mlp_hidden": 4272},
-})
-
-# The built-in default on a GPU: what differs from the CPU's (the dataclass defaults), taken
-# when no config file is given and training.device resolves to cuda; sized to end well within
-# two minutes on an H200 (benchmarks/RESULTS.md, "The default run"). Below a preset, as the CPU
-# default is; mlp_hidden keeps 4 x hidden_dim when only the width is changed.
-GPU_DEFAULT: dict[str, dict[str, Any]] = {
-    "model": dict(hidden_dim=512, num_layers=8, num_heads=8, num_kv_heads=8, max_seq_len=256,
-                  mlp_hidden=2048),
-    "training": dict(batch_size=32, learning_rate=1e-3, warmup_steps=100, total_steps=2500,
-                     eval_every=500, eval_steps=20, checkpoint_every=1000),
-}
-DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {"cpu": {}, "gpu": GPU_DEFAULT}
-
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.positions": ("learned", "rope"),
     "training.schedule": ("cosine", "linear", "constant"),
@@ -180,8 +137,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     source = "<default>"
     if path is not None:
         source = str(path)
-        path = _locate(Path(path))
-        raw, lines = _read_file(path)
+        path = locate(Path(path))
+        raw, lines = read_file(path)
         where = {key: (source, line) for key, line in lines.items()}
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides:
@@ -231,11 +188,11 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "<dict>",
     for name, value in raw.items():
         if name in SECTIONS:
             if not isinstance(value, dict):
-                fail(name, f"expected a mapping, got {_show(value)}")
+                fail(name, f"expected a mapping, got {show(value)}")
         elif name not in TOP_LEVEL_KEYS:
             fail(str(name), "unknown section" + suggest(str(name), [*SECTIONS, *TOP_LEVEL_KEYS]))
     given = {name: dict(raw.get(name) or {}) for name in SECTIONS}
-    values = {name: _typed(cls, given[name], name, fail) for name, cls in SECTIONS.items()}
+    values = {name: typed(cls, given[name], name, fail) for name, cls in SECTIONS.items()}
 
     base = DEFAULTS[default or "cpu"]
     model = _resolve_model(values["model"], base.get("model", {}), fail)
@@ -243,7 +200,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "<dict>",
     data = _resolve_data(values["data"], fail)
     run_dir = raw.get("run_dir", default_run_dir)
     if not isinstance(run_dir, str) or not run_dir:
-        fail("run_dir", f"expected a directory path, got {_show(run_dir)}")
+        fail("run_dir", f"expected a directory path, got {show(run_dir)}")
     cfg = RunConfig(model=ModelConfig(**model), training=TrainingConfig(**training),
                     data=DataConfig(**data), run_dir=run_dir, default=default)
     _validate(cfg, fail)
@@ -254,56 +211,6 @@ def as_dict(cfg: RunConfig) -> dict[str, Any]:
     """The JSON-ready mapping of a resolved config (every key explicit)."""
     return {"model": dataclasses.asdict(cfg.model), "training": dataclasses.asdict(cfg.training),
             "data": dataclasses.asdict(cfg.data), "run_dir": cfg.run_dir}
-
-
-# -- reading -------------------------------------------------------------------------------
-
-def _locate(path: Path) -> Path:
-    """`path` as given, or else the shipped file of that relative name, so that
-    `--config config/gpt2-small.json` works from any folder once eulergen is installed."""
-    if path.exists() or path.is_absolute():
-        return path
-    shipped = PACKAGE_DIR / path
-    return shipped if shipped.is_file() else path
-
-
-def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """The file's mapping and the line of each key. Read through eulergen/userfiles.py:
-    aliases and nesting bounded before expansion, a key given twice refused."""
-    text = read_text(path, "config file")
-    file = str(path)
-    root = None
-    if path.suffix == ".json":
-        # read as YAML too, for positions (where that fails, none) and so that a key
-        # given twice is named with both its lines
-        try:
-            root = compose_yaml(text, file)
-        except EulerError as err:
-            if "given twice" in err.message:
-                raise
-        data = load_json(text, file)
-    else:
-        root = compose_yaml(text, file)
-        data = None if root is None else construct_yaml(root, file)
-    if data is None:
-        return {}, {}
-    if not isinstance(data, dict):
-        raise EulerError("expected a mapping of sections (model, training, data)", file=str(path))
-    return data, _key_lines(root)
-
-
-def _key_lines(root) -> dict[str, int]:
-    """Line of each `section.key` (and section), for error messages."""
-    lines: dict[str, int] = {}
-    if not isinstance(root, yaml.MappingNode):
-        return lines
-    for key_node, value_node in root.value:
-        section = str(key_node.value)
-        lines[section] = key_node.start_mark.line + 1
-        if isinstance(value_node, yaml.MappingNode):
-            for sub_key, _ in value_node.value:
-                lines[f"{section}.{sub_key.value}"] = sub_key.start_mark.line + 1
-    return lines
 
 
 def _apply_override(raw: dict[str, Any], item: str, where: dict[str, tuple[str, int | None]]) -> None:
@@ -333,62 +240,7 @@ def _apply_override(raw: dict[str, Any], item: str, where: dict[str, tuple[str, 
     raw[section][name] = value
 
 
-# -- typing and derived defaults ------------------------------------------------------------
-
-def _typed(cls: type, given: dict[str, Any], section: str, fail) -> dict[str, Any]:
-    """Check each given key exists and has the field's type; returns only the given keys."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, Any] = {}
-    for key, value in given.items():
-        full = f"{section}.{key}"
-        if key not in hints:
-            fail(full, "unknown key" + suggest(str(key), list(hints)))
-        out[key] = _coerce(hints[key], value, full, fail)
-    return out
-
-
-def _coerce(hint: Any, value: Any, key: str, fail) -> Any:
-    args = typing.get_args(hint)
-    if type(None) in args:
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        fail(key, f"expected true or false, got {_show(value)}")
-    if hint is int:
-        number = _number(value)
-        if isinstance(number, int) and abs(number) >= 2**63:   # past float(): no size is
-            fail(key, f"expected an integer, got one of {len(str(number)):,} digits")
-        if number is not None and float(number).is_integer():
-            return int(number)
-        fail(key, f"expected an integer, got {_show(value)}")
-    if hint is float:
-        number = _number(value)
-        if number is not None and math.isfinite(number):
-            return float(number)
-        fail(key, f"expected a number, got {_show(value)}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        fail(key, f"expected a string, got {_show(value)}")
-    raise AssertionError(f"config field {key} has unsupported type {hint}")
-
-
-def _number(value: Any) -> float | int | None:
-    """Numbers, and numeric strings: PyYAML reads `6e-4` as a string (YAML 1.1)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
+# -- derived defaults and validation -------------------------------------------------------
 
 def _resolve_model(given: dict[str, Any], default: dict[str, Any], fail) -> dict[str, Any]:
     base = {**dataclasses.asdict(ModelConfig()), **default}
@@ -503,8 +355,3 @@ def _validate(cfg: RunConfig, fail) -> None:
     if d.tokenizer not in TOKENIZER_KINDS and not d.tokenizer.endswith(".json"):
         fail("data.tokenizer", f"{d.tokenizer!r} is not {', '.join(TOKENIZER_KINDS)} or a path to a "
              "tokenizer .json" + suggest(d.tokenizer, list(TOKENIZER_KINDS)))
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:60] + f"… ({len(text):,} characters)"
