@@ -40,7 +40,8 @@ def run_eulergen(cfg, collective, zero: bool, warmup: int, iters: int) -> float:
     graphs with the NCCL calls inside; collective None: the plain step)."""
     import cupy
 
-    from eulergen.runtime.train.adamw import AdamW
+    from eulergen.runtime.model.optimizer_plan import update_ops
+    from eulergen.runtime.train.optimizer import Optimizer
     from eulergen.runtime.model.arch import arch_of
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.distributed.buckets import plan_buckets
@@ -53,12 +54,13 @@ def run_eulergen(cfg, collective, zero: bool, warmup: int, iters: int) -> float:
     plan = None if collective is None else plan_buckets(
         arch_of(cfg.model, lib), ranks, zero=zero, bucket_mb=t.bucket_mb,
         itemsize=2 if t.dtype == "bf16" else 4)
+    ops = update_ops(lib, t.optimizer)
     model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True, buckets=plan,
-                  dtype="bf16" if t.dtype == "bf16" else "float32")
+                  dtype="bf16" if t.dtype == "bf16" else "float32", optimizer=ops)
     model.init_weights(0)
     model.set_accumulation(1, ranks)
     dp = DataParallel(model, collective, plan) if plan is not None else None
-    optim = AdamW(model, t, dp if zero else None)
+    optim = Optimizer(model, ops, t, dp if zero else None)
     stepper, step = eulergen_stepper(model, optim, t, dp=dp)
     x, y = _tokens(cfg, seed=collective.rank if collective is not None else 0)
     seconds = _median_step(lambda: step(x, y), warmup, iters,

@@ -56,7 +56,8 @@ def config(preset: str, batch: int, seq: int, dtype: str, *overrides: str):
     model = [] if preset == CPU_DEFAULT else [f"model.preset={preset}"]
     device = "numpy" if preset == CPU_DEFAULT else "cuda"
     given = [*model, f"training.batch_size={batch}",
-             f"training.device={device}", "training.weight_decay=0.1", "training.grad_clip=1.0",
+             f"training.device={device}", "training.weight_decay=0.1", "training.beta1=0.9",
+             "training.beta2=0.95", "training.adam_eps=1e-8", "training.grad_clip=1.0",
              "training.spike_factor=0", f"training.dtype={dtype}"]
     if seq > load_config(None, model + list(overrides)).model.max_seq_len:
         given.append(f"model.max_seq_len={seq}")
@@ -193,18 +194,20 @@ def run_eulergen(cfg, warmup: int, steps: int, repeats: int, cuda_graph: bool = 
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.model.gpt import build
-    from eulergen.runtime.train.adamw import AdamW
+    from eulergen.runtime.model.optimizer_plan import update_ops
+    from eulergen.runtime.train.optimizer import Optimizer
 
     t = cfg.training
     backend = get_backend(t.device)
     used = _device_used(backend)
     lib = OpLibrary(backend)
+    ops = update_ops(lib, t.optimizer)
     model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True,
                   dtype="bf16" if t.dtype == "bf16" else "float32", precision=t.precision,
-                  recompute=t.recompute)
+                  recompute=t.recompute, optimizer=ops)
     model.init_weights(0)
     model.set_accumulation(1)
-    optim = AdamW(model, t)
+    optim = Optimizer(model, ops, t)
     _, one_step = eulergen_stepper(model, optim, t, cuda_graph)
     x, y = _tokens(cfg)
     loss = []

@@ -3,14 +3,16 @@
 cache). Each measurement is a fresh process, timed from its launch.
 
     python benchmarks/startup.py                      # warm cache, as a second run finds it
-    python benchmarks/startup.py --edit               # one op's YAML just edited
+    python benchmarks/startup.py --edit               # one op's YAML just edited, then as it is
     python benchmarks/startup.py --cold               # a fresh install: empty $EULERGEN_CACHE
     python benchmarks/startup.py --device numpy --repeat 3
 
 --edit copies ops/gelu.yaml into a folder of its own with one constant changed (a new value
 each time, so it is always stale) and trains with `--ops DIR --set model.activation=<it>`:
 the generator derives it and the runtime compiles its kernels, every other op comes from
-the caches. --cold points EULERGEN_CACHE at a new empty folder (kernels, tokenized data).
+the caches; then the same command again, the op unchanged (its build and kernels cached:
+no sympy, no NVRTC), each line its own time. --cold points EULERGEN_CACHE at a new empty
+folder (kernels, tokenized data).
 """
 from __future__ import annotations
 
@@ -83,7 +85,11 @@ def main() -> None:
             args += ["--ops", str(ops), "--set", "model.activation=gelu_edit"]
         what = ", ".join(w for w, on in (("cold cache", opts.cold), ("edited op", opts.edit)) if on)
         print(f"{opts.device}{', ' + what if what else ', warm cache'}: "
-              f"first step done after {measure(args, env):.2f} s")
+              f"first step done after {measure(args, env):.2f} s", flush=True)
+        if opts.edit:   # the same op again, as a second run finds it
+            args[args.index("--run-dir") + 1] = str(work / f"run{n}-again")
+            print(f"{opts.device}, the same op unchanged: first step done after "
+                  f"{measure(args, env):.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Where one eulergen training step's time goes: every tape node, forward and backward,
-and the loss, grad norm, step control and AdamW (clipping and the bf16 weight copy are
-inside the update kernel), each between two CUDA events.
+and the loss, grad norm, step control and the optimizer's update ops (AdamW; `--set
+training.optimizer=muon`: Muon's phases and Newton-Schulz GEMMs per matrix, its FLOPs
+counted, and AdamW for the rest; clipping and the bf16 weight copy are inside the update
+kernels), each between two CUDA events.
 
     python benchmarks/step_profile.py --preset gpt2,nanoeuler --dtype bf16 --batch 8,16
     python benchmarks/step_profile.py --json profile.json   # the tables as JSON too
     EULERGEN_GEMM=cublas python benchmarks/step_profile.py  # cublasGemmEx, no bias epilogues
 
 The step is the trainer's (benchmarks/measure.py's `eulergen_stepper`: tokens, forward, loss,
-backward, grad norm, step control with clip at 1.0, AdamW), on random tokens; plain steps
+backward, grad norm, step control with clip at 1.0, the update), on random tokens; plain steps
 (replayed as CUDA graphs, as `train` runs them), timed for the wall time, alternate with
 instrumented ones (the same kernels launched eagerly, on a Stepper of their own). The instrumentation lives here: the tape's nodes are
 wrapped in timed stand-ins and a few of the model's and the tape's methods are shadowed
@@ -298,11 +300,12 @@ def instrument(model, spans: Spans):
                                                         nbytes=grads))
     step = model.lib.step
 
-    def timed_step(op, p, g, m, v, copy=None, **kw):
-        # reads p, g, m, v and writes p, m, v (and the bf16 copy of p)
-        spans.timed("adamw", "optimizer", step, op, p, g, m, v,
-                    copy=copy, **kw, nbytes=2 * (p.nbytes + m.nbytes + v.nbytes) + g.nbytes
-                    + (0 if copy is None else copy.nbytes))
+    def timed_step(op, *arrays, copy=None, **kw):
+        # reads every array and writes all but the grads (and the bf16 copy of the weight)
+        moved = sum(a.nbytes * (1 if o.role == "grad" else 2) for o, a in zip(op.inputs, arrays))
+        spans.timed(op.name, "optimizer", step, op, *arrays, copy=copy, **kw,
+                    flops=_newton_schulz_flops(op, arrays[0].shape),
+                    nbytes=moved + (0 if copy is None else copy.nbytes))
     shadow(model.lib, "step", timed_step)
 
     def undo() -> None:
@@ -318,6 +321,15 @@ def instrument(model, spans: Spans):
 _MISSING = object()
 
 
+def _newton_schulz_flops(op, shape) -> float:
+    """A matrix op's GEMM FLOPs on one [rows, cols] parameter: ‖X‖², then per step A = XXᵀ,
+    A·A and B·X (runtime/engine/newton_schulz.py); 0 for a pointwise update."""
+    if op.matrix is None:
+        return 0.0
+    s, n = min(shape), max(shape)
+    return 2.0 * s * n + op.matrix.steps * 2.0 * (2 * s * s * n + s ** 3)
+
+
 # -- one configuration -------------------------------------------------------------------
 
 
@@ -328,15 +340,17 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.model.gpt import build
     from eulergen.runtime.engine.ops import OpLibrary
-    from eulergen.runtime.train.adamw import AdamW
+    from eulergen.runtime.model.optimizer_plan import update_ops
+    from eulergen.runtime.train.optimizer import Optimizer
 
     t = cfg.training
     backend = get_backend(t.device)
     lib = OpLibrary(backend)
     dtype = bf16.plan_dtype(t.dtype, backend)
-    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True, dtype=dtype)
+    ops = update_ops(lib, t.optimizer)
+    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True, dtype=dtype, optimizer=ops)
     model.init_weights(0)
-    optim = AdamW(model, t)
+    optim = Optimizer(model, ops, t)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len)) for _ in "xy")
     _, graphed = eulergen_stepper(model, optim, t, cuda_graph=backend.is_gpu)

@@ -58,14 +58,16 @@ def library(cfg, ops_dirs, names=None):
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.model.arch import ops_used
 
-    names = names or ops_used(cfg.model)
+    names = names or ops_used(cfg.model, cfg.training.optimizer)
     manifests = ensure_built(names, ops_dirs) or []
     lib = OpLibrary(get_backend(cfg.training.device), manifests)
     if lib.backend.is_gpu:
         from eulergen.runtime.engine.compile import prefetch
         from eulergen.runtime.engine.kinds.support import NAMES
         # a name that is no op is left to arch_of, which names the config key at fault
-        prefetch(lib.ops[n] for n in (*names, "embedding", *NAMES) if n in lib.ops)
+        ops = [lib.ops[n] for n in (*names, "embedding", *NAMES) if n in lib.ops]
+        rests = [op.matrix.rest for op in ops if op.matrix is not None]
+        prefetch(ops + [lib.ops[n] for n in rests if n in lib.ops])
     return lib
 
 

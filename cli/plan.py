@@ -14,11 +14,11 @@ from eulergen.cli.common import RANKS, console, default_named, ops_option, preci
 @click.option("--config", "config_path", type=click.Path(path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 @click.option("--inference", is_flag=True,
-              help="Plan the sampler's KV-cache model (no grads, no AdamW; k and v per layer; "
-                   "bf16 with training.dtype=bf16, the default on a bf16 GPU).")
+              help="Plan the sampler's KV-cache model (no grads, no optimizer state; k and v "
+                   "per layer; bf16 with training.dtype=bf16, the default on a bf16 GPU).")
 @click.option("--nproc", type=RANKS, default=1, show_default=True,
               help="Plan one rank of this many data-parallel ranks (with training.zero=1 each "
-                   "holds a share of AdamW's moments).")
+                   "holds a share of the optimizer's state).")
 @ops_option
 def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
     """Print the memory plan of a run: every buffer, its shape, dtype and bytes, and totals."""

@@ -4,7 +4,8 @@ Per op: load and derive the spec, render the CUDA, the numpy module and (where i
 prints C) its C functions, and record them in manifest.json (docs/internals.md,
 "Manifest"), asking the op's kind (generator/kinds/) what its entry holds. An op whose
 build key (spec bytes, the bytes of the templates its kind renders through, which its entry
-lists, the generator's own sources) matches the manifest is not derived again. Files are
+lists, the generator's own sources) matches the manifest is not derived again, nor one
+built before from the same inputs (derived_cache.py: a spec edited back). Files are
 written atomically (temp file + os.replace) and only when their bytes change; the output
 depends on nothing but those inputs.
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.files import write_atomic
-from eulergen.generator import ir, ops_path
+from eulergen.generator import derived_cache, ir, ops_path
 from eulergen.userfiles import read_bytes
 
 FORMAT = 3
@@ -64,14 +65,6 @@ def _template_key(fingerprint: str, *templates: Path) -> str:
     return _key(fingerprint, templates)
 
 
-def _listed_templates(entry: dict) -> list[Path] | None:
-    """The templates a manifest entry says its op renders through (None: it says none)."""
-    listed = entry.get("templates")
-    if not (isinstance(listed, list) and all(isinstance(t, str) for t in listed)):
-        return None
-    return [PACKAGE_DIR / t for t in listed]   # relative to the package, or absolute
-
-
 # ---- what a build produces ------------------------------------------------------------
 
 @dataclass
@@ -83,11 +76,14 @@ class Output:
 
     common_key: str = ""
 
-    def manifest_bytes(self) -> bytes:
+    def manifest_bytes(self, previous: tuple[dict, bytes] = ({}, b"")) -> bytes:
+        """Its text: `previous`'s bytes (the manifest on disk) where that says the same."""
         data = {"format": FORMAT, "generator": __version__, "common": f"cuda/{COMMON}",
                 "common_key": self.common_key,
                 "common_sha256": _sha(self.files[f"cuda/{COMMON}"]),
                 "ops": {name: self.ops[name] for name in sorted(self.ops)}}
+        if data == previous[0]:
+            return previous[1]
         return (json.dumps(data, indent=1) + "\n").encode()
 
 
@@ -178,43 +174,14 @@ def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
     return entry, {entry["cuda"]: cuda, **c}
 
 
-def _previous(root: Path) -> dict:
-    """The manifest `root` holds, or {} (none, unreadable)."""
+def _previous(root: Path) -> tuple[dict, bytes]:
+    """The manifest `root` holds, parsed, and its bytes, or ({}, b"") (none, unreadable)."""
     try:
-        data = json.loads((root / "manifest.json").read_text())
+        raw = (root / "manifest.json").read_bytes()
+        data = json.loads(raw)
     except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None:
-    """The files of an op built before with the same key, if they are intact on disk."""
-    if not prev or prev.get("build_key") != key:
-        return None
-    files = {}
-    for path_key in ("cuda", "numpy", "c"):
-        rel, sha_key = prev.get(path_key), f"{path_key}_sha256"
-        if rel is None:
-            continue
-        try:
-            data = (root / rel).read_bytes()
-        except OSError:
-            return None
-        if _sha(data) != prev.get(sha_key):
-            return None
-        files[rel] = data
-    return files
-
-
-def _reused(prev: dict, key_of, root: Path) -> dict[str, bytes] | None:
-    """The files of an earlier entry whose key, as its listed templates give it
-    (`key_of(templates)`), is still its build key."""
-    if not isinstance(prev, dict) or (templates := _listed_templates(prev)) is None:
-        return None
-    try:
-        return _reusable(prev, key_of(templates), root)
-    except OSError:   # a listed template is gone
-        return None
+        return {}, b""
+    return (data, raw) if isinstance(data, dict) else ({}, b"")
 
 
 def _add_template_ops(out: Output, prev: dict, fingerprint: str, unchanged: bool) -> None:
@@ -224,8 +191,10 @@ def _add_template_ops(out: Output, prev: dict, fingerprint: str, unchanged: bool
     still match, and no kind is imported; otherwise the registry says which there are."""
     earlier = {n: e for n, e in prev.items()
                if isinstance(e, dict) and e.get("spec") == e.get("template")}
-    reused = {n: _reused(e, lambda t: _template_key(fingerprint, COMMON_TEMPLATE, *t), out.root)
-              for n, e in earlier.items()}
+
+    def key_of(templates):
+        return _template_key(fingerprint, COMMON_TEMPLATE, *templates)
+    reused = {n: derived_cache.reused(e, key_of, out.root) for n, e in earlier.items()}
     if unchanged and earlier and None not in reused.values():
         for name, files in reused.items():
             out.ops[name] = prev[name]
@@ -245,20 +214,28 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
                log=None) -> Output:
     """Everything `root` should hold for these specs (name -> spec path) and, where
     `template_ops`, the ops of the kinds without a spec."""
-    prev_manifest = {} if force else _previous(root)
+    previous = ({}, b"") if force else _previous(root)
+    prev_manifest = previous[0]
     prev = prev_manifest.get("ops")
     prev = prev if isinstance(prev, dict) else {}   # a damaged manifest: build it all again
     fingerprint = generator_fingerprint()
     out = Output(root, common_key=_template_key(fingerprint, COMMON_TEMPLATE))
-    common = _reusable({"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
-                        "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
+    common = derived_cache.reusable(
+        {"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
+         "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
     out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
         data = read_bytes(specs[name], "spec file")   # a regular file, bounded: the user's
-        files = _reused(prev.get(name),
-                        lambda t: _key(fingerprint, [COMMON_TEMPLATE, *t], data), root)
+
+        def key_of(templates):
+            return _key(fingerprint, [COMMON_TEMPLATE, *templates], data)
+        entry, files = prev.get(name), derived_cache.reused(prev.get(name), key_of, root)
+        held = derived_cache.folder(fingerprint, specs[name], data)
+        if files is None and not force:   # a version built before, kept by its content
+            entry = derived_cache.entry(held)
+            files = derived_cache.reused(entry, key_of, held)
         if files is not None:
-            out.ops[name] = prev[name]
+            out.ops[name] = entry
             out.files.update(files)
             continue
         if log:
@@ -266,11 +243,12 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
         from eulergen.generator import derive, spec as spec_mod   # sympy: only for a stale op
         derived = derive.derive(spec_mod.load_spec(specs[name], data))
         entry, files = _render_op(derived, data, fingerprint)
+        derived_cache.store(held, entry, files)
         out.ops[name] = entry
         out.files.update(files)
     if template_ops:
         _add_template_ops(out, prev, fingerprint, common is not None)
-    out.files["manifest.json"] = out.manifest_bytes()
+    out.files["manifest.json"] = out.manifest_bytes(previous)
     return out
 
 

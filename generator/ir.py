@@ -86,7 +86,8 @@ class Operand:
                  'index' (one integer per row, e.g. a target id), outputs 'row' or 'scalar'
                  (one value per row)
       pair:      'pair' (element k pairs with k + D/2 along the last axis)
-      update:    'state' (read and written in place), 'grad' (read only)
+      update:    'state' (read and written in place), 'grad' (read only), 'work' (a
+                 matrix step's operand: written, then read, never kept)
       attention: 'q', 'k', 'v', outputs 'o'
     """
     name: str
@@ -169,9 +170,29 @@ class PairDerived:
 
 
 @dataclass(frozen=True)
+class MatrixStep:
+    """An update op's step between its two pointwise phases (`matrix:` in its spec): the
+    work input `orthogonalize` of each 2-D parameter, scaled to a Frobenius norm of about 1
+    (x / (‖x‖ + eps)), then `steps` Newton-Schulz iterations X ← aX + (bA + cA²)X, A = XXᵀ
+    (XᵀX and X(bA + cA²) where the matrix has more rows than columns), as GEMMs on the
+    runtime's side. `rest` names the update op of the parameters it does not take (the
+    embeddings, the head, the 1-D ones)."""
+    orthogonalize: str
+    steps: int
+    coefficients: tuple[float, float, float]
+    eps: float
+    rest: str
+
+
+@dataclass(frozen=True)
 class UpdateDerived:
-    """In-place update (optimizer step), no backward. `step.results` are sequential."""
+    """In-place update (optimizer step), no backward. `step.results` are sequential. With a
+    matrix step: `normalize` (the work input over its norm), then the runtime's GEMMs,
+    then `apply` (sequential too)."""
     step: Code
+    matrix: MatrixStep | None = None
+    normalize: Code | None = None
+    apply: Code | None = None
 
 
 @dataclass(frozen=True)

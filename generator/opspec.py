@@ -15,7 +15,7 @@ import sympy as sp
 
 from eulergen.errors import Where, suggest
 from eulergen.generator import formula
-from eulergen.generator.ir import Location, Param
+from eulergen.generator.ir import Location, MatrixStep, Param
 from eulergen.generator.yaml_doc import YamlDoc
 
 DEFAULT_DOMAIN = (-3.0, 3.0)
@@ -71,6 +71,8 @@ class OpSpec:
     stabilizers: tuple[str, ...] = ()        # row ops
     index: tuple[tuple[str, str], ...] = ()  # pair ops: (symbol, role)
     update: tuple[Formula, ...] = ()         # update ops, sequential
+    matrix: MatrixStep | None = None         # update ops: the step between update and apply
+    apply: tuple[Formula, ...] = ()          # update ops with a matrix step, sequential
     score: Formula | None = None             # attention
     mask: Formula | None = None              # attention; None: no mask
 

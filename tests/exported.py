@@ -27,7 +27,7 @@ class Trained:
     def __init__(self, root, shard, sets, ops_dirs=()):
         cfg = load_config(None, [f"run_dir={root / 'run'}", f"data.dataset={shard}",
                                  f"data.val_dataset={shard}", *SHORT, *sets])
-        self.manifests = ensure_built(ops_used(cfg.model), ops_dirs)
+        self.manifests = ensure_built(ops_used(cfg.model, cfg.training.optimizer), ops_dirs)
         self.lib = OpLibrary(NUMPY, self.manifests)
         Trainer(cfg, self.lib, progress=False, tensorboard=False).run()
         self.run, self.out = root / "run", root / "c"

@@ -16,8 +16,9 @@ from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.model.tape import Embedding, Linear, Norm
-from eulergen.runtime.train.adamw import AdamW
+from eulergen.runtime.model.optimizer_plan import plan_optimizer, update_ops
 from eulergen.runtime.train.config import load_config
+from eulergen.runtime.train.optimizer import Optimizer
 from test_bf16_model import (COMMON, GRAD_TOLERANCE, LOSS_TOLERANCE, STRUCTURES, _batch,
                              _bf16_model, _cfg, _weights, fp32_reference,
                              lib)  # noqa: F401 (the fixture)
@@ -35,8 +36,9 @@ def _wide(a) -> np.ndarray:
 
 def test_the_autocast_plan_keeps_the_stream_and_the_gradients_in_float32(lib):
     arch = arch_of(_cfg("gpt2").model, lib)
-    plan = plan_model(arch, 2, 32, dtype="bf16", precision="autocast")
-    bf16 = plan_model(arch, 2, 32, dtype="bf16")
+    adamw = plan_optimizer(arch, update_ops(lib, "adamw"))
+    plan = plan_model(arch, 2, 32, dtype="bf16", precision="autocast", optimizer=adamw)
+    bf16 = plan_model(arch, 2, 32, dtype="bf16", optimizer=adamw)
     dtypes = {a.name: a.dtype for a in plan.arenas}
     assert dtypes["stream"] == dtypes["grads"] == "float32" and dtypes["workspace"] == "bf16"
     assert [b.name for b in plan.buffers if b.arena == "stream"] == list(STREAM)
@@ -47,7 +49,7 @@ def test_the_autocast_plan_keeps_the_stream_and_the_gradients_in_float32(lib):
     assert plan.buffer("d.x_bf16").shape == plan.buffer("d.x").shape
     assert plan.arena("grads").nbytes == 2 * bf16.arena("grads").nbytes
     assert "grad_rows" not in plan.index and "grad_rows" in bf16.index
-    for same in ("params", "params_bf16", "adam_m", "adam_v"):   # what a checkpoint holds
+    for same in ("params", "params_bf16", "optimizer"):   # what a checkpoint holds
         assert plan.arena(same) == bf16.arena(same)
     assert plan_model(arch, 2, 32, precision="autocast") == plan_model(arch, 2, 32)  # fp32
 
@@ -139,15 +141,15 @@ def test_an_autocast_step_from_a_checkpoint_is_the_step_without_one(lib):
 
     running = _autocast_model(lib, cfg)
     running.load_state_dict(_weights(lib, cfg))
-    optim = AdamW(running, cfg.training)
+    optim = Optimizer(running, update_ops(lib, "adamw"), cfg.training)
     step(running, optim)
     resumed = _autocast_model(lib, cfg)
     resumed.load_state_dict(running.state_dict())
-    again = AdamW(resumed, cfg.training)
+    again = Optimizer(resumed, update_ops(lib, "adamw"), cfg.training)
     again.load_state_dict(optim.state_dict())
     for model, o in ((running, optim), (resumed, again)):
         step(model, o)
-    for arena in ("params", "params_bf16", "adam_m", "adam_v"):
+    for arena in ("params", "params_bf16", "optimizer"):
         np.testing.assert_array_equal(resumed.mem.arenas[arena], running.mem.arenas[arena],
                                       err_msg=arena)
     np.testing.assert_array_equal(running.mem.arenas["params_bf16"],

@@ -25,12 +25,13 @@ import pytest
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
-from eulergen.runtime.train.adamw import AdamW
+from eulergen.runtime.train.optimizer import Optimizer
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY, Backend
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.model.memory import Memory, storage
 from eulergen.runtime.model.gpt import GPT, build
+from eulergen.runtime.model.optimizer_plan import plan_optimizer, update_ops
 from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16
 from eulergen.runtime.engine.ops import OpLibrary
@@ -115,7 +116,8 @@ def _bf16_model(lib, cfg, precision: str = "bf16"):
     training.precision `precision`."""
     t = cfg.training
     arch = arch_of(cfg.model, lib)
-    plan = plan_model(arch, t.batch_size, t.seq_len, dtype="bf16", precision=precision)
+    plan = plan_model(arch, t.batch_size, t.seq_len, dtype="bf16", precision=precision,
+                      optimizer=plan_optimizer(arch, update_ops(lib, "adamw")))
     model = GPT(arch, RoundingLibrary(lib), Memory(plan, np), t.batch_size, t.seq_len)
     model.tape.gemm = rounding_gemm
     return model
@@ -140,14 +142,16 @@ def _batch(cfg, seed=0):
 
 def test_the_bf16_plan_keeps_master_weights_and_moments_in_float32(lib):
     arch = arch_of(_cfg("gpt2").model, lib)
-    plan = plan_model(arch, 2, 32, dtype="bf16")
-    fp32 = plan_model(arch, 2, 32)
+    adamw = plan_optimizer(arch, update_ops(lib, "adamw"))
+    plan = plan_model(arch, 2, 32, dtype="bf16", optimizer=adamw)
+    fp32 = plan_model(arch, 2, 32, optimizer=adamw)
     dtypes = {a.name: a.dtype for a in plan.arenas}
     assert dtypes == {"params": "float32", "params_bf16": "bf16", "grads": "bf16",
-                      "adam_m": "float32", "adam_v": "float32", "activations": "bf16",
+                      "optimizer": "float32", "activations": "bf16",
                       "stats": "float32", "workspace": "bf16", "tokens": "int32"}
     size = {a.name: a.size for a in plan.arenas}
-    assert size["params"] == size["params_bf16"] == size["grads"] == size["adam_m"]
+    assert size["params"] == size["params_bf16"] == size["grads"] == \
+        plan.buffer("adamw.m").size == plan.buffer("adamw.v").size
     assert plan.arena("params") == fp32.arena("params")      # the same master layout
     assert [b.name for b in plan.buffers if b.arena == "stats"] == \
         ["h.0.lse", "h.1.lse", "losses", "loss", "dloss", "grad_rows", "grad_norm"]
@@ -156,13 +160,14 @@ def test_the_bf16_plan_keeps_master_weights_and_moments_in_float32(lib):
     for name in ("grads", "activations", "workspace"):
         assert plan.arena(name).nbytes < 0.55 * fp32.arena(name).nbytes, name
     inference = plan_model(arch, 2, 32, training=False, dtype="bf16")
-    assert {"grads", "adam_m", "adam_v"}.isdisjoint(a.name for a in inference.arenas)
+    assert {"grads", "optimizer"}.isdisjoint(a.name for a in inference.arenas)
     assert "params_bf16" in {a.name for a in inference.arenas}
 
 
 def test_an_fp32_plan_has_no_bf16_arenas(lib):
-    plan = plan_model(arch_of(_cfg("gpt2").model, lib), 2, 32)
-    assert {a.name for a in plan.arenas} == {"params", "grads", "adam_m", "adam_v",
+    arch = arch_of(_cfg("gpt2").model, lib)
+    plan = plan_model(arch, 2, 32, optimizer=plan_optimizer(arch, update_ops(lib, "adamw")))
+    assert {a.name for a in plan.arenas} == {"params", "grads", "optimizer",
                                                "activations", "workspace", "tokens"}
     assert {a.dtype for a in plan.arenas} == {"float32", "int32"}
 
@@ -198,8 +203,10 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     result = CliRunner().invoke(main, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert result.exit_code == 0, result.output
     cfg = load_config(None, overrides)
-    plan = plan_model(arch_of(cfg.model, lib), 2, 32, dtype="bf16", workspace=workspace_elements,
-                      gemm_workspace=WORKSPACE_BYTES)
+    arch = arch_of(cfg.model, lib)
+    plan = plan_model(arch, 2, 32, dtype="bf16", workspace=workspace_elements,
+                      gemm_workspace=WORKSPACE_BYTES,
+                      optimizer=plan_optimizer(arch, update_ops(lib, "adamw")))
     assert {"params_bf16", "stats", "kernels", "gemm"} <= {a.name for a in plan.arenas}
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in result.output.splitlines()
             if line.startswith("│")]
@@ -211,7 +218,7 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     assert shown["total"][3].startswith(f"{plan.total_bytes:,} ")
     for name in ("h.1.lse", "grad_rows", "losses"):
         assert shown[name][2] == "float32"
-    assert shown["params_bf16"][2] == "bf16" and shown["adam_v"][2] == "float32"
+    assert shown["params_bf16"][2] == "bf16" and shown["adamw.v"][2] == "float32"
     assert shown["gemm_ws"][3].startswith(f"{WORKSPACE_BYTES:,}")
     assert "training, bf16" in result.output
 
@@ -340,15 +347,16 @@ def test_clipping_accumulation_and_adamw_in_bf16(lib):
     wide = from_bf16(model.mem.arenas["grads"]).astype(np.float64)
     assert norm == pytest.approx(np.sqrt((wide ** 2).sum()), rel=1e-5)
     before = model.mem.arenas["params"].copy()
-    optim = AdamW(model, cfg.training)
+    optim = Optimizer(model, update_ops(lib, "adamw"), cfg.training)
     scale = 0.5 / norm   # clipping to 0.5
     optim.step(np.array([{"skip": 0.0, "grad_scale": scale, "lr": 1e-3, "step": 1.0}[s]
                          for s in optim.slots]))
     # the first moment is (1 - beta1) of the gradient as the update read it: clipped
-    m = model.mem.arenas["adam_m"]
+    m = model.mem["adamw.m"]
+    beta1 = lib.op("adamw").params["beta1"]   # the config leaves it to the op
     assert m.dtype == np.float32
-    np.testing.assert_allclose(m, (1 - cfg.training.beta1) * wide * scale, rtol=1e-5, atol=1e-12)
-    assert np.linalg.norm(m.astype(np.float64)) / (1 - cfg.training.beta1) == \
+    np.testing.assert_allclose(m, (1 - beta1) * wide * scale, rtol=1e-5, atol=1e-12)
+    assert np.linalg.norm(m.astype(np.float64)) / (1 - beta1) == \
         pytest.approx(0.5, rel=1e-5)
     master = model.mem.arenas["params"]
     assert master.dtype == np.float32 and not np.array_equal(master, before)

@@ -121,7 +121,8 @@ def test_a_damaged_manifest_is_built_again_not_a_traceback(generated, few_ops):
     said = []
     assert build.run_build(echo=said.append) == 0
     assert (generated / "manifest.json").read_bytes() == good
-    assert any(s.startswith("deriving") for s in said)
+    # its ops built again from the builds of the same specs kept in the derived cache
+    assert not any(s.startswith("deriving") for s in said), said
 
 
 def test_check_fails_on_a_hand_edit_and_writes_nothing(generated, few_ops):
@@ -172,6 +173,35 @@ def test_user_ops_build_outside_the_package_and_only_the_edited_op_is_rederived(
     (folder / "mish.yaml").write_text(MISH.replace("x*tanh(softplus(x))", "x*tanh(softplus(x))*1"))
     build.ensure_built(["mish", "gelu"], [folder], echo=said.append)
     assert said == ["deriving mish"]
+
+
+def test_a_spec_edited_back_comes_from_the_derived_cache_without_sympy(generated, few_ops,
+                                                                        tmp_path):
+    """mish, then an edit of it, then the first text again: the third build derives nothing
+    and, in a fresh process, imports no sympy (generator/derived_cache.py), and writes the
+    first build's files."""
+    folder = _user_ops(tmp_path)
+    (manifest,) = build.ensure_built(["mish"], [folder])
+    first = (manifest.parent / "cuda" / "mish.cu").read_bytes()
+    (folder / "mish.yaml").write_text(MISH.replace("x*tanh(softplus(x))", "x*tanh(softplus(x))*1"))
+    build.ensure_built(["mish"], [folder])
+    assert (manifest.parent / "cuda" / "mish.cu").read_bytes() != first
+    (folder / "mish.yaml").write_text(MISH)
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from eulergen.generator import build\n"
+            "build.GENERATED_DIR = Path(sys.argv[1])\n"
+            "from eulergen.generator import ops_path\n"
+            "real = ops_path.find_ops\n"
+            "ops_path.find_ops = lambda d=(): {n: p for n, p in real(d).items()\n"
+            f"                                  if n in {FEW!r} or n == 'mish'}}\n"
+            "said = []\n"
+            "build.ensure_built(['mish'], [sys.argv[2]], echo=said.append)\n"
+            "print(said, 'sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(generated), str(folder)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[] False", out.stderr
+    assert (manifest.parent / "cuda" / "mish.cu").read_bytes() == first
 
 
 def test_an_override_builds_into_the_user_set_and_the_builtin_set_keeps_its_op(

@@ -516,59 +516,67 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
                               equal_nan=True), f"{k} {case}: wrote outside the view"
 
 
-def _update_case(name: str, dtype: str, control: dict, precision: str = ""):
-    """A step of `name` over 2051 elements (two blocks: every grid-stride loop and the scalar
-    tail run) with the control slots `control` (the rest: not skipped, grads unscaled), by
-    its kernel of grads in `dtype` (and `precision`: autocast's, of float32 grads and a bf16
-    copy): (the kernel's written buffers, the float64 reference state after the numpy step,
-    the buffers as they went in)."""
-    op = OPS[name]
+def _update_case(name: str, kernel: str, control: dict):
+    """A launch of update kernel `kernel` (a phase of the step: its part, '' the step; a
+    matrix op's normalize or apply) over 2051 elements (two blocks: every grid-stride loop
+    and the scalar tail run; a matrix op's 7 x 293) with the control slots `control` (the
+    rest: not skipped, grads unscaled), grads in the kernel's dtype (the autocast kernel's
+    float32): (the kernel's written buffers, the float64 reference arrays after the numpy
+    module's phase, the buffers as they went in)."""
+    op, k = OPS[name], OPS[name]["kernels"][kernel]
     mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
-    n = 2051
+    n, dtype, part = 2051, k["dtype"], k.get("part", "")
+    shape = {"rows": 7.0, "cols": 293.0} if "matrix" in op else {}
     rng = np.random.default_rng(3)
     arrays = {}
     for o in op["inputs"]:
         a = rng.uniform(0, 1, n) if o["name"] == "v" else rng.uniform(-1, 1, n)
         arrays[o["name"]] = (inputs_as_stored([a], dtype)[0] if o["role"] == "grad"
                              else a.astype(np.float32).astype(np.float64))
-    k = f"{name}_step_{precision + '_' if precision else ''}{dtype}"
     slots = {"skip": 0.0, "grad_scale": 1.0, "lr": 1e-2, "step": 3.0, **control}
     ctl = np.array([slots[c] for c in mod.CONTROL], np.float32)   # as the device holds it
-    assert tuple(op["kernels"][k]["control"]) == mod.CONTROL
+    assert tuple(k["control"]) == mod.CONTROL
     bufs = {o["name"]: stored(arrays[o["name"]], dtype) if o["role"] == "grad"
             else arrays[o["name"]].astype(np.float32) for o in op["inputs"]}
-    copy = {f"{a}": np.full(n, 0x7FC0, np.uint16) for a, t in op["kernels"][k]["args"]
-            if t == "__nv_bfloat16*"}
-    got = launch(name, k, 2, geometry(name, k).threads, **bufs, **copy, control=ctl,
-                 **_params(name), n=n)
+    extra = {a: np.full(n, 0x7FC0, np.uint16) for a, t in k["args"] if t == "__nv_bfloat16*"}
     ref = {n_: a.copy() for n_, a in arrays.items()}
-    mod.step(*(ref[o["name"]] for o in op["inputs"]), ctl, **_params(name))
-    return got, ref, {**bufs, **copy}
+    if part == "normalize":   # the norm the runtime's GEMM writes, as the device holds it
+        x = op["matrix"]["orthogonalize"]
+        extra["_sumsq"] = np.array([np.sum(arrays[x] ** 2)], np.float32)
+        mod.normalize(ref[x], extra["_sumsq"].astype(np.float64), ctl)
+    else:
+        getattr(mod, part or "step")(*(ref[o["name"]] for o in op["inputs"]), ctl,
+                                     **_params(name), **shape)
+    got = launch(name, kernel, 2, geometry(name, kernel).threads, **bufs, **extra, control=ctl,
+                 **_params(name), **shape, n=n)
+    return got, ref, {**bufs, **extra}
 
 
-UPDATE_KERNELS = [("f32", ""), ("bf16", ""), ("f32", "autocast")]   # (grads, precision)
+UPDATE_KERNELS = [(n, k) for n in _ops("update") for k in OPS[n]["kernels"]]
 
 
-@pytest.mark.parametrize("dtype,precision", UPDATE_KERNELS)
-@pytest.mark.parametrize("name", _ops("update"))
-def test_update_step_matches_numpy_with_scaled_grads_and_writes_the_bf16_copy(name, dtype,
-                                                                              precision):
-    got, ref, _ = _update_case(name, dtype, {"grad_scale": 0.37}, precision)
-    state = [o["name"] for o in OPS[name]["inputs"] if o["role"] == "state"]
-    for s in state:
-        close(got[s].astype(np.float64), ref[s], TOL["f32"], f"{name} {dtype} {s}")
-    copies = [a for a in got if a not in state]
-    assert copies == ([f"{state[0]}_bf16"] if dtype == "bf16" or precision else [])
-    for c in copies:   # the updated weight as written, rounded once
-        np.testing.assert_array_equal(got[c], to_bf16(got[state[0]]))
+@pytest.mark.parametrize("name,kernel", UPDATE_KERNELS, ids=[k for _, k in UPDATE_KERNELS])
+def test_update_kernels_match_numpy_with_scaled_grads_and_write_the_bf16_copy(name, kernel):
+    """Each kernel of each phase; the bf16 and autocast kernels of the phase that writes
+    the weight also write its copy: the updated weight as written, rounded once."""
+    got, ref, _ = _update_case(name, kernel, {"grad_scale": 0.37})
+    k = OPS[name]["kernels"][kernel]
+    weight = next(o["name"] for o in OPS[name]["inputs"] if o["role"] == "state")
+    copies = [a for a, t in k["args"] if t == "__nv_bfloat16*"]
+    for s in (a for a in got if a not in copies):
+        close(got[s].astype(np.float64), ref[s], TOL["f32"], f"{kernel} {s}")
+    writes = weight in got
+    assert copies == ([f"{weight}_bf16"] if writes and (k["dtype"] == "bf16" or
+                                                       k.get("precision")) else [])
+    for c in copies:
+        np.testing.assert_array_equal(got[c], to_bf16(got[weight]))
 
 
-@pytest.mark.parametrize("dtype,precision", UPDATE_KERNELS)
-@pytest.mark.parametrize("name", _ops("update"))
-def test_a_skipped_update_step_writes_nothing(name, dtype, precision):
-    got, ref, before = _update_case(name, dtype, {"skip": 1.0}, precision)
+@pytest.mark.parametrize("name,kernel", UPDATE_KERNELS, ids=[k for _, k in UPDATE_KERNELS])
+def test_a_skipped_update_kernel_writes_nothing(name, kernel):
+    got, ref, before = _update_case(name, kernel, {"skip": 1.0})
     for n, a in got.items():
-        np.testing.assert_array_equal(a, before[n], err_msg=f"{name} {dtype}: wrote {n}")
+        np.testing.assert_array_equal(a, before[n], err_msg=f"{kernel}: wrote {n}")
         if n in ref:
             np.testing.assert_array_equal(ref[n], before[n].astype(np.float64))
 

@@ -1,10 +1,10 @@
-"""`eulergen export-c` on the CPU: the CPU default model and a model of a user's own ops (an
-activation and a norm from YAML, RoPE, grouped-query attention, a soft-capped score), each
-trained a few steps on numpy, exported, built with `make cpu` and run. Greedy tokens and a
-seeded sample equal `eulergen sample`'s on numpy for 200 tokens, through the cache's crops;
-the program refuses bad weights and a long prompt in one line; export-c refuses what it
-cannot write, before writing anything. `make cuda` (slow: nvcc compiles the ops' kernels)
-where nvcc is on PATH."""
+"""`eulergen export-c` on the CPU: the CPU default model (trained by Muon) and a model of a
+user's own ops (an activation and a norm from YAML, RoPE, grouped-query attention, a
+soft-capped score), each trained a few steps on numpy, exported, built with `make cpu` and
+run. Greedy tokens and a seeded sample equal `eulergen sample`'s on numpy for 200 tokens,
+through the cache's crops; the program refuses bad weights and a long prompt in one line;
+export-c refuses what it cannot write, before writing anything. `make cuda` (slow: nvcc
+compiles the ops' kernels) where nvcc is on PATH."""
 from __future__ import annotations
 
 import json
@@ -69,8 +69,11 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default(tmp_path_factory, shard, cache) -> Trained:
-    """The CPU default model, trained 4 steps, exported through the command."""
-    m = Trained(tmp_path_factory.mktemp("default"), shard, ["training.total_steps=4"])
+    """The CPU default model, trained 4 steps by Muon (its optimizer state, Muon's and its
+    rest op AdamW's, is not exported), exported through the command."""
+    m = Trained(tmp_path_factory.mktemp("default"), shard,
+                ["training.total_steps=4", "training.optimizer=muon"])
+    assert m.weights.cfg.training.optimizer == "muon"
     result = _export(m.run, m.out)
     assert result.exit_code == 0, result.output
     make(m.out, "cpu")

@@ -16,6 +16,7 @@ from eulergen.runtime.train import budget
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.train.config import load_config
+from eulergen.runtime.model.optimizer_plan import plan_optimizer, update_ops
 from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.userfiles import YAML_MAX_DEPTH, load_json, load_yaml
@@ -175,9 +176,11 @@ def test_a_model_larger_than_the_machine_names_the_key_and_both_sizes(monkeypatc
     cfg = load_config(None, ["model.hidden_dim=1048576", "model.num_heads=16384",
                              "model.num_kv_heads=16384"])
     started = time.perf_counter()
-    text = error(lambda: budget.check_fits(cfg, arch_of(cfg.model, lib), NUMPY,
-                                           lambda a: plan_model(a, 8, 64), what="training",
-                                           batch=("training.batch_size", 8, 8)))
+    adamw = update_ops(lib, "adamw")
+    text = error(lambda: budget.check_fits(
+        cfg, arch_of(cfg.model, lib), NUMPY,
+        lambda a: plan_model(a, 8, 64, optimizer=plan_optimizer(a, adamw)), what="training",
+        batch=("training.batch_size", 8, 8)))
     assert time.perf_counter() - started < 1.0
     assert text == ("model.hidden_dim: the training plan needs 576.13 TiB; this machine has "
                     "16.00 GiB of memory free (see `eulergen plan`)")

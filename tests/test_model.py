@@ -14,6 +14,7 @@ from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.engine.gemm import numpy_gemm
 from eulergen.runtime.model.gpt import build
+from eulergen.runtime.model.optimizer_plan import plan_optimizer, update_ops
 from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.model.params import param_count, parameters
@@ -143,9 +144,11 @@ def test_decayed_matrices_come_first_and_contiguous(lib):
 
 def test_plan_holds_params_grads_and_both_adam_moments(lib):
     arch = arch_of(load_config(None, []).model, lib)
-    plan = plan_model(arch, 4, 32)
+    plan = plan_model(arch, 4, 32, optimizer=plan_optimizer(arch, update_ops(lib, "adamw")))
     sizes = {a.name: a.size for a in plan.arenas}
-    assert sizes["params"] == sizes["grads"] == sizes["adam_m"] == sizes["adam_v"]
+    assert sizes["params"] == sizes["grads"] == plan.buffer("adamw.m").size == \
+        plan.buffer("adamw.v").size
+    assert sizes["optimizer"] == 2 * sizes["params"]
     inference = plan_model(arch, 4, 32, training=False)
     assert {a.name for a in inference.arenas} == {"params", "activations", "workspace", "tokens"}
     assert inference.total_bytes < plan.total_bytes

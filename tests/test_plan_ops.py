@@ -80,6 +80,27 @@ def test_an_update_step_reads_its_runtime_params_from_a_control_array_and_bf16_w
     assert MANIFEST.ops["adamw"].kernel("step", "f32").name == f32.name   # '' before autocast
 
 
+@pytest.mark.parametrize("name", sorted(n for n, o in MANIFEST.ops.items() if o.kind == "update"))
+def test_the_phase_of_each_update_op_that_writes_the_weight_has_an_autocast_kernel(name):
+    """training.precision autocast steps with any update op: the phase that updates the
+    weight (the step; a matrix op's apply) has a kernel of float32 grads that writes the
+    weight's bf16 copy, which the runtime picks for float32 grads with a copy; a phase that
+    never writes it (muon's step and normalize) runs its f32 kernel there and has none."""
+    op = derive(load_spec(find_ops()[name]))
+    weight = next(o.name for o in op.inputs if o.role == "state")
+    grads = {o.name for o in op.inputs if o.role == "grad"}
+    for st in _plan(name).stages:
+        autocast = [sig for sig in st.sigs if sig.precision == "autocast"]
+        if weight not in st.stores:
+            assert autocast == [], st.name
+            continue
+        (sig,) = autocast
+        args = dict(sig.args)
+        assert sig.dtype == "f32" and args[f"{weight}_bf16"] == "__nv_bfloat16*"
+        assert all(args[g] == "const float*" for g in grads & set(args))
+        assert MANIFEST.ops[name].kernel("step", "f32", part=sig.part, precision="autocast") == sig
+
+
 def test_the_embedding_plan_has_its_forward_and_every_backward_part_in_every_dtype():
     plan = embedding.plan_embedding()
     assert {(k.stage, k.part, k.dtype) for k in plan.sigs} == {

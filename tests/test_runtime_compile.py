@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from eulergen import GENERATED_DIR
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.runtime.engine import compile as cc
@@ -213,11 +214,28 @@ def test_prefetch_compiles_each_missing_file_once_and_compile_file_waits_for_it(
     assert cc.compile_file(path).from_cache == "disk"
 
 
+def test_prefetch_queues_a_users_op_before_larger_built_in_ones(fake_compiler, tmp_path):
+    """One compile at a time: the user's op (the one just edited) is compiled first, then
+    the built-in ones, largest first."""
+    small, large, largest = (tmp_path / f"{n}.cu" for n in ("small", "large", "largest"))
+    for path, pad in ((small, 0), (large, 100), (largest, 200)):
+        path.write_text(KERNEL.replace("twice", path.stem) + "//" * pad + "\n")
+    (tmp_path / cc.COMMON_HEADER).write_text(HEADER)
+    builtin = GENERATED_DIR / "manifest.json"
+    ops = [_Op(large, manifest=builtin), _Op(small, manifest=tmp_path / "manifest.json"),
+           _Op(largest, manifest=builtin)]
+    assert cc.prefetch(ops, arch="90", workers=1) == 3
+    for op in ops:
+        cc.compile_file(op.cuda)
+    assert [name for name, _, _ in fake_compiler] == ["small.cu", "largest.cu", "large.cu"]
+
+
 class _Op:
     """The fields of a manifest OpEntry that compiling reads."""
 
-    def __init__(self, cuda, fast_math=False):
+    def __init__(self, cuda, fast_math=False, manifest=GENERATED_DIR / "manifest.json"):
         self.cuda, self.fast_math, self.template = cuda, fast_math, ""
+        self.manifest = manifest
 
 
 def _ctypes_nvrtc(lib):

@@ -387,4 +387,4 @@ def test_plan_inference_shows_the_kv_cache():
     result = CliRunner().invoke(main, ["plan", "--inference", "--set", "model.num_layers=2"])
     assert result.exit_code == 0, result.output
     assert "h.1.v_cache" in result.stdout and "kv_cache total" in result.stdout
-    assert "adam_m" not in result.stdout
+    assert "adamw.m" not in result.stdout

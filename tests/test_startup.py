@@ -1,6 +1,7 @@
 """The path from `eulergen train` to its first step holds nothing slow that the run does not
 need: no torch, transformers or matplotlib imported by then (tensorboardX would import
-torch: runtime/train/metrics.py keeps it out), and TensorBoard events are written all the same."""
+torch: runtime/train/metrics.py keeps it out), no sympy where every op is built (only a
+spec that changed is derived), and TensorBoard events are written all the same."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import os
 import subprocess
 import sys
 
-HEAVY = ("torch", "transformers", "matplotlib", "datasets", "pyarrow", "tiktoken")
+HEAVY = ("torch", "transformers", "matplotlib", "datasets", "pyarrow", "tiktoken", "sympy")
 CHILD = """
 import json, sys
 from eulergen.runtime.train import trainer as train

@@ -12,7 +12,8 @@ from eulergen import PACKAGE_DIR
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.model.gpt import build
 from eulergen.runtime.engine.ops import OpLibrary
-from eulergen.runtime.train.adamw import AdamW
+from eulergen.runtime.model.optimizer_plan import update_ops
+from eulergen.runtime.train.optimizer import Optimizer
 
 
 def _step_profile():
@@ -41,9 +42,11 @@ def _cfg(preset: str):
 
 def _model(lib, cfg):
     """A model and its one-step call (the trainer's Stepper, uncaptured: numpy)."""
-    model = build(cfg.model, lib, B, T, dtype="float32")
+    ops = update_ops(lib, cfg.training.optimizer)
+    model = build(cfg.model, lib, B, T, dtype="float32", optimizer=ops)
     model.init_weights(0)
-    return model, sp.eulergen_stepper(model, AdamW(model, cfg.training), cfg.training)[1]
+    return model, sp.eulergen_stepper(model, Optimizer(model, ops, cfg.training),
+                                      cfg.training)[1]
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "nanoeuler"])
@@ -60,7 +63,7 @@ def test_a_timed_step_computes_what_the_plain_step_does_and_times_every_node(lib
         losses = [step(x, y) for _, step in (plain, timed)]
         assert losses[0] == losses[1]
         lines = spans.collect()
-    for arena in ("params", "grads", "adam_m", "adam_v"):
+    for arena in ("params", "grads", "optimizer"):
         np.testing.assert_array_equal(plain[0].mem.arenas[arena], timed[0].mem.arenas[arena])
     undo()   # the plain step again: its own nodes and methods, nothing timed
     assert timed[0].tape.nodes == nodes
@@ -101,6 +104,25 @@ def test_the_gemm_lines_count_six_flops_per_weight_and_token(lib):
                if name.endswith(".bias") and ".c_" in name and ".c_fc." not in name)
     grads = sum(f for (name, kind), (_, _, f, _) in lines.items() if name.endswith("bias grad"))
     assert grads == 2 * B * T * bias
+
+
+def test_muon_s_line_counts_its_newton_schulz_flops_and_adamw_steps_the_rest(lib):
+    """With training.optimizer=muon: a muon line a Linear weight (its three phases and
+    GEMMs; ‖X‖² and 5 steps of A = XXᵀ, A·A, BX), an adamw line a range of the rest."""
+    cfg = sp.config("gpt2", B, T, "fp32", "training.device=numpy", "model.num_layers=2",
+                    "model.hidden_dim=32", "model.num_heads=2", "model.num_kv_heads=2",
+                    "model.vocab_size=100", "model.max_seq_len=16", "training.optimizer=muon")
+    model, step = _model(lib, cfg)
+    spans = sp.Spans(NUMPY)
+    sp.instrument(model, spans)
+    step(np.zeros((B, T)), np.ones((B, T)))
+    lines = spans.collect()
+    matrices = [v.shape for name, v in model.params.items()
+                if name.endswith(".weight") and ".c_" in name]
+    flops = sum(2 * min(s) * max(s) + 5 * 2 * (2 * min(s) ** 2 * max(s) + min(s) ** 3)
+                for s in matrices)
+    assert lines[("muon", "optimizer")][1:3] == [len(matrices), flops]
+    assert lines[("adamw", "optimizer")][1] == 2   # the embeddings, then the 1-D parameters
 
 
 def test_the_embedding_backward_bytes_follow_its_kernels(lib):

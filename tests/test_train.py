@@ -151,7 +151,7 @@ def test_resume_with_more_steps_continues_past_the_old_end(lib, shard, tmp_path)
 def test_plan_command_prints_every_buffer_and_the_total(tmp_path):
     result = CliRunner().invoke(main, ["plan", "--set", "model.num_layers=2"])
     assert result.exit_code == 0, result.output
-    for name in ("wte.weight", "h.1.mlp.c_proj.weight", "adam_v", "h.1.act", "d.x", "total"):
+    for name in ("wte.weight", "h.1.mlp.c_proj.weight", "adamw.v", "h.1.act", "d.x", "total"):
         assert name in result.output
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from eulergen import cache_dir, env
+from eulergen import GENERATED_DIR, cache_dir, env
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 
@@ -248,11 +248,12 @@ def cubin_path(src: Source, options: tuple[str, ...], arch: str) -> tuple[str, P
 
 def prefetch(ops, *, arch: str | None = None, workers: int | None = None) -> int:
     """Start compiling, on background threads, the .cu of each op (manifest entries) that
-    neither this process nor the disk cache has; returns how many files. The largest go
-    first (they bound the wait). A compile_file of one of them waits for it; the threads
-    are daemons, so a run that stops before its first launch does not wait for them."""
+    neither this process nor the disk cache has; returns how many files. A user's ops go
+    first (the one just edited: what its author waits for), then the largest (they bound
+    the wait). A compile_file of one of them waits for it; the threads are daemons, so a
+    run that stops before its first launch does not wait for them."""
     arch = arch or device_arch()
-    jobs = {}
+    jobs, order = {}, {}
     for op in ops:
         if op.cuda is None:
             continue
@@ -261,13 +262,14 @@ def prefetch(ops, *, arch: str | None = None, workers: int | None = None) -> int
         key, cubin = cubin_path(src, options, arch)
         if key not in _MODULES and key not in _PENDING and not cubin.is_file():
             jobs[key] = (src, options, cubin)
+            order[key] = (Path(op.manifest).parent == GENERATED_DIR, -len(src.text))
     if not jobs:
         return 0
     _include_dirs()   # found (or refused) once, here, before any compile_file may wait
     todo = queue.SimpleQueue()
-    for key, job in sorted(jobs.items(), key=lambda kj: -len(kj[1][0].text)):
+    for key in sorted(jobs, key=order.get):
         _PENDING[key] = Future()
-        todo.put((*job, _PENDING[key]))
+        todo.put((*jobs[key], _PENDING[key]))
 
     def work():
         while True:

@@ -1,4 +1,5 @@
-"""The GEMMs of every tape: out (+)= op(a) @ op(b) over 2-D row-major arrays, and which
+"""The GEMMs of every tape: out (+)= op(a) @ op(b) over 2-D row-major arrays (and out =
+alpha·op(a)·op(b) + beta·out, the Newton-Schulz steps of a matrix update), and which
 library runs them. The choice is made here, once a process, and stated (`describe`):
 
 - numpy: `numpy_gemm`, the reference.
@@ -79,20 +80,34 @@ def _vector(v, size: int, out, what: str):
     return v
 
 
+def _scalars(add: bool, alpha: float, beta: float | None) -> tuple[float, float]:
+    """(alpha, beta) of out = alpha·op(a)·op(b) + beta·out: `add` is beta = 1."""
+    if beta is not None and add:
+        raise ValueError("gemm: add= is beta=1; give one of them")
+    return float(alpha), (1.0 if add else 0.0) if beta is None else float(beta)
+
+
 class NumpyGemm:
     """The numpy backend's GEMM, and the reference of the epilogues: `bias` [n] is added to
     every row of the product, `dbias` [m] gets the row sums of op(a) (with ta: the column
     sums of a, 1ᵀ·dy). The numpy tape keeps the two-GEMM bias path (`epilogues` False),
-    so its training numerics stay as they were."""
+    so its training numerics stay as they were. `alpha`, `beta`: out = alpha·product +
+    beta·out, each product and the sum rounded to out's dtype."""
     epilogues = False
 
-    def __call__(self, a, b, out, *, ta=False, tb=False, add=False, bias=None, dbias=None):
+    def __call__(self, a, b, out, *, ta=False, tb=False, add=False, bias=None, dbias=None,
+                 alpha=1.0, beta=None):
         a = a.T if ta else a
         b = b.T if tb else b
-        if add:
+        alpha, beta = _scalars(add, alpha, beta)
+        if (alpha, beta) == (1.0, 1.0):
             out += a @ b
-        else:
+        elif (alpha, beta) == (1.0, 0.0):
             np.matmul(a, b, out=out)
+        else:
+            product = a @ b
+            np.multiply(out, out.dtype.type(beta), out=out)
+            out += out.dtype.type(alpha) * product
         if bias is not None:
             out += bias.reshape(1, -1)
         if dbias is not None:
@@ -127,15 +142,24 @@ class CublasGemm:
         from eulergen.runtime.engine.cublas import Cublas
         return cls((blas or Cublas(workspace)).gemm_ex, tf32)
 
-    def __call__(self, a, b, out, *, ta=False, tb=False, add=False) -> None:
+    def __call__(self, a, b, out, *, ta=False, tb=False, add=False, alpha=1.0,
+                 beta=None) -> None:
         m, n, k, kind, out_kind = operands(a, b, out, ta, tb)
         size = a.dtype.itemsize
+        scale = _host_scalars(*_scalars(add, alpha, beta))   # read by cuBLAS during the call
         self.gemm_ex(
             OP_T if tb else OP_N, OP_T if ta else OP_N, n, m, k,
-            _ONE.ctypes.data, b.data.ptr, kind, b.strides[0] // size,
+            scale[0].ctypes.data, b.data.ptr, kind, b.strides[0] // size,
             a.data.ptr, kind, a.strides[0] // size,
-            (_ONE if add else _ZERO).ctypes.data, out.data.ptr, out_kind,
+            scale[1].ctypes.data, out.data.ptr, out_kind,
             out.strides[0] // out.dtype.itemsize, _compute(kind, self.tf32), self.GEMM_DEFAULT)
+
+
+def _host_scalars(alpha: float, beta: float) -> tuple:
+    """alpha and beta as cuBLAS reads them in host pointer mode: float32 host values (the
+    shared ones for the tape's 1 and 0)."""
+    known = {1.0: _ONE, 0.0: _ZERO}
+    return tuple(known.get(v, np.array(v, np.float32)) for v in (alpha, beta))
 
 
 # -- cuBLASLt -----------------------------------------------------------------------------
@@ -232,8 +256,10 @@ class LtGemm:
         E = ctx.lt.Epilogue
         self.epilogue = {None: int(E.DEFAULT), "bias": int(E.BIAS), "dbias": int(E.BGRADB)}
 
-    def __call__(self, a, b, out, *, ta=False, tb=False, add=False, bias=None, dbias=None):
+    def __call__(self, a, b, out, *, ta=False, tb=False, add=False, bias=None, dbias=None,
+                 alpha=1.0, beta=None):
         m, n, k, kind, out_kind = operands(a, b, out, ta, tb)
+        scale = _host_scalars(*_scalars(add, alpha, beta))
         if out_kind != kind and (bias is not None or dbias is not None):
             raise ValueError(f"gemm: cuBLASLt's epilogues here write the operands' dtype, not "
                              f"{out.dtype}")
@@ -257,8 +283,8 @@ class LtGemm:
             plan.vector[...] = vector
             ctx.lt.matmul_desc_set_attribute(plan.desc, ctx.lt.MatmulDescAttribute.BIAS_POINTER,
                                              plan.vector.ctypes.data, plan.vector.itemsize)
-        ctx.lt.matmul(ctx.handle, plan.desc, _ONE.ctypes.data, pa, plan.a, pb, plan.b,
-                      (_ONE if add else _ZERO).ctypes.data, pd, plan.d, pd, plan.d, plan.algo,
+        ctx.lt.matmul(ctx.handle, plan.desc, scale[0].ctypes.data, pa, plan.a, pb, plan.b,
+                      scale[1].ctypes.data, pd, plan.d, pd, plan.d, plan.algo,
                       self.workspace, self.workspace_bytes, ctx.stream())
 
 

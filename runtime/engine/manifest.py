@@ -49,6 +49,19 @@ class Fusion:
 
 
 @dataclass(frozen=True)
+class MatrixStep:
+    """An update op's matrix step (the manifest's `matrix`, generator/ir.py's MatrixStep):
+    the work input it orthogonalises per 2-D parameter, its Newton-Schulz steps and
+    coefficients (a, b, c), the eps of the norm it divides by first, and the update op of
+    the parameters it does not take."""
+    orthogonalize: str
+    steps: int
+    coefficients: tuple[float, float, float]
+    eps: float
+    rest: str
+
+
+@dataclass(frozen=True)
 class OpEntry:
     name: str
     kind: str
@@ -66,6 +79,7 @@ class OpEntry:
     template: str = ""                   # templates/<x>.cu.j2, where the manifest names it
     index: dict = field(default_factory=dict, hash=False)   # pair ops: index symbol -> role
     fusions: dict = field(default_factory=dict, hash=False)  # name -> Fusion
+    matrix: MatrixStep | None = None     # update ops with a matrix step (muon)
     c: Path | None = None                # absolute path of its C functions (None: no C printer)
     c_functions: dict = field(default_factory=dict, hash=False)  # name -> CFunction
 
@@ -154,6 +168,20 @@ def _fusions(items, file: Path, where: str) -> dict[str, Fusion]:
     return out
 
 
+def _matrix(m, file: Path, where: str) -> MatrixStep | None:
+    if m is None:
+        return None
+    coefficients = _need(m, "coefficients", list, file, where)
+    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) for c in coefficients):
+        raise EulerError("coefficients should be three numbers a, b, c", file=str(file),
+                         key=f"{where}.coefficients")
+    return MatrixStep(_need(m, "orthogonalize", str, file, where),
+                      _need(m, "steps", int, file, where),
+                      tuple(float(c) for c in coefficients),
+                      float(_need(m, "eps", (int, float), file, where)),
+                      _need(m, "rest", str, file, where))
+
+
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
     where = f"ops.{name}"
     kind = _need(o, "kind", str, file, where)
@@ -186,6 +214,7 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         manifest=file, fast_math=bool(o.get("fast_math", False)),
         template=str(o.get("template", "")), index=dict(index),
         fusions=_fusions(o.get("fusions") or {}, file, f"{where}.fusions"),
+        matrix=_matrix(o.get("matrix"), file, f"{where}.matrix"),
         c=(folder / o["c"]) if o.get("c") else None,
         c_functions={n: _signature(CFunction, n, f, file, f"{where}.c_functions.{n}")
                      for n, f in c_functions.items()})

@@ -174,7 +174,7 @@ class OpLibrary:
         return self._deliver(op, "decode", got, out, 1)
 
     def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,
-             **params) -> None:
+             gemm=None, workspace=None, **params) -> None:
         """An update op's step, in place. Its kernels read the values that change between
         steps from `control`, an array on this backend holding `control_slots(op)` (skip,
         grad_scale, then the op's runtime params; float32 on the GPU, as the kernels read
@@ -182,7 +182,11 @@ class OpLibrary:
         without it the runtime params come by value (`lr=`, `step=`) and a control array of
         them is made for this call (not skipped, grads unscaled).
         `copy`: a bf16 (uint16) array the bf16 kernel writes the updated weight into,
-        rounded (GPU only: numpy has no bf16)."""
+        rounded (GPU only: numpy has no bf16).
+        An op with a matrix step (`op.matrix`) steps one parameter, its arrays [rows, cols]:
+        the Newton-Schulz GEMMs run on `gemm` (the model's, runtime/engine/gemm.py; None: a
+        plain one, fp32) over `workspace`, a flat float32 array of
+        `newton_schulz.workspace_elements(rows, cols)` (None: one made for the call)."""
         op = self._entry(name)
         kind = _kind(op, "step")
         self._arity(op, "step", state_and_grads, len(op.inputs))
@@ -206,13 +210,49 @@ class OpLibrary:
                                  f"{tuple(control.shape)}", file=op.spec, key="control")
             given = self._params(op, {**params, **dict.fromkeys(runtime, 0.0)})
         fixed = {k: v for k, v in given.items() if k not in runtime}
-        if self._cuda:
-            kind.step(self._cuda, op, state_and_grads, fixed, control, copy)
-            return
-        if copy is not None:
+        if copy is not None and not self._cuda:
             raise EulerError(f"{op.name}.step: copy= is a bf16 copy; the numpy backend has "
                              "no bf16", file=op.spec, key="copy")
-        kind.module(op).step(*state_and_grads, control, **fixed)
+        if op.matrix is not None:
+            self._matrix_step(op, kind, state_and_grads, fixed, control, copy, gemm, workspace)
+        elif self._cuda:
+            kind.step(self._cuda, op, state_and_grads, fixed, control, copy)
+        else:
+            kind.module(op).step(*state_and_grads, control, **fixed)
+
+    def _matrix_step(self, op, kind, arrays, fixed, control, copy, gemm, workspace) -> None:
+        """A matrix op's phases and Newton-Schulz GEMMs over one [rows, cols] parameter."""
+        from eulergen.runtime.engine import newton_schulz
+        from eulergen.runtime.engine.gemm import gemm_for
+        from eulergen.runtime.engine.launch_args import same_shape
+        named = dict(zip((o.name for o in op.inputs), arrays))
+        shape = tuple(arrays[0].shape)
+        if len(shape) != 2:
+            raise EulerError(f"{op.name}.step: a matrix step takes [rows, cols] arrays, got "
+                             f"{shape}", file=op.spec, key="matrix")
+        same_shape(op, "step", named, shape)
+        fixed = {**fixed, "rows": float(shape[0]), "cols": float(shape[1])}
+        if workspace is None:
+            workspace = self.backend.xp.zeros(newton_schulz.workspace_elements(*shape),
+                                              np.float32)
+        if self._cuda:
+            from eulergen.runtime.engine.kinds.update import dtype_of
+            dtype = dtype_of(op, arrays)
+
+            def phase(part, values):
+                kind.phase(self._cuda, op, part, values, {} if part == "normalize" else fixed,
+                           control, copy if part == "apply" else None, dtype)
+        else:
+            module = kind.module(op)
+
+            def phase(part, values):
+                if part == "normalize":
+                    module.normalize(values[op.matrix.orthogonalize], values["_sumsq"], control)
+                else:
+                    getattr(module, part or "step")(*(values[o.name] for o in op.inputs),
+                                                   control, **fixed)
+        newton_schulz.step(op.matrix, named, phase, gemm or gemm_for(self.backend, False),
+                           workspace, self.backend.xp)
 
     def control_slots(self, name: str | OpEntry) -> tuple[str, ...]:
         """What each element of an update op's `control` array holds, as its kernels (and

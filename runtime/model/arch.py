@@ -83,10 +83,13 @@ def _op_params(op, wanted: dict) -> dict:
     return {k: v for k, v in wanted.items() if k in op.params}
 
 
-def ops_used(cfg) -> tuple[str, ...]:
-    """The ops a run of this ModelConfig calls: what `eulergen train` builds before it starts."""
-    return tuple(dict.fromkeys((cfg.norm, cfg.activation, cfg.attention, "cross_entropy", "adamw")
-                               + (("rope",) if cfg.positions == "rope" else ())))
+def ops_used(m, optimizer: str | None = None) -> tuple[str, ...]:
+    """The ops a model of this ModelConfig calls, and its training's `optimizer` (an update
+    op; a matrix optimizer's rest op is built with it: it names that op in its own spec):
+    what `eulergen train` builds before it starts (export-c: the model's alone)."""
+    return tuple(dict.fromkeys((m.norm, m.activation, m.attention, "cross_entropy")
+                               + ((optimizer,) if optimizer else ())
+                               + (("rope",) if m.positions == "rope" else ())))
 
 
 def arch_of(cfg, lib) -> Arch:

@@ -201,17 +201,18 @@ def check_ids(ids: np.ndarray, vocab: int, hint: str = "") -> np.ndarray:
 
 def build(cfg, lib, batch: int, seq: int, *, training: bool = True, dtype: str = "float32",
           precision: str = "bf16", shared: dict | None = None, tf32: bool = False,
-          buckets=None, recompute: str = "none") -> GPT:
+          buckets=None, recompute: str = "none", optimizer=None) -> GPT:
     """Resolve, plan, allocate and record a model from a ModelConfig (what evaluation and
     the tests make; a training run resolves its own once, runtime/train/resolve.py).
     `dtype`: "float32", "bf16" (a GPU with bf16 only) or "float64" (numpy); `precision`:
     training.precision (plan.py's Precision); `shared`: arenas allocated already
-    (Memory's); `recompute`: training.recompute (runtime/model/recompute.py)."""
+    (Memory's); `recompute`: training.recompute (runtime/model/recompute.py); `optimizer`: the
+    UpdateOps whose state the plan holds (runtime/model/optimizer_plan.py; None: none)."""
     arch = arch_of(cfg, lib)
     if dtype == "bf16":
         bf16.plan_dtype("bf16", lib.backend)
     plan = plan_on(lib, arch, batch, seq, training=training, dtype=dtype, precision=precision,
-                   buckets=buckets, recompute=recompute)
+                   buckets=buckets, recompute=recompute, optimizer=optimizer)
     return allocate(arch, lib, plan, batch, seq, shared=shared, tf32=tf32)
 
 

@@ -2,11 +2,13 @@
 
 A plan is a list of named buffers placed in a few big arenas (one allocation each):
 
-    params       every weight, flat; matrices (weight-decayed) first, so AdamW runs
-                 over two contiguous ranges (in bf16 runs: the float32 master weights)
+    params       every weight, flat; matrices (weight-decayed) first, so an update op
+                 runs over two contiguous ranges (in bf16 runs: the float32 master weights)
     params_bf16  bf16 runs: the same layout in bf16, the copy the kernels read
     grads        the same layout as params (in the storage dtype; autocast: float32)
-    adam_m/v     the same layout again (training only; float32 in bf16 runs)
+    optimizer    the update ops' state (adamw's m and v: `adamw.m`, `adamw.v`), each buffer
+                 the parameters its op steps in params order (training only; float32 in
+                 bf16 runs; runtime/model/optimizer_plan.py)
     activations  what the forward pass keeps for the backward pass
     stats        bf16 runs: the float32 per-row values (attention's lse, the losses and
                  their seed, the gradient norm's row sums); fp32 runs keep them with the rest
@@ -37,7 +39,7 @@ from eulergen.errors import EulerError
 ALIGN = 64  # elements: every buffer starts on a 256-byte (bf16: 128-byte) boundary, so
             # 128-bit loads line up
 
-ARENA_ORDER = ("params", "params_bf16", "grads", "adam_m", "adam_v", "activations", "stats",
+ARENA_ORDER = ("params", "params_bf16", "grads", "optimizer", "activations", "stats",
                "stream", "workspace", "kernels", "gemm", "tokens")
 
 # CuPy has no bfloat16: a "bf16" buffer holds the bits in uint16 (runtime/engine/bf16.py)

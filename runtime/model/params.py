@@ -28,6 +28,8 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     init: str   # 'normal' | 'residual' (normal scaled by 1/sqrt(2·layers)) | 'ones' | 'zeros'
+    linear: bool = False   # a Linear's weight: what a matrix step (Muon) takes, unlike the
+                           # embeddings (wte is the tied head too) and the 1-D parameters
 
     @property
     def decay(self) -> bool:
@@ -46,7 +48,7 @@ def parameters(a) -> list[ParamSpec]:
                 for w in a.norm_weights]
 
     def linear(prefix, out, inp, init="normal"):
-        ps = [ParamSpec(f"{prefix}.weight", (out, inp), init)]
+        ps = [ParamSpec(f"{prefix}.weight", (out, inp), init, linear=True)]
         return ps + ([ParamSpec(f"{prefix}.bias", (out,), "zeros")] if a.bias else [])
 
     fc_rows = 2 * a.ffn if a.gated else a.ffn

@@ -11,6 +11,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine import gemm
 from eulergen.runtime.model.arch import Arch
 from eulergen.runtime.model.memory import ALIGN, Plan, Planner
+from eulergen.runtime.model.optimizer_plan import plan_optimizer
 from eulergen.runtime.model.params import plan_params
 from eulergen.runtime.model.recompute import NONE, own, per_layer, shared
 from eulergen.signature import AUTOCAST, bf16_copy
@@ -46,28 +47,33 @@ class Precision:
 
 def plan_on(lib, a: Arch, batch: int, seq: int, *, training: bool = True,
             dtype: str = "float32", precision: str = "bf16", buckets=None,
-            for_gpu: bool = False, recompute: str = NONE) -> Plan:
+            for_gpu: bool = False, recompute: str = NONE, optimizer=None) -> Plan:
     """plan_model with the workspaces a run on `lib`'s backend plans: on a GPU the
     kernels' (lib.workspace_elements) and the GEMM libraries' (gemm.workspace_bytes), on
-    numpy none. `for_gpu`: a GPU's on any machine (`eulergen plan`: no GPU needed)."""
+    numpy none. `for_gpu`: a GPU's on any machine (`eulergen plan`: no GPU needed).
+    `optimizer`: the run's UpdateOps (runtime/model/optimizer_plan.py), whose state a
+    training plan holds; None: none."""
     if for_gpu and not lib.backend.is_gpu:
         from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
         from eulergen.runtime.engine.cuda_ops import workspace_elements
         workspace, gemm_workspace = workspace_elements, WORKSPACE_BYTES
     else:
         workspace, gemm_workspace = lib.workspace_elements, gemm.workspace_bytes(lib.backend)
+    planned = plan_optimizer(a, optimizer, buckets) if optimizer is not None and training \
+        else None
     return plan_model(a, batch, seq, training=training, dtype=dtype, precision=precision,
                       workspace=workspace, gemm_workspace=gemm_workspace, buckets=buckets,
-                      recompute=recompute)
+                      recompute=recompute, optimizer=planned)
 
 
 def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
                dtype: str = "float32", precision: str = "bf16", workspace=None,
-               gemm_workspace: int = 0, buckets=None, recompute: str = NONE) -> Plan:
-    """Lay out parameters, (gradients, AdamW state,) activations and workspace: per block
+               gemm_workspace: int = 0, buckets=None, recompute: str = NONE,
+               optimizer=None) -> Plan:
+    """Lay out parameters, (gradients, optimizer state,) activations and workspace: per block
     the values a backward reads, once for all blocks the values none reads (`proj`) and
     every gradient (graph.py). `dtype`: the storage dtype, "float32" (or "float64" on
-    numpy) or "bf16" (mixed precision: float32 master weights and AdamW moments beside a
+    numpy) or "bf16" (mixed precision: float32 master weights and optimizer state beside a
     bf16 copy the kernels read, bf16 gradients, activations and workspace, the per-row
     float32 values in `stats`). `precision`: training.precision (Precision): "autocast"
     keeps a bf16 plan's residual stream, its gradient (with a bf16 copy that the GEMMs
@@ -77,10 +83,12 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     OpLibrary.workspace_elements answers it; None: none. `gemm_workspace`: the bytes of the
     GEMM libraries' workspace (on a GPU, so that a captured step's GEMMs allocate
     nothing), its own arena `gemm`; 0: none. plan_on passes a run's.
-    `buckets`: data-parallel training's BucketPlan (runtime/distributed/buckets.py): with ZeRO-1 the
-    AdamW moments hold one rank's share; the rank's loss and sum of squares have a slot
-    each for the collectives. `recompute`: training.recompute (runtime/model/recompute.py):
-    "blocks" keeps a layer's x and ln_1 only, and the rest a backward reads once."""
+    `buckets`: data-parallel training's BucketPlan (runtime/distributed/buckets.py): the
+    rank's loss and sum of squares have a slot each for the collectives. `recompute`:
+    training.recompute (runtime/model/recompute.py): "blocks" keeps a layer's x and ln_1
+    only, and the rest a backward reads once. `optimizer`: the OptimizerPlan
+    (runtime/model/optimizer_plan.py) whose buffers the `optimizer` arena holds (with ZeRO-1
+    one rank's share); None: no optimizer state."""
     if seq > a.max_seq:
         raise EulerError(f"seq_len {seq} exceeds the model's max_seq_len {a.max_seq}",
                          key="training.seq_len")
@@ -112,9 +120,8 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     if training:
         # same layout as params: a parameter's gradient / moments sit at its offset
         p.add("grads", "grads", (total,), pr.grads)
-        moments = buckets.moments if buckets is not None and buckets.zero else total
-        for arena in ("adam_m", "adam_v"):
-            p.add(arena, arena, (moments,), master)
+        for name, size in optimizer.buffers() if optimizer is not None else ():
+            p.add("optimizer", name, (size,), master)
 
     # what a block hands on is the next block's x and ln_1, and after the last the head's;
     # parts (q, k, v of qkv) are views of their root's buffers

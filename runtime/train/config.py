@@ -61,10 +61,11 @@ class TrainingConfig:
     total_steps: int = 650           # ends within 150 s where this model trains at 3.3k tok/s
     schedule: str = "cosine"         # "cosine" | "linear" | "constant"
     gradient_accumulation: int = 1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
+    optimizer: str = "adamw"         # any update op (ops/adamw.yaml, lion, sgd_momentum, muon)
+    weight_decay: float = 0.1        # the op's weight_decay on the matrices; 0 on the rest
+    beta1: float | None = None       # the op's beta1, beta2 and eps where it has them;
+    beta2: float | None = None       # None: its own (adamw.yaml: 0.9, 0.95, 1e-8)
+    adam_eps: float | None = None
     grad_clip: float = 1.0           # 0 turns clipping off
     spike_factor: float = 4.0        # skip an update when loss or grad norm > factor x running mean; 0 = off
     eval_every: int = 100            # 0 = never
@@ -307,10 +308,12 @@ def _validate(cfg: RunConfig, fail) -> None:
         "model.mlp_hidden": m.mlp_hidden, "model.rope_base": m.rope_base, "model.norm_eps": m.norm_eps,
         "training.batch_size": t.batch_size, "training.seq_len": t.seq_len,
         "training.learning_rate": t.learning_rate, "training.total_steps": t.total_steps,
-        "training.gradient_accumulation": t.gradient_accumulation, "training.adam_eps": t.adam_eps,
+        "training.gradient_accumulation": t.gradient_accumulation,
         "training.eval_steps": t.eval_steps, "training.keep_checkpoints": t.keep_checkpoints,
         "training.log_every": t.log_every, "training.bucket_mb": t.bucket_mb,
     }
+    if t.adam_eps is not None:
+        positive["training.adam_eps"] = t.adam_eps
     for key, value in positive.items():
         if value <= 0:
             fail(key, f"must be positive, got {value}")
@@ -329,9 +332,10 @@ def _validate(cfg: RunConfig, fail) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in choices:
             fail(key, f"{value!r} is not one of {', '.join(choices)}" + suggest(value, list(choices)))
-    for name in ("norm", "activation", "attention"):
-        if not _OP_NAME.match(getattr(m, name)):
-            fail(f"model.{name}", f"{getattr(m, name)!r} is not an op name")
+    for key, name in [(f"model.{k}", getattr(m, k)) for k in ("norm", "activation", "attention")] \
+            + [("training.optimizer", t.optimizer)]:
+        if not _OP_NAME.match(name):
+            fail(key, f"{name!r} is not an op name")
     if m.hidden_dim % m.num_heads:
         fail("model.num_heads", f"{m.num_heads} heads do not divide hidden_dim {m.hidden_dim}")
     if m.num_heads % m.num_kv_heads:
@@ -348,7 +352,7 @@ def _validate(cfg: RunConfig, fail) -> None:
     if t.warmup_steps > t.total_steps:
         fail("training.warmup_steps", f"{t.warmup_steps} is more than total_steps {t.total_steps}")
     for key, beta in (("training.beta1", t.beta1), ("training.beta2", t.beta2)):
-        if not 0 <= beta < 1:
+        if beta is not None and not 0 <= beta < 1:
             fail(key, f"must be in [0, 1), got {beta}")
     if not d.dataset:
         fail("data.dataset", "must name a dataset (a glob, a .bin file or builtin:stdlib)")

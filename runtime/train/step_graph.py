@@ -1,6 +1,6 @@
 """One training step as the trainer runs it, on either backend: for each micro-step the
 batch's tokens, forward, loss and backward; then the gradient norm, step control
-(runtime/train/step_control.py) and the AdamW update, none of which reads a value on the host.
+(runtime/train/step_control.py) and the optimizer's update, none of which reads a value on the host.
 Data parallel (runtime/distributed/data_parallel.py): the last micro-step's backward issues each
 gradient bucket's collective as it finishes the bucket, and the rank's loss joins the
 last one; with ZeRO-1 the norm comes from the ranks' shares and the weights are gathered
@@ -47,7 +47,7 @@ class StepResult:
 
 
 class Stepper:
-    """Launches steps over a model and its AdamW with a StepRule (data parallel: and the
+    """Launches steps over a model and its optimizer with a StepRule (data parallel: and the
     rank's DataParallel, `dp`), and hands back their results in order (`result()`, a step
     after `launch()` on the GPU). `record` is the
     step control's float64 array, `control` the update op's control slots (float32 on the
@@ -80,7 +80,7 @@ class Stepper:
 
     def update(self) -> None:
         """The norm (ZeRO-1: the ranks' summed squares of their shares), step control, the
-        AdamW update (ZeRO-1: of this rank's share, then every rank's gathered)."""
+        optimizer's update (ZeRO-1: of this rank's share, then every rank's gathered)."""
         dp = self.dp
         zero = dp is not None and dp.zero
         if zero:
@@ -117,7 +117,7 @@ class Stepper:
                           step_control.not_finite(record), seconds)
 
     def state(self) -> tuple[int, dict]:
-        """(AdamW's update count, the spike guard's state), read back: what a checkpoint
+        """(the optimizer's update count, the spike guard's state), read back: what a checkpoint
         keeps. Between steps only (nothing pending)."""
         record = self.model.backend.asnumpy(self._settled())
         return int(record[AT["updates"]]), step_control.guard_state(record)

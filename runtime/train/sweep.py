@@ -60,7 +60,8 @@ class Sweep:
 
     def ops(self) -> tuple[str, ...]:
         """The ops the runs call, each once: what the sweep builds before it starts."""
-        return tuple(dict.fromkeys(n for t in self.trials for n in ops_used(t.config.model)))
+        return tuple(dict.fromkeys(n for t in self.trials
+                                   for n in ops_used(t.config.model, t.config.training.optimizer)))
 
 
 @dataclass(frozen=True)

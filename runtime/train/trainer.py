@@ -1,5 +1,6 @@
-"""The training loop: AdamW (runtime/train/adamw.py), learning-rate schedules, gradient
-accumulation, global-norm clipping, a spike guard, validation, checkpoints and resume.
+"""The training loop: the optimizer (runtime/train/optimizer.py: training.optimizer, any
+update op, AdamW by default), learning-rate schedules, gradient accumulation, global-norm
+clipping, a spike guard, validation, checkpoints and resume.
 
 A step runs on the device without the host (runtime/train/step_graph.py: on the GPU a CUDA
 graph by default, training.cuda_graph) and its record comes back a step later: the loss
@@ -9,7 +10,7 @@ wait for their step.
 
 Determinism: the weights come from the seed, batches from the seed and the data
 position, and nothing else draws a random number, so a run resumed from a checkpoint
-(weights, AdamW moments, data position, spike-guard state, step) repeats the
+(weights, optimizer state, data position, spike-guard state, step) repeats the
 uninterrupted run's losses bit for bit on numpy.
 
 Data-parallel (a `collective` of N ranks, runtime/distributed/collective.py): each rank reads its
@@ -32,7 +33,7 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.files import write_atomic
 from eulergen.runtime.train import checkpoint, metrics, run_dir, step_control
-from eulergen.runtime.train.adamw import AdamW
+from eulergen.runtime.train.optimizer import Optimizer
 from eulergen.runtime.train.config import RunConfig, TrainingConfig, as_dict, load_config
 from eulergen.runtime.data.loader import make_loaders
 from eulergen.runtime.distributed.data_parallel import DataParallel
@@ -129,7 +130,7 @@ class Trainer:
         buckets = resolved.buckets
         self.dp = DataParallel(self.model, collective, buckets) if buckets is not None else None
         zero = buckets is not None and buckets.zero
-        self.optim = AdamW(self.model, t, self.dp if zero else None)
+        self.optim = Optimizer(self.model, resolved.optimizer, t, self.dp if zero else None)
         rule = step_control.StepRule.of(t, self.optim.slots, ranks, zero=zero)
         self.stepper = Stepper(self.model, self.optim, rule, cuda_graph=t.cuda_graph, dp=self.dp)
         self.step = 0   # the last step whose result is back; `launched` may be one ahead

@@ -6,8 +6,13 @@ from __future__ import annotations
 from bad_inputs.case import HUGE, LONG, OK_ACT, PLAN_OPS, TRAIN, ON_SHARD, Case, bomb, spec, \
     surface, sparse
 
+WORKS = "inputs: {p: state, g: grad, m: state, u: work}\nupdate:\n  m: m + g\n  u: m\n"
 PLAN_C = ("plan", "--config", "c.yaml")
 PLAN_J = ("plan", "--config", "c.json")
+
+def update_spec(body: str, name: str = "myopt") -> dict:
+    return {f"ops/{name}.yaml": f"name: {name}\nkind: update\n{body}"}
+
 
 SPECS = surface("op specs", [
     Case("spec-alias-bomb", PLAN_OPS, "aliases expanded", spec(OK_ACT + f"doc: {bomb()}\n"),
@@ -91,6 +96,16 @@ SPECS = surface("op specs", [
          {"ops/myact.yaml": "name: myact\nkind: pointwize\n" + OK_ACT}),
     Case("spec-shadows-builtin", PLAN_OPS, "add `override: true`", spec(OK_ACT, name="gelu"),
          fault="silent"),
+    Case("spec-work-without-matrix", PLAN_OPS, "inputs.u: a work input is a matrix step's",
+         update_spec(WORKS)),
+    Case("spec-apply-without-matrix", PLAN_OPS, "apply: `apply:` follows a matrix step",
+         update_spec("inputs: {p: state, g: grad}\nupdate:\n  p: p - g\napply:\n  p: p\n")),
+    Case("spec-orthogonalize-a-state", PLAN_OPS,
+         "matrix.orthogonalize: 'm' is not a work input that `update:` writes",
+         update_spec(WORKS + "matrix: {orthogonalize: m, rest: adamw}\napply:\n  p: p - u\n")),
+    Case("spec-matrix-coefficients", PLAN_OPS, "matrix.coefficients: expected the quintic's",
+         update_spec(WORKS + "matrix: {orthogonalize: u, coefficients: [1.0], rest: adamw}\n"
+                     "apply:\n  p: p - u\n")),
     Case("spec-ops-dir-missing", ("plan", "--ops", "nowhere"), "ops directory does not exist",
          where="nowhere"),
     Case("spec-unknown-op", ("plan", "--set", "model.activation=nonesuch"),
@@ -194,4 +209,11 @@ CONFIGS = surface("configs", [
     Case("set-recompute-typo", (*TRAIN, *ON_SHARD, "--set", "training.recompute=block"),
          "is not one of none, blocks (did you mean 'blocks'?)", uses=("shard",),
          where="training.recompute"),
+    Case("set-optimizer-typo", ("plan", "--set", "training.optimizer=adamx"),
+         "'adamx' is no op (did you mean 'adamw'?)", where="training.optimizer"),
+    Case("set-optimizer-not-update", ("plan", "--set", "training.optimizer=gelu"),
+         "'gelu' is a pointwise op; an optimizer is an update op", where="training.optimizer"),
+    Case("set-muon-with-zero", ("plan", "--nproc", "2", "--set", "training.optimizer=muon",
+                                "--set", "training.zero=1"),
+         "muon's matrix step needs whole matrices", where="training.zero"),
 ])

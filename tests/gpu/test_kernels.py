@@ -437,27 +437,34 @@ def test_pair_vector_and_scalar_paths_at_size(name, case, dtype, cp, libs):
         check(f"{name}.d{g} {case}", got, w, cp)
 
 
-# ---- update (adamw) ------------------------------------------------------------------------
+# ---- update (adamw, lion, sgd_momentum; muon's matrix step: tests/gpu/test_optimizer_gpu.py) --
 
-@both_dtypes
+# autocast: float32 grads beside the weight's bf16 copy (training.precision autocast)
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "autocast"])
 @pytest.mark.parametrize("n", [1, 13, 4099, (1 << 20) + 5])
-@pytest.mark.parametrize("name", _ops("update"))
+@pytest.mark.parametrize("name", [n for n in _ops("update") if OPS[n].matrix is None])
 def test_update_step_matches_numpy(name, n, dtype, cp, libs):
+    from eulergen.runtime.engine.bf16 import to_bf16
     gpu, ref = libs
     op = OPS[name]
     progress(f"update {name} n={n} {dtype}")
+    grads = "f32" if dtype == "autocast" else dtype
     rng = np.random.default_rng(n)
-    host = [host_values(rng, (n,), *domain(op, o.name), dtype if o.role == "grad" else "f32")
+    host = [host_values(rng, (n,), *domain(op, o.name), grads if o.role == "grad" else "f32")
             for o in op.inputs]
-    dev = [device(cp, h, dtype if o.role == "grad" else "f32") for o, h in zip(op.inputs, host)]
+    dev = [device(cp, h, grads if o.role == "grad" else "f32") for o, h in zip(op.inputs, host)]
     runtime = {k: (3.0 if k == "step" else 1e-3) for k, v in op.params.items() if v is None}
     host32 = [h.astype(np.float32) for h in host]
-    gpu.step(name, *dev, **runtime)
+    copy = None if dtype == "f32" else cp.zeros(n, cp.uint16)
+    gpu.step(name, *dev, copy=copy, **runtime)
     ref.step(name, *host, **runtime)
     ref.step(name, *host32, **runtime)
     for o, got, w, w32 in zip(op.inputs, dev, host, host32):
         if o.role == "state":   # state is float32 in every variant
             check(f"{name}.{o.name}", got, (w, w32.astype(np.float64)), cp)
+    if copy is not None:   # the updated weight (the first state input), rounded once
+        weight = next(d for o, d in zip(op.inputs, dev) if o.role == "state")
+        np.testing.assert_array_equal(cp.asnumpy(copy), to_bf16(cp.asnumpy(weight)))
 
 
 # ---- embedding -----------------------------------------------------------------------------

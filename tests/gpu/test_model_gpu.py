@@ -143,12 +143,14 @@ def _three_planned_steps(cuda, cp, cfg, dtype="float32", cuda_graph=False, steps
     from eulergen.runtime.model.gpt import build
     from eulergen.runtime.train.step_control import StepRule
     from eulergen.runtime.train.step_graph import Stepper
-    from eulergen.runtime.train.adamw import AdamW
+    from eulergen.runtime.model.optimizer_plan import update_ops
+    from eulergen.runtime.train.optimizer import Optimizer
     t = cfg.training
+    ops = update_ops(cuda, t.optimizer)
     model = build(cfg.model, cuda, t.batch_size, t.seq_len, dtype=dtype, precision=precision,
-                  recompute=recompute)
+                  recompute=recompute, optimizer=ops)
     model.init_weights(0)
-    optim = AdamW(model, t)
+    optim = Optimizer(model, ops, t)
     stepper = Stepper(model, optim, StepRule.of(t, optim.slots), cuda_graph=cuda_graph)
     batch = [_batch(cfg)]
     sizes = []

@@ -1,8 +1,9 @@
 """The training step as CUDA graphs (`pytest -m gpu tests/gpu/test_step_graph_gpu.py`):
 a run whose steps replay captured graphs (training.cuda_graph, the default) repeats the
-run of the same kernels launched eagerly bit for bit, in fp32 and bf16, with gradient
-accumulation and with updates the spike guard skips: losses, validation losses, master
-weights, their bf16 copy, AdamW's moments and the step control's state. Replays allocate
+run of the same kernels launched eagerly bit for bit, in fp32 and bf16 (of either
+training.precision), with adamw, muon and lion, with gradient accumulation and with updates
+the spike guard skips: losses, validation losses, master weights, their bf16 copy, the
+optimizer's state and the step control's state. Replays allocate
 nothing, and an allocation while capturing is refused. (kill -9 and resume of a graphed
 run: tests/gpu/test_resume_gpu.py.)"""
 from __future__ import annotations
@@ -18,7 +19,11 @@ from test_model_gpu import _cfg, _three_planned_steps  # noqa: E402  (tests/gpu 
 pytestmark = pytest.mark.gpu
 
 
-def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike):
+# a dtype beside fp32 and bf16: bf16 in training.precision autocast (float32 gradients)
+PRECISIONS = {"autocast": ["training.dtype=bf16", "training.precision=autocast"]}
+
+
+def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike, optimizer="adamw"):
     # head dim 64 (a size the flash kernels take), GQA; evaluation between replays at 7
     sets = [f"run_dir={run_dir}", f"data.dataset={shard}", f"data.val_dataset={shard}",
             "model.preset=nanoeuler", "model.vocab_size=256", "model.hidden_dim=128",
@@ -27,8 +32,10 @@ def _trainer(lib, shard, run_dir, *, dtype, graph, accumulation, spike):
             "training.seq_len=128", "training.total_steps=14", "training.warmup_steps=2",
             "training.eval_every=7", "training.eval_steps=2", "training.checkpoint_every=0",
             "training.log_every=1", "training.sample_tokens=0", "training.device=cuda",
-            f"training.dtype={dtype}", f"training.cuda_graph={str(graph).lower()}",
-            f"training.gradient_accumulation={accumulation}", f"training.spike_factor={spike}"]
+            *PRECISIONS.get(dtype, [f"training.dtype={dtype}"]),
+            f"training.cuda_graph={str(graph).lower()}",
+            f"training.gradient_accumulation={accumulation}", f"training.spike_factor={spike}",
+            f"training.optimizer={optimizer}"]
     return Trainer(load_config(None, sets), lib, progress=False, tensorboard=False)
 
 
@@ -43,17 +50,21 @@ def _finished(trainer: Trainer) -> dict:
 
 # spike factor 0.1: past the guard's warm-up (10 steps) every loss is above 0.1 x its mean,
 # so steps 11-14 are skipped (0.9 skipped none: the loss falls faster than its mean)
-@pytest.mark.parametrize("dtype, accumulation, spike", [
-    ("fp32", 1, 4.0), ("bf16", 1, 4.0), ("bf16", 2, 0.1), ("fp32", 2, 0.1)])
+# muon: its Newton-Schulz GEMMs on the model's cuBLAS handle inside the update's graph
+# (autocast: its f32 step and autocast apply, its rest op's autocast step)
+@pytest.mark.parametrize("dtype, accumulation, spike, optimizer", [
+    ("fp32", 1, 4.0, "adamw"), ("bf16", 1, 4.0, "adamw"), ("bf16", 2, 0.1, "adamw"),
+    ("fp32", 2, 0.1, "adamw"), ("bf16", 1, 4.0, "muon"), ("fp32", 1, 4.0, "muon"),
+    ("bf16", 1, 4.0, "lion"), ("autocast", 1, 4.0, "muon"), ("autocast", 1, 4.0, "lion")])
 def test_a_graphed_run_repeats_the_eager_run_bitwise(libs, shard, tmp_path, dtype,
-                                                     accumulation, spike):
+                                                     accumulation, spike, optimizer):
     cuda = libs[0]
     eager_trainer = _trainer(cuda, shard, tmp_path / "eager", dtype=dtype, graph=False,
-                             accumulation=accumulation, spike=spike)
+                             accumulation=accumulation, spike=spike, optimizer=optimizer)
     eager = _finished(eager_trainer)
     assert eager_trainer.stepper.device.graphs is None
     graphed_trainer = _trainer(cuda, shard, tmp_path / "graph", dtype=dtype, graph=True,
-                               accumulation=accumulation, spike=spike)
+                               accumulation=accumulation, spike=spike, optimizer=optimizer)
     graphed = _finished(graphed_trainer)
     want = {("micro", True, False), ("update",)} | (
         {("micro", False, False)} if accumulation > 1 else set())
@@ -64,7 +75,7 @@ def test_a_graphed_run_repeats_the_eager_run_bitwise(libs, shard, tmp_path, dtyp
     for key in ("weights", "moments"):
         bad = [k for k, v in eager[key].items() if not np.array_equal(graphed[key][k], v)]
         assert not bad, f"{key} differ: {bad[:4]}"
-    if dtype == "bf16":
+    if dtype != "fp32":
         np.testing.assert_array_equal(graphed["copy"], eager["copy"])
     if spike < 1:
         assert graphed["skipped"] == [11, 12, 13, 14], graphed["skipped"]

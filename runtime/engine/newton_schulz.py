@@ -1,0 +1,67 @@
+"""An update op's matrix step (Muon's orthogonalisation), on either backend: the op's
+`normalize` phase, then Newton-Schulz iterations as GEMMs, between its `step` and `apply`
+phases (their kernels or numpy functions: generated from the spec).
+
+The iteration is hand-written math, not derived from a spec (the spec gives its steps and
+coefficients): for X [rows, cols] with rows <= cols, A = XXᵀ, B = bA + cA², X ← aX + BX
+(modded-nanogpt's quintic); with more rows than columns the same on Xᵀ, which is A = XᵀX and
+X ← aX + XB, with no transpose made. Each step is three GEMMs of the caller's GEMM
+(runtime/engine/gemm.py: alpha and beta fold the coefficients in) and two copies, over a
+workspace of ‖X‖², a second X and A and B (`workspace_elements`), so that on the GPU the
+step allocates nothing and can be captured; the result lands in X's buffer or the second,
+alternately, and `apply` reads it where it lies.
+"""
+from __future__ import annotations
+
+from eulergen.runtime.engine.launch_args import aligned, elements
+
+
+def shapes(rows: int, cols: int) -> tuple[tuple[int, int], ...]:
+    """The workspace's views: ‖X‖² [1, 1], the second X [rows, cols], A and B [s, s] with
+    s = min(rows, cols)."""
+    s = min(rows, cols)
+    return (1, 1), (rows, cols), (s, s), (s, s)
+
+
+def workspace_elements(rows: int, cols: int) -> int:
+    """The float32 elements the matrix step of a [rows, cols] parameter works in."""
+    return elements(shapes(rows, cols))
+
+
+def views(workspace, rows: int, cols: int) -> list:
+    """`shapes(rows, cols)` as consecutive views of a flat float32 workspace (either backend)."""
+    out, at = [], 0
+    for shape in shapes(rows, cols):
+        n = shape[0] * shape[1]
+        out.append(workspace[at:at + n].reshape(shape))
+        at += aligned(n)
+    if at > workspace.size:
+        raise ValueError(f"matrix step workspace of {workspace.size} elements, a [{rows}, "
+                         f"{cols}] parameter needs {at}")
+    return out
+
+
+def step(matrix, arrays: dict, phase, gemm, workspace, xp) -> None:
+    """One matrix op's step over a parameter: `arrays` its operands by name, each [rows,
+    cols]; `phase(part, values)` runs a phase ('' the step, 'normalize', 'apply') over the
+    arrays named in `values`; `matrix` the op's manifest.MatrixStep."""
+    x = arrays[matrix.orthogonalize]
+    rows, cols = x.shape
+    sumsq, y, a, b = views(workspace, rows, cols)
+    phase("", arrays)
+    flat = x.reshape(1, -1)
+    gemm(flat, flat, sumsq, tb=True)
+    phase("normalize", {matrix.orthogonalize: x, "_sumsq": sumsq.reshape(1)})
+    ca, cb, cc = matrix.coefficients
+    wide = rows <= cols
+    for _ in range(matrix.steps):
+        gemm(x, x, a, ta=not wide, tb=wide)        # A = XXᵀ (wide) or XᵀX
+        xp.copyto(b, a)
+        gemm(a, a, b, alpha=cc, beta=cb)           # B = bA + cA²
+        xp.copyto(y, x)
+        if wide:
+            gemm(b, x, y, beta=ca)                 # aX + BX
+        else:
+            gemm(x, b, y, beta=ca)                 # aX + XB
+        x, y = y, x
+    phase("apply", {**arrays, matrix.orthogonalize: x})

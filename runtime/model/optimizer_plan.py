@@ -1,0 +1,167 @@
+"""The optimizer of a run (`training.optimizer`: any update op, ops/adamw.yaml by default):
+which update op steps each parameter, over which ranges of the flat arenas, and where its
+state lies, planned from the Arch before anything is allocated.
+
+An op's state buffers are its `state` inputs but the weight (adamw's m and v), each
+planned as `<op>.<input>` in the `optimizer` arena; they hold the parameters the op steps,
+range after range in the params arena's order, so that a parameter's state sits at its
+range's `at`. An op with a matrix step (muon: `matrix:` in its spec) steps each Linear
+weight alone (its shape is the step's), its `rest` op the embeddings (the tied head) and
+the 1-D parameters; its `work` inputs are one buffer each, the largest matrix's, and its
+Newton-Schulz workspace `<op>.newton_schulz`. The ops of one optimizer read one control
+array (step_control.decide writes it): each op's control slots are a prefix of the
+longest one's (muon's skip, grad_scale, lr of adamw's skip, grad_scale, lr, step).
+
+With ZeRO-1 (`buckets`), a rank steps its share: every range cut to the spans it owns
+(runtime/distributed/buckets.py), its state buffers as large as the largest rank's share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eulergen.errors import EulerError, suggest
+from eulergen.runtime.engine import newton_schulz
+from eulergen.runtime.model.memory import Planner
+from eulergen.runtime.model.params import parameters, plan_params
+
+KEY = "training.optimizer"
+
+
+@dataclass(frozen=True)
+class UpdateOps:
+    """A run's update ops (manifest entries), resolved once: `main`, the one
+    training.optimizer names, and, where it has a matrix step, `rest`."""
+    main: object
+    rest: object = None
+    slots: tuple[str, ...] = ()    # the control array's: the longest op's control slots
+
+    @property
+    def ops(self) -> tuple:
+        return (self.main,) + ((self.rest,) if self.rest is not None else ())
+
+
+def update_ops(lib, name: str) -> UpdateOps:
+    """The update op `name` (and its matrix step's rest op) from the library, refused with
+    one line naming training.optimizer: no such op ("did you mean"), not an update op, a
+    rest op that is missing or has a matrix step of its own, control slots that disagree."""
+    main = _update_op(lib, name)
+    rest = None
+    if main.matrix is not None:
+        rest = _update_op(lib, main.matrix.rest, f" (the rest op of {name}'s matrix step)")
+        if rest.matrix is not None:
+            raise EulerError(f"{name}'s rest op {rest.name!r} has a matrix step too; the "
+                             "parameters it steps are no matrices", key=KEY)
+    slots = [lib.control_slots(op) for op in (main, rest) if op is not None]
+    longest = max(slots, key=len)
+    for op, own in zip((main, rest), slots):
+        if tuple(longest[:len(own)]) != tuple(own):
+            raise EulerError(f"{op.name}'s control slots {own} are no prefix of {longest}: the "
+                             "ops of one optimizer read one control array", key=KEY)
+    return UpdateOps(main, rest, tuple(longest))
+
+
+def _update_op(lib, name: str, what: str = ""):
+    updates = sorted(n for n, op in lib.ops.items() if op.kind == "update")
+    op = lib.ops.get(name)
+    if op is None or op.kind != "update":
+        found = f"no op{suggest(name, updates)}" if op is None else f"a {op.kind} op"
+        raise EulerError(f"{name!r}{what} is {found}; an optimizer is an update op: "
+                         f"{', '.join(updates)}", key=KEY)
+    return op
+
+
+@dataclass(frozen=True)
+class Group:
+    """One launch of an update op: params arena elements [lo, hi), its state from `at` in
+    the op's state buffers; `shape`: a matrix op's parameter, [rows, cols]."""
+    op: str
+    lo: int
+    hi: int
+    at: int
+    decay: bool
+    shape: tuple[int, int] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    ops: UpdateOps
+    groups: tuple[Group, ...]          # the rank's launches, in order
+    owner: tuple[tuple[str, str], ...]  # (parameter, the op that steps it), arena order
+    sizes: tuple[tuple[str, int], ...]  # (op, elements of each of its state buffers)
+    work: int                          # elements of a work buffer (the largest matrix)
+    newton_schulz: int                 # elements of the matrix step's workspace
+
+    def op(self, name: str):
+        return next(o for o in self.ops.ops if o.name == name)
+
+    def buffers(self) -> list[tuple[str, int]]:
+        """The optimizer arena's buffers: (name, elements)."""
+        out, sizes = [], dict(self.sizes)
+        for op in self.ops.ops:
+            for o in state_inputs(op):
+                out.append((f"{op.name}.{o.name}", sizes[op.name]))
+            if op.matrix is not None:
+                out += [(f"{op.name}.{o.name}", self.work) for o in op.inputs if o.role == "work"]
+                out.append((f"{op.name}.newton_schulz", self.newton_schulz))
+        return [(n, size) for n, size in out if size]
+
+
+def state_inputs(op) -> list:
+    """An update op's state buffers: its `state` inputs but the first (the weight)."""
+    states = [o for o in op.inputs if o.role == "state"]
+    return states[1:]
+
+
+def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerPlan:
+    """The launches and state of `ops` over an Arch's parameters: ranges of one op and one
+    weight-decay choice (the decayed matrices lie first: runtime/model/params.py), a matrix
+    op's parameters one by one; with ZeRO-1 `buckets`, rank `rank`'s share of them."""
+    p = Planner()
+    plan_params(p, a, "float32")   # offsets in elements: the same in every dtype
+    layout = p.plan()
+    total = layout.arena("params").size
+    main, matrix = ops.main, ops.main.matrix is not None
+    if matrix and buckets is not None and buckets.zero:
+        raise EulerError(f"ZeRO-1 shares the update by elements; {main.name}'s matrix step "
+                         "needs whole matrices (training.zero=0)", key="training.zero")
+    owner, groups = [], []
+    specs = sorted(parameters(a), key=lambda s: layout.buffer(s.name).offset)
+    for s in specs:
+        b = layout.buffer(s.name)
+        op = main if not matrix or s.linear else ops.rest
+        owner.append((s.name, op.name))
+        whole = matrix and op is main
+        if groups and not whole and groups[-1].shape is None and \
+                (groups[-1].op, groups[-1].decay) == (op.name, s.decay):
+            continue   # the range goes on
+        if groups and groups[-1].shape is None:   # a range ends where the next starts
+            groups[-1] = Group(groups[-1].op, groups[-1].lo, b.offset, 0, groups[-1].decay)
+        groups.append(Group(op.name, b.offset, b.offset + b.size, 0, s.decay,
+                            tuple(s.shape) if whole else None))
+    if groups[-1].shape is None:
+        groups[-1] = Group(groups[-1].op, groups[-1].lo, total, 0, groups[-1].decay)
+    ranks = range(buckets.ranks) if buckets is not None and buckets.zero else (0,)
+    shares = {r: _share(groups, buckets.owned(r) if buckets is not None else None) for r in ranks}
+    sizes = {op.name: max(sum(g.size for g in shares[r] if g.op == op.name) for r in ranks)
+             for op in ops.ops}
+    shapes = [g.shape for g in groups if g.shape is not None]
+    return OptimizerPlan(ops, shares[rank], tuple(owner), tuple(sizes.items()),
+                         max((r * c for r, c in shapes), default=0),
+                         max((newton_schulz.workspace_elements(*sh) for sh in shapes), default=0))
+
+
+def _share(groups: list[Group], owned) -> tuple[Group, ...]:
+    """The groups cut to the spans a rank owns (None: all of them), each op's state laid
+    out piece after piece in that order."""
+    pieces, at = [], {}
+    for s in owned if owned is not None else (None,):
+        for g in groups:
+            lo, hi = (g.lo, g.hi) if s is None else (max(g.lo, s.lo), min(g.hi, s.hi))
+            if lo < hi:
+                pieces.append(Group(g.op, lo, hi, at.get(g.op, 0), g.decay, g.shape))
+                at[g.op] = at.get(g.op, 0) + hi - lo
+    return tuple(pieces)

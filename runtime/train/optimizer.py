@@ -1,0 +1,130 @@
+"""The optimizer over the model's flat arenas: its update ops (`training.optimizer`,
+runtime/model/optimizer_plan.py) launched over ranges of the params, grads and optimizer
+arenas (a matrix op over each matrix alone), all reading the step's one control array,
+and their state as a checkpoint holds it: `<state>.<param>` (adamw's m.<param> and
+v.<param>), whole (with ZeRO-1 gathered to rank 0 and split again on a resume, so a
+checkpoint does not depend on the world size)."""
+from __future__ import annotations
+
+import numpy as np
+
+from eulergen.errors import EulerError
+from eulergen.runtime.model.gpt import GPT
+from eulergen.runtime.model.memory import upload
+from eulergen.runtime.model.optimizer_plan import UpdateOps, plan_optimizer, state_inputs
+from eulergen.runtime.train.config import TrainingConfig
+
+# training keys an update op's params of these names take (None there: the op's default)
+FROM_CONFIG = {"beta1": "beta1", "beta2": "beta2", "eps": "adam_eps"}
+
+
+class Optimizer:
+    """`lib.step(op, …)` for each of the plan's groups (ZeRO-1, `shards`: the rank's share,
+    runtime/distributed/data_parallel.py; else every parameter). The learning rate, the
+    update count (adamw's bias correction counts applied updates only), whether to skip
+    and the clip scale come from an array on the device (`control`, in `slots`:
+    step_control.decide writes them). The float32 master weights and state are updated
+    (from bf16 gradients in a bf16 run: the ops' bf16 kernels, which write the model's bf16
+    copy of the same range in the same pass). An op's `weight_decay` is the config's on
+    the decayed parameters (the matrices) and 0 on the rest."""
+
+    def __init__(self, model: GPT, ops: UpdateOps, t: TrainingConfig, shards=None):
+        self.model, self.ops, self.shards = model, ops, shards
+        self.plan = plan_optimizer(model.arch, ops, shards.plan if shards else None,
+                                   rank=shards.rank if shards else 0)
+        self.slots = ops.slots
+        mem = model.mem
+        missing = [n for n, _ in self.plan.buffers() if n not in mem]
+        if missing:
+            raise EulerError(f"the model's plan holds no {missing[0]} (build or plan the "
+                             "model with optimizer=)", key="training.optimizer")
+        self.launches = []
+        for g in self.plan.groups:
+            op = self.plan.op(g.op)
+            arrays = [self._array(op, o, g) for o in op.inputs]
+            copy = mem.arenas["params_bf16"][g.lo:g.hi] if model.bf16 else None
+            extra = {}
+            if g.shape is not None:   # one matrix: [rows, cols] views, its GEMMs the model's
+                copy = None if copy is None else copy.reshape(g.shape)
+                extra = {"gemm": model.tape.gemm, "workspace": mem[f"{op.name}.newton_schulz"]}
+            # its own control slots: the first of the shared array's (update_ops checks)
+            own = len(model.lib.control_slots(op))
+            self.launches.append((op, arrays, copy, own, {**_params(op, t, g.decay), **extra}))
+
+    def _array(self, op, o, g):
+        """The view of input `o` of `op` that group g's launch takes."""
+        mem, n = self.model.mem, g.size
+        if o.role == "grad":
+            a = mem.arenas["grads"][g.lo:g.hi]
+        elif o.role == "work":
+            a = mem[f"{op.name}.{o.name}"][:n]
+        elif o in state_inputs(op):
+            a = mem[f"{op.name}.{o.name}"][g.at:g.at + n]
+        else:   # the weight
+            a = mem.arenas["params"][g.lo:g.hi]
+        return a if g.shape is None else a.reshape(g.shape)
+
+    def step(self, control) -> None:
+        lib = self.model.lib
+        for op, arrays, copy, own, params in self.launches:
+            lib.step(op, *arrays, control=control[:own], copy=copy, **params)
+
+    # -- checkpoints: whole tensors by name ------------------------------------------------
+
+    def _states(self):
+        """(op, state input, the parameters it steps) of each state buffer."""
+        owners = self.plan.owner
+        for op in self.ops.ops:
+            params = [p for p, o in owners if o == op.name]
+            for s in state_inputs(op):
+                yield op, s.name, params
+
+    def state_dict(self) -> dict:
+        """Each state by parameter, `<state>.<param>`, whole (ZeRO: gathered to rank 0; the
+        other ranks get {})."""
+        mem, plan, out = self.model.mem, self.model.mem.plan, {}
+        total = plan.arena("params").size
+        for op, state, params in self._states():
+            buf = self.model.backend.asnumpy(mem[f"{op.name}.{state}"])
+            full = np.zeros(total, buf.dtype)
+            for g in self.plan.groups:
+                if g.op == op.name:
+                    full[g.lo:g.hi] = buf[g.at:g.at + g.size]
+            if self.shards:   # every rank takes part in every gather
+                full = self.shards.gather(self.shards.compact(full),
+                                          f"the {op.name}.{state} gather")
+            for name in params if full is not None else ():
+                b = plan.buffer(name)
+                out[f"{state}.{name}"] = full[b.offset:b.offset + b.size].reshape(b.shape).copy()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        mem, plan = self.model.mem, self.model.mem.plan
+        want = {f"{s}.{p}" for _, s, params in self._states() for p in params}
+        extra = sorted(set(state) - want)
+        if extra:
+            raise EulerError(f"optimizer state holds {extra[0]}, which {self.ops.main.name} has "
+                             "no place for (a checkpoint of another optimizer?)", key="checkpoint")
+        for op, s, params in self._states():
+            buf = mem[f"{op.name}.{s}"]
+            full = np.zeros(plan.arena("params").size, buf.dtype)
+            for name in params:
+                if f"{s}.{name}" not in state:
+                    raise EulerError(f"optimizer state lacks {s}.{name}", key="checkpoint")
+                b = plan.buffer(name)
+                full[b.offset:b.offset + b.size] = state[f"{s}.{name}"].reshape(-1)
+            flat = np.zeros(buf.size, buf.dtype)
+            for g in self.plan.groups:
+                if g.op == op.name:
+                    flat[g.at:g.at + g.size] = full[g.lo:g.hi]
+            upload(buf, flat)
+
+
+def _params(op, t: TrainingConfig, decay: bool) -> dict:
+    """The values of an op's params that the config gives: weight_decay (the config's on
+    decayed parameters, else 0), and adamw's betas and eps where the config sets them."""
+    out = {k: getattr(t, key) for k, key in FROM_CONFIG.items()
+           if k in op.params and getattr(t, key) is not None}
+    if "weight_decay" in op.params:
+        out["weight_decay"] = t.weight_decay if decay else 0.0
+    return out

@@ -1,0 +1,213 @@
+"""training.optimizer on numpy: the shipped update ops (lion, sgd_momentum, muon) against
+references written here, which op steps each parameter and where its state lies, their
+checkpoints resumed bitwise, and the names and combinations refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eulergen.errors import EulerError
+from eulergen.runtime.engine.backend import NUMPY
+from eulergen.runtime.engine.ops import OpLibrary
+from eulergen.runtime.model.arch import arch_of
+from eulergen.runtime.model.optimizer_plan import plan_optimizer, update_ops
+from eulergen.runtime.model.params import parameters
+from eulergen.runtime.train import checkpoint
+from eulergen.runtime.train.config import load_config
+from eulergen.runtime.train.trainer import Trainer
+from runs import losses
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+F32 = np.float32
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return OpLibrary(NUMPY)
+
+
+def _orthogonalise(u, steps=5, eps=1e-7):
+    """modded-nanogpt's zeropower_via_newtonschulz5, in float32."""
+    a, b, c = (F32(k) for k in QUINTIC)
+    x = u / (np.sqrt(np.sum(u * u)) + F32(eps))
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(steps):
+        A = x @ x.T
+        B = b * A + c * (A @ A)
+        x = a * x + B @ x
+    return x.T if tall else x
+
+
+def _muon(p, g, m, lr, momentum=F32(0.95), scale=F32(5.0)):
+    """Nesterov momentum, its update orthogonalised, scaled by sqrt(max(1, rows/cols)) and
+    muon.yaml's lr_scale (its learning rate over the run's)."""
+    m = momentum * m + g
+    o = _orthogonalise(g + momentum * m)
+    rows, cols = p.shape
+    return p - lr * scale * F32(np.sqrt(max(1.0, rows / cols))) * o, m
+
+
+@pytest.mark.parametrize("shape", [(24, 80), (80, 24), (48, 48)])
+def test_muon_matches_newton_schulz_written_here_in_float32(lib, shape):
+    """Three steps of lib.step("muon") (its generated phases around the runtime's GEMMs)
+    within 1e-5 of the reference: float32 rounding only (the same products, summed in
+    another order by the GEMMs)."""
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(shape).astype(F32)
+    m, u = np.zeros(shape, F32), np.zeros(shape, F32)
+    want, wm = p.copy(), m.copy()
+    lr = F32(1e-2)
+    for _ in range(3):
+        g = rng.standard_normal(shape).astype(F32)
+        lib.step("muon", p, g, m, u, control=np.array([0, 1, lr], F32))
+        want, wm = _muon(want, g, wm, lr)
+        assert want.dtype == F32
+        err = np.abs(p - want).max() / np.abs(want).max()
+        assert err < 1e-5, f"muon {shape}: {err:.2e}"
+        np.testing.assert_array_equal(m, wm)
+
+
+def test_a_skipped_muon_step_writes_nothing(lib):
+    rng = np.random.default_rng(1)
+    p, g, m = (rng.standard_normal((16, 32)).astype(F32) for _ in range(3))
+    before = p.copy(), m.copy()
+    lib.step("muon", p, g, m, np.zeros_like(p), control=np.array([1, 1, 1e-2], F32))
+    assert np.array_equal(p, before[0]) and np.array_equal(m, before[1])
+
+
+def test_lion_and_sgd_momentum_match_their_definitions(lib):
+    rng = np.random.default_rng(2)
+    p, g, m = (rng.standard_normal(64) for _ in range(3))
+    lr, wd = 1e-2, 0.1
+    state = [p.copy(), m.copy()]
+    lib.step("lion", state[0], g, state[1], lr=lr, weight_decay=wd)
+    c = 0.9 * m + 0.1 * g
+    np.testing.assert_allclose(state[0], p * (1 - lr * wd) - lr * np.sign(c), rtol=1e-15)
+    np.testing.assert_allclose(state[1], 0.99 * m + 0.01 * g, rtol=1e-15)
+    state = [p.copy(), m.copy()]
+    lib.step("sgd_momentum", state[0], g, state[1], lr=lr, weight_decay=wd)
+    b = 0.9 * m + g + wd * p   # torch.optim.SGD: the decay joins the gradient
+    np.testing.assert_allclose(state[1], b, rtol=1e-15)
+    np.testing.assert_allclose(state[0], p - lr * b, rtol=1e-15)
+
+
+def _arch(lib):
+    return arch_of(load_config(None, ["model.num_layers=2"]).model, lib)
+
+
+def test_muon_takes_the_linear_weights_alone_and_adamw_the_rest(lib):
+    a = _arch(lib)
+    plan = plan_optimizer(a, update_ops(lib, "muon"))
+    owner = dict(plan.owner)
+    specs = parameters(a)
+    assert {s.name for s in specs if owner[s.name] == "muon"} == \
+        {s.name for s in specs if s.linear} and "wte.weight" not in \
+        {s.name for s in specs if owner[s.name] == "muon"}
+    matrices = [g for g in plan.groups if g.op == "muon"]
+    assert all(g.shape is not None and g.size == g.shape[0] * g.shape[1] for g in matrices)
+    assert [g.at for g in matrices] == list(np.cumsum([0] + [g.size for g in matrices[:-1]]))
+    rest = [g for g in plan.groups if g.op == "adamw"]
+    assert [g.decay for g in rest] == [True, False]   # the embeddings, then the 1-D ones
+    sizes = dict(plan.sizes)
+    assert sizes["muon"] == sum(g.size for g in matrices)
+    assert sizes["adamw"] == sum(g.size for g in rest)
+    names = dict(plan.buffers())
+    assert set(names) == {"muon.m", "muon.u", "muon.newton_schulz", "adamw.m", "adamw.v"}
+    assert names["muon.u"] == max(g.size for g in matrices)
+
+
+def test_adamw_alone_is_two_ranges_over_every_parameter(lib):
+    a = _arch(lib)
+    plan = plan_optimizer(a, update_ops(lib, "adamw"))
+    lo_hi = [(g.lo, g.hi, g.at, g.decay) for g in plan.groups]
+    end = lo_hi[0][1]
+    assert lo_hi == [(0, end, 0, True), (end, lo_hi[1][1], end, False)]
+    assert dict(plan.buffers()) == {"adamw.m": lo_hi[1][1], "adamw.v": lo_hi[1][1]}
+
+
+@pytest.mark.parametrize("name, says", [
+    ("adamx", "'adamx' is no op (did you mean 'adamw'?); an optimizer is an update op: "
+              "adamw, lion, muon, sgd_momentum"),
+    ("gelu", "'gelu' is a pointwise op; an optimizer is an update op"),
+])
+def test_an_optimizer_that_is_no_update_op_is_refused_naming_the_key(lib, name, says):
+    with pytest.raises(EulerError) as err:
+        update_ops(lib, name)
+    assert err.value.key == "training.optimizer" and says in err.value.message
+
+
+def test_muon_with_zero_is_refused_at_plan_time(lib):
+    from eulergen.runtime.distributed.buckets import plan_buckets
+    a = _arch(lib)
+    with pytest.raises(EulerError, match="needs whole matrices") as err:
+        plan_optimizer(a, update_ops(lib, "muon"), plan_buckets(a, 2, zero=True))
+    assert err.value.key == "training.zero"
+
+
+def _run(shard, run_dir, optimizer, **training):
+    t = dict(batch_size=2, seq_len=16, total_steps=6, warmup_steps=1, eval_every=0,
+             checkpoint_every=3, log_every=1, sample_tokens=0, optimizer=optimizer)
+    t.update(training)
+    return load_config(None, [f"run_dir={run_dir}", f"data.dataset={shard}",
+                              f"data.val_dataset={shard}", "model.hidden_dim=32",
+                              "model.num_layers=1", "model.num_heads=1", "model.num_kv_heads=1",
+                              "model.max_seq_len=16", "model.mlp_hidden=64",
+                              *(f"training.{k}={v}" for k, v in t.items())])
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "muon"])
+def test_a_resumed_run_repeats_the_uninterrupted_losses_bitwise(lib, shard, tmp_path, optimizer):
+    straight = Trainer(_run(shard, tmp_path / "a", optimizer), lib, progress=False,
+                       tensorboard=False).run()
+    Trainer(_run(shard, tmp_path / "b", optimizer), lib, progress=False,
+            tensorboard=False).run(stop_after=4)   # checkpointed at 3; step 4 is lost
+    Trainer(_run(shard, tmp_path / "b", optimizer), lib, resume=True, progress=False,
+            tensorboard=False).run()
+    assert losses(tmp_path / "b") == losses(tmp_path / "a") == straight.losses
+    held = checkpoint.load(checkpoint.latest(tmp_path / "b")).optim
+    a = arch_of(_run(shard, tmp_path, optimizer).model, lib)
+    owner = dict(plan_optimizer(a, update_ops(lib, optimizer)).owner)
+    states = {"lion": {"m"}, "muon": {"m"}, "adamw": {"m", "v"}}
+    assert set(held) == {f"{s}.{p}" for p, op in owner.items() for s in states[op]}
+
+
+def test_an_adamw_checkpoint_keeps_its_names_and_refuses_another_optimizer(lib, shard,
+                                                                            tmp_path):
+    Trainer(_run(shard, tmp_path / "a", "adamw", total_steps=3), lib, progress=False,
+            tensorboard=False).run()
+    held = checkpoint.load(checkpoint.latest(tmp_path / "a")).optim
+    names = [s.name for s in parameters(arch_of(_run(shard, tmp_path, "adamw").model, lib))]
+    assert set(held) == {f"{k}.{n}" for k in "mv" for n in names}   # as before issue 35
+    cfg = _run(shard, tmp_path / "a", "lion", total_steps=4)
+    with pytest.raises(EulerError, match="optimizer state holds v.* which lion has no place"):
+        Trainer(cfg, lib, resume=True, progress=False, tensorboard=False)
+
+
+def test_the_plan_command_shows_each_op_s_state(tmp_path):
+    from click.testing import CliRunner
+
+    from eulergen.cli import main
+    result = CliRunner().invoke(main, ["plan", "--set", "training.optimizer=muon",
+                                       "--set", "model.num_layers=1"])
+    assert result.exit_code == 0, result.output
+    for name in ("muon.m", "muon.u", "muon.newton_schulz", "adamw.m", "adamw.v",
+                 "optimizer total"):
+        assert name in result.output
+
+
+@pytest.mark.parametrize("optimizer, zero", [("sgd_momentum", 1), ("muon", 0)])
+def test_two_ranks_of_4_train_as_one_process_of_8(shard, tmp_path, optimizer, zero):
+    """Data parallel on the CPU collective: sgd_momentum's state shared by ZeRO-1 (each rank
+    its share, gathered whole into the checkpoint), muon on whole gradients (its matrix
+    step needs whole matrices): the losses of 1 x 8 within float32 summation order."""
+    from test_ddp import _on_ranks, _train, max_rel
+    one = _train(shard, tmp_path / "one", 8, optimizer=optimizer)
+    out = _on_ranks(2, lambda c: _train(shard, tmp_path / "two", 4, c, optimizer=optimizer,
+                                        zero=zero, bucket_mb="0.01"), timeout=60)
+    assert not any(isinstance(o, Exception) for o in out), out
+    rel = max_rel(out[0], one)
+    print(f"{optimizer}: 2 x 4 against 1 x 8, max relative loss difference {rel:.2e}")
+    assert rel < 1e-5
+    ours, theirs = checkpoint.load(tmp_path / "two"), checkpoint.load(tmp_path / "one")
+    assert ours.optim.keys() == theirs.optim.keys()
