@@ -26,6 +26,7 @@ def _step_profile():
 
 
 sp = _step_profile()
+spans = sys.modules["step_spans"]   # imported by step_profile from benchmarks/
 B, T = 2, 16
 
 
@@ -137,7 +138,7 @@ def test_the_embedding_backward_bytes_follow_its_kernels(lib):
     # and written (the tied head wrote it first), positions n·C·4 + T·C·4 (wpe's rows)
     want = 36 * n + 8 * V + 4 * n * C + 2 * 5 * C * 4 + 4 * n * C + emb.positions.nbytes
     assert emb.dtable.add
-    assert sp._embedding_bytes(emb, backward=True) == want
+    assert spans._embedding_bytes(emb, backward=True) == want
 
 
 def test_with_bias_epilogues_each_linear_is_its_gemms_alone(lib):
