@@ -34,11 +34,10 @@ class Trained:
         self.weights = open_model(self.run)
         self.tok = load_tokenizer(self.weights.cfg.data)
 
-    def reference(self, lib, **settings) -> list[int]:
-        """`eulergen sample`'s tokens for PROMPT (cli/sample.py's sampler, in fp32 on lib's
-        backend)."""
-        sampler = open_sampler(self.weights, lib, batch=1, dtype="float32",
-                               notify=lambda m: None)
+    def reference(self, lib, dtype="float32", **settings) -> list[int]:
+        """`eulergen sample`'s tokens for PROMPT (cli/sample.py's sampler, in `dtype` on
+        lib's backend)."""
+        sampler = open_sampler(self.weights, lib, batch=1, dtype=dtype, notify=lambda m: None)
         (row,) = sampler.samples(self.tok.encode(PROMPT), TOKENS, stop=self.tok.eot, **settings)
         return row
 

@@ -3,7 +3,9 @@ a RoPE model with grouped-query attention, RMSNorm, SwiGLU with biases and a sof
 score (head dim 64, a size the flash kernels take), trained a few steps on numpy, exported,
 built with `make cuda` and run. Its greedy tokens equal `eulergen sample`'s on CuPy in fp32
 for 200 tokens, through the cache's crops (both compute in float32, in other orders: only a
-tie between the top two logits could part them); a seeded sample repeats itself."""
+tie between the top two logits could part them), and `eulergen sample` in bf16 (bf16 weights
+and activations, float32 sums) agrees with it on the first 32; a seeded sample repeats
+itself."""
 from __future__ import annotations
 
 import shutil
@@ -37,6 +39,12 @@ def built(cp, tmp_path_factory, shard) -> Trained:
 def test_greedy_tokens_equal_eulergen_sample_on_cupy_in_fp32(built):
     want = built.reference(OpLibrary(get_backend("cuda"), built.manifests), temperature=0)
     assert ids(built.out / "run_cuda", "--temperature", "0") == want and len(want) == TOKENS
+
+
+def test_greedy_tokens_of_eulergen_sample_in_bf16_agree_on_the_first_32(built):
+    want = built.reference(OpLibrary(get_backend("cuda"), built.manifests), dtype="bf16",
+                           temperature=0)
+    assert ids(built.out / "run_cuda", "--temperature", "0")[:32] == want[:32]
 
 
 def test_a_seeded_sample_repeats_itself(built):
