@@ -5,6 +5,7 @@
 #        10-minute call (autocast: the converge side of training.precision=autocast and its
 #        step time beside bf16's; its table merged with saved runs by converge.py --report):
 #        PRESET=nanoeuler for converge, PRESETS=a,b and BATCH=8 for baseline and sizes, MODES=m1,m2 for baseline,
+#        RECOMPUTE=1 for sizes (a training.recompute=blocks row beside each),
 #        DEADLINE=seconds for the benchmark stages, 530 by default)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 EULERGEN_CACHE=/tmp/eulergen-cache
@@ -24,7 +25,7 @@ for stage in "$@"; do
     scale)     timeout 300 python3 -m pytest -m gpu tests/gpu/test_scale_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/scale.log" ;;
     converge)  timeout 570 python3 benchmarks/converge.py --preset "${PRESET:-gpt2}" --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/converge.log" ;;
     baseline)  timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2}" --batch "${BATCH:-8,16}" ${MODES:+--modes $MODES} --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/baseline.log" ;;
-    sizes)     timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2-medium,nanoeuler-medium}" --batch "${BATCH:-8,16}" --modes default --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/sizes.log" ;;
+    sizes)     timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2-medium,nanoeuler-medium}" --batch "${BATCH:-8,16}" --modes default ${RECOMPUTE:+--recompute} --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/sizes.log" ;;
     longctx)   timeout 570 python3 benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 --batch 2 --modes default --sdpa flash,cudnn --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/longctx.log" ;;
     autocast)  { timeout 340 python3 benchmarks/converge.py --preset "${PRESET:-gpt2}" --sides eulergen-autocast --deadline 330 --out "$OUT" && timeout 220 python3 benchmarks/train.py --dtype bf16 --autocast --presets "${PRESET:-gpt2}" --modes eager --llmc "" --deadline 200 --out "$OUT"; } 2>&1 | tee "$OUT/autocast.log" ;;
     *) echo "unknown stage $stage" ;;
