@@ -19,7 +19,7 @@ import numpy as np
 import sympy as sp
 
 from eulergen.errors import EulerError, suggest
-from eulergen.generator import c_text, formula, ir, numpy_text
+from eulergen.generator import c_update, formula, ir, numpy_text
 from eulergen.generator.emit import block
 from eulergen.generator.gradcheck import EXTREMES, Row, rel_err
 from eulergen.generator.kinds.base import OpKind
@@ -27,7 +27,7 @@ from eulergen.generator.numeric import compile_exprs
 from eulergen.generator.opspec import Formula, identifier, role_inputs, symbol
 from eulergen.generator.plan import CTYPE, update_launch
 from eulergen.generator.stage_plan import OpPlan, entries, stage
-from eulergen.signature import AUTOCAST, CONTROL, CFunction, KernelSig, bf16_copy
+from eulergen.signature import AUTOCAST, CONTROL, KernelSig, bf16_copy
 
 SHAPE = ("rows", "cols")   # a matrix op's symbols: the parameter's shape
 SUMSQ = "_sumsq"           # the normalize kernel's pointer to the work input's sum of squares
@@ -215,44 +215,11 @@ class Update(OpKind):
                            "rest": mx.rest}}
 
     def c_source(self, op, header):
-        """step over n elements, the float32 kernel's parameters (the control array among
-        them): each formula an element function, called in order on the element's locals,
-        so a later one reads the new value of an earlier one. None for an op with a matrix
-        step (its Newton-Schulz GEMMs are the runtime's)."""
-        body: ir.UpdateDerived = op.body
-        if body.matrix is not None:
+        """step over n elements (generator/c_update.py); None for an op with a matrix step
+        (its Newton-Schulz GEMMs are the runtime's)."""
+        if op.body.matrix is not None:
             return None
-        slots = control(op)
-        fixed = _fixed(op)
-        fn = CFunction(f"{op.name}_step", tuple(
-            (o.name, "const float*" if o.role == "grad" else "float*") for o in op.inputs)
-            + (("control", "const float*"),) + tuple((n, "float") for n in fixed)
-            + (("n", "long long"),), "step")
-        ins = [o.name for o in op.inputs]
-        order = ins + [p.name for p in op.params]
-        at = {n: f"{n}_" for n in ins}
-        text = [line for a in body.step.results
-                for line in c_text.element(op, f"{op.name}_{a.name}", body.step, a.name, order)]
-        text += [c_text.opening(fn),
-                 f"  if (control[{slots.index('skip')}] != 0.0f) return;   /* skipped */",
-                 f"  const float grad_scale_ = control[{slots.index('grad_scale')}];",
-                 *(f"  const float {n} = control[{i}];" for i, n in enumerate(slots)
-                   if n not in CONTROL),
-                 "  for (long long i_ = 0; i_ < n; ++i_) {",
-                 *(f"    const float {o.name}_ = {o.name}[i_] * grad_scale_;"
-                   for o in op.inputs if o.role == "grad"),
-                 *(f"    float {o.name}_ = {o.name}[i_];" for o in op.inputs if o.role == "state"),
-                 *(f"    {a.name}_ = "
-                   f"{c_text.call(f'{op.name}_{a.name}', body.step, a.name, order, at)};"
-                   for a in body.step.results),
-                 *(f"    {a.name}[i_] = {a.name}_;" for a in body.step.results),
-                 "  }", "}", ""]
-        about = (f"{op.name}: an optimizer's step in place over n elements, its formulas in "
-                 "order (a later one reads the new value of an earlier one); the values that "
-                 "change from step to step come from `control`, as the kernels read them: a "
-                 "non-zero skip slot leaves everything as it was, the grads are scaled by the "
-                 "grad_scale slot, the runtime params follow.")
-        return ir.RenderedC(c_text.source(header, about, text), (fn,))
+        return c_update.step(op, header, control(op), _fixed(op))
 
 
 KIND = Update()
