@@ -13,9 +13,10 @@ import numpy as np
 TOL = 2e-5
 
 
-def shared_library(files, out) -> ctypes.CDLL:
-    """`files` (each its own translation unit) built into the shared library `out`."""
-    done = subprocess.run(["cc", "-std=c99", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
+def shared_library(files, out, std: str = "c99") -> ctypes.CDLL:
+    """`files` (each its own translation unit) built into the shared library `out` (the
+    generated C is C99; the programs' are C11)."""
+    done = subprocess.run(["cc", f"-std={std}", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
                            "-Wno-unused-function", *map(str, files), "-o", str(out), "-lm"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

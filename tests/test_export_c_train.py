@@ -10,6 +10,7 @@ update count) and samples in `eulergen sample`; `eulergen train --resume` contin
 What it does not cover, and bad files, are refused in one line."""
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import shutil
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from eulergen import GENERATED_DIR, PACKAGE_DIR
+from eulergen import GENERATED_DIR, PACKAGE_DIR, TEMPLATES_DIR
 from eulergen.cli import main
 from eulergen.errors import EulerError
 from eulergen.generator.build import ensure_built
@@ -31,6 +32,7 @@ from eulergen.runtime.train import checkpoint
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.train.continued import checkpoint_of, continued
 from eulergen.runtime.train.trainer import Trainer
+from c_calls import shared_library
 from exported import SHORT, USER_OPS, cache, program  # noqa: F401 (cache: a fixture)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("make") is None,
@@ -157,6 +159,20 @@ def test_forward_and_backward_are_the_tapes_calls(user):
                  "softcap_attention_backward(", "cross_entropy_backward(", "embedding_backward("):
         assert name in backward, name
     assert "lion_step(" in (user.out / "training.c").read_text(), "the run's optimizer's C"
+
+
+def test_the_batch_order_is_numpys_permutation(tmp_path):
+    """data.c's default_rng(words).permutation(n): seeds of one word, of several, past 2^32,
+    and lengths past 2^16 (its draws of 32 bits)."""
+    c = TEMPLATES_DIR / "c"
+    so = shared_library([c / "data.c", c / "files.c", c / "error.c"], tmp_path / "data.so",
+                        std="c11")
+    for words in ([1337, 0], [1337, 2, 1], [0], [2**40 + 5, 7]):
+        for n in (1, 2, 31, 70000):
+            got = np.empty(n, np.int64)
+            so.data_permutation((ctypes.c_uint64 * len(words))(*words), len(words),
+                                ctypes.c_longlong(n), got.ctypes.data_as(ctypes.c_void_p))
+            assert np.array_equal(got, np.random.default_rng(words).permutation(n)), (words, n)
 
 
 def _fails(binary, *args, started: bool = False) -> str:
