@@ -24,6 +24,7 @@ from pathlib import Path
 from eulergen import GENERATED_DIR, OPS_DIR, PACKAGE_DIR, TEMPLATES_DIR, __version__, cache_dir
 from eulergen.files import write_atomic
 from eulergen.generator import derived_cache, ir, ops_path
+from eulergen.generator.derived_cache import TRAIN_C
 from eulergen.userfiles import read_bytes
 
 FORMAT = 3
@@ -141,18 +142,23 @@ def _render_op(derived: ir.DerivedOp, data: bytes,
         entry["fusions"] = fusions
     if derived.fast_math:  # the runtime compiles this op's kernels with --use_fast_math
         entry["fast_math"] = True
-    c = kind.c_source(derived, emit.header(label, derived.spec_sha256))
-    return entry, {entry["cuda"]: cuda, entry["numpy"]: py, **_add_c(entry, derived.name, c)}
+    head = emit.header(label, derived.spec_sha256)
+    c = _add_c(entry, derived.name, kind.c_source(derived, head))
+    c |= _add_c(entry, derived.name, kind.c_train_source(derived, head), TRAIN_C)
+    return entry, {entry["cuda"]: cuda, entry["numpy"]: py, **c}
 
 
-def _add_c(entry: dict, name: str, rendered: ir.RenderedC | None) -> dict[str, bytes]:
-    """The op's C (its kind's, if any) into its entry: file, hash, functions' signatures."""
+def _add_c(entry: dict, name: str, rendered: ir.RenderedC | None,
+           key: str = "c") -> dict[str, bytes]:
+    """The op's C (its kind's, if any) into its entry: file, hash, functions' signatures;
+    `key` TRAIN_C: the C of training, <op>.train.c (an op's name has no dot: no clash)."""
     if rendered is None:
         return {}
     c = rendered.source.encode()
-    entry.update({"c": f"c/{name}.c", "c_sha256": _sha(c),
-                  "c_functions": {f.name: f.to_json() for f in rendered.functions}})
-    return {entry["c"]: c}
+    entry.update({key: f"c/{name}{'.train' if key == TRAIN_C else ''}.c",
+                  f"{key}_sha256": _sha(c)})
+    entry.setdefault("c_functions", {}).update({f.name: f.to_json() for f in rendered.functions})
+    return {entry[key]: c}
 
 
 def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
@@ -170,7 +176,9 @@ def _render_alone(kind, fingerprint: str) -> tuple[dict, dict[str, bytes]]:
         "template": kind.template_label, "templates": [emit.file_label(t) for t in templates],
         "kernels": _kernels(rendered),
         "build_key": _template_key(fingerprint, COMMON_TEMPLATE, *templates)}
-    c = _add_c(entry, kind.name, kind.c_alone(emit.header(kind.template_label, sha)))
+    head = emit.header(kind.template_label, sha)
+    c = _add_c(entry, kind.name, kind.c_alone(head))
+    c |= _add_c(entry, kind.name, kind.c_train_alone(head), TRAIN_C)
     return entry, {entry["cuda"]: cuda, **c}
 
 

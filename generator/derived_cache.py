@@ -17,6 +17,8 @@ from eulergen import PACKAGE_DIR, cache_dir
 from eulergen.files import write_atomic
 
 ENTRY = "entry.json"
+TRAIN_C = "c_train"   # the manifest key of an op's C of training (docs/internals.md, "Manifest")
+FILES = ("cuda", "numpy", "c", TRAIN_C)   # the manifest keys of an op's files, each with a _sha256
 
 
 def reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None:
@@ -24,7 +26,7 @@ def reusable(prev: dict | None, key: str, root: Path) -> dict[str, bytes] | None
     if not prev or prev.get("build_key") != key:
         return None
     files = {}
-    for path_key in ("cuda", "numpy", "c"):
+    for path_key in FILES:
         rel, sha_key = prev.get(path_key), f"{path_key}_sha256"
         if rel is None:
             continue

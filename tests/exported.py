@@ -1,9 +1,12 @@
-"""What the tests of `eulergen export-c` share (tests/test_export_c.py on the CPU,
-tests/gpu/test_export_c_gpu.py on a GPU): a run trained a few steps on numpy, `make` in an
-exported folder, the program's runs, and `eulergen sample`'s tokens to hold them against."""
+"""What the tests of `eulergen export-c` share (tests/test_export_c.py and
+test_export_c_train.py on the CPU, tests/gpu/test_export_c_gpu.py on a GPU): a user's own
+ops, a run trained a few steps on numpy, `make` in an exported folder, the program's runs,
+`eulergen sample`'s tokens to hold them against, and a module's cache of its own."""
 from __future__ import annotations
 
 import subprocess
+
+import pytest
 
 from eulergen.generator.build import ensure_built
 from eulergen.runtime.data.tokenizer import load_tokenizer
@@ -16,6 +19,29 @@ from eulergen.runtime.train.trainer import Trainer
 
 PROMPT = "def "
 TOKENS = 200          # past the context: the cache crops, in C as in the sampler
+
+# a user's own: a gated activation with a param, a norm, over RoPE, GQA and a soft cap
+USER_OPS = {
+    "bswiglu.yaml": """\
+name: bswiglu
+kind: pointwise
+doc: a gated SiLU whose gate has a slope, a·sigmoid(beta·a)·b
+inputs: [a, b]
+params: {beta: 1.5}
+outputs:
+  y: a*sigmoid(beta*a)*b
+""",
+    "rmsnorm_plus.yaml": """\
+name: rmsnorm_plus
+kind: row
+doc: RMSNorm with eps outside the root
+inputs: {x: row, w: weight}
+params: {eps: 1.0e-5}
+reduce:
+  ms: mean(x**2)
+outputs:
+  y: w*x/(sqrt(ms) + eps)
+"""}
 SHORT = ["training.batch_size=4", "training.warmup_steps=1", "training.eval_every=0",
          "training.sample_tokens=0"]
 
@@ -58,3 +84,12 @@ def ids(binary, *args) -> list[int]:
     done = program(binary, "--prompt", PROMPT, "--max-new-tokens", str(TOKENS), "--ids", *args)
     assert done.returncode == 0, done.stderr
     return [int(t) for t in done.stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A cache of the module's own (user ops build into it), and no EULERGEN_OPS_PATH."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EULERGEN_CACHE", str(tmp_path_factory.mktemp("cache")))
+        mp.delenv("EULERGEN_OPS_PATH", raising=False)
+        yield

@@ -22,32 +22,10 @@ from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.interop.c_export import export_c
 from eulergen.runtime.model.arch import arch_of
-from exported import PROMPT, TOKENS, Trained, ids, make, program
+from exported import PROMPT, TOKENS, USER_OPS, Trained, cache, ids, make, program  # noqa: F401 (cache: a fixture)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("make") is None,
                                 reason="no C compiler or make")
-# a user's own: a gated activation with a param, a norm, over RoPE, GQA and a soft cap
-USER_OPS = {
-    "bswiglu.yaml": """\
-name: bswiglu
-kind: pointwise
-doc: a gated SiLU whose gate has a slope, a·sigmoid(beta·a)·b
-inputs: [a, b]
-params: {beta: 1.5}
-outputs:
-  y: a*sigmoid(beta*a)*b
-""",
-    "rmsnorm_plus.yaml": """\
-name: rmsnorm_plus
-kind: row
-doc: RMSNorm with eps outside the root
-inputs: {x: row, w: weight}
-params: {eps: 1.0e-5}
-reduce:
-  ms: mean(x**2)
-outputs:
-  y: w*x/(sqrt(ms) + eps)
-"""}
 USER_MODEL = ["model.preset=nanoeuler", "model.hidden_dim=64", "model.num_layers=2",
               "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_hidden=96",
               "model.vocab_size=256", "model.max_seq_len=32", "training.seq_len=32",
@@ -57,14 +35,6 @@ USER_MODEL = ["model.preset=nanoeuler", "model.hidden_dim=64", "model.num_layers
 
 def _export(run, out):
     return CliRunner().invoke(main, ["export-c", str(run), "--out", str(out)])
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EULERGEN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        mp.delenv("EULERGEN_OPS_PATH", raising=False)
-        yield
 
 
 @pytest.fixture(scope="module")

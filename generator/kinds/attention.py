@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eulergen.generator import c_text, formula, ir
+from eulergen.generator import c_attention, c_text, formula, ir
 from eulergen.generator.differentiate import diff
 from eulergen.generator.gradcheck import EPS, EXTREMES, Row, rel_err
 from eulergen.generator.kinds.base import OpKind
@@ -18,7 +18,6 @@ from eulergen.generator.opspec import Formula, symbol
 from eulergen.generator.plan_attention import (H, I, J, N_HEADS, S, SCALE, check_symbols,
                                               plan_attention)
 from eulergen.generator.render_attention import render_attention
-from eulergen.signature import CFunction
 
 
 class Attention(OpKind):
@@ -70,69 +69,25 @@ class Attention(OpKind):
         """decode: new queries at positions pos0 … over a KV cache, as the numpy module's
         decode computes it (every visible score, their max, then the weights)."""
         check_symbols(op)
-        body: ir.AttentionDerived = op.body
-        params = [p.name for p in op.params]
-        operands = ("q", "k", "v", "o")
-        fn = CFunction(f"{op.name}_decode", tuple(
-            (n, "float*" if n == "o" else "const float*") for n in operands)
-            + tuple((n, "int") for n in ("tq", "pos0", "batch", "n_heads", "n_kv_heads",
-                                         "head_dim"))
-            + tuple((f"{n}_{s}", "long long") for n in operands for s in ("sb", "st", "sh"))
-            + c_text.floats(op), "decode")
-        order = ["s", "i", "j", "h", "n_heads", "scale", *params]
-        at = {"s": "s_", "i": "(float)i_", "j": "(float)j_", "h": "(float)h_",
-              "n_heads": "(float)n_heads", "scale": "scale_"}
-        score = ir.Code((), (ir.Assign("score", body.score),))
-        text = c_text.element(op, f"{op.name}_score", score, "score", order)
-        visible = "1"
-        if body.mask is not None:
-            mask = ir.Code((), (ir.Assign("visible", body.mask),))
-            text += c_text.element(op, f"{op.name}_visible", mask, "visible", order, "bool")
-            visible = c_text.call(f"{op.name}_visible", mask, "visible", order, at)
-        text += [
-            c_text.opening(fn),
-            "  const float scale_ = (float)(1.0 / sqrt((double)head_dim));",
-            "  const int keys_ = pos0 + tq, group_ = n_heads / n_kv_heads;",
-            "  float* scores_ = malloc(sizeof(float) * keys_);",
-            "  for (int b_ = 0; b_ < batch; ++b_)",
-            "    for (int t_ = 0; t_ < tq; ++t_)",
-            "      for (int h_ = 0; h_ < n_heads; ++h_) {",
-            "        const int i_ = pos0 + t_, kv_ = h_ / group_;",
-            "        const float* q_at_ = q + b_ * q_sb + t_ * q_st + h_ * q_sh;",
-            "        float* o_at_ = o + b_ * o_sb + t_ * o_st + h_ * o_sh;",
-            "        float max_ = -INFINITY;",
-            "        for (int j_ = 0; j_ < keys_; ++j_) {",
-            f"          if (!{visible}) {{",
-            "            scores_[j_] = -INFINITY;",
-            "            continue;",
-            "          }",
-            "          const float* k_at_ = k + b_ * k_sb + j_ * k_st + kv_ * k_sh;",
-            "          float s_ = 0.0f;",
-            "          for (int d_ = 0; d_ < head_dim; ++d_) s_ += q_at_[d_] * k_at_[d_];",
-            f"          scores_[j_] = "
-            f"{c_text.call(f'{op.name}_score', score, 'score', order, at)};",
-            "          max_ = fmaxf(max_, scores_[j_]);",
-            "        }",
-            "        for (int d_ = 0; d_ < head_dim; ++d_) o_at_[d_] = 0.0f;",
-            "        if (max_ == -INFINITY) continue;   /* no visible key: o = 0 */",
-            "        float total_ = 0.0f;",
-            "        for (int j_ = 0; j_ < keys_; ++j_) {",
-            "          if (scores_[j_] == -INFINITY) continue;",
-            "          const float p_ = expf(scores_[j_] - max_);",
-            "          const float* v_at_ = v + b_ * v_sb + j_ * v_st + kv_ * v_sh;",
-            "          total_ += p_;",
-            "          for (int d_ = 0; d_ < head_dim; ++d_) o_at_[d_] += p_ * v_at_[d_];",
-            "        }",
-            "        for (int d_ = 0; d_ < head_dim; ++d_) o_at_[d_] /= total_;",
-            "      }",
-            "  free(scores_);",
-            "}", ""]
+        text, fn = c_attention.decode(op)
         about = (f"{op.name}: softmax attention of queries q [batch, tq, n_heads, head_dim] at "
                  "positions pos0 … over the keys and values of cache rows 0 … pos0 + tq - 1 "
                  "(query head h reads kv head h / (n_heads / n_kv_heads)); a row with no "
                  "visible key gives o = 0. The softmax around the score is hand-written, as "
                  "in the CUDA templates; the score and the mask are the spec's.")
         return ir.RenderedC(c_text.source(header, about, text, ("stdlib.h",)), (fn,))
+
+    def c_train_source(self, op, header):
+        """forward (o and each row's lse) over whole sequences, and backward, as the numpy
+        module computes them."""
+        check_symbols(op)
+        text, fns = c_attention.train(op)
+        about = (f"{op.name}: softmax attention over whole sequences, q, o [batch, T, n_heads, "
+                 "head_dim], k, v [batch, T, n_kv_heads, head_dim] by their strides, lse "
+                 "[batch, n_heads, T], and its backward (a key that is not visible gets no "
+                 "gradient). The softmax around the score is hand-written, as in the CUDA "
+                 "templates; the score, its derivative and the mask are the spec's.")
+        return ir.RenderedC(c_text.source(header, about, text, ("stdlib.h",)), fns)
 
 
 KIND = Attention()

@@ -44,7 +44,7 @@ class OpKind:
     # ---- the stages' questions ----------------------------------------------------------
     # A kind of specs answers derive, check, plan, render and numpy_source, and those below
     # where their defaults do not serve it; a kind without, render_alone. Either may print
-    # C (c_source, c_alone).
+    # C (c_source, c_alone) and the C of training (c_train_source, c_train_alone).
 
     def derive(self, spec, temps) -> tuple:
         """(body, inputs, outputs: ir.Operands) of an OpSpec's DerivedOp
@@ -80,6 +80,17 @@ class OpKind:
 
     def c_alone(self, header: str) -> ir.RenderedC | None:
         """A kind without specs: its op's C functions (None: none)."""
+        return None
+
+    def c_train_source(self, op: ir.DerivedOp, header: str) -> ir.RenderedC | None:
+        """The C functions of the calls only training makes (the backward, attention's
+        forward over whole sequences), printed from the same derived expressions, for
+        `eulergen export-c --train` (generated/c/<op>.train.c); None: the kind has none,
+        and export-c --train refuses a model that trains its ops."""
+        return None
+
+    def c_train_alone(self, header: str) -> ir.RenderedC | None:
+        """A kind without specs: its op's C functions of training (None: none)."""
         return None
 
     def read_operands(self, doc, data: dict, names) -> dict:

@@ -72,6 +72,38 @@ class Embedding(OpKind):
                  "rows of C columns; ids are in [0, V), which the caller checks.")
         return ir.RenderedC(c_text.source(header, about, text), (fn,))
 
+    def c_train_alone(self, header):
+        """The backward, as the numpy reference sums it (runtime/engine/kinds/embedding.py)."""
+        fn = CFunction("embedding_backward", (
+            ("ids", "const int*"), ("dout", "const float*"), ("dwte", "float*"),
+            ("dwpe", "float*"), ("BT", "long long"), ("T", "int"), ("C", "int"), ("V", "int"),
+            ("P", "int"), ("add_wte", "int"), ("add_wpe", "int")), "backward")
+        text = [c_text.opening(fn),
+                "  if (!add_wte)",
+                "    for (long long e_ = 0; e_ < (long long)V * C; ++e_) dwte[e_] = 0.0f;",
+                "  for (long long r_ = 0; r_ < BT; ++r_) {   /* in token order */",
+                "    float* row_ = dwte + (long long)ids[r_] * C;",
+                "    for (int c_ = 0; c_ < C; ++c_) row_[c_] += dout[r_ * C + c_];",
+                "  }",
+                "  if (!dwpe) return;",
+                "  if (!add_wpe)",
+                "    for (long long e_ = (long long)T * C; e_ < (long long)P * C; ++e_) "
+                "dwpe[e_] = 0.0f;",
+                "  for (int t_ = 0; t_ < T; ++t_)",
+                "    for (int c_ = 0; c_ < C; ++c_) {",
+                "      float sum_ = dout[(long long)t_ * C + c_];   /* over the batch, in order */",
+                "      for (long long b_ = 1; b_ < BT / T; ++b_) sum_ += dout[(b_ * T + t_) * C + c_];",
+                "      dwpe[(long long)t_ * C + c_] = add_wpe ? dwpe[(long long)t_ * C + c_] + sum_ "
+                ": sum_;",
+                "    }",
+                "}", ""]
+        about = ("embedding: the backward of out[r] = wte[ids[r]] (+ wpe[r % T]) over BT rows of "
+                 "C columns: dwte[ids[r]] += dout[r] in token order, and dwpe[t] the sum over "
+                 "the batch of dout at t (dwpe null: no positions), each added to the gradient "
+                 "where add_wte, add_wpe say so, else written (dwte's V rows, dwpe's P, zero "
+                 "where no token adds).")
+        return ir.RenderedC(c_text.source(header, about, text), (fn,))
+
 
 KIND = Embedding()
 

@@ -136,43 +136,63 @@ class Pair(OpKind):
     def c_source(self, op, header):
         """forward over [B, T, H, D] operands given by (batch, token, head) strides, as the
         CUDA kernels take them; y may be x."""
-        body: ir.PairDerived = op.body
         ins = [o.name for o in op.inputs]
-        outs = [o.name for o in op.outputs]
-
-        def strided(names, ctype):
-            return tuple(a for n in names for a in ((n, ctype), (f"{n}_sb", "long long"),
-                                                    (f"{n}_st", "long long"),
-                                                    (f"{n}_sh", "long long")))
-        fn = CFunction(f"{op.name}_forward", strided(ins, "const float*")
-                       + strided(outs, "float*") + c_text.floats(op)
-                       + tuple((n, "int") for n in ("B", "T", "H", "D", "pos0")), "forward")
-        halves = [f"{n}{h}" for n in outs for h in "01"]
-        order = [f"{n}{h}" for n in ins for h in "01"] + [n for n, _ in body.index]
-        order += [p.name for p in op.params]
-        at = {f"{n}{h}": f"{n}_at_[k_{' + half_' if h == '1' else ''}]" for n in ins for h in "01"}
-        at |= {n: _C_INDEX[role] for n, role in body.index}
-        text = [line for y in halves
-                for line in c_text.element(op, f"{op.name}_{y}", body.forward, y, order)]
-        text += [c_text.opening(fn), "  const int half_ = D / 2;",
-                 "  for (int b_ = 0; b_ < B; ++b_)", "    for (int t_ = 0; t_ < T; ++t_)",
-                 "      for (int h_ = 0; h_ < H; ++h_) {",
-                 *(f"        {'const ' if n in ins else ''}float* {n}_at_ = {n} + b_ * {n}_sb"
-                   f" + t_ * {n}_st + h_ * {n}_sh;" for n in ins + outs),
-                 "        for (int k_ = 0; k_ < half_; ++k_) {",
-                 *(f"          const float {y}_ = "
-                   f"{c_text.call(f'{op.name}_{y}', body.forward, y, order, at)};"
-                   for y in halves),
-                 *(f"          {y[:-1]}_at_[k_{' + half_' if y[-1] == '1' else ''}] = {y}_;"
-                   for y in halves),
-                 "        }", "      }", "}", ""]
+        text, fn = _c_stage(op, "forward", op.body.forward, ins, [o.name for o in op.outputs])
         about = (f"{op.name}: pairs (k, k + D/2) of the last axis of [B, T, H, D] operands; "
                  "the position is the token's index plus pos0 (the first row's, KV-cache "
                  "decoding).")
         return ir.RenderedC(c_text.source(header, about, text), (fn,))
 
+    def c_train_source(self, op, header):
+        """backward, as the CUDA kernels take it: the operands its code reads, then the
+        d<outputs>, into the d<inputs>; dx may be dy (rope in place)."""
+        body: ir.PairDerived = op.body
+        reads = [n for n in [o.name for o in op.inputs + op.outputs]
+                 if {f"{n}0", f"{n}1"} & body.backward.uses]
+        text, fn = _c_stage(op, "backward", body.backward,
+                            reads + [f"d{o.name}" for o in op.outputs],
+                            [f"d{o.name}" for o in op.inputs if o.differentiable])
+        about = (f"{op.name}: the backward of pairs (k, k + D/2) of the last axis of "
+                 "[B, T, H, D] operands, the transpose of their rotation; the position is the "
+                 "token's index plus pos0.")
+        return ir.RenderedC(c_text.source(header, about, text), (fn,))
+
 
 KIND = Pair()
+
+
+def _c_stage(op: ir.DerivedOp, stage: str, code: ir.Code, ins: list[str],
+             outs: list[str]) -> tuple[list[str], CFunction]:
+    """One stage's element functions (a half of an output each) and its C function, which
+    loops over (b, t, h) and the pairs k; every half is computed before any is stored."""
+    body: ir.PairDerived = op.body
+
+    def strided(names, ctype):
+        return tuple(a for n in names for a in ((n, ctype), (f"{n}_sb", "long long"),
+                                                (f"{n}_st", "long long"),
+                                                (f"{n}_sh", "long long")))
+    fn = CFunction(f"{op.name}_{stage}", strided(ins, "const float*")
+                   + strided(outs, "float*") + c_text.floats(op)
+                   + tuple((n, "int") for n in ("B", "T", "H", "D", "pos0")), stage)
+    halves = [f"{n}{h}" for n in outs for h in "01"]
+    order = [f"{n}{h}" for n in ins for h in "01"] + [n for n, _ in body.index]
+    order += [p.name for p in op.params]
+    at = {f"{n}{h}": f"{n}_at_[k_{' + half_' if h == '1' else ''}]" for n in ins for h in "01"}
+    at |= {n: _C_INDEX[role] for n, role in body.index}
+    text = [line for y in halves
+            for line in c_text.element(op, f"{op.name}_{y}", code, y, order)]
+    text += [c_text.opening(fn), "  const int half_ = D / 2;",
+             "  for (int b_ = 0; b_ < B; ++b_)", "    for (int t_ = 0; t_ < T; ++t_)",
+             "      for (int h_ = 0; h_ < H; ++h_) {",
+             *(f"        {'const ' if n in ins else ''}float* {n}_at_ = {n} + b_ * {n}_sb"
+               f" + t_ * {n}_st + h_ * {n}_sh;" for n in ins + outs),
+             "        for (int k_ = 0; k_ < half_; ++k_) {",
+             *(f"          const float {y}_ = {c_text.call(f'{op.name}_{y}', code, y, order, at)};"
+               for y in halves),
+             *(f"          {y[:-1]}_at_[k_{' + half_' if y[-1] == '1' else ''}] = {y}_;"
+               for y in halves),
+             "        }", "      }", "}", ""]
+    return text, fn
 
 
 def _index(doc, data: dict, names) -> tuple[tuple[str, str], ...]:

@@ -163,6 +163,46 @@ class Pointwise(OpKind):
                  "inputs [rows, cols] and biases [cols].")
         return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
 
+    def c_train_source(self, op, header):
+        """backward over n elements (the inputs and d<outputs> in, d<inputs> out); the bias
+        variant's backward_bias over [rows, cols], a bias's gradient the column sums of its
+        input's, added row after row (numpy's order)."""
+        fused = fuse.bias_variant(op)
+        douts = [f"d{o.name}" for o in op.outputs]
+        text, fns = [], []
+        for fusion, d in (("", op), (BIAS, fused)):
+            ins = [o.name for o in d.inputs]
+            code = d.body.backward
+            grads = [f"d{o.name}" for o in op.inputs if f"d{o.name}" in code.names]
+            biases = [f"d{o.name}" for o in d.inputs if o.role == "bias"
+                      and f"d{o.name}" in code.names]
+            sizes = (("rows", "long long"), ("cols", "int")) if fusion else (("n", "long long"),)
+            fn = CFunction(f"{op.name}_{variant_name('backward', fusion)}",
+                           c_text.pointers(d, ins + douts, grads + biases) + c_text.floats(op)
+                           + sizes, "backward", fusion)
+            order = ins + douts + [p.name for p in op.params]
+            stem = f"{op.name}_{fusion}_" if fusion else f"{op.name}_"
+            for g in grads:
+                text += c_text.element(op, stem + g, code, g, order)
+            at = {n: f"{n}[c_]" if n.startswith("_bias_") else f"{n}[i_]" for n in ins + douts}
+            values = [f"const float {g}_ = {c_text.call(stem + g, code, g, order, at)};"
+                      for g in grads]
+            stores = [f"{g}[i_] = {g}_;" for g in grads]
+            # fuse.bias_variant: a bias's gradient is its input's, d_bias_x = dx
+            sums = [f"{b}[c_] += {code.result(b)}_;" for b in biases]
+            loop = (["  for (long long i_ = 0; i_ < n; ++i_) {",
+                     *(f"    {line}" for line in values + stores), "  }"] if not fusion else
+                    [*(f"  for (int c_ = 0; c_ < cols; ++c_) {b}[c_] = 0.0f;" for b in biases),
+                     "  for (long long r_ = 0; r_ < rows; ++r_)",
+                     "    for (int c_ = 0; c_ < cols; ++c_) {",
+                     "      const long long i_ = r_ * cols + c_;",
+                     *(f"      {line}" for line in values + stores + sums), "    }"])
+            text += [c_text.opening(fn), *loop, "}", ""]
+            fns.append(fn)
+        about = (f"{op.name}: the backward of a pointwise op over every element; its bias "
+                 "variant's, of x + b for inputs [rows, cols] and biases [cols].")
+        return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
+
 
 KIND = Pointwise()
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 from eulergen.errors import suggest
-from eulergen.generator import c_text, formula, fuse, ir, numpy_text
+from eulergen.generator import c_row, c_text, formula, fuse, ir, numpy_text
 from eulergen.generator.derive_row import derive_row
 from eulergen.generator.gradcheck import (EXTREMES, check_gradients, each_element,
                                           loss_roundoff)
 from eulergen.generator.kinds.base import OpKind
 from eulergen.generator.opspec import Reduction, formulas, role_inputs
 from eulergen.generator.plan_row import RowPlan, plan_row
-from eulergen.signature import CFunction, variant_name
+from eulergen.signature import variant_name
 
 ADD = "add"
-ROLES = ("row", "weight", "index")
+ROLES = c_row.ROLES
 
 # One row reduction over the last axis, in the numpy modules.
 _REDUCE = '''\
@@ -81,18 +81,33 @@ class Row(OpKind):
     def c_source(self, op, header):
         """forward, and the `add` fusion's forward_add where the op has it."""
         fused = fuse.add_variants(op)
-        sides = [("", op)] + ([(ADD, fused[0])] if fused else [])
-        text, fns = [], []
-        for fusion, d in sides:
-            fn_text, fn = _c_forward(op, d, fusion)
-            text += fn_text
-            fns.append(fn)
         about = (f"{op.name}: a row op over rows [rows, cols]: its reductions a sweep of the "
                  "row each, then its outputs per element (or per row).")
-        return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
+        return _c_file(op, header, about, c_row.forward, [("", op)] + (
+            [(ADD, fused[0])] if fused else []))
+
+    def c_train_source(self, op, header):
+        """backward, and the `add` fusion's backward_add where the op has it."""
+        fused = fuse.add_variants(op)
+        about = (f"{op.name}: the backward of a row op over rows [rows, cols]: per row the "
+                 "forward's reductions, the sums their adjoints read, the adjoints, then each "
+                 "element's gradients; a weight's gradient summed over the rows in order.")
+        return _c_file(op, header, about, c_row.backward, [("", op)] + (
+            [(ADD, fused[1])] if fused else []))
 
 
 KIND = Row()
+
+
+def _c_file(op, header: str, about: str, function, sides) -> ir.RenderedC:
+    """The C file of `function` (c_row.forward or backward) of each (fusion, op) side."""
+    elements = c_row.Elements(op)
+    text, fns = [], []
+    for fusion, d in sides:
+        fn_text, fn = function(op, d, fusion, elements)
+        text += fn_text
+        fns.append(fn)
+    return ir.RenderedC(c_text.source(header, about, text), tuple(fns))
 
 
 def _reductions(doc, data: dict, names):
@@ -232,55 +247,3 @@ def _backward(d: ir.DerivedOp, name: str) -> list[str]:
                          f"(N,), dtype, _out, {n})")
     out.append(numpy_text.returns(grads))
     return out
-
-
-# ---- the C functions ---------------------------------------------------------------------
-
-_C_START = {"sum": "0.0f", "mean": "0.0f", "max": "-INFINITY"}
-
-
-def _c_forward(op: ir.DerivedOp, d: ir.DerivedOp, fusion: str) -> tuple[list[str], CFunction]:
-    """The C forward of `d` (the op or a fused variant's forward): per row, each pass's
-    sweep forms its reductions, then each element's outputs are computed and stored, then
-    the per-row outputs. Outputs may alias inputs (forward_add's _stream may be x): a sweep
-    reads before any output is stored, and an element's outputs are all computed before."""
-    body: ir.RowDerived = d.body
-    by_role = {r: [o.name for o in d.inputs if o.role == r] for r in ROLES}
-    ins = by_role["row"] + by_role["weight"] + by_role["index"]
-    elem = [o.name for o in d.outputs if o.role == "row"]
-    per_row = [o.name for o in d.outputs if o.role != "row"]
-    fn = CFunction(f"{op.name}_{variant_name('forward', fusion)}",
-                   c_text.pointers(d, ins, elem + per_row) + c_text.floats(op)
-                   + (("rows", "long long"), ("cols", "int")), "forward", fusion)
-    reductions = [name for p in body.passes for name, _ in p.ops]
-    order = ins + reductions + ["i", "N"] + [p.name for p in op.params]
-    at = {**{n: f"{n}[at_ + c_]" for n in by_role["row"]},
-          **{n: f"{n}[c_]" for n in by_role["weight"]},
-          **{n: f"(float){n}[r_]" for n in by_role["index"]}, "i": "(float)c_", "N": "(float)cols"}
-    stem = f"{op.name}_{fusion}_" if fusion else f"{op.name}_"
-    text, loop = [], ["  for (long long r_ = 0; r_ < rows; ++r_) {",
-                      "    const long long at_ = r_ * cols;"]
-    for p in body.passes:
-        for name, how in p.ops:
-            text += c_text.element(op, stem + name, p.body, name, order)
-            loop.append(f"    float {name} = {_C_START[how]};")
-        loop.append("    for (int c_ = 0; c_ < cols; ++c_) {")
-        for name, how in p.ops:
-            term = c_text.call(stem + name, p.body, name, order, at)
-            loop.append(f"      {name} = fmaxf({name}, {term});" if how == "max" else
-                        f"      {name} += {term};")
-        loop.append("    }")
-        loop += [f"    {name} /= (float)cols;" for name, how in p.ops if how == "mean"]
-    for code, names, store in ((body.elem_outputs, elem, "at_ + c_"),
-                               (body.row_outputs, per_row, "r_")):
-        if not names:
-            continue
-        for o in names:
-            text += c_text.element(op, stem + o.lstrip("_"), code, o, order)
-        pad = "      " if store != "r_" else "    "
-        values = [f"{pad}const float {o}_ = "
-                  f"{c_text.call(stem + o.lstrip('_'), code, o, order, at)};" for o in names]
-        stores = [f"{pad}{o}[{store}] = {o}_;" for o in names]
-        loop += (["    for (int c_ = 0; c_ < cols; ++c_) {", *values, *stores, "    }"]
-                 if store != "r_" else [*values, *stores])
-    return text + [c_text.opening(fn), *loop, "  }", "}", ""], fn

@@ -19,7 +19,7 @@ import numpy as np
 import sympy as sp
 
 from eulergen.errors import EulerError, suggest
-from eulergen.generator import formula, ir, numpy_text
+from eulergen.generator import c_update, formula, ir, numpy_text
 from eulergen.generator.emit import block
 from eulergen.generator.gradcheck import EXTREMES, Row, rel_err
 from eulergen.generator.kinds.base import OpKind
@@ -213,6 +213,13 @@ class Update(OpKind):
         return {"matrix": {"orthogonalize": mx.orthogonalize, "steps": mx.steps,
                            "coefficients": list(mx.coefficients), "eps": mx.eps,
                            "rest": mx.rest}}
+
+    def c_source(self, op, header):
+        """step over n elements (generator/c_update.py); None for an op with a matrix step
+        (its Newton-Schulz GEMMs are the runtime's)."""
+        if op.body.matrix is not None:
+            return None
+        return c_update.step(op, header, control(op), _fixed(op))
 
 
 KIND = Update()

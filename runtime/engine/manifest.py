@@ -81,6 +81,7 @@ class OpEntry:
     fusions: dict = field(default_factory=dict, hash=False)  # name -> Fusion
     matrix: MatrixStep | None = None     # update ops with a matrix step (muon)
     c: Path | None = None                # absolute path of its C functions (None: no C printer)
+    c_train: Path | None = None          # ... of those only training calls (None: none)
     c_functions: dict = field(default_factory=dict, hash=False)  # name -> CFunction
 
     @property
@@ -216,6 +217,7 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         fusions=_fusions(o.get("fusions") or {}, file, f"{where}.fusions"),
         matrix=_matrix(o.get("matrix"), file, f"{where}.matrix"),
         c=(folder / o["c"]) if o.get("c") else None,
+        c_train=(folder / o["c_train"]) if o.get("c_train") else None,
         c_functions={n: _signature(CFunction, n, f, file, f"{where}.c_functions.{n}")
                      for n, f in c_functions.items()})
 

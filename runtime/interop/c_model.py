@@ -30,18 +30,31 @@ class Call:
     values: dict
 
 
-def _literal(v) -> str:
+def literal(v) -> str:
     if isinstance(v, float):
         return f"{v!r}f"
     return str(v)
 
 
-def wrapped(head: str, args: list[str], indent: str) -> list[str]:
-    """`head(args…);` in lines of at most WIDTH, continued four spaces in."""
-    lines, line = [], f"{indent}{head}("
+def bound(op, fn: CFunction, values: dict, indent: str, calls: list) -> list[str]:
+    """The call of `op`'s C function `fn`, each argument bound by name from `values`
+    (recorded in `calls`); EulerError where one has none."""
+    missing = [n for n, _ in fn.args if n not in values]
+    if missing:
+        raise EulerError(f"{fn.name} takes {missing[0]!r}, which export-c has no value for "
+                         "(a newer generator? rebuild with `eulergen build`)",
+                         file=str(op.manifest), key=f"ops.{op.name}.c_functions")
+    calls.append(Call(op, fn, values))
+    return wrapped(fn.name, [literal(values[n]) for n, _ in fn.args], indent)
+
+
+def wrapped(head: str, args: list[str], indent: str, brackets: str = "();") -> list[str]:
+    """`head(args…);` in lines of at most WIDTH, continued four spaces in (`brackets`: "{};"
+    for an initializer)."""
+    lines, line = [], f"{indent}{head}{brackets[0]}"
     for n, a in enumerate(args):
-        piece = a + (", " if n + 1 < len(args) else ");")
-        if len(line) + len(piece.rstrip()) > WIDTH and not line.endswith("("):
+        piece = a + (", " if n + 1 < len(args) else brackets[1:])
+        if len(line) + len(piece.rstrip()) > WIDTH and not line.endswith(brackets[0]):
             lines.append(line.rstrip())
             line = indent + "    "
         line += piece
@@ -107,13 +120,7 @@ class _Program:
     # -- the calls ---------------------------------------------------------------------
 
     def call(self, op, fn: CFunction, values: dict, indent: str) -> list[str]:
-        missing = [n for n, _ in fn.args if n not in values]
-        if missing:
-            raise EulerError(f"{fn.name} takes {missing[0]!r}, which export-c has no value for "
-                             "(a newer generator? rebuild with `eulergen build`)",
-                             file=str(op.manifest), key=f"ops.{op.name}.c_functions")
-        self.calls.append(Call(op, fn, values))
-        return wrapped(fn.name, [_literal(values[n]) for n, _ in fn.args], indent)
+        return bound(op, fn, values, indent, self.calls)
 
     def op_params(self, op, node) -> dict:
         given = {**op.params, **node.params}
@@ -248,9 +255,7 @@ def _header(a, context: int) -> str:
 
 def _model_c(p: _Program, stem, block, head) -> str:
     a = p.a
-    tensors = [f'  {{"{t.name}", {len(t.shape)}, {{{", ".join(map(str, (*t.shape, 0)[:2]))}}}}},'
-               for t in p.tensors]
-    header = [f'  {{"{n}", {v}, {int(f)}}},' for n, v, f in c_weights.header(a)]
+    header, tensors = weight_tables(a)
     table = []
     for layer in range(a.layers):
         idx = [p.index[full] for node in p.g.block
@@ -317,13 +322,27 @@ def _model_c(p: _Program, stem, block, head) -> str:
         "  return m->host_logits;", "}", ""])
 
 
-def _ops_h(calls: list[Call]) -> str:
-    seen = dict.fromkeys((c.op, c.fn) for c in calls)
+def weight_tables(a) -> tuple[list[str], list[str]]:
+    """The lines of weights.bin's header fields and tensor table (weights.h's HeaderField and
+    TensorSpec) that a program of the Arch expects."""
+    header = [f'  {{"{n}", {v}, {int(f)}}},' for n, v, f in c_weights.header(a)]
+    tensors = [f'  {{"{t.name}", {len(t.shape)}, {{{", ".join(map(str, (*t.shape, 0)[:2]))}}}}},'
+               for t in parameters(a)]
+    return header, tensors
+
+
+def prototypes(calls: list[Call]) -> list[str]:
+    """The declaration of each op function `calls` call, once, under a comment naming it."""
     protos = []
-    for op, fn in seen:
+    for op, fn in dict.fromkeys((c.op, c.fn) for c in calls):
         what = fn.stage + (f", its {fn.fusion} fusion" if fn.fusion else "")
         protos += [f"// {op.name} ({op.spec}): {what}",
                    *wrapped(f"void {fn.name}", [f"{t} {n}" for n, t in fn.args], "")]
+    return protos
+
+
+def _ops_h(calls: list[Call]) -> str:
+    protos = prototypes(calls)
     return "\n".join([
         "// ops.h: written by `eulergen export-c`: the op functions model.c calls, printed from",
         "// the ops' derived expressions: their generated C (make cpu: <op>.c), or the launches",

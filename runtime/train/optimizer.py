@@ -79,6 +79,20 @@ class Optimizer:
             for s in state_inputs(op):
                 yield op, s.name, params
 
+    def state_tensors(self) -> list[tuple[str, str, int, tuple]]:
+        """(checkpoint name, state buffer, offset in it, shape) of each tensor state_dict
+        holds, of one process (every parameter's range in one group): what a program that
+        writes the checkpoint itself reads (export-c --train)."""
+        plan, out = self.model.mem.plan, []
+        for op, state, params in self._states():
+            for name in params:
+                b = plan.buffer(name)
+                g = next(g for g in self.plan.groups
+                         if g.op == op.name and g.lo <= b.offset < g.hi)
+                out.append((_named(state, name), f"{op.name}.{state}",
+                            g.at + b.offset - g.lo, b.shape))
+        return out
+
     def state_dict(self) -> dict:
         """Each state by parameter, `<state>.<param>`, whole (ZeRO: gathered to rank 0; the
         other ranks get {})."""
@@ -95,12 +109,12 @@ class Optimizer:
                                           f"the {op.name}.{state} gather")
             for name in params if full is not None else ():
                 b = plan.buffer(name)
-                out[f"{state}.{name}"] = full[b.offset:b.offset + b.size].reshape(b.shape).copy()
+                out[_named(state, name)] = full[b.offset:b.offset + b.size].reshape(b.shape).copy()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         mem, plan = self.model.mem, self.model.mem.plan
-        want = {f"{s}.{p}" for _, s, params in self._states() for p in params}
+        want = {_named(s, p) for _, s, params in self._states() for p in params}
         extra = sorted(set(state) - want)
         if extra:
             raise EulerError(f"optimizer state holds {extra[0]}, which {self.ops.main.name} has "
@@ -109,15 +123,20 @@ class Optimizer:
             buf = mem[f"{op.name}.{s}"]
             full = np.zeros(plan.arena("params").size, buf.dtype)
             for name in params:
-                if f"{s}.{name}" not in state:
-                    raise EulerError(f"optimizer state lacks {s}.{name}", key="checkpoint")
+                if _named(s, name) not in state:
+                    raise EulerError(f"optimizer state lacks {_named(s, name)}", key="checkpoint")
                 b = plan.buffer(name)
-                full[b.offset:b.offset + b.size] = state[f"{s}.{name}"].reshape(-1)
+                full[b.offset:b.offset + b.size] = state[_named(s, name)].reshape(-1)
             flat = np.zeros(buf.size, buf.dtype)
             for g in self.plan.groups:
                 if g.op == op.name:
                     flat[g.at:g.at + g.size] = full[g.lo:g.hi]
             upload(buf, flat)
+
+
+def _named(state: str, param: str) -> str:
+    """A state tensor's name in a checkpoint: adamw's m.<param>, v.<param>."""
+    return f"{state}.{param}"
 
 
 def _params(op, t: TrainingConfig, decay: bool) -> dict:
