@@ -238,7 +238,7 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
         def key_of(templates):
             return _key(fingerprint, [COMMON_TEMPLATE, *templates], data)
         entry, files = prev.get(name), derived_cache.reused(prev.get(name), key_of, root)
-        held = derived_cache.folder(fingerprint, specs[name], data)
+        held = None if files is not None else derived_cache.folder(fingerprint, specs[name], data)
         if files is None and not force:   # a version built before, kept by its content
             entry = derived_cache.entry(held)
             files = derived_cache.reused(entry, key_of, held)

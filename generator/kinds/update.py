@@ -199,9 +199,7 @@ class Update(OpKind):
                 "apply", ins, slots, fixed, shape, body.apply, (),
                 [f'    """After the matrix step: {", ".join(body.apply.names)} from {x} '
                  'orthogonalised."""'])
-            settings = dict(orthogonalize=x, steps=mx.steps, coefficients=mx.coefficients,
-                            eps=mx.eps, rest=mx.rest)
-            constants.append(f"MATRIX = {settings!r}")
+            constants.append(f"MATRIX = {_settings(mx)!r}")
         return numpy_text.module(op, functions, grads=False, constants=tuple(constants),
                                  support=())
 
@@ -210,9 +208,7 @@ class Update(OpKind):
         mx = op.body.matrix
         if mx is None:
             return {}
-        return {"matrix": {"orthogonalize": mx.orthogonalize, "steps": mx.steps,
-                           "coefficients": list(mx.coefficients), "eps": mx.eps,
-                           "rest": mx.rest}}
+        return {"matrix": {**_settings(mx), "coefficients": list(mx.coefficients)}}
 
     def c_source(self, op, header):
         """step over n elements (generator/c_update.py); None for an op with a matrix step
@@ -263,6 +259,12 @@ def _assignments(doc, data, key: str, names, targets: set) -> tuple[Formula, ...
     if not out:
         raise doc.error("at least one entry is required", key)
     return tuple(out)
+
+
+def _settings(mx) -> dict:
+    """A matrix step's settings as the numpy module and the manifest give them."""
+    return dict(orthogonalize=mx.orthogonalize, steps=mx.steps, coefficients=mx.coefficients,
+                eps=mx.eps, rest=mx.rest)
 
 
 def _matrix(doc, data, roles: dict, update) -> ir.MatrixStep:

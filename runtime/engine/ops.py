@@ -112,12 +112,12 @@ class OpLibrary:
         kind = _kind(op, "forward")
         side = self._side(op, fusion, "forward")
         self._arity(op, "forward", inputs, len(side.inputs), side)
-        keywords = kind.keywords(params) | kind.precision_keywords(op, precision)
+        keywords = kind.keywords(params)
+        prec = kind.precision_keywords(op, precision)   # checked on both backends
         p = self._params(op, params)
         if self._cuda:
-            got = kind.forward(self._cuda, op, inputs, _tuple(out), p, fusion, **keywords)
+            got = kind.forward(self._cuda, op, inputs, _tuple(out), p, fusion, **keywords, **prec)
             return got[0] if len(got) == 1 else tuple(got)
-        keywords.pop("precision", None)
         got = getattr(kind.module(op), variant_name("forward", fusion))(
             *inputs, **p, **keywords, _out=_tuple(out))
         return self._deliver(op, "forward", got, out, len(side.outputs))
@@ -136,18 +136,18 @@ class OpLibrary:
         kind = _kind(op, "backward")
         side = self._side(op, fusion, "backward")
         self._arity(op, "backward", inputs_and_douts, len(kind.backward_names(op, side)), side)
-        keywords = kind.keywords(params) | kind.precision_keywords(op, precision)
+        keywords = kind.keywords(params)
+        prec = kind.precision_keywords(op, precision)   # checked on both backends
         adds = self._accumulate(op, kind, accumulate, out)
         p = self._params(op, params)
         if self._cuda:
             if copy is not None:
-                keywords["copy"] = copy
+                prec["copy"] = copy
             return tuple(kind.backward(self._cuda, op, inputs_and_douts, _tuple(out), p,
-                                       workspace, adds, fusion, **keywords))
+                                       workspace, adds, fusion, **keywords, **prec))
         if copy is not None:
             raise EulerError(f"{op.name}.backward: copy= is a bf16 copy; the numpy backend "
                              "has no bf16", file=op.spec, key="copy")
-        keywords.pop("precision", None)
         module = kind.module(op)
         if kind.accumulates:   # its numpy backward writes into `out` itself, adding as asked
             return module.backward(*inputs_and_douts, out=_tuple(out), accumulate=adds)

@@ -37,14 +37,11 @@ TRAIN_PROGRAM = ("train.c", "data.h", "data.c", "checkpoint.h", "checkpoint.c", 
                  "train_cpu.c", "files.h", "files.c")
 TRAIN = ("train.c", "training.c", "forward.c", "backward.c", "data.c", "checkpoint.c",
          "train_cpu.c", "files.c", "weights.c", "error.c")
-# the config key of each op the decoder runs
-_SLOTS = {"norm": "model.norm", "activation": "model.activation",
-          "attention": "model.attention", "embedding": "model", "rope": "model.positions"}
 
 
 def check_c(a) -> None:
     """EulerError naming the first op the model's forward runs whose kind has no C printer."""
-    for slot, key in _SLOTS.items():
+    for slot, key in c_model.SLOTS.items():
         op = getattr(a.ops, slot)
         if op is not None and op.c is None:
             raise EulerError(f"op {op.name!r} ({op.kind} kind) has no C printer: export-c writes "
@@ -93,10 +90,11 @@ def _add_ops(files: dict, ops: dict) -> None:
     """Each op's file (name -> its path) into `files`, refused where the program already
     has a file of its name (an op named `train` or `model`)."""
     for name, path in ops.items():
-        if name in files and files[name] != path.read_bytes():
+        data = path.read_bytes()
+        if name in files and files[name] != data:
             raise EulerError(f"op {name.split('.')[0]!r} shares its file {name} with the "
                              "program's: rename the op", key="--out")
-        files[name] = path.read_bytes()
+        files[name] = data
 
 
 def _makefile(used, no_cuda: str, trained=()) -> str:

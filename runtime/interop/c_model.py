@@ -19,6 +19,9 @@ from eulergen.signature import CFunction
 
 WIDTH = 96          # model.c's lines
 IN_BLOCK = "layer"  # the layer of a block's nodes: model.c's variable of that name
+# the config key of each op the decoder runs
+SLOTS = {"norm": "model.norm", "activation": "model.activation",
+         "attention": "model.attention", "embedding": "model", "rope": "model.positions"}
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,14 @@ import textwrap
 from dataclasses import dataclass
 
 from eulergen.errors import EulerError
-from eulergen.runtime.interop.c_model import (Call, bound, literal, prototypes, weight_tables,
-                                               wrapped)
+from eulergen.runtime.interop.c_model import (SLOTS, Call, bound, literal, prototypes,
+                                               weight_tables, wrapped)
 from eulergen.runtime.interop.c_train_tape import Buffers, arena_sizes, buffer_macros, tape_text
 from eulergen.runtime.model.params import parameters
 
 STATE_MAGIC, STATE_VERSION, STATE_WORDS = b"EGS1\0\0\0\0", 1, 16
 # the ops the tape calls, by their config key: the C each needs besides its forward's
-_TRAINED = {"norm": "model.norm", "activation": "model.activation",
-            "attention": "model.attention", "embedding": "model", "rope": "model.positions",
-            "loss": "model"}
+_TRAINED = {**SLOTS, "loss": "model"}
 
 
 @dataclass(frozen=True)

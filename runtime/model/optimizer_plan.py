@@ -17,6 +17,8 @@ With ZeRO-1 (`buckets`), a rank steps its share: every range cut to the spans it
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from eulergen.errors import EulerError, suggest
@@ -139,11 +141,11 @@ def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerP
                 (groups[-1].op, groups[-1].decay) == (op.name, s.decay):
             continue   # the range goes on
         if groups and groups[-1].shape is None:   # a range ends where the next starts
-            groups[-1] = Group(groups[-1].op, groups[-1].lo, b.offset, 0, groups[-1].decay)
+            groups[-1] = dataclasses.replace(groups[-1], hi=b.offset)
         groups.append(Group(op.name, b.offset, b.offset + b.size, 0, s.decay,
                             tuple(s.shape) if whole else None))
     if groups[-1].shape is None:
-        groups[-1] = Group(groups[-1].op, groups[-1].lo, total, 0, groups[-1].decay)
+        groups[-1] = dataclasses.replace(groups[-1], hi=total)
     ranks = range(buckets.ranks) if buckets is not None and buckets.zero else (0,)
     shares = {r: _share(groups, buckets.owned(r) if buckets is not None else None) for r in ranks}
     sizes = {op.name: max(sum(g.size for g in shares[r] if g.op == op.name) for r in ranks)

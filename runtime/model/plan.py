@@ -40,9 +40,7 @@ class Precision:
     def stream(self) -> str:
         return self.master if self.autocast else self.dtype
 
-    @property
-    def grads(self) -> str:
-        return self.master if self.autocast else self.dtype
+    grads = stream   # the parameter gradients' dtype: the stream's
 
 
 def plan_on(lib, a: Arch, batch: int, seq: int, *, training: bool = True,

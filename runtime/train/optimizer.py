@@ -38,6 +38,8 @@ class Optimizer:
         if missing:
             raise EulerError(f"the model's plan holds no {missing[0]} (build or plan the "
                              "model with optimizer=)", key="training.optimizer")
+        # each op's own control slots: the first of the shared array's (update_ops checks)
+        own = {op.name: len(model.lib.control_slots(op)) for op in ops.ops}
         self.launches = []
         for g in self.plan.groups:
             op = self.plan.op(g.op)
@@ -47,9 +49,8 @@ class Optimizer:
             if g.shape is not None:   # one matrix: [rows, cols] views, its GEMMs the model's
                 copy = None if copy is None else copy.reshape(g.shape)
                 extra = {"gemm": model.tape.gemm, "workspace": mem[f"{op.name}.newton_schulz"]}
-            # its own control slots: the first of the shared array's (update_ops checks)
-            own = len(model.lib.control_slots(op))
-            self.launches.append((op, arrays, copy, own, {**_params(op, t, g.decay), **extra}))
+            self.launches.append((op, arrays, copy, own[op.name],
+                                  {**_params(op, t, g.decay), **extra}))
 
     def _array(self, op, o, g):
         """The view of input `o` of `op` that group g's launch takes."""
@@ -71,6 +72,10 @@ class Optimizer:
 
     # -- checkpoints: whole tensors by name ------------------------------------------------
 
+    def _groups(self, op):
+        """The groups whose state lies in op's buffers."""
+        return [g for g in self.plan.groups if g.op == op.name]
+
     def _states(self):
         """(op, state input, the parameters it steps) of each state buffer."""
         owners = self.plan.owner
@@ -87,8 +92,7 @@ class Optimizer:
         for op, state, params in self._states():
             for name in params:
                 b = plan.buffer(name)
-                g = next(g for g in self.plan.groups
-                         if g.op == op.name and g.lo <= b.offset < g.hi)
+                g = next(g for g in self._groups(op) if g.lo <= b.offset < g.hi)
                 out.append((_named(state, name), f"{op.name}.{state}",
                             g.at + b.offset - g.lo, b.shape))
         return out
@@ -101,9 +105,8 @@ class Optimizer:
         for op, state, params in self._states():
             buf = self.model.backend.asnumpy(mem[f"{op.name}.{state}"])
             full = np.zeros(total, buf.dtype)
-            for g in self.plan.groups:
-                if g.op == op.name:
-                    full[g.lo:g.hi] = buf[g.at:g.at + g.size]
+            for g in self._groups(op):
+                full[g.lo:g.hi] = buf[g.at:g.at + g.size]
             if self.shards:   # every rank takes part in every gather
                 full = self.shards.gather(self.shards.compact(full),
                                           f"the {op.name}.{state} gather")
@@ -128,9 +131,8 @@ class Optimizer:
                 b = plan.buffer(name)
                 full[b.offset:b.offset + b.size] = state[_named(s, name)].reshape(-1)
             flat = np.zeros(buf.size, buf.dtype)
-            for g in self.plan.groups:
-                if g.op == op.name:
-                    flat[g.at:g.at + g.size] = full[g.lo:g.hi]
+            for g in self._groups(op):
+                flat[g.at:g.at + g.size] = full[g.lo:g.hi]
             upload(buf, flat)
 
 
