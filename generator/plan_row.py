@@ -156,9 +156,8 @@ class RowPlan:
     in the .cu's order."""
     op: str
     kernels: tuple[RowKernel, ...]
-    split: WgradCols | None
+    splits: tuple[WgradCols, ...]     # the split backward's column kernels, the autocast one last
     reduce: WgradReduce | None
-    autocast_split: WgradCols | None = None
 
     @property
     def mixed(self) -> bool:
@@ -166,8 +165,9 @@ class RowPlan:
         return any(k.mixed for k in self.kernels)
 
     @property
-    def splits(self) -> tuple[WgradCols, ...]:
-        return tuple(s for s in (self.split, self.autocast_split) if s)
+    def split(self) -> WgradCols | None:
+        """The split backward's column kernel of the op's own precision."""
+        return self.splits[0] if self.splits else None
 
     @property
     def signatures(self) -> tuple[KernelSig, ...]:
@@ -386,9 +386,8 @@ def plan_row(op: ir.DerivedOp) -> RowPlan:
     splits = tuple(_wgrad_cols(o, wgrad_step, stats, pr) for pr in precisions) if wgrad_step \
         else ()
     rows, cols, reduce = signatures(op, p, kernels, splits)
-    splits = tuple(replace(s, entries=e) for s, e in zip(splits, cols)) + (None, None)
     return RowPlan(
         op=op.name,
         kernels=tuple(replace(k, entries=e) for k, e in zip(kernels, rows)),
-        split=splits[0], autocast_split=splits[1],
+        splits=tuple(replace(s, entries=e) for s, e in zip(splits, cols)),
         reduce=WgradReduce(planner.REDUCE_X, planner.REDUCE_Y, reduce) if reduce else None)

@@ -80,30 +80,28 @@ class Row(OpKind):
 
     def c_source(self, op, header):
         """forward, and the `add` fusion's forward_add where the op has it."""
-        fused = fuse.add_variants(op)
         about = (f"{op.name}: a row op over rows [rows, cols]: its reductions a sweep of the "
                  "row each, then its outputs per element (or per row).")
-        return _c_file(op, header, about, c_row.forward, [("", op)] + (
-            [(ADD, fused[0])] if fused else []))
+        return _c_file(op, header, about, c_row.forward, 0)
 
     def c_train_source(self, op, header):
         """backward, and the `add` fusion's backward_add where the op has it."""
-        fused = fuse.add_variants(op)
         about = (f"{op.name}: the backward of a row op over rows [rows, cols]: per row the "
                  "forward's reductions, the sums their adjoints read, the adjoints, then each "
                  "element's gradients; a weight's gradient summed over the rows in order.")
-        return _c_file(op, header, about, c_row.backward, [("", op)] + (
-            [(ADD, fused[1])] if fused else []))
+        return _c_file(op, header, about, c_row.backward, 1)
 
 
 KIND = Row()
 
 
-def _c_file(op, header: str, about: str, function, sides) -> ir.RenderedC:
-    """The C file of `function` (c_row.forward or backward) of each (fusion, op) side."""
+def _c_file(op, header: str, about: str, function, stage: int) -> ir.RenderedC:
+    """The C file of `function` (c_row.forward or backward) of the op and of its `add`
+    fusion's variant where it has one (`stage`: 0 forward, 1 backward)."""
+    fused = fuse.add_variants(op)
     elements = c_row.Elements(op)
     text, fns = [], []
-    for fusion, d in sides:
+    for fusion, d in [("", op)] + ([(ADD, fused[stage])] if fused else []):
         fn_text, fn = function(op, d, fusion, elements)
         text += fn_text
         fns.append(fn)

@@ -12,11 +12,14 @@ enum { PARALLEL_MACS = 1 << 20 };   // below this a product runs on one thread
 
 void eg_matmul(const float* a, const float* b, float* c, int m, int n, int k, int ta, int tb,
                int add) {
-#pragma omp parallel for schedule(static) if ((long long)m * n * k >= PARALLEL_MACS)
+#pragma omp parallel if ((long long)m * n * k >= PARALLEL_MACS)
+  {
+  // a thread's row buffers, once a call (not once a row)
+  float* a_row = malloc(sizeof *a_row * (size_t)k);
+  double* sums = malloc(sizeof *sums * (size_t)n);
+  if (!a_row || !sums) eg_fail("out of memory");
+#pragma omp for schedule(static)
   for (int i = 0; i < m; ++i) {
-    float* a_row = malloc(sizeof *a_row * (size_t)k);
-    double* sums = malloc(sizeof *sums * (size_t)n);
-    if (!a_row || !sums) eg_fail("out of memory");
     for (int p = 0; p < k; ++p) a_row[p] = ta ? a[(long long)p * m + i] : a[(long long)i * k + p];
     if (tb) {   // a dot product with each row of b
       for (int j = 0; j < n; ++j) {
@@ -37,8 +40,9 @@ void eg_matmul(const float* a, const float* b, float* c, int m, int n, int k, in
     }
     float* c_row = c + (long long)i * n;
     for (int j = 0; j < n; ++j) c_row[j] = add ? c_row[j] + (float)sums[j] : (float)sums[j];
-    free(a_row);
-    free(sums);
+  }
+  free(a_row);
+  free(sums);
   }
 }
 
