@@ -7,7 +7,8 @@
 #        PRESET=nanoeuler for converge, PRESETS=a,b and BATCH=8 for baseline and sizes, MODES=m1,m2 for baseline,
 #        RECOMPUTE=1 for sizes (a training.recompute=blocks row beside each),
 #        DEADLINE=seconds for the benchmark stages, 530 by default; TESTS_TIMEOUT and GPU_WORKERS
-#        for tests: pytest-xdist and execnet wheels in .whl run the GPU test files on 4 processes)
+#        for tests: pytest-xdist and execnet wheels in .whl run the GPU test files on 8 processes;
+#        a test stage at its limit is interrupted, so pytest still prints what failed)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 EULERGEN_CACHE=/tmp/eulergen-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,11 +17,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 # GPU test files on GPU_WORKERS processes when pytest-xdist travelled in .whl (NVRTC's compiles
 # are CPU work; each file's fixtures stay in one process)
-XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_WORKERS:-4} --dist loadfile"
+XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_WORKERS:-8} --dist loadfile"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 for stage in "$@"; do
   case "$stage" in
-    tests)     timeout "${TESTS_TIMEOUT:-570}" python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider $XDIST 2>&1 | tee "$OUT/tests.log" ;;
+    tests)     timeout -s INT -k 20 "${TESTS_TIMEOUT:-550}" python3 -m pytest -m gpu tests/gpu -q -rfE --durations=25 -p no:cacheprovider $XDIST 2>&1 | tee "$OUT/tests.log" ;;
     kernels)   timeout 240 python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" ;;
     attention) timeout 200 python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" ;;
     decode)    timeout 100 python3 benchmarks/attention.py --decode 2>&1 | tee "$OUT/decode.log" ;;
