@@ -1,5 +1,6 @@
-"""Training on real text side by side: eulergen bf16, eulergen bf16 in autocast precision
-(training.precision=autocast: what autocast keeps in fp32, eulergen does), eulergen fp32
+"""Training on real text side by side: eulergen bf16 in its default precision
+(eulergen-autocast, training.precision=autocast: what autocast keeps in fp32, eulergen does),
+eulergen bf16 with llm.c's bf16 storage (eulergen-bf16, training.precision=bf16), eulergen fp32
 (TF32 GEMMs) as the reference, and PyTorch bf16 autocast + torch.compile from two
 initialisations, each side in its own process (benchmarks/converge_side.py), the same
 tokens, weights and hyper-parameters; val loss at every evaluation and the wall time each
@@ -19,9 +20,8 @@ first --val-tokens are the validation shard, the rest train). All of it is cache
 --cache, so a second run (or a warm machine) starts training at once.
 
 Estimates on one H200 at 124M, 2000 steps of 8x1024 (each side adds ~10-20 s of start-up,
-its evaluations and, for the trainer, its final checkpoint): eulergen bf16 ~18 ms/step
-(~40 s; autocast precision not measured yet: its float32 stream and gradients move more
-bytes), torch.compile ~21 ms/step and ~25 s to compile (~70 s, twice), eulergen fp32/TF32
+its evaluations and, for the trainer, its final checkpoint): eulergen bf16 storage ~18.7
+ms/step (~40 s), autocast precision 19.5 ms/step, torch.compile ~21 ms/step and ~25 s to compile (~70 s, twice), eulergen fp32/TF32
 ~45-55 ms/step (~110 s); the BPE and prepare ~40 s on 16 cores once: one preset with all
 sides ~7 minutes, within --deadline (a side still running at the deadline is stopped and
 reported; the table is printed with what there is).

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isolated import emit  # noqa: E402
 
 # an eulergen side's precision; the torch sides train under bf16 autocast
-PRECISION = {"eulergen-bf16": ["training.dtype=bf16"],
+PRECISION = {"eulergen-bf16": ["training.dtype=bf16", "training.precision=bf16"],
              "eulergen-autocast": ["training.dtype=bf16", "training.precision=autocast"],
              "eulergen-fp32": ["training.dtype=fp32"]}
 SIDES = ("eulergen-bf16", "torch-s0", "torch-s1", "eulergen-fp32", "eulergen-autocast")

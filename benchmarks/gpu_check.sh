@@ -2,8 +2,8 @@
 # One batched check on a lent GPU machine: install, GPU tests, benchmarks; logs under $OUT.
 # usage: benchmarks/gpu_check.sh [tests] [kernels] [attention] [decode] [sample] [train]
 #        [scale] [converge] [baseline] [sizes] [longctx] [autocast]   (issue 31; each fits one
-#        10-minute call (autocast: the converge side of training.precision=autocast and its
-#        step time beside bf16's; its table merged with saved runs by converge.py --report):
+#        10-minute call (autocast: the converge side of training.precision=autocast, the
+#        default, and its step time beside training.precision=bf16's; its table merged with saved runs by converge.py --report):
 #        PRESET=nanoeuler for converge, PRESETS=a,b and BATCH=8 for baseline and sizes, MODES=m1,m2 for baseline,
 #        RECOMPUTE=1 for sizes (a training.recompute=blocks row beside each),
 #        DEADLINE=seconds for the benchmark stages, 530 by default; TESTS_TIMEOUT and GPU_WORKERS
@@ -32,7 +32,7 @@ for stage in "$@"; do
     baseline)  timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2}" --batch "${BATCH:-8,16}" ${MODES:+--modes $MODES} --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/baseline.log" ;;
     sizes)     timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2-medium,nanoeuler-medium}" --batch "${BATCH:-8,16}" --modes default ${RECOMPUTE:+--recompute} --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/sizes.log" ;;
     longctx)   timeout 570 python3 benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 --batch 2 --modes default --sdpa flash,cudnn --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/longctx.log" ;;
-    autocast)  { timeout 340 python3 benchmarks/converge.py --preset "${PRESET:-gpt2}" --sides eulergen-autocast --deadline 330 --out "$OUT" && timeout 220 python3 benchmarks/train.py --dtype bf16 --autocast --presets "${PRESET:-gpt2}" --modes eager --llmc "" --deadline 200 --out "$OUT"; } 2>&1 | tee "$OUT/autocast.log" ;;
+    autocast)  { timeout 340 python3 benchmarks/converge.py --preset "${PRESET:-gpt2}" --sides eulergen-autocast --deadline 330 --out "$OUT" && timeout 220 python3 benchmarks/train.py --dtype bf16 --bf16-storage --presets "${PRESET:-gpt2}" --modes eager --llmc "" --deadline 200 --out "$OUT"; } 2>&1 | tee "$OUT/autocast.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

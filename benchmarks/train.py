@@ -6,7 +6,7 @@ configuration (torch.compile, the best of its modes) and llm.c, in one run on on
         --modes default                                          # sizes, against one mode
     python benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 \\
         --batch 2 --modes default --sdpa flash,cudnn             # long context
-    python benchmarks/train.py --dtype bf16 --autocast --modes default --llmc ''   # its cost
+    python benchmarks/train.py --dtype bf16 --bf16-storage --modes default --llmc ''  # llm.c's recipe
     python benchmarks/train.py --dtype bf16 --presets gpt2-large,gpt2-xl --batch 16 \\
         --recompute --modes default --llmc ''                    # recompute's cost and saving
     python benchmarks/train.py --quick                            # few steps, torch eager only
@@ -29,13 +29,14 @@ threads, torch's intra-op threads); the bar is torch at the same threads. The ma
 1-minute load is printed before and after: on shared cores the figures move with it.
 
 --dtype fp32: fp32 storage with TF32 GEMMs on both sides (eulergen: TF32 compute; torch:
-allow_tf32). --dtype bf16: eulergen's training.dtype=bf16 (bf16 activations, residual stream,
-GEMM operands and gradients, fp32 accumulation, fp32 master weights and AdamW moments)
-against torch's bf16 autocast (fp32 parameters, residual stream and gradients, bf16
-matmuls and SDPA) and llm.c's bf16 (bf16 weights, activations and gradients, fp32 master
-weights and moments); with --autocast also eulergen in training.precision=autocast (what
-autocast keeps in fp32: the residual stream, its gradient, the norms' weights, the
-gradients), a row of its own; with --recompute also eulergen in training.recompute=blocks
+allow_tf32). --dtype bf16: eulergen's training.dtype=bf16 in its default precision,
+training.precision=autocast (bf16 activations and GEMM operands; what torch's autocast keeps
+in fp32, the residual stream, its gradient, the norms' weights and the parameter gradients,
+fp32 too; fp32 accumulation, master weights and AdamW moments) against torch's bf16 autocast
+(fp32 parameters, residual stream and gradients, bf16 matmuls and SDPA) and llm.c's bf16 (bf16
+weights, activations and gradients, fp32 master weights and moments); with --bf16-storage
+also eulergen in training.precision=bf16 (llm.c's recipe: the stream and the gradients in
+bf16 too), a row of its own; with --recompute also eulergen in training.recompute=blocks
 (each block's forward run again in its backward: its tok/s cost, its peak and plan GiB the
 saving; MFU counts the model's FLOPs, not the forwards run twice). How each is timed, and
 how MFU counts attention: benchmarks/measure.py.
@@ -69,9 +70,9 @@ TINY = ("training.device=numpy", "model.num_layers=2", "model.hidden_dim=64", "m
 def systems(args, preset: str, seq: int) -> list[tuple[str, list[str]]]:
     """(row name, measure.py arguments) of every system a row group runs."""
     rows = [("eulergen", ["--system", "eulergen"])]
-    if args.autocast:
-        rows.append(("eulergen autocast", ["--system", "eulergen",
-                                           "--set=training.precision=autocast"]))
+    if args.bf16_storage:
+        rows.append(("eulergen bf16 storage", ["--system", "eulergen",
+                                               "--set=training.precision=bf16"]))
     if args.recompute:
         rows.append(("eulergen recompute", ["--system", "eulergen",
                                             "--set=training.recompute=blocks"]))
@@ -123,8 +124,8 @@ def main() -> None:
     ap.add_argument("--sdpa", default="auto", help=f"torch SDPA backends, of {', '.join(SDPA)}")
     ap.add_argument("--eager", action="store_true",
                     help="also eulergen without CUDA graphs (training.cuda_graph=false)")
-    ap.add_argument("--autocast", action="store_true",
-                    help="also eulergen in training.precision=autocast (with --dtype bf16)")
+    ap.add_argument("--bf16-storage", action="store_true",
+                    help="also eulergen in training.precision=bf16 (with --dtype bf16)")
     ap.add_argument("--recompute", action="store_true",
                     help="also eulergen in training.recompute=blocks")
     ap.add_argument("--llmc", default=str(llmc.SOURCE), help="llm.c's source ('' for none)")
@@ -151,8 +152,8 @@ def main() -> None:
     unknown = set(args.modes.split(",")) - set(MODES) or set(args.sdpa.split(",")) - set(SDPA)
     if unknown:
         ap.error(f"unknown --modes or --sdpa value: {', '.join(sorted(unknown))}")
-    if args.autocast and args.dtype != "bf16":
-        ap.error("--autocast is a bf16 precision: give --dtype bf16 too")
+    if args.bf16_storage and args.dtype != "bf16":
+        ap.error("--bf16-storage is a bf16 precision: give --dtype bf16 too")
     tiny = list(TINY) if args.dry_run else []
     presets = args.presets.split(",")
     seqs = [min(int(s), 32) if args.dry_run else int(s) for s in args.seq.split(",")]
@@ -248,7 +249,8 @@ def _table(rows: list[dict], batch: int, seq: int, dtype: str) -> None:
     head = (f"{'preset':<16} {'system':<44} {'tok/s':>9} {'spread':>17} {'ms/step':>8} "
             f"{'MFU':>6} {'peak GiB':>8} {'plan GiB':>8} {'peak/plan':>9} {'dev/plan':>8} "
             f"{'first s':>7} {'vs bar':>6} {'mem vs bar':>10} {'loss':>7}")
-    precision = ("bf16: eulergen bf16 storage and gradients, torch autocast, llm.c bf16"
+    precision = ("bf16: eulergen training.precision=autocast (unless a row says bf16 storage), "
+                 "torch autocast, llm.c bf16"
                  if dtype == "bf16" else "fp32 storage, TF32 GEMMs")
     print(f"training step, B={batch} T={seq}, {precision}; bar: each preset's fastest "
           "torch.compile mode")

@@ -70,8 +70,8 @@ def test_the_plan_command_shows_the_autocast_stream(lib):
 
 
 def test_config_takes_the_precision_and_names_the_choices():
-    assert load_config(None, []).training.precision == "bf16"
-    assert load_config(None, ["training.precision=autocast"]).training.precision == "autocast"
+    assert load_config(None, []).training.precision == "autocast"
+    assert load_config(None, ["training.precision=bf16"]).training.precision == "bf16"
     with pytest.raises(EulerError, match=r"'autocas' is not one of bf16, autocast \(did you "
                                          r"mean 'autocast'\?\)") as err:
         load_config(None, ["training.precision=autocas"])

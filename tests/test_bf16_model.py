@@ -199,7 +199,7 @@ def test_the_plan_command_shows_the_bf16_layout_a_gpu_run_allocates(lib):
     from eulergen.cli import main
     from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
     from eulergen.runtime.engine.cuda_ops import workspace_elements
-    overrides = STRUCTURES["nanoeuler"] + COMMON + ["training.dtype=bf16"]
+    overrides = STRUCTURES["nanoeuler"] + COMMON + ["training.dtype=bf16", "training.precision=bf16"]
     result = CliRunner().invoke(main, ["plan", *(a for o in overrides for a in ("--set", o))])
     assert result.exit_code == 0, result.output
     cfg = load_config(None, overrides)

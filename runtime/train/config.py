@@ -76,10 +76,11 @@ class TrainingConfig:
     seed: int = 1337
     dtype: str = "auto"              # "auto" (bf16 on a GPU with bf16 tensor cores, else fp32)
                                      # | "fp32" | "bf16" (mixed precision: runtime/model/gpt.py)
-    precision: str = "bf16"          # what a bf16 run stores in bf16 (runtime/model/plan.py's
-                                     # Precision): "bf16" (as llm.c: the residual stream and
-                                     # the gradients too) | "autocast" (as torch.autocast:
-                                     # those and the norms' weights float32)
+    precision: str = "autocast"      # what a bf16 run stores in bf16 (runtime/model/plan.py's
+                                     # Precision): "autocast" (as torch.autocast: the residual
+                                     # stream, the gradients and the norms' weights float32;
+                                     # the default: it reaches autocast's loss, bf16 does not,
+                                     # benchmarks/RESULTS.md) | "bf16" (as llm.c: those too)
     recompute: str = "none"          # "none" | "blocks": keep a block's input only, run its
                                      # forward again in the backward (runtime/model/recompute.py)
     tf32: bool = True

@@ -163,7 +163,8 @@ def test_a_nan_in_bf16_stops_the_run_naming_the_step(libs, tmp_path):
     cfg = load_config(None, [f"run_dir={tmp_path / 'nan'}", "training.total_steps=8",
                              "training.warmup_steps=2", "training.checkpoint_every=3",
                              "training.eval_every=0", "training.sample_tokens=0",
-                             "training.device=cuda", "training.dtype=bf16"])
+                             "training.device=cuda", "training.dtype=bf16",
+                             "training.precision=bf16"])
     Trainer(cfg, cuda, progress=False, tensorboard=False).run(stop_after=3)
     trainer = Trainer(cfg, cuda, resume=True, progress=False, tensorboard=False)
     trainer.model.master["ln_f.weight"][0] = np.nan

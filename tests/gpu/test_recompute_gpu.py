@@ -57,7 +57,8 @@ def _trainer(lib, shard, run_dir, recompute):
             *STRUCTURES["nanoeuler"], *THREE, "training.total_steps=8",
             "training.warmup_steps=2", "training.eval_every=4", "training.eval_steps=2",
             "training.checkpoint_every=0", "training.log_every=1", "training.sample_tokens=0",
-            "training.device=cuda", "training.dtype=bf16", "training.cuda_graph=true",
+            "training.device=cuda", "training.dtype=bf16", "training.precision=bf16",
+            "training.cuda_graph=true",
             "training.gradient_accumulation=2", f"training.recompute={recompute}"]
     return Trainer(load_config(None, sets), lib, progress=False, tensorboard=False)
 

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.gpu
 
 
 # a run's dtype: its training.dtype and training.precision
-PRECISIONS = {"fp32": ["training.dtype=fp32"], "bf16": ["training.dtype=bf16"],
+PRECISIONS = {"fp32": ["training.dtype=fp32"],
+              "bf16": ["training.dtype=bf16", "training.precision=bf16"],
               "autocast": ["training.dtype=bf16", "training.precision=autocast"]}
 
 
@@ -71,7 +72,8 @@ def test_gpu_bf16_kill_minus_nine_then_resume_matches_an_uninterrupted_run(cp, s
                 "training.batch_size=16", "training.seq_len=128", "training.total_steps=600",
                 "training.warmup_steps=10", "training.eval_every=0",
                 "training.checkpoint_every=20", "training.log_every=1",
-                "training.sample_tokens=0", "training.dtype=bf16", "training.cuda_graph=true"]
+                "training.sample_tokens=0", "training.dtype=bf16", "training.precision=bf16",
+                "training.cuda_graph=true"]
 
     args = [sys.executable, "-c", "from eulergen.cli import main; main()", "train",
             "--device", "cuda"]
