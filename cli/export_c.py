@@ -27,10 +27,10 @@ def export_c(run, out, train, ops_dirs) -> None:
     from eulergen.runtime.interop.c_export import export_c as write
     from eulergen.runtime.model.arch import arch_of, ops_used
     from eulergen.runtime.train.continued import checkpoint_of, continued
-    from eulergen.runtime.train.evaluate import open_model, tokenizer_of
+    from eulergen.runtime.train.evaluate import checkpoint_weights, open_model, tokenizer_of
 
     ck = checkpoint_of(run) if train else None   # before a transformers folder is read
-    weights = open_model(run)
+    weights = checkpoint_weights(ck) if train else open_model(run)   # the checkpoint read once
     cfg = weights.cfg
     tok = tokenizer_of(weights)
     lib = OpLibrary(NUMPY, ensure_built(ops_used(cfg.model), ops_dirs))

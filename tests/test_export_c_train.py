@@ -149,6 +149,19 @@ def test_the_inference_files_are_those_of_an_export_without_train(default, tmp_p
             assert path.read_bytes() == (default.out / path.name).read_bytes(), path.name
 
 
+def test_the_checkpoint_is_read_once(default, tmp_path, monkeypatch):
+    """Its weights and optimizer state from one read of each tensor file (the inference
+    files' weights, the trainer's arenas), the same folder as the fixture's export."""
+    reads, read = [], checkpoint.read_safetensors
+    monkeypatch.setattr(checkpoint, "read_safetensors",
+                        lambda path, what: reads.append(path.name) or read(path, what))
+    result = export(default.ckpt, tmp_path / "c")
+    assert result.exit_code == 0, result.output
+    assert sorted(reads) == [checkpoint.MODEL_FILE, checkpoint.OPTIM_FILE]
+    for path in (tmp_path / "c").iterdir():
+        assert path.read_bytes() == (default.out / path.name).read_bytes(), path.name
+
+
 def test_forward_and_backward_are_the_tapes_calls(user):
     """The generated ops' C, not a hand-written derivative: each op's backward is called."""
     forward, backward = ((user.out / f).read_text() for f in ("forward.c", "backward.c"))

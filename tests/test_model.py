@@ -142,6 +142,17 @@ def test_decayed_matrices_come_first_and_contiguous(lib):
     assert {s.name for s in decayed} == {s.name for s in specs if len(s.shape) == 2}
 
 
+def test_every_plan_lays_the_params_out_as_the_arch_did(lib):
+    # the optimizer's ranges and data parallel's buckets read arch.param_layout, the
+    # kernels the plan's buffers: a weight they disagree on would be stepped in the wrong place
+    arch = arch_of(load_config(None, ["model.preset=nanoeuler", "model.bias=true"]).model, lib)
+    layout = arch.param_layout
+    for plan in (plan_model(arch, 2, 16), plan_model(arch, 2, 16, dtype="bf16")):
+        assert [(s.name, offset) for s, offset in layout.entries] == \
+            [(b.name, b.offset) for b in plan.buffers if b.arena == "params"]
+        assert plan.arena("params").size == layout.total
+
+
 def test_plan_holds_params_grads_and_both_adam_moments(lib):
     arch = arch_of(load_config(None, []).model, lib)
     plan = plan_model(arch, 4, 32, optimizer=plan_optimizer(arch, update_ops(lib, "adamw")))

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eulergen.runtime.model.memory import ALIGN, Planner
-from eulergen.runtime.model.params import parameters, plan_params
+from eulergen.runtime.model.memory import ALIGN
+from eulergen.runtime.model.params import parameters
 
 MIB = 1 << 20
 
@@ -97,26 +97,23 @@ def plan_buckets(a, ranks: int, *, zero: bool = False, bucket_mb: float = 25.0,
                  itemsize: int = 4) -> BucketPlan:
     """The buckets of an Arch's gradients for `ranks` ranks, each about `bucket_mb` MiB of
     gradients of `itemsize` bytes."""
-    p = Planner()
-    plan_params(p, a, "float32")   # offsets are in elements: the same in every dtype
-    layout = p.plan()
-    total = layout.arena("params").size
+    layout = a.param_layout
     ready = param_ready(a)
     nodes = len(a.graph.steps())
     cap = max(ALIGN, int(bucket_mb * MIB / itemsize))
     runs: list[list] = []   # [lo, ready] of each bucket, in arena order
     prev = None
-    for b in sorted(layout.buffers, key=lambda b: b.offset):
-        r = ready[b.name]
-        if (not runs or r > prev or b.offset - runs[-1][0] >= cap
+    for s, offset in layout.entries:
+        r = ready[s.name]
+        if (not runs or r > prev or offset - runs[-1][0] >= cap
                 or (runs[-1][1] == nodes - 1 and r < nodes - 1)):
-            runs.append([b.offset, r])
+            runs.append([offset, r])
         prev = r
-    ends = [lo for lo, _ in runs[1:]] + [total]
+    ends = [lo for lo, _ in runs[1:]] + [layout.total]
     buckets = [Bucket(lo, hi, r, _shard(hi - lo, ranks) if zero else 0)
                for (lo, r), hi in zip(runs, ends)]
     buckets.sort(key=lambda b: (b.ready, -b.lo))
-    return BucketPlan(tuple(buckets), nodes, ranks, zero, total)
+    return BucketPlan(tuple(buckets), nodes, ranks, zero, layout.total)
 
 
 def _shard(size: int, ranks: int) -> int:

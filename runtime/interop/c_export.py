@@ -29,12 +29,12 @@ from eulergen.runtime.interop import c_cuda, c_model, c_tokenizer, c_train, c_we
 
 PROGRAM_DIR = TEMPLATES_DIR / "c"
 # the hand-written program, as templates/c/ holds it
-PROGRAM = ("main.c", "error.h", "error.c", "weights.h", "weights.c", "tokenizer.h",
-           "tokenizer.c", "sample.h", "sample.c", "backend.h", "cpu.c", "cuda.cu")
-HOST = ("main.c", "model.c", "weights.c", "tokenizer.c", "sample.c", "error.c")
+PROGRAM = ("main.c", "error.h", "error.c", "files.h", "files.c", "weights.h", "weights.c",
+           "tokenizer.h", "tokenizer.c", "sample.h", "sample.c", "backend.h", "cpu.c", "cuda.cu")
+HOST = ("main.c", "model.c", "weights.c", "tokenizer.c", "sample.c", "files.c", "error.c")
 # the training program's, hand-written (templates/c/), and what train_cpu is built from
 TRAIN_PROGRAM = ("train.c", "data.h", "data.c", "checkpoint.h", "checkpoint.c", "train_cpu.h",
-                 "train_cpu.c", "files.h", "files.c")
+                 "train_cpu.c")
 TRAIN = ("train.c", "training.c", "forward.c", "backward.c", "data.c", "checkpoint.c",
          "train_cpu.c", "files.c", "weights.c", "error.c")
 

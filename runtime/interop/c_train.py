@@ -11,7 +11,8 @@ the params arena, the optimizer's launches, the tables a checkpoint is written f
 forward.c and backward.c (the tape, c_train_tape.py), train_ops.h and train_state.bin (the
 step, the update count, the spike guard, the data position and the optimizer arena).
 templates/c/ holds the hand-written rest: train.c (the loop), data.c (the token files and
-numpy's batch order), checkpoint.c, train_cpu.c (the products and sums), files.c.
+numpy's batch order), checkpoint.c, train_cpu.c (the products and sums); files.c is the
+sampling program's (c_export.PROGRAM), which both read files through.
 
 Refused before anything is loaded, in one line: a run this program cannot continue as the
 numpy trainer would (bf16, data parallel or ZeRO, recompute), and an op, of the model or

@@ -1,6 +1,7 @@
-"""The model's shape (`Arch`), the ops it runs (`ModelOps`) and its forward pass as data
-(`Arch.graph`), from a ModelConfig checked against the op library once a run: what the
-plans, the training tape, data parallel's buckets and the decoder are built for.
+"""The model's shape (`Arch`), the ops it runs (`ModelOps`), its forward pass as data
+(`Arch.graph`) and its params arena (`Arch.param_layout`), from a ModelConfig checked
+against the op library once a run: what the plans, the training tape, data parallel's
+buckets and the decoder are built for.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.attention import head_dims
 from eulergen.runtime.model.graph import Graph, model_graph
-from eulergen.runtime.model.params import padded_vocab
+from eulergen.runtime.model.params import ParamLayout, padded_vocab, param_layout
 from eulergen.signature import select
 
 # norm-op weight inputs are named `weight`, then `bias`, as torch names them
@@ -48,11 +49,13 @@ class Arch:
     rope_params: dict = field(hash=False)
     ops: ModelOps = field(repr=False)
     graph: Graph = field(init=False, repr=False, compare=False)   # model_graph of the rest
+    param_layout: ParamLayout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # made once a shape (budget's one- and two-layer copies get their own): whoever
-        # holds the Arch reads this graph, none makes another
+        # holds the Arch reads this graph and this params layout, none makes another
         object.__setattr__(self, "graph", model_graph(self))
+        object.__setattr__(self, "param_layout", param_layout(self))
 
     @property
     def vocab_rows(self) -> int:

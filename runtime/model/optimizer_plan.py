@@ -18,13 +18,12 @@ With ZeRO-1 (`buckets`), a rank steps its share: every range cut to the spans it
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass
 
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.engine import newton_schulz
-from eulergen.runtime.model.memory import Planner
-from eulergen.runtime.model.params import parameters, plan_params
 
 KEY = "training.optimizer"
 
@@ -122,18 +121,12 @@ def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerP
     """The launches and state of `ops` over an Arch's parameters: ranges of one op and one
     weight-decay choice (the decayed matrices lie first: runtime/model/params.py), a matrix
     op's parameters one by one; with ZeRO-1 `buckets`, rank `rank`'s share of them."""
-    p = Planner()
-    plan_params(p, a, "float32")   # offsets in elements: the same in every dtype
-    layout = p.plan()
-    total = layout.arena("params").size
     main, matrix = ops.main, ops.main.matrix is not None
     if matrix and buckets is not None and buckets.zero:
         raise EulerError(f"ZeRO-1 shares the update by elements; {main.name}'s matrix step "
                          "needs whole matrices (training.zero=0)", key="training.zero")
     owner, groups = [], []
-    specs = sorted(parameters(a), key=lambda s: layout.buffer(s.name).offset)
-    for s in specs:
-        b = layout.buffer(s.name)
+    for s, offset in a.param_layout.entries:
         op = main if not matrix or s.linear else ops.rest
         owner.append((s.name, op.name))
         whole = matrix and op is main
@@ -141,11 +134,11 @@ def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerP
                 (groups[-1].op, groups[-1].decay) == (op.name, s.decay):
             continue   # the range goes on
         if groups and groups[-1].shape is None:   # a range ends where the next starts
-            groups[-1] = dataclasses.replace(groups[-1], hi=b.offset)
-        groups.append(Group(op.name, b.offset, b.offset + b.size, 0, s.decay,
+            groups[-1] = dataclasses.replace(groups[-1], hi=offset)
+        groups.append(Group(op.name, offset, offset + math.prod(s.shape), 0, s.decay,
                             tuple(s.shape) if whole else None))
     if groups[-1].shape is None:
-        groups[-1] = dataclasses.replace(groups[-1], hi=total)
+        groups[-1] = dataclasses.replace(groups[-1], hi=a.param_layout.total)
     ranks = range(buckets.ranks) if buckets is not None and buckets.zero else (0,)
     shares = {r: _share(groups, buckets.owned(r) if buckets is not None else None) for r in ranks}
     sizes = {op.name: max(sum(g.size for g in shares[r] if g.op == op.name) for r in ranks)

@@ -67,12 +67,28 @@ def param_count(a) -> int:
     return sum(math.prod(p.shape) for p in parameters(a))
 
 
-def plan_params(p: Planner, a, dtype: str) -> None:
-    """The params arena, the same for every model of an Arch (so a sampler can read the
-    weights of the training model it sits beside): decayed matrices first, then the rest,
-    so AdamW runs as two launches over two ranges."""
+@dataclass(frozen=True)
+class ParamLayout:
+    """The params arena of an Arch, laid out once (its `param_layout`) and the same for
+    every model of it (so a sampler can read the weights of the training model it sits
+    beside): decayed matrices first, then the rest, so AdamW runs as two launches over two
+    ranges. Offsets are in elements: the same in every dtype."""
+    entries: tuple[tuple[ParamSpec, int], ...]   # (parameter, its offset), arena order
+    total: int                                   # elements of the arena
+
+
+def param_layout(a) -> ParamLayout:
+    """An Arch's ParamLayout (Arch makes it; everyone else reads `a.param_layout`)."""
     specs = parameters(a)
-    for spec in [s for s in specs if s.decay] + [s for s in specs if not s.decay]:
+    p = Planner()
+    entries = tuple((s, p.add("params", s.name, s.shape).offset)
+                    for s in [s for s in specs if s.decay] + [s for s in specs if not s.decay])
+    return ParamLayout(entries, p.plan().arena("params").size)
+
+
+def plan_params(p: Planner, a, dtype: str) -> None:
+    """The params arena of a model's plan: the Arch's param_layout in `dtype`."""
+    for spec, _ in a.param_layout.entries:
         p.add("params", spec.name, spec.shape, dtype)
 
 

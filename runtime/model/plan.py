@@ -112,7 +112,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         return pr.stream if v.stream else None
 
     plan_params(p, a, master)
-    total = p.plan().arena("params").size
+    total = a.param_layout.total
     if master != dtype:
         p.add("params_bf16", "params_bf16", (total,), dtype)   # refreshed after every update
     if training:

@@ -57,23 +57,31 @@ def open_model(spec: str | Path, device: str | None = None, bar: Bar | None = No
     of them. `bar` (started by the caller) counts the tensors read and checked."""
     bar = bar or hidden()
     path = Path(spec)
-    training = {"device": device} if device else {}
-    if not path.exists() or is_hf_folder(path):
-        imported = hf.load_folder(hf.locate(spec, key="RUN_OR_CKPT"), bar)
-        raw = {"model": imported.model, "data": {"tokenizer": hf.tokenizer_of(imported)},
-               "training": {"seq_len": min(imported.model["max_seq_len"], HF_CONTEXT),
-                            **training}}
-        config = str(imported.folder / hf.CONFIG)
-        weights = Weights(config_from_dict(raw, source=config), imported.params, config)
-    else:
-        ck = checkpoint.load(path, require=("config",))
-        recorded = Fields(ck.state, str(ck.path / checkpoint.STATE_FILE))
-        raw = dict(recorded.fields("config").data)
-        if device and isinstance(raw.get("training", {}), dict):   # else config_from_dict says
-            raw["training"] = {**raw.get("training", {}), **training}
-        cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
-        weights = Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE),
-                          recorded.text("tokenizer_digest", None))
+    if path.exists() and not is_hf_folder(path):
+        return checkpoint_weights(checkpoint.load(path, require=("config",)), device, bar)
+    imported = hf.load_folder(hf.locate(spec, key="RUN_OR_CKPT"), bar)
+    raw = {"model": imported.model, "data": {"tokenizer": hf.tokenizer_of(imported)},
+           "training": {"seq_len": min(imported.model["max_seq_len"], HF_CONTEXT),
+                        **({"device": device} if device else {})}}
+    config = str(imported.folder / hf.CONFIG)
+    return _finite(Weights(config_from_dict(raw, source=config), imported.params, config), bar)
+
+
+def checkpoint_weights(ck: checkpoint.Checkpoint, device: str | None = None,
+                       bar: Bar | None = None) -> Weights:
+    """open_model of a checkpoint read already (export-c --train reads one once, for its
+    optimizer state too)."""
+    recorded = Fields(ck.state, str(ck.path / checkpoint.STATE_FILE))
+    raw = dict(recorded.fields("config").data)
+    if device and isinstance(raw.get("training", {}), dict):   # else config_from_dict says
+        raw["training"] = {**raw.get("training", {}), "device": device}
+    cfg = config_from_dict(raw, source=str(ck.path / checkpoint.STATE_FILE))
+    return _finite(Weights(cfg, ck.params, str(ck.path / checkpoint.MODEL_FILE),
+                           recorded.text("tokenizer_digest", None)), bar or hidden())
+
+
+def _finite(weights: Weights, bar: Bar) -> Weights:
+    """`weights`, refused where a tensor holds a NaN or an Inf."""
     bar.update(total=(bar.total or 0) + len(weights.params), status="checking for NaN and Inf")
     for name, value in weights.params.items():
         bar.update(advance=1)

@@ -1,6 +1,6 @@
-// files.h: what the training program's readers and its loop share: a file opened with its
-// size, bytes read at an offset, a file beside the program, the wall clock. Each failure
-// is one line (error.h) naming the file.
+// files.h: what the programs' readers and loops share: a file opened with its size, bytes
+// read at an offset, a file beside the program, the wall clock. Each failure is one line
+// (error.h) naming the file.
 #pragma once
 
 #include <stddef.h>

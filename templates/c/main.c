@@ -8,10 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "backend.h"
 #include "error.h"
+#include "files.h"
 #include "model.h"
 #include "sample.h"
 #include "tokenizer.h"
@@ -48,17 +48,11 @@ static float number(const char* flag, const char* text, double lo, double hi, in
   return (float)v;
 }
 
-// A file beside the program unless given: the folder export-c wrote holds everything.
-static void beside(char* out, size_t size, const char* argv0, const char* name) {
-  const char* slash = strrchr(argv0, '/');
-  const int dir = slash ? (int)(slash - argv0) : 1;
-  snprintf(out, size, "%.*s/%s", dir, slash ? argv0 : ".", name);
-}
-
 static Options parse(int argc, char** argv) {
   Options o = {"\n", 200, 0, {0.8f, 40, 1.0f, 0}, "", ""};
-  beside(o.weights, sizeof o.weights, argv[0], "weights.bin");
-  beside(o.tokenizer, sizeof o.tokenizer, argv[0], "tokenizer.bin");
+  // beside the program unless given: the folder export-c wrote holds everything
+  eg_beside(o.weights, sizeof o.weights, argv[0], "weights.bin");
+  eg_beside(o.tokenizer, sizeof o.tokenizer, argv[0], "tokenizer.bin");
   for (int i = 1; i < argc; ++i) {
     const char* flag = argv[i];
     if (!strcmp(flag, "--help") || !strcmp(flag, "-h")) {
@@ -112,12 +106,6 @@ static const float* feed(Context* c, int id) {
   return model_step(c->model, id, c->length++);
 }
 
-static double seconds(void) {
-  struct timespec t;
-  timespec_get(&t, TIME_UTC);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   Tokenizer* tok = tokenizer_load(o.tokenizer);
@@ -132,7 +120,7 @@ int main(int argc, char** argv) {
   Context c = {model_load(o.weights), {0}, 0};
   Sampler* sampler = sampler_new(EG_VOCAB);
   if (!o.ids) fputs(o.prompt, stdout);
-  const double start = seconds();
+  const double start = eg_seconds();
   const float* logits = prefill(&c, prompt, n);
   int made = 0;
   for (int step = 0; step < o.max_new_tokens; ++step) {
@@ -151,7 +139,7 @@ int main(int argc, char** argv) {
     if (step + 1 < o.max_new_tokens) logits = feed(&c, id);
   }
   putchar('\n');
-  const double took = seconds() - start;
+  const double took = eg_seconds() - start;
   fprintf(stderr, "%s: %d prompt tokens and %d new in %.3f s (%.1f tokens/s)\n", eg_backend(), n,
           made, took, (n + made) / (took > 0 ? took : 1e-9));
   return 0;

@@ -1,10 +1,10 @@
 // weights.c: weights_load (weights.h).
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "error.h"
+#include "files.h"
 #include "weights.h"
 
 static long long align_up(long long n) { return (n + EG_ALIGN - 1) / EG_ALIGN * EG_ALIGN; }
@@ -52,22 +52,14 @@ static void check_table(const char* path, const unsigned char* table, const Tens
   }
 }
 
-static void read_all(FILE* f, const char* path, void* into, long long bytes, long long at) {
-  if (fseek(f, at, SEEK_SET) != 0 || fread(into, 1, (size_t)bytes, f) != (size_t)bytes)
-    eg_fail("%s: cannot read %lld bytes at %lld (%s)", path, bytes, at,
-            ferror(f) ? strerror(errno) : "the file ends first");
-}
-
 long long weights_load(const char* path, const HeaderField* header, int fields,
                        const TensorSpec* tensors, int count, float** out) {
-  FILE* f = fopen(path, "rb");
-  if (!f) eg_fail("%s: cannot open it (%s)", path, strerror(errno));
-  if (fseek(f, 0, SEEK_END) != 0) eg_fail("%s: cannot seek (%s)", path, strerror(errno));
-  const long long size = ftell(f);
+  long long size;
+  FILE* f = eg_open(path, &size);
   const long long table_at = EG_HEADER_INTS * 4;
   const long long data_at = align_up(table_at + (long long)count * EG_TABLE_BYTES);
   int32_t got[EG_HEADER_INTS];
-  read_all(f, path, got, size < table_at ? (size < 4 ? size : 4) : table_at, 0);
+  eg_read_at(f, path, got, size < table_at ? (size < 4 ? size : 4) : table_at, 0);
   if (size < 4 || got[0] != header[0].value)
     eg_fail("%s: not an eulergen weights file (its first bytes are not \"EGW1\")", path);
   if (size < table_at) eg_fail("%s: %lld bytes, shorter than its header: truncated", path, size);
@@ -79,12 +71,12 @@ long long weights_load(const char* path, const HeaderField* header, int fields,
             size < end ? "truncated" : "not the file this header was written with");
   unsigned char* table = malloc((size_t)(count * EG_TABLE_BYTES));
   if (!table) eg_fail("%s: out of memory for its table", path);
-  read_all(f, path, table, (long long)count * EG_TABLE_BYTES, table_at);
+  eg_read_at(f, path, table, (long long)count * EG_TABLE_BYTES, table_at);
   check_table(path, table, tensors, count);
   free(table);
   unsigned char* data = malloc((size_t)(end - data_at));
   if (!data) eg_fail("%s: out of memory for %lld bytes of weights", path, end - data_at);
-  read_all(f, path, data, end - data_at, data_at);
+  eg_read_at(f, path, data, end - data_at, data_at);
   fclose(f);
   long long at = data_at;
   for (int i = 0; i < count; ++i) {
