@@ -3,6 +3,8 @@ renders from them without compiling, and never from what other options, or anoth
 the template, compiled."""
 from __future__ import annotations
 
+import shutil
+
 import jinja2
 import pytest
 
@@ -49,7 +51,12 @@ def test_other_options_and_an_edited_template_compile_afresh(folder):
     assert _render(folder, trim_blocks=True) == "  <1>\n  <2>\n"
 
 
-def test_without_a_cache_folder_templates_render_all_the_same(folder, tmp_path, monkeypatch):
+def test_a_cache_folder_that_cannot_be_used_costs_a_compile_not_the_render(folder, tmp_path,
+                                                                           monkeypatch):
+    _render(folder, trim_blocks=True)
+    shutil.rmtree(tmp_path / "cache")   # removed under a running build: made again
+    assert _render(folder, trim_blocks=True) == _uncached(folder, trim_blocks=True)
+    assert _render(folder, compiles=False, trim_blocks=True) == _uncached(folder, trim_blocks=True)
     (tmp_path / "a_file").write_text("")
-    monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path / "a_file"))   # no folder can be made in it
+    monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path / "a_file"))   # no folder can be in it
     assert _render(folder, trim_blocks=True) == _uncached(folder, trim_blocks=True)
