@@ -10,7 +10,7 @@ import sympy as sp
 
 from eulergen import TEMPLATES_DIR
 from eulergen.generator import ir
-from eulergen.generator.emit import header, spec_label, wrap_lines
+from eulergen.generator.emit import header, new_environment, spec_label, wrap_lines
 from eulergen.generator.plan import CTYPE
 from eulergen.generator.plan_attention import AttentionKernel, AttentionPlan
 from eulergen.generator.printer import cuda_expr
@@ -35,9 +35,8 @@ def _env(override: jinja2.BaseLoader | None) -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(str(TEMPLATES_DIR))
     if override is not None:
         loader = jinja2.ChoiceLoader([override, loader])
-    return jinja2.Environment(loader=loader,
-                              undefined=jinja2.StrictUndefined, trim_blocks=True,
-                              lstrip_blocks=True, keep_trailing_newline=True)
+    return new_environment(loader, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                           lstrip_blocks=True, keep_trailing_newline=True)
 
 
 def render_attention(derived: ir.DerivedOp, plan: AttentionPlan, *,

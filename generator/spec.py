@@ -68,12 +68,12 @@ def _domain(doc: YamlDoc, data: dict, inputs) -> tuple:
 
 
 def _kind(doc: YamlDoc, data: dict) -> OpKind:
-    kinds = {k.name: k for k in registry.spec_kinds()}
     name = data["kind"]
-    if not isinstance(name, str) or name not in kinds:
-        raise doc.error(f"unknown kind {name!r} (expected one of {', '.join(kinds)})"
-                        f"{suggest(str(name), kinds)}", "kind")
-    return kinds[name]
+    if isinstance(name, str) and name in registry.names() and (found := registry.kind(name)).spec:
+        return found   # only this kind imported
+    kinds = [k.name for k in registry.spec_kinds()]
+    raise doc.error(f"unknown kind {name!r} (expected one of {', '.join(kinds)})"
+                    f"{suggest(str(name), kinds)}", "kind")
 
 
 def load_spec(path: Path | str, data: bytes | None = None) -> OpSpec:

@@ -204,6 +204,32 @@ def test_a_spec_edited_back_comes_from_the_derived_cache_without_sympy(generated
     assert (manifest.parent / "cuda" / "mish.cu").read_bytes() == first
 
 
+def test_an_edited_op_imports_its_own_kind_only(tmp_path):
+    """Deriving a pointwise op, in a fresh process, loads the pointwise kind and none of the
+    others (the row and attention kinds' planners and printers: start-up time an edit would
+    pay for nothing)."""
+    folder = _user_ops(tmp_path)
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from eulergen.generator import build\n"
+            "out = build.plan_build(Path(sys.argv[1]), {'mish': Path(sys.argv[2])}, "
+            "template_ops=False)\n"
+            "assert 'cuda/mish.cu' in out.files\n"
+            "print(sorted(m for m in sys.modules if m.startswith('eulergen.generator.kinds.')))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "build"),
+                          str(folder / "mish.yaml")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "EULERGEN_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(["eulergen.generator.kinds.base",
+                                      "eulergen.generator.kinds.pointwise"])
+
+
+def test_each_kind_is_the_module_of_its_name():
+    assert [registry.kind(n).name for n in registry.NAMES] == list(registry.NAMES)
+    assert [k.name for k in registry.spec_kinds()] == ["pointwise", "row", "pair", "update",
+                                                       "attention"]
+
+
 def test_an_override_builds_into_the_user_set_and_the_builtin_set_keeps_its_op(
         generated, tmp_path):
     folder = tmp_path / "myops"

@@ -49,6 +49,8 @@ def test_good_spec_loads_with_its_parts(tmp_path):
      "'1e-5' is read by YAML as a string; write 1.0e-5"),
     (("outputs:", "outptus:"), 5, "outptus", "unknown key for a pointwise op (did you mean 'outputs'?)"),
     (("kind: pointwise", "kind: pointwize"), 2, "kind", "did you mean 'pointwise'?"),
+    (("kind: pointwise", "kind: embedding"), 2, "kind",
+     "unknown kind 'embedding' (expected one of pointwise, row, pair, update, attention)"),
     (("  y: x/sqrt(x**2 + eps)", "  y: x/sqrtt(x**2 + eps)"), 6, "outputs.y",
      "unknown function 'sqrtt' (did you mean 'sqrt'?)"),
     (("  y: x/sqrt(x**2 + eps)", "  y: x/sqrt(x**2 + epss)"), 6, "outputs.y",
