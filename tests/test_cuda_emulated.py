@@ -60,43 +60,75 @@ def has_kernel(op: str, stage: str, part: str = "", fusion: str = "") -> bool:
                for k in OPS[op]["kernels"].values())
 
 
+_RUNNER = """\
+#include "{op}.cu"
+#include <string>
+
+static char** args;
+static void* p[64];  // the pointer arguments, by their place in argv
+static std::vector<std::string> paths;
+static std::vector<std::vector<char>> buffers;
+
+// The buffer of a file argument, read once: arguments naming one file share it.
+static void* buffer(const char* path) {{
+  if (std::string(path) == "-") return nullptr;
+  for (size_t i = 0; i < paths.size(); ++i)
+    if (paths[i] == path) return buffers[i].data();
+  FILE* f = std::fopen(path, "rb");
+  std::fseek(f, 0, SEEK_END);
+  std::vector<char> v(std::ftell(f));
+  std::fseek(f, 0, SEEK_SET);
+  if (std::fread(v.data(), 1, v.size(), f) != v.size()) std::exit(2);
+  std::fclose(f);
+  paths.push_back(path);
+  buffers.push_back(std::move(v));
+  return buffers.back().data();
+}}
+
+static void save(const char* path) {{
+  for (size_t i = 0; i < paths.size(); ++i)
+    if (paths[i] == path) {{
+      FILE* f = std::fopen(path, "wb");
+      std::fwrite(buffers[i].data(), 1, buffers[i].size(), f);
+      std::fclose(f);
+    }}
+}}
+
+{calls}
+
+int main(int argc, char** argv) {{
+  const std::string kernel = argv[1];
+  args = argv;
+  const dim3 grid(std::atoi(argv[2]), std::atoi(argv[3])), block(std::atoi(argv[4]), std::atoi(argv[5]));
+{cases}
+  return 3;
+}}
+"""
+
+
 def _runner(op: str) -> str:
     """C++ main: `run KERNEL GX GY BX BY ARGS…`; a pointer argument is a file (or '-' for
     null) read before and, when not const, written back after the launch. Pointer arguments
-    naming the same file share one buffer (an output aliasing an input: in place)."""
-    cases = []
+    naming the same file share one buffer (an output aliasing an input: in place). Each
+    kernel is launched through a plain function of its own (`call_<kernel>`, reading its
+    arguments from `p` and `args`): one lambda a kernel, each its own std::function, took
+    half of the build."""
+    calls, cases = [], []
     for name, k in OPS[op]["kernels"].items():
-        loads, call, saves = [], [], []
-        elems: dict[int, str] = {}
-        for n, (arg, ctype) in enumerate(k["args"]):
+        reads, values, saves = [], [], []
+        for n, (_, ctype) in enumerate(k["args"], start=6):
             if ctype.endswith("*"):
-                elem = ctype.replace("const ", "").rstrip("*").strip()
-                loads.append(f"    std::vector<{elem}> a{n} = load<{elem}>(argv[{n + 6}]);")
-                loads.append(f"    std::vector<{elem}>* v{n} = &a{n};")
-                loads += [f"    if (std::string(argv[{n + 6}]) == argv[{m + 6}]) v{n} = v{m};"
-                          for m, e in elems.items() if e == elem]
-                elems[n] = elem
-                call.append(f"(std::string(argv[{n + 6}]) == \"-\" ? nullptr : v{n}->data())")
+                reads.append(f"p[{n}] = buffer(argv[{n}]);")
+                values.append(f"({ctype})p[{n}]")
                 if not ctype.startswith("const"):
-                    saves.append(f"    save(argv[{n + 6}], *v{n});")
+                    saves.append(f"save(argv[{n}]);")
             else:
-                call.append(f"{_SCALAR[ctype]}(argv[{n + 6}])")
-        cases.append(f'  if (kernel == "{name}") {{\n' + "\n".join(loads) + "\n"
-                     f"    emu_launch_2d(grid, block, [&] {{ {name}({', '.join(call)}); }});\n"
-                     + "\n".join(saves) + "\n    return 0;\n  }")
-    return (f'#include "{op}.cu"\n#include <string>\n\n'
-            "template <typename T> static std::vector<T> load(const char* path) {\n"
-            "  std::vector<T> v;\n  if (std::string(path) == \"-\") return v;\n"
-            "  FILE* f = std::fopen(path, \"rb\");\n  std::fseek(f, 0, SEEK_END);\n"
-            "  v.resize(std::ftell(f) / sizeof(T));\n  std::fseek(f, 0, SEEK_SET);\n"
-            "  if (std::fread(v.data(), sizeof(T), v.size(), f) != v.size()) std::exit(2);\n"
-            "  std::fclose(f);\n  return v;\n}\n"
-            "template <typename T> static void save(const char* path, const std::vector<T>& v) {\n"
-            "  FILE* f = std::fopen(path, \"wb\");\n  std::fwrite(v.data(), sizeof(T), v.size(), f);\n"
-            "  std::fclose(f);\n}\n\n"
-            "int main(int argc, char** argv) {\n  const std::string kernel = argv[1];\n"
-            "  const dim3 grid(std::atoi(argv[2]), std::atoi(argv[3])), block(std::atoi(argv[4]), std::atoi(argv[5]));\n"
-            + "\n".join(cases) + "\n  return 3;\n}\n")
+                values.append(f"{_SCALAR[ctype]}(args[{n}])")
+        calls.append(f"static void call_{name}() {{ {name}({', '.join(values)}); }}")
+        cases.append(f'  if (kernel == "{name}") {{\n    {" ".join(reads)}\n'
+                     f"    emu_launch_2d(grid, block, call_{name});\n"
+                     f"    {' '.join(saves)}\n    return 0;\n  }}")
+    return _RUNNER.format(op=op, calls="\n".join(calls), cases="\n".join(cases))
 
 
 @functools.lru_cache(maxsize=None)
