@@ -37,6 +37,8 @@ pytestmark = [pytest.mark.slow,
 
 MANIFEST = GENERATED_DIR / "manifest.json"
 OPS = json.loads(MANIFEST.read_text())["ops"] if MANIFEST.exists() else {}
+# the same ops as the runtime reads them (a frozen value, read once: 50 ms a read)
+ENTRIES = load_manifest(MANIFEST).ops if MANIFEST.exists() else {}
 EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
 _FOLDER = Path(tempfile.mkdtemp(prefix="eg-cudagen-emu-"))
 TOL = {"f32": 1e-5, "bf16": 2.0 ** -8}
@@ -224,7 +226,7 @@ def _params(op: str) -> dict:
 @pytest.mark.parametrize("name", _ops("pointwise"))
 def test_pointwise_forward_and_backward_match_numpy(name, dtype):
     op = OPS[name]
-    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    mod = load_numpy_module(ENTRIES[name])
     n = 5003                       # not a multiple of any vector width: the scalar tail runs
     rng = np.random.default_rng(1)
     xs = inputs_as_stored([rng.uniform(-4, 4, n) for _ in op["inputs"]], dtype)
@@ -310,7 +312,7 @@ def powers_of_two_only(op: str, cols_list) -> dict[str, list[int]]:
                          [p for n in _ops("row") for p in layout_params(n, ROW_CASES)])
 def test_row_kernels_match_numpy(name, cols, layout, dtype):
     op = OPS[name]
-    entry = load_manifest(MANIFEST).ops[name]
+    entry = ENTRIES[name]
     mod = load_numpy_module(entry)
     rows = 3 if cols > 5000 else 11
     rng = np.random.default_rng(cols)
@@ -424,7 +426,7 @@ def test_split_backward_rows_then_columns_match_numpy(name, cols, dtype):
     the vector, the `_unaligned` kernels and a part-filled last vector; 1250 bf16 columns, a
     second block of columns."""
     op = OPS[name]
-    entry = load_manifest(MANIFEST).ops[name]
+    entry = ENTRIES[name]
     mod = load_numpy_module(entry)
     rows, groups = 29, 3
     rng = np.random.default_rng(cols + 7)
@@ -517,7 +519,7 @@ def test_pair_kernels_on_strided_views_match_numpy(name, dtype, case):
     Blocks of the runtime's size, three of them over B·T tokens: blocks loop over tokens."""
     c = PAIR_CASES[case]
     op = OPS[name]
-    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    mod = load_numpy_module(ENTRIES[name])
     B, T, H, D = c.shape
     rng = np.random.default_rng(2)
     params = _params(name)
@@ -558,7 +560,7 @@ def _update_case(name: str, kernel: str, control: dict):
     float32): (the kernel's written buffers, the float64 reference arrays after the numpy
     module's phase, the buffers as they went in)."""
     op, k = OPS[name], OPS[name]["kernels"][kernel]
-    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    mod = load_numpy_module(ENTRIES[name])
     n, dtype, part = 2051, k["dtype"], k.get("part", "")
     shape = {"rows": 7.0, "cols": 293.0} if "matrix" in op else {}
     rng = np.random.default_rng(3)
@@ -782,7 +784,7 @@ def test_online_max_and_sum_handle_minus_infinity(name, cols, layout, dtype):
     warp-per-row and block_held ones keep two passes; all give numpy's values, -inf
     included."""
     op = OPS[name]
-    entry = load_manifest(MANIFEST).ops[name]
+    entry = ENTRIES[name]
     mod = load_numpy_module(entry)
     rng = np.random.default_rng(cols + 7)
     x = inputs_as_stored([masked_rows(rng, 4, cols)], dtype)[0]
@@ -836,7 +838,7 @@ def test_a_target_outside_the_row_picks_nothing(name, layout):
     """A picked column (ir.Pick) is read once per row, and only inside the row: ids -1 and
     cols (an ignore index, a padded id) give what the sum over no matching column gives."""
     op = OPS[name]
-    mod = load_numpy_module(load_manifest(MANIFEST).ops[name])
+    mod = load_numpy_module(ENTRIES[name])
     rows, cols = 4, 768
     rng = np.random.default_rng(5)
     x = inputs_as_stored([rng.uniform(-4, 4, (rows, cols))], "f32")[0]
