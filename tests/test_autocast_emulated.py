@@ -13,8 +13,8 @@ import pytest
 
 from eulergen.runtime.engine.bf16 import to_bf16
 from eulergen.runtime.engine.kinds.row import row_aligned
-from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
-from test_cuda_emulated import (MANIFEST, OPS, SUFFIX, TOL, _params, _row_geometry, as_tuple,
+from eulergen.runtime.engine.manifest import load_numpy_module
+from test_cuda_emulated import (ENTRIES, OPS, SUFFIX, TOL, _params, _row_geometry, as_tuple,
                                 close, f32, geometry, launch, stored, value)
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ WIDE, NARROW = "f32", "bf16"
 
 
 def _module(name: str):
-    return load_numpy_module(load_manifest(MANIFEST).ops[name])
+    return load_numpy_module(ENTRIES[name])
 
 
 def _as_stored(rng, shape, dtype: str) -> np.ndarray:

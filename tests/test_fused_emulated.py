@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eulergen.runtime.engine.manifest import load_manifest, load_numpy_module
-from test_cuda_emulated import (MANIFEST, OPS, SUFFIX, TOL, _params, _row_geometry,
+from eulergen.runtime.engine.manifest import load_numpy_module
+from test_cuda_emulated import (ENTRIES, OPS, SUFFIX, TOL, _params, _row_geometry,
                                 _runtime_variant, as_tuple, close, f32, geometry,
                                 has_kernel, inputs_as_stored, launch, stored, value)
 
@@ -36,7 +36,7 @@ ADD_CASES = [(17, "warp"), (1250, "block"), (3001, "held"), (8800, "block")]
 
 
 def _module(name: str):
-    return load_numpy_module(load_manifest(MANIFEST).ops[name])
+    return load_numpy_module(ENTRIES[name])
 
 
 def _add_params():

@@ -53,7 +53,8 @@ def _fake_cupy() -> types.ModuleType:
 
 @functools.lru_cache(maxsize=None)
 def _library(op: str) -> ctypes.CDLL:
-    """The op's .cu with a C entry `emu_<kernel>(gx, gy, bx, by, args…)` per kernel."""
+    """The op's .cu with a C entry `emu_<kernel>(gx, gy, bx, by, args…)` per kernel, built
+    at -O0 as test_cuda_emulated's runners are (a third of -O1's build time)."""
     import json
     kernels = json.loads((GENERATED_DIR / "manifest.json").read_text())["ops"][op]["kernels"]
     folder = Path(tempfile.mkdtemp(prefix=f"eg-fused-rt-{op}-"))
@@ -67,7 +68,7 @@ def _library(op: str) -> ctypes.CDLL:
                      f"unsigned by, {params}) {{ emu_launch_2d(dim3(gx, gy), dim3(bx, by), "
                      f"[=] {{ {name}({call}); }}); }}")
     (folder / "lib.cpp").write_text("\n".join(lines) + "\n")
-    done = subprocess.run(["g++", "-std=c++17", "-O1", "-w", "-shared", "-fPIC",
+    done = subprocess.run(["g++", "-std=c++17", "-O0", "-w", "-shared", "-fPIC",
                            f"-I{EMULATOR}", "-o", "lib.so", "lib.cpp"], cwd=folder,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,6 +1,6 @@
 // A CPU stand-in for the CUDA that the attention kernels use, so that the generated kernels
 // run unchanged (compiled by g++) in tests/test_attention_emulated.py on a machine without
-// a GPU. Each CUDA thread of a block is a fiber (ucontext); the block's fibers run round
+// a GPU. Each CUDA thread of a block is a fiber (a stack of its own); the block's fibers run round
 // robin, and every warp-collective operation (shuffle, ldmatrix, mma) and __syncthreads is
 // a barrier among the fibers taking part. ldmatrix and mma follow the PTX ISA fragment
 // tables, restated here independently of the kernels' own comments.
@@ -8,15 +8,17 @@
 // It is included as <cuda_bf16.h> by the project's prelude (this folder is first on the
 // include path), so it supplies the CUDA keywords and builtins too.
 #pragma once
-#include <ucontext.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 
 #define __global__
 #define __device__
@@ -69,14 +71,74 @@ inline float2 __bfloat1622float2(__nv_bfloat162 v) {
   return {__bfloat162float(v.x), __bfloat162float(v.y)};
 }
 
-// ---- fibers: one per CUDA thread of the running block -------------------------------------
+// ---- switching stacks --------------------------------------------------------------------
 namespace emu {
 
+// A switch pushes the callee-saved registers on the stack it leaves and pops them from the
+// one it enters (nothing changes the floating-point control words, so they stay put). glibc's
+// swapcontext also saves the signal mask, a system call a switch, which took most of an
+// emulated run's time; it serves where this x86-64 code does not.
+#if defined(__x86_64__)
+struct Context { void* sp = nullptr; };
+extern "C" void emu_switch_stack(void** save, void* load);
+asm(R"(
+  .pushsection .text
+  .p2align 4
+  .type emu_switch_stack, @function
+emu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch_stack, . - emu_switch_stack
+  .popsection
+)");
+inline void switch_to(Context& from, Context& to) { emu_switch_stack(&from.sp, to.sp); }
+// A context whose first switch enters start() on the stack, as a call would: the return
+// address (none: start never returns) at a 16-byte boundary, then what the switch pops.
+inline void prepare(Context& c, char* stack, size_t size, void (*start)()) {
+  void** sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t{15});
+  *--sp = nullptr;
+  *--sp = reinterpret_cast<void*>(start);
+  for (int r = 0; r < 6; ++r) *--sp = nullptr;
+  c.sp = sp;
+}
+#else
+struct Context { ucontext_t uc; };
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void prepare(Context& c, char* stack, size_t size, void (*start)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, start, 0);
+}
+#endif
+
+// ---- fibers: one per CUDA thread of the running block -------------------------------------
 constexpr size_t STACK = 1 << 18;
 
+// Thread t's stack, kept from block to block (a block's fibers have all ended before the
+// next one's start).
+inline char* stack(int t) {
+  static std::vector<std::unique_ptr<char[]>> stacks;
+  while ((int)stacks.size() <= t) stacks.emplace_back(new char[STACK]);
+  return stacks[t].get();
+}
+
 struct Fiber {
-  ucontext_t ctx;
-  std::vector<char> stack;
+  Context ctx;
   uint3 tid;
   long long warp_gen = 0, block_gen = 0;
   bool done = false;
@@ -90,13 +152,13 @@ struct Block {
   struct Slot { const void* ptr; unsigned u[6]; float g; };
   std::vector<Slot> slots;
   int current = 0;
-  ucontext_t main;
+  Context main;
   std::function<void()> body;
 };
 
 inline Block*& block() { static Block* b = nullptr; return b; }
 inline Fiber& self() { return block()->fibers[block()->current]; }
-inline void yield() { Block* b = block(); swapcontext(&b->fibers[b->current].ctx, &b->main); }
+inline void yield() { Block* b = block(); switch_to(b->fibers[b->current].ctx, b->main); }
 
 inline int lane() { return (int)(self().tid.x & 31); }
 inline int warp() { return (int)(self().tid.x >> 5); }
@@ -176,19 +238,14 @@ void emu_launch(dim3 grid, dim3 block, F&& kernel) {
         for (int t = 0; t < n; ++t) {
           emu::Fiber& f = b.fibers[t];
           f.tid = {(unsigned)t, 0, 0};
-          f.stack.resize(emu::STACK);
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = f.stack.data();
-          f.ctx.uc_stack.ss_size = f.stack.size();
-          f.ctx.uc_link = nullptr;
-          makecontext(&f.ctx, emu::entry, 0);
+          emu::prepare(f.ctx, emu::stack(t), emu::STACK, emu::entry);
         }
         for (int live = n; live > 0;) {
           live = 0;
           for (int t = 0; t < n; ++t) {
             if (b.fibers[t].done) continue;
             b.current = t;
-            swapcontext(&b.main, &b.fibers[t].ctx);
+            emu::switch_to(b.main, b.fibers[t].ctx);
             live += !b.fibers[t].done;
           }
         }
