@@ -16,7 +16,12 @@
 #include <functional>
 #include <memory>
 #include <vector>
-#if !defined(__x86_64__)
+// Fibers switch stacks by the x86-64 code below, except where the binary may run under a
+// shadow stack (-fcf-protection marks it for one): a switch would have to swap its
+// return addresses too, as swapcontext does.
+#if defined(__x86_64__) && !(defined(__CET__) && (__CET__ & 2))
+#define EMU_SWITCH_STACK 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -78,7 +83,7 @@ namespace emu {
 // one it enters (nothing changes the floating-point control words, so they stay put). glibc's
 // swapcontext also saves the signal mask, a system call a switch, which took most of an
 // emulated run's time; it serves where this x86-64 code does not.
-#if defined(__x86_64__)
+#ifdef EMU_SWITCH_STACK
 struct Context { void* sp = nullptr; };
 extern "C" void emu_switch_stack(void** save, void* load);
 asm(R"(
