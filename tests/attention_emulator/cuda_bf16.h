@@ -224,9 +224,10 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu_shfl(v, emu::lane
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
 
-// Run a kernel over a grid, one block after another.
-template <typename F>
-void emu_launch(dim3 grid, dim3 block, F&& kernel) {
+// Run a kernel over a grid, one block after another. Not a template: every block holds the
+// kernel as a std::function anyway, and a copy of this loop for each launch site cost a
+// second of an attention runner's build.
+inline void emu_launch(dim3 grid, dim3 block, const std::function<void()>& kernel) {
   emu_grid() = grid;
   emu_block_dim() = block;
   const int n = (int)(block.x * block.y * block.z);
