@@ -67,7 +67,7 @@ _RUNNER = """\
 #include <string>
 
 static char** args;
-static void* p[64];  // the pointer arguments, by their place in argv
+static void* p[{slots}];  // the pointer arguments, by their place in argv
 static std::vector<std::string> paths;
 static std::vector<std::vector<char>> buffers;
 
@@ -130,7 +130,8 @@ def _runner(op: str) -> str:
         cases.append(f'  if (kernel == "{name}") {{\n    {" ".join(reads)}\n'
                      f"    emu_launch_2d(grid, block, call_{name});\n"
                      f"    {' '.join(saves)}\n    return 0;\n  }}")
-    return _RUNNER.format(op=op, calls="\n".join(calls), cases="\n".join(cases))
+    slots = 6 + max(len(k["args"]) for k in OPS[op]["kernels"].values())
+    return _RUNNER.format(op=op, slots=slots, calls="\n".join(calls), cases="\n".join(cases))
 
 
 @functools.lru_cache(maxsize=None)

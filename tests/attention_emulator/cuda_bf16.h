@@ -16,7 +16,12 @@
 #include <functional>
 #include <memory>
 #include <vector>
-#if !defined(__x86_64__)
+// Fibers switch stacks by the x86-64 code below, except where the binary may run under a
+// shadow stack (-fcf-protection marks it for one): a switch would have to swap its
+// return addresses too, as swapcontext does.
+#if defined(__x86_64__) && !(defined(__CET__) && (__CET__ & 2))
+#define EMU_SWITCH_STACK 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -78,7 +83,7 @@ namespace emu {
 // one it enters (nothing changes the floating-point control words, so they stay put). glibc's
 // swapcontext also saves the signal mask, a system call a switch, which took most of an
 // emulated run's time; it serves where this x86-64 code does not.
-#if defined(__x86_64__)
+#ifdef EMU_SWITCH_STACK
 struct Context { void* sp = nullptr; };
 extern "C" void emu_switch_stack(void** save, void* load);
 asm(R"(
@@ -219,9 +224,10 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu_shfl(v, emu::lane
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
 
-// Run a kernel over a grid, one block after another.
-template <typename F>
-void emu_launch(dim3 grid, dim3 block, F&& kernel) {
+// Run a kernel over a grid, one block after another. Not a template: every block holds the
+// kernel as a std::function anyway, and a copy of this loop for each launch site cost a
+// second of an attention runner's build.
+inline void emu_launch(dim3 grid, dim3 block, const std::function<void()>& kernel) {
   emu_grid() = grid;
   emu_block_dim() = block;
   const int n = (int)(block.x * block.y * block.z);
