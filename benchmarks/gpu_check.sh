@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One batched check on a lent GPU machine: install, GPU tests, benchmarks; logs under $OUT.
 # usage: benchmarks/gpu_check.sh [tests] [kernels] [attention] [decode] [sample] [train]
-#        [scale] [converge] [baseline] [sizes] [longctx] [autocast] [beforeafter] (issue 31; each fits one
-#        10-minute call (autocast: the converge side of training.precision=autocast, the
-#        default, and its step time beside training.precision=bf16's; its table merged with saved runs by converge.py --report):
-#        PRESET=nanoeuler for converge, PRESETS=a,b and BATCH=8 for baseline and sizes, MODES=m1,m2 for baseline,
-#        RECOMPUTE=1 for sizes (a training.recompute=blocks row beside each),
-#        DEADLINE=seconds for the benchmark stages, 530 by default; TESTS_TIMEOUT and GPU_WORKERS
-#        for tests: pytest-xdist and execnet wheels in .whl run the GPU test files on 8 processes;
-#        a test stage at its limit is interrupted, so pytest still prints what failed)
+#        [scale] [converge] [baseline] [sizes] [longctx] [autocast] [beforeafter]
+#   Each stage fits one 10-minute call. autocast: the converge side of training.precision=
+#   autocast (the default) and its step beside training.precision=bf16's; its table merges
+#   with saved runs by converge.py --report. beforeafter: benchmarks/train.py --quick on an
+#   older tree (OLD, .old by default) and on this one, alternately.
+#   PRESET=nanoeuler for converge; PRESETS=a,b and BATCH=8 for baseline and sizes; MODES=m1,m2
+#   for baseline; RECOMPUTE=1 for sizes (a training.recompute=blocks row beside each);
+#   DEADLINE=seconds for the benchmark stages (530 by default; beforeafter: 330 of the
+#   script's time). tests: TESTS_TIMEOUT and GPU_WORKERS; pytest-xdist and execnet wheels in
+#   .whl run the GPU test files on 8 processes, and a test stage at its limit is interrupted,
+#   so pytest still prints what failed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 EULERGEN_CACHE=/tmp/eulergen-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,8 +36,7 @@ for stage in "$@"; do
     sizes)     timeout 570 python3 benchmarks/train.py --dtype bf16 --presets "${PRESETS:-gpt2-medium,nanoeuler-medium}" --batch "${BATCH:-8,16}" --modes default ${RECOMPUTE:+--recompute} --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/sizes.log" ;;
     longctx)   timeout 570 python3 benchmarks/train.py --dtype bf16 --presets nanoeuler,gpt2 --seq 4096,8192 --batch 2 --modes default --sdpa flash,cudnn --deadline "${DEADLINE:-530}" --out "$OUT" 2>&1 | tee "$OUT/longctx.log" ;;
     autocast)  { timeout 340 python3 benchmarks/converge.py --preset "${PRESET:-gpt2}" --sides eulergen-autocast --deadline 330 --out "$OUT" && timeout 220 python3 benchmarks/train.py --dtype bf16 --bf16-storage --presets "${PRESET:-gpt2}" --modes eager --llmc "" --deadline 200 --out "$OUT"; } 2>&1 | tee "$OUT/autocast.log" ;;
-    beforeafter)   # benchmarks/train.py --quick on an older tree (OLD: that commit's files, e.g.
-      # `git archive C | tar -x -C .old`, carried) and on this one, alternately, in one call;
+    beforeafter)   # OLD: that commit's files (`git archive C | tar -x -C .old`, carried);
       # this tree's --bf16-storage row is the older default's precision
       old=$(realpath "${OLD:-.old}"); mkdir -p /tmp/old-pkg && ln -sfn "$old" /tmp/old-pkg/eulergen
       for side in old new old new; do
