@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched check on a lent GPU machine: install, GPU tests, benchmarks; logs under $OUT.
 # usage: benchmarks/gpu_check.sh [tests] [kernels] [attention] [decode] [sample] [train]
-#        [scale] [converge] [baseline] [sizes] [longctx] [autocast] [beforeafter]
+#        [scale] [converge] [baseline] [sizes] [longctx] [autocast] [beforeafter] [startup]
 #   Each stage fits one 10-minute call. autocast: the converge side of training.precision=
 #   autocast (the default) and its step beside training.precision=bf16's; its table merges
 #   with saved runs by converge.py --report. beforeafter: benchmarks/train.py --quick on an
@@ -48,6 +48,11 @@ for stage in "$@"; do
           timeout 240 python3 benchmarks/train.py --quick --dtype bf16 --bf16-storage --llmc ""
         fi
       done 2>&1 | tee "$OUT/beforeafter.log" ;;
+    startup)   # the first run fills the kernel cache; then warm, edited (cuda, auto), one profiled
+      { timeout 120 python3 benchmarks/startup.py --device cuda --repeat 2 \
+          && timeout 120 python3 benchmarks/startup.py --device cuda --edit --repeat 3 \
+          && timeout 120 python3 benchmarks/startup.py --edit --repeat 3 \
+          && timeout 60 python3 benchmarks/startup.py --device cuda --edit --profile "$OUT/prof"; } 2>&1 | tee "$OUT/startup.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -42,14 +42,18 @@ def first(self):
     return out
 train.Trainer.train_step = first
 from eulergen.cli import main
-sys.argv = ["eulergen", "train", *sys.argv[1:]]
-main()
+profile, sys.argv = sys.argv[1], ["eulergen", "train", *sys.argv[2:]]
+if profile != "-":    # --profile: the whole command under cProfile, saved there
+    import cProfile
+    cProfile.run("main(standalone_mode=False)", profile)
+else:
+    main()
 """
 
 
-def measure(args: list[str], env: dict) -> float:
+def measure(args: list[str], env: dict, profile: str = "-") -> float:
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, text=True,
+    child = subprocess.Popen([sys.executable, "-c", CHILD, profile, *args], env=env, text=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     seconds, tail = None, []
     for line in child.stderr:
@@ -67,6 +71,8 @@ def main() -> None:
     ap.add_argument("--edit", action="store_true", help="train on a just-edited copy of gelu")
     ap.add_argument("--cold", action="store_true", help="an empty EULERGEN_CACHE")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--profile", metavar="DIR", help="run each child under cProfile and print "
+                    "its 40 largest cumulative times (stats saved in DIR)")
     opts = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="eulergen-startup-"))
     for n in range(opts.repeat):
@@ -85,11 +91,28 @@ def main() -> None:
             args += ["--ops", str(ops), "--set", "model.activation=gelu_edit"]
         what = ", ".join(w for w, on in (("cold cache", opts.cold), ("edited op", opts.edit)) if on)
         print(f"{opts.device}{', ' + what if what else ', warm cache'}: "
-              f"first step done after {measure(args, env):.2f} s", flush=True)
+              f"first step done after {measure(args, env, _stats(opts, f'run{n}')):.2f} s",
+              flush=True)
+        _show(opts, f"run{n}")
         if opts.edit:   # the same op again, as a second run finds it
             args[args.index("--run-dir") + 1] = str(work / f"run{n}-again")
             print(f"{opts.device}, the same op unchanged: first step done after "
-                  f"{measure(args, env):.2f} s", flush=True)
+                  f"{measure(args, env, _stats(opts, f'run{n}-again')):.2f} s", flush=True)
+            _show(opts, f"run{n}-again")
+
+
+def _stats(opts, name: str) -> str:
+    if not opts.profile:
+        return "-"
+    Path(opts.profile).mkdir(parents=True, exist_ok=True)
+    return str(Path(opts.profile) / f"{name}.prof")
+
+
+def _show(opts, name: str) -> None:
+    """The profile includes the run after its first step (one step here) and its end."""
+    if opts.profile:
+        import pstats
+        pstats.Stats(_stats(opts, name)).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

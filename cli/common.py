@@ -52,15 +52,24 @@ def library(cfg, ops_dirs, names=None):
     first where stale, then the built-in manifest and the user ops' manifests loaded over
     the chosen backend. On a GPU the kernels the disk cache lacks (the model's ops' and the
     runtime's own) start compiling now, side by side, while the run starts
-    (runtime/engine/compile.py prefetch): the first launches then find them compiled."""
+    (runtime/engine/compile.py prefetch): the first launches then find them compiled. An op
+    that must be derived is, on a GPU, derived in a second process while this one starts
+    CuPy and cuBLASLt (generator/build_ahead.py)."""
+    from eulergen.generator import build_ahead
     from eulergen.generator.build import ensure_built
+    from eulergen.runtime.engine import gemm
     from eulergen.runtime.engine.backend import get_backend
     from eulergen.runtime.engine.ops import OpLibrary
     from eulergen.runtime.model.arch import ops_used
 
     names = names or ops_used(cfg.model, cfg.training.optimizer)
+    ahead = build_ahead.start(names, ops_dirs) if _may_find_gpu(cfg) else None
+    backend = get_backend(cfg.training.device)
+    if ahead is not None:
+        gemm.warm(backend)
+        build_ahead.finish(ahead)
     manifests = ensure_built(names, ops_dirs) or []
-    lib = OpLibrary(get_backend(cfg.training.device), manifests)
+    lib = OpLibrary(backend, manifests)
     if lib.backend.is_gpu:
         from eulergen.runtime.engine.compile import prefetch
         from eulergen.runtime.engine.kinds.support import NAMES
@@ -69,6 +78,13 @@ def library(cfg, ops_dirs, names=None):
         rests = [op.matrix.rest for op in ops if op.matrix is not None]
         prefetch(ops + [lib.ops[n] for n in rests if n in lib.ops])
     return lib
+
+
+def _may_find_gpu(cfg) -> bool:
+    """Whether the run's backend may be CuPy's, asked without importing it."""
+    from importlib.util import find_spec
+    return cfg.training.device == "cuda" or (cfg.training.device == "auto"
+                                             and find_spec("cupy") is not None)
 
 
 def limit_blas_threads() -> None:

@@ -218,6 +218,28 @@ def _add_template_ops(out: Output, prev: dict, fingerprint: str, unchanged: bool
         out.files.update(files)
 
 
+def _common_reused(manifest: dict, key: str, root: Path) -> dict[str, bytes] | None:
+    """The common header `root` holds, if its manifest's key for it is still `key`."""
+    return derived_cache.reusable(
+        {"build_key": manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
+         "cuda_sha256": manifest.get("common_sha256")}, key, root)
+
+
+def _built_before(root: Path, prev: dict | None, spec: Path, data: bytes, fingerprint: str,
+                  force: bool) -> tuple[dict | None, dict[str, bytes] | None]:
+    """(entry, files) of a build of this spec that is still current: `root`'s own (its
+    manifest entry `prev`), else, unless `force`, one kept by its content; files None if
+    there is none, and the spec must be derived."""
+    def key_of(templates):
+        return _key(fingerprint, [COMMON_TEMPLATE, *templates], data)
+    files = derived_cache.reused(prev, key_of, root)
+    if files is not None or force:
+        return prev, files
+    held = derived_cache.folder(fingerprint, spec, data)
+    entry = derived_cache.entry(held)
+    return entry, derived_cache.reused(entry, key_of, held)
+
+
 def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force: bool = False,
                log=None) -> Output:
     """Everything `root` should hold for these specs (name -> spec path) and, where
@@ -228,20 +250,12 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
     prev = prev if isinstance(prev, dict) else {}   # a damaged manifest: build it all again
     fingerprint = generator_fingerprint()
     out = Output(root, common_key=_template_key(fingerprint, COMMON_TEMPLATE))
-    common = derived_cache.reusable(
-        {"build_key": prev_manifest.get("common_key"), "cuda": f"cuda/{COMMON}",
-         "cuda_sha256": prev_manifest.get("common_sha256")}, out.common_key, root)
+    common = _common_reused(prev_manifest, out.common_key, root)
     out.files.update(common or {f"cuda/{COMMON}": _common_bytes()})
     for name in sorted(specs):
         data = read_bytes(specs[name], "spec file")   # a regular file, bounded: the user's
-
-        def key_of(templates):
-            return _key(fingerprint, [COMMON_TEMPLATE, *templates], data)
-        entry, files = prev.get(name), derived_cache.reused(prev.get(name), key_of, root)
-        held = None if files is not None else derived_cache.folder(fingerprint, specs[name], data)
-        if files is None and not force:   # a version built before, kept by its content
-            entry = derived_cache.entry(held)
-            files = derived_cache.reused(entry, key_of, held)
+        entry, files = _built_before(root, prev.get(name), specs[name], data, fingerprint,
+                                     force)
         if files is not None:
             out.ops[name] = entry
             out.files.update(files)
@@ -250,6 +264,7 @@ def plan_build(root: Path, specs: dict[str, Path], *, template_ops: bool, force:
             log(f"deriving {name}")
         from eulergen.generator import derive, spec as spec_mod   # sympy: only for a stale op
         derived = derive.derive(spec_mod.load_spec(specs[name], data))
+        held = derived_cache.folder(fingerprint, specs[name], data)
         entry, files = _render_op(derived, data, fingerprint)
         derived_cache.store(held, entry, files)
         out.ops[name] = entry
@@ -364,6 +379,29 @@ def run_build(ops_dirs=(), *, check: bool = False, echo=print) -> int:
     if check and stale:
         echo(f"generated code is stale ({stale} files): run `eulergen build`")
     return 1 if check and stale else 0
+
+
+def stale(names=(), ops_dirs=()) -> list[str]:
+    """What ensure_built(names, ops_dirs) would derive or render, found as it finds it (a
+    hash of each input, no sympy): the spec ops without a current build, and "common" for
+    a build folder whose common header is missing or stale. Not the ops of the kinds
+    without a spec: they change only with the generator, and so does the header."""
+    found = []
+    fingerprint = generator_fingerprint()
+    for root, specs, template_ops in build_sets(ops_dirs):
+        if not template_ops and not any(not names or n in names for n in specs):
+            continue
+        manifest = _previous(root)[0]
+        prev = manifest.get("ops")
+        prev = prev if isinstance(prev, dict) else {}
+        if _common_reused(manifest, _template_key(fingerprint, COMMON_TEMPLATE), root) is None:
+            found.append("common")
+        for name in sorted(specs):
+            data = read_bytes(specs[name], "spec file")
+            if _built_before(root, prev.get(name), specs[name], data, fingerprint,
+                             False)[1] is None:
+                found.append(name)
+    return found
 
 
 def ensure_built(names=(), ops_dirs=(), echo=None) -> list[Path]:

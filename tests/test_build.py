@@ -330,3 +330,55 @@ def test_a_fast_math_op_is_marked_so_in_its_manifest_and_the_runtime_reads_it(
     (manifest,) = build.ensure_built(["mish"], [folder], echo=lambda _: None)
     assert json.loads(manifest.read_text())["ops"]["mish"]["fast_math"] is True
     assert load_manifest(manifest).ops["mish"].fast_math
+
+
+def test_stale_names_what_ensure_built_would_derive(generated, few_ops, tmp_path):
+    folder = _user_ops(tmp_path)
+    assert build.stale(["mish"], [folder]) == ["common", *sorted(FEW), "common", "mish"]
+    build.ensure_built(["mish"], [folder])
+    assert build.stale(["mish"], [folder]) == []
+    assert build.stale(["gelu"], [folder]) == []   # the user set is not looked at
+    (folder / "mish.yaml").write_text(MISH.replace("x*tanh(softplus(x))", "x*tanh(softplus(x))*1"))
+    assert build.stale(["mish"], [folder]) == ["mish"]
+    assert build.stale(["gelu"], [folder]) == []
+
+
+def test_a_build_ahead_derives_in_its_own_process_and_the_caller_finds_it_current(
+        tmp_path, monkeypatch):
+    from eulergen.generator import build_ahead
+    monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path / "cache"))   # the child's too
+    monkeypatch.delenv("EULERGEN_OPS_PATH", raising=False)
+    folder = _user_ops(tmp_path)
+    assert build.stale(["mish"], [folder]) == ["common", "mish"]
+    child = build_ahead.start(["mish"], [folder])
+    build_ahead.finish(child)
+    assert child.returncode == 0
+    assert build.stale(["mish"], [folder]) == []
+    said = []
+    build.ensure_built(["mish"], [folder], echo=said.append)
+    assert said == []
+    assert build_ahead.start(["mish"], [folder]) is None   # nothing stale: no process
+
+
+def test_a_failed_build_ahead_leaves_the_error_to_the_callers_build(tmp_path, monkeypatch):
+    from eulergen.errors import EulerError
+    from eulergen.generator import build_ahead
+    monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("EULERGEN_OPS_PATH", raising=False)
+    folder = _user_ops(tmp_path, MISH.replace("x*tanh(softplus(x))", "x*tanh(softplus(x)"))
+    child = build_ahead.start(["mish"], [folder])
+    build_ahead.finish(child)
+    assert child.returncode == 1
+    with pytest.raises(EulerError) as err:
+        build.ensure_built(["mish"], [folder])
+    assert err.value.file.endswith("mish.yaml") and err.value.line == 6
+
+
+def test_a_build_ahead_is_waited_for_a_bounded_time():
+    import time
+
+    from eulergen.generator import build_ahead
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.perf_counter()
+    build_ahead.finish(child, timeout=0.5)
+    assert child.returncode is not None and time.perf_counter() - started < 10

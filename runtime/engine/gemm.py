@@ -351,6 +351,13 @@ def _cuda_choice() -> Choice:
     return Choice(None, f"cuBLASLt not used: {wrong}")
 
 
+def warm(backend) -> None:
+    """Make this process's GEMM choice now (nvmath's import, cuBLASLt's probe: about a
+    second), for a caller with a wait ahead of it; the first model would make it anyway."""
+    if backend.is_gpu:
+        _cuda_choice()
+
+
 def gemm_for(backend, tf32: bool, workspace=None, blas=None):
     """The GEMM a tape on `backend` calls; `workspace`: the planned GEMM workspace, `blas`
     the tape's cuBLAS handle (runtime/engine/cublas.py) for the cublasGemmEx path."""
