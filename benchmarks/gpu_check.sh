@@ -50,8 +50,8 @@ for stage in "$@"; do
       done 2>&1 | tee "$OUT/beforeafter.log" ;;
     startup)   # the first run fills the kernel cache; then warm, edited (cuda, auto), one profiled
       { timeout 120 python3 benchmarks/startup.py --device cuda --repeat 2 \
-          && timeout 120 python3 benchmarks/startup.py --device cuda --edit --repeat 3 \
-          && timeout 120 python3 benchmarks/startup.py --edit --repeat 3 \
+          && timeout 120 python3 benchmarks/startup.py --device cuda --edit --repeat 4 \
+          && timeout 120 python3 benchmarks/startup.py --edit --repeat 4 \
           && timeout 60 python3 benchmarks/startup.py --device cuda --edit --profile "$OUT/prof"; } 2>&1 | tee "$OUT/startup.log" ;;
     *) echo "unknown stage $stage" ;;
   esac

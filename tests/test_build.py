@@ -345,14 +345,17 @@ def test_stale_names_what_ensure_built_would_derive(generated, few_ops, tmp_path
 
 def test_a_build_ahead_derives_in_its_own_process_and_the_caller_finds_it_current(
         tmp_path, monkeypatch):
+    """A child process builds the op; the caller's build then derives nothing ... and, where the interpreter writes no bytecode, keeps its own in eulergen's cache."""
     from eulergen.generator import build_ahead
     monkeypatch.setenv("EULERGEN_CACHE", str(tmp_path / "cache"))   # the child's too
     monkeypatch.delenv("EULERGEN_OPS_PATH", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     folder = _user_ops(tmp_path)
     assert build.stale(["mish"], [folder]) == ["common", "mish"]
     child = build_ahead.start(["mish"], [folder])
     build_ahead.finish(child)
     assert child.returncode == 0
+    assert any((tmp_path / "cache" / "pycache").rglob("sympy/__init__.*.pyc"))
     assert build.stale(["mish"], [folder]) == []
     said = []
     build.ensure_built(["mish"], [folder], echo=said.append)
