@@ -75,7 +75,7 @@ def library(cfg, ops_dirs, names=None):
         from eulergen.runtime.engine.kinds.support import NAMES
         # a name that is no op is left to arch_of, which names the config key at fault
         ops = [lib.ops[n] for n in (*names, "embedding", *NAMES) if n in lib.ops]
-        rests = [op.matrix.rest for op in ops if op.matrix is not None]
+        rests = [op.rest for op in ops if op.rest is not None]
         prefetch(ops + [lib.ops[n] for n in rests if n in lib.ops])
     return lib
 

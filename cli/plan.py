@@ -2,6 +2,8 @@
 its sampler."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,9 +49,29 @@ def plan(config_path, overrides, inference, nproc, ops_dirs) -> None:
              f"B={t.batch_size}, T={t.seq_len}, {what}{ranks}")
     console().print(plan_table(run.plan, title))
     if not inference:
+        console().print(optimizer_line(run))
         other = resolve(replace(cfg, training=replace(t, recompute=_other(t.recompute))),
                         lib, ranks=world, for_gpu=True)
         console().print(recompute_line(run, other))
+
+
+def optimizer_line(run) -> str:
+    """Which update op steps which parameters (runtime/model/optimizer_plan.py): with a
+    rest op, the Linear weights the main op's and the others the rest op's."""
+    from eulergen.runtime.model.optimizer_plan import plan_optimizer
+    from eulergen.runtime.model.params import param_count
+    a, ops = run.arch, run.optimizer
+    owner = dict(plan_optimizer(a, ops).owner)
+    line = f"training.optimizer {ops.main.name}: "
+    if ops.rest is None:
+        return line + f"every parameter ({param_count(a):,} elements)"
+
+    def of(op) -> str:
+        specs = [s for s, _ in a.param_layout.entries if owner[s.name] == op.name]
+        n = sum(math.prod(s.shape) for s in specs)
+        return f"{len(specs)} parameters, {n:,} elements"
+    return line + (f"the Linear weights ({of(ops.main)}); its rest op {ops.rest.name}: the "
+                   f"embeddings and the 1-D parameters ({of(ops.rest)})")
 
 
 def _other(mode: str) -> str:

@@ -175,24 +175,26 @@ class MatrixStep:
     work input `orthogonalize` of each 2-D parameter, scaled to a Frobenius norm of about 1
     (x / (‖x‖ + eps)), then `steps` Newton-Schulz iterations X ← aX + (bA + cA²)X, A = XXᵀ
     (XᵀX and X(bA + cA²) where the matrix has more rows than columns), as GEMMs on the
-    runtime's side. `rest` names the update op of the parameters it does not take (the
-    embeddings, the head, the 1-D ones)."""
+    runtime's side. The parameters it does not take (the embeddings, the head, the 1-D
+    ones) are its op's `rest` op's (UpdateDerived.rest)."""
     orthogonalize: str
     steps: int
     coefficients: tuple[float, float, float]
     eps: float
-    rest: str
 
 
 @dataclass(frozen=True)
 class UpdateDerived:
     """In-place update (optimizer step), no backward. `step.results` are sequential. With a
     matrix step: `normalize` (the work input over its norm), then the runtime's GEMMs,
-    then `apply` (sequential too)."""
+    then `apply` (sequential too). `rest`: the update op of the parameters that are no
+    Linear weight (the embeddings, the tied head, the 1-D ones); None: this op steps them
+    too (required with a matrix step)."""
     step: Code
     matrix: MatrixStep | None = None
     normalize: Code | None = None
     apply: Code | None = None
+    rest: str | None = None
 
 
 @dataclass(frozen=True)

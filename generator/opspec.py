@@ -73,6 +73,7 @@ class OpSpec:
     update: tuple[Formula, ...] = ()         # update ops, sequential
     matrix: MatrixStep | None = None         # update ops: the step between update and apply
     apply: tuple[Formula, ...] = ()          # update ops with a matrix step, sequential
+    rest: str | None = None                  # update ops: the op of the non-Linear parameters
     score: Formula | None = None             # attention
     mask: Formula | None = None              # attention; None: no mask
 

@@ -171,7 +171,9 @@ def test_forward_and_backward_are_the_tapes_calls(user):
     for name in ("rmsnorm_plus_backward_add(", "bswiglu_backward(", "rope_backward(",
                  "softcap_attention_backward(", "cross_entropy_backward(", "embedding_backward("):
         assert name in backward, name
-    assert "lion_step(" in (user.out / "training.c").read_text(), "the run's optimizer's C"
+    training = (user.out / "training.c").read_text()
+    assert "lion_step(" in training, "the run's optimizer's C"
+    assert "adamw_step(" in training, "lion's rest op's C (the embeddings, the 1-D parameters)"
 
 
 def test_the_batch_order_is_numpys_permutation(tmp_path):

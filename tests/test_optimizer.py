@@ -11,7 +11,7 @@ from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.model.optimizer_plan import plan_optimizer, update_ops
-from eulergen.runtime.model.params import parameters
+from eulergen.runtime.model.params import param_count, parameters
 from eulergen.runtime.train import checkpoint
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.train.trainer import Trainer
@@ -117,6 +117,60 @@ def test_muon_takes_the_linear_weights_alone_and_adamw_the_rest(lib):
     assert names["muon.u"] == max(g.size for g in matrices)
 
 
+def test_lion_takes_the_linear_weights_as_one_range_and_adamw_the_rest(lib):
+    """lion.yaml's `rest: adamw`: Lion's sign step on the Linear weights (one range: they
+    lie together among the decayed parameters), AdamW's on the embeddings (decayed) and
+    the 1-D parameters, each op's state as large as what it steps."""
+    a = _arch(lib)
+    ops = update_ops(lib, "lion")
+    assert (ops.main.name, ops.rest.name, ops.slots) == \
+        ("lion", "adamw", ("skip", "grad_scale", "lr", "step"))
+    plan = plan_optimizer(a, ops)
+    owner, specs = dict(plan.owner), parameters(a)
+    assert {s.name for s in specs if owner[s.name] == "lion"} == {s.name for s in specs if s.linear}
+    assert [(g.op, g.decay, g.shape) for g in plan.groups] == \
+        [("adamw", True, None), ("lion", True, None), ("adamw", False, None)]
+    assert [g.at for g in plan.groups] == [0, 0, plan.groups[0].size]
+    assert plan.groups[0].hi == plan.groups[1].lo and plan.groups[1].hi == plan.groups[2].lo
+    linear = sum(int(np.prod(s.shape)) for s in specs if s.linear)
+    assert plan.groups[1].size == linear
+    other = a.param_layout.total - linear
+    assert dict(plan.buffers()) == {"lion.m": linear, "adamw.m": other, "adamw.v": other}
+
+
+def test_a_lion_step_is_lion_s_on_the_linear_weights_and_adamw_s_on_the_others(lib):
+    """One Optimizer.step of lion against the two ops stepped by hand, parameter by
+    parameter: lib.step("lion") on the Linear weights, lib.step("adamw") on the others, the
+    config's weight decay on the decayed ones (the embeddings among them)."""
+    from eulergen.runtime.model.gpt import build
+    from eulergen.runtime.train.optimizer import Optimizer
+    cfg = load_config(None, ["model.num_layers=1", "model.hidden_dim=32", "model.num_heads=1",
+                             "model.num_kv_heads=1", "model.max_seq_len=16",
+                             "model.mlp_hidden=64", "training.optimizer=lion"])
+    ops = update_ops(lib, "lion")
+    model = build(cfg.model, lib, 2, 16, optimizer=ops)
+    opt = Optimizer(model, ops, cfg.training)
+    mem, rng = model.mem, np.random.default_rng(3)
+    ranges = [(s, slice(at, at + int(np.prod(s.shape))))
+              for s, at in model.arch.param_layout.entries]
+    for _, sl in ranges:   # the parameters', not the padding between them
+        mem.arenas["params"][sl] = rng.standard_normal(sl.stop - sl.start)
+        mem.arenas["grads"][sl] = rng.standard_normal(sl.stop - sl.start)
+    p0, g = mem.arenas["params"].copy(), mem.arenas["grads"].copy()
+    lr, wd = 1e-2, cfg.training.weight_decay
+    opt.step(np.array([0, 1, lr, 1]))   # float64: the values lib.step passes by hand
+    want = p0.copy()
+    for s, sl in ranges:
+        w, m, v = want[sl].copy(), np.zeros_like(want[sl]), np.zeros_like(want[sl])
+        decay = wd if s.decay else 0.0
+        if s.linear:
+            lib.step("lion", w, g[sl].copy(), m, lr=lr, weight_decay=decay)
+        else:
+            lib.step("adamw", w, g[sl].copy(), m, v, lr=lr, step=1.0, weight_decay=decay)
+        want[sl] = w
+    np.testing.assert_array_equal(mem.arenas["params"], want)
+
+
 def test_adamw_alone_is_two_ranges_over_every_parameter(lib):
     a = _arch(lib)
     plan = plan_optimizer(a, update_ops(lib, "adamw"))
@@ -196,11 +250,32 @@ def test_the_plan_command_shows_each_op_s_state(tmp_path):
         assert name in result.output
 
 
-@pytest.mark.parametrize("optimizer, zero", [("sgd_momentum", 1), ("muon", 0)])
+@pytest.mark.parametrize("optimizer", ["lion", "adamw"])
+def test_the_plan_command_says_which_op_steps_which_parameters(lib, optimizer):
+    from click.testing import CliRunner
+
+    from eulergen.cli import main
+    result = CliRunner().invoke(main, ["plan", "--set", f"training.optimizer={optimizer}",
+                                       "--set", "model.num_layers=1"])
+    assert result.exit_code == 0, result.output
+    a = arch_of(load_config(None, ["model.num_layers=1"]).model, lib)
+    linear = [s for s in parameters(a) if s.linear]
+    n = sum(int(np.prod(s.shape)) for s in linear)
+    says = {"lion": f"training.optimizer lion: the Linear weights ({len(linear)} parameters, "
+                    f"{n:,} elements); its rest op adamw: the embeddings and the 1-D parameters "
+                    f"({len(parameters(a)) - len(linear)} parameters, "
+                    f"{param_count(a) - n:,} elements)",
+            "adamw": f"training.optimizer adamw: every parameter ({param_count(a):,} "
+                     "elements)"}[optimizer]
+    assert says in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("optimizer, zero", [("sgd_momentum", 1), ("lion", 1), ("muon", 0)])
 def test_two_ranks_of_4_train_as_one_process_of_8(shard, tmp_path, optimizer, zero):
     """Data parallel on the CPU collective: sgd_momentum's state shared by ZeRO-1 (each rank
-    its share, gathered whole into the checkpoint), muon on whole gradients (its matrix
-    step needs whole matrices): the losses of 1 x 8 within float32 summation order."""
+    its share, gathered whole into the checkpoint), and lion's and its rest op adamw's,
+    muon on whole gradients (its matrix step needs whole matrices): the losses of 1 x 8
+    within float32 summation order."""
     from test_ddp import _on_ranks, _train, max_rel
     one = _train(shard, tmp_path / "one", 8, optimizer=optimizer)
     out = _on_ranks(2, lambda c: _train(shard, tmp_path / "two", 4, c, optimizer=optimizer,

@@ -111,3 +111,18 @@ def test_a_pair_op_lists_its_index_roles_and_a_bad_list_names_the_key(tmp_path):
     data["ops"]["gelu"]["index"] = ["pos"]
     with pytest.raises(EulerError, match=r"ops\.gelu\.index: index should be an object"):
         load_manifest(write(tmp_path, data))
+
+
+def test_an_update_op_s_rest_op_is_read_and_a_matrix_step_without_one_names_the_op(tmp_path):
+    """lion's `rest: adamw` comes through the built manifest; a matrix step needs a rest op
+    (the 1-D parameters are no matrices), refused naming the op's key."""
+    from eulergen.runtime.engine.ops import BUILTIN_MANIFEST
+    ops = load_manifest(BUILTIN_MANIFEST).ops
+    assert (ops["lion"].rest, ops["muon"].rest, ops["adamw"].rest) == ("adamw", "adamw", None)
+    data = json.loads(BUILTIN_MANIFEST.read_text())
+    del data["ops"]["muon"]["rest"]
+    with pytest.raises(EulerError, match=r"ops\.muon: an op with a matrix step needs 'rest'"):
+        load_manifest(write(tmp_path, data))
+    data["ops"]["muon"]["rest"] = ["adamw"]
+    with pytest.raises(EulerError, match=r"ops\.muon\.rest: 'rest' should be str, got list"):
+        load_manifest(write(tmp_path, data))

@@ -9,7 +9,12 @@ step replays with new ones (templates/update.cu.j2).
 A `matrix:` step (Muon) splits the step in three phases, one kernel each: `update:`, then
 the work input over its Frobenius norm (`normalize`, the norm read from the device), then,
 after the runtime's Newton-Schulz GEMMs, `apply:`. Their formulas may read the matrix's
-`rows` and `cols`, kernel arguments of each launch (one a parameter)."""
+`rows` and `cols`, kernel arguments of each launch (one a parameter).
+
+`rest: <update op>` hands the parameters that are no Linear weight (the embeddings, the tied
+head, the 1-D ones) to another update op (runtime/model/optimizer_plan.py): an op with a
+matrix step needs one; lion names adamw (benchmarks/RESULTS.md, "Optimizers on the CPU
+default")."""
 from __future__ import annotations
 
 import itertools
@@ -37,7 +42,7 @@ MAX_STEPS = 32             # Newton-Schulz iterations a matrix step may ask for
 class Update(OpKind):
     name = "update"
     template = templates = "update.cu.j2"
-    keys = frozenset({"inputs", "update", "matrix", "apply"})
+    keys = frozenset({"inputs", "update", "matrix", "apply", "rest"})
     required = ("inputs", "update")
 
     def read_operands(self, doc, data, names):
@@ -63,6 +68,14 @@ class Update(OpKind):
                                         {n for n, r in roles.items() if r == "state"})
         elif "apply" in data:
             raise doc.error("`apply:` follows a matrix step: this op has no `matrix:`", "apply")
+        if "rest" in data:
+            out["rest"] = identifier(doc, data["rest"], "rest")
+            if out["rest"] == data.get("name"):
+                raise doc.error(f"{out['rest']!r} is this op: `rest:` names another update op, "
+                                "the one of the parameters that are no Linear weight", "rest")
+        elif "matrix" in data:
+            raise doc.error("a matrix step needs `rest:` (the update op of the parameters that "
+                            "are no matrices: the embeddings, the head, the 1-D ones)", "matrix")
         return out
 
     def derive(self, spec, temps):
@@ -74,14 +87,14 @@ class Update(OpKind):
                                    differentiable=False) for n in results)
         mx = spec.matrix
         if mx is None:
-            return ir.UpdateDerived(step=step), inputs, outputs
+            return ir.UpdateDerived(step=step, rest=spec.rest), inputs, outputs
         x = symbol(mx.orthogonalize)
         normalize = temps.code([(x.name, x / (sp.sqrt(symbol(SUMSQ)) + mx.eps))],
                                fixed=frozenset({x.name}))
         applied = frozenset(f.name for f in spec.apply)
         apply = temps.code([(f.name, f.expr) for f in spec.apply], fixed=applied)
-        return ir.UpdateDerived(step=step, matrix=mx, normalize=normalize, apply=apply), \
-            inputs, outputs
+        return ir.UpdateDerived(step=step, matrix=mx, normalize=normalize, apply=apply,
+                                rest=spec.rest), inputs, outputs
 
     def check(self, spec, derived, mod):
         return _check(spec, mod)
@@ -204,11 +217,14 @@ class Update(OpKind):
                                  support=())
 
     def manifest(self, op) -> dict:
-        """A matrix step's settings, as the runtime runs it between the phases' kernels."""
-        mx = op.body.matrix
-        if mx is None:
-            return {}
-        return {"matrix": {**_settings(mx), "coefficients": list(mx.coefficients)}}
+        """The rest op, and a matrix step's settings, as the runtime runs it between the
+        phases' kernels."""
+        mx, out = op.body.matrix, {}
+        if op.body.rest is not None:
+            out["rest"] = op.body.rest
+        if mx is not None:
+            out["matrix"] = {**_settings(mx), "coefficients": list(mx.coefficients)}
+        return out
 
     def c_source(self, op, header):
         """step over n elements (generator/c_update.py); None for an op with a matrix step
@@ -264,20 +280,22 @@ def _assignments(doc, data, key: str, names, targets: set) -> tuple[Formula, ...
 def _settings(mx) -> dict:
     """A matrix step's settings as the numpy module and the manifest give them."""
     return dict(orthogonalize=mx.orthogonalize, steps=mx.steps, coefficients=mx.coefficients,
-                eps=mx.eps, rest=mx.rest)
+                eps=mx.eps)
 
 
 def _matrix(doc, data, roles: dict, update) -> ir.MatrixStep:
     """`matrix: {orthogonalize: <work input update: writes>, steps, coefficients: [a, b, c],
-    eps, rest: <update op>}`."""
+    eps}`."""
     m = doc.mapping(data["matrix"], "matrix")
-    allowed = ("orthogonalize", "steps", "coefficients", "eps", "rest")
+    allowed = ("orthogonalize", "steps", "coefficients", "eps")
     for key in m:
+        if key == "rest":   # every update op's key, not the matrix step's
+            raise doc.error("`rest:` is a key of the op, beside `matrix:`, not inside it",
+                            "matrix", key)
         if key not in allowed:
             raise doc.error(f"unknown key{suggest(str(key), allowed)}", "matrix", key)
-    for key in ("orthogonalize", "rest"):
-        if key not in m:
-            raise doc.error(f"missing required key '{key}'", "matrix")
+    if "orthogonalize" not in m:
+        raise doc.error("missing required key 'orthogonalize'", "matrix")
     x = m["orthogonalize"]
     works = [n for n, r in roles.items() if r == "work"]
     if roles.get(x) != "work" or x not in {f.name for f in update}:
@@ -295,8 +313,7 @@ def _matrix(doc, data, roles: dict, update) -> ir.MatrixStep:
     if not eps > 0:
         raise doc.error(f"must be positive, got {eps}", "matrix", "eps")
     return ir.MatrixStep(x, steps, tuple(doc.number(c, "matrix", "coefficients", i)
-                                         for i, c in enumerate(coefficients)), eps,
-                         identifier(doc, m["rest"], "matrix", "rest"))
+                                         for i, c in enumerate(coefficients)), eps)
 
 
 def _impl_args(sig: KernelSig, copy: str, has_copy: bool) -> str:

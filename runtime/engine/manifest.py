@@ -52,13 +52,12 @@ class Fusion:
 class MatrixStep:
     """An update op's matrix step (the manifest's `matrix`, generator/ir.py's MatrixStep):
     the work input it orthogonalises per 2-D parameter, its Newton-Schulz steps and
-    coefficients (a, b, c), the eps of the norm it divides by first, and the update op of
-    the parameters it does not take."""
+    coefficients (a, b, c) and the eps of the norm it divides by first (the parameters it
+    does not take are its op's `rest` op's)."""
     orthogonalize: str
     steps: int
     coefficients: tuple[float, float, float]
     eps: float
-    rest: str
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,8 @@ class OpEntry:
     index: dict = field(default_factory=dict, hash=False)   # pair ops: index symbol -> role
     fusions: dict = field(default_factory=dict, hash=False)  # name -> Fusion
     matrix: MatrixStep | None = None     # update ops with a matrix step (muon)
+    rest: str | None = None              # update ops: the op of the parameters that are no
+                                         # Linear weight (None: this one steps them too)
     c: Path | None = None                # absolute path of its C functions (None: no C printer)
     c_train: Path | None = None          # ... of those only training calls (None: none)
     c_functions: dict = field(default_factory=dict, hash=False)  # name -> CFunction
@@ -179,8 +180,18 @@ def _matrix(m, file: Path, where: str) -> MatrixStep | None:
     return MatrixStep(_need(m, "orthogonalize", str, file, where),
                       _need(m, "steps", int, file, where),
                       tuple(float(c) for c in coefficients),
-                      float(_need(m, "eps", (int, float), file, where)),
-                      _need(m, "rest", str, file, where))
+                      float(_need(m, "eps", (int, float), file, where)))
+
+
+def _rest(o, file: Path, where: str) -> str | None:
+    """An update op's rest op: required with a matrix step (it steps no vector)."""
+    if "rest" not in o:
+        if o.get("matrix") is not None:
+            raise EulerError("an op with a matrix step needs 'rest' (the update op of the "
+                             "parameters that are no matrices; rebuild with `eulergen build`)",
+                             file=str(file), key=where)
+        return None
+    return _need(o, "rest", str, file, where)
 
 
 def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
@@ -216,6 +227,7 @@ def _op(name: str, o, folder: Path, file: Path) -> OpEntry:
         template=str(o.get("template", "")), index=dict(index),
         fusions=_fusions(o.get("fusions") or {}, file, f"{where}.fusions"),
         matrix=_matrix(o.get("matrix"), file, f"{where}.matrix"),
+        rest=_rest(o, file, where),
         c=(folder / o["c"]) if o.get("c") else None,
         c_train=(folder / o["c_train"]) if o.get("c_train") else None,
         c_functions={n: _signature(CFunction, n, f, file, f"{where}.c_functions.{n}")

@@ -88,7 +88,7 @@ def _op_params(op, wanted: dict) -> dict:
 
 def ops_used(m, optimizer: str | None = None) -> tuple[str, ...]:
     """The ops a model of this ModelConfig calls, and its training's `optimizer` (an update
-    op; a matrix optimizer's rest op is built with it: it names that op in its own spec):
+    op; its rest op, which its spec names, is built with it):
     what `eulergen train` builds before it starts (export-c: the model's alone)."""
     return tuple(dict.fromkeys((m.norm, m.activation, m.attention, "cross_entropy")
                                + ((optimizer,) if optimizer else ())

@@ -5,10 +5,11 @@ state lies, planned from the Arch before anything is allocated.
 An op's state buffers are its `state` inputs but the weight (adamw's m and v), each
 planned as `<op>.<input>` in the `optimizer` arena; they hold the parameters the op steps,
 range after range in the params arena's order, so that a parameter's state sits at its
-range's `at`. An op with a matrix step (muon: `matrix:` in its spec) steps each Linear
-weight alone (its shape is the step's), its `rest` op the embeddings (the tied head) and
-the 1-D parameters; its `work` inputs are one buffer each, the largest matrix's, and its
-Newton-Schulz workspace `<op>.newton_schulz`. The ops of one optimizer read one control
+range's `at`. An op with a `rest` op (`rest:` in its spec: lion's adamw, muon's) steps the
+Linear weights, its rest op the embeddings (the tied head) and the 1-D parameters; one
+with a matrix step (muon: `matrix:`, which needs a rest op) steps each Linear weight alone
+(its shape is the step's), its `work` inputs one buffer each, the largest matrix's, and
+its Newton-Schulz workspace `<op>.newton_schulz`. The ops of one optimizer read one control
 array (step_control.decide writes it): each op's control slots are a prefix of the
 longest one's (muon's skip, grad_scale, lr of adamw's skip, grad_scale, lr, step).
 
@@ -31,7 +32,7 @@ KEY = "training.optimizer"
 @dataclass(frozen=True)
 class UpdateOps:
     """A run's update ops (manifest entries), resolved once: `main`, the one
-    training.optimizer names, and, where it has a matrix step, `rest`."""
+    training.optimizer names, and, where its spec names one, its `rest` op."""
     main: object
     rest: object = None
     slots: tuple[str, ...] = ()    # the control array's: the longest op's control slots
@@ -42,16 +43,21 @@ class UpdateOps:
 
 
 def update_ops(lib, name: str) -> UpdateOps:
-    """The update op `name` (and its matrix step's rest op) from the library, refused with
-    one line naming training.optimizer: no such op ("did you mean"), not an update op, a
-    rest op that is missing or has a matrix step of its own, control slots that disagree."""
+    """The update op `name` (and its rest op) from the library, refused with one line
+    naming training.optimizer: no such op ("did you mean"), not an update op, a rest op
+    that is missing, has a matrix step or a rest op of its own, control slots that
+    disagree."""
     main = _update_op(lib, name)
     rest = None
-    if main.matrix is not None:
-        rest = _update_op(lib, main.matrix.rest, f" (the rest op of {name}'s matrix step)")
+    if main.rest is not None:
+        rest = _update_op(lib, main.rest, f" (the rest op of {name})")
         if rest.matrix is not None:
-            raise EulerError(f"{name}'s rest op {rest.name!r} has a matrix step too; the "
+            raise EulerError(f"{name}'s rest op {rest.name!r} has a matrix step; the "
                              "parameters it steps are no matrices", key=KEY)
+        if rest.rest is not None:
+            raise EulerError(f"{name}'s rest op {rest.name!r} names a rest op of its own "
+                             f"({rest.rest!r}); a rest op steps every parameter it is given",
+                             key=KEY)
     slots = [lib.control_slots(op) for op in (main, rest) if op is not None]
     longest = max(slots, key=len)
     for op, own in zip((main, rest), slots):
@@ -119,15 +125,16 @@ def state_inputs(op) -> list:
 
 def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerPlan:
     """The launches and state of `ops` over an Arch's parameters: ranges of one op and one
-    weight-decay choice (the decayed matrices lie first: runtime/model/params.py), a matrix
-    op's parameters one by one; with ZeRO-1 `buckets`, rank `rank`'s share of them."""
+    weight-decay choice (the decayed matrices lie first: runtime/model/params.py; with a
+    rest op, the Linear weights the main op's, the others the rest op's), a matrix op's
+    parameters one by one; with ZeRO-1 `buckets`, rank `rank`'s share of them."""
     main, matrix = ops.main, ops.main.matrix is not None
     if matrix and buckets is not None and buckets.zero:
         raise EulerError(f"ZeRO-1 shares the update by elements; {main.name}'s matrix step "
                          "needs whole matrices (training.zero=0)", key="training.zero")
     owner, groups = [], []
     for s, offset in a.param_layout.entries:
-        op = main if not matrix or s.linear else ops.rest
+        op = main if ops.rest is None or s.linear else ops.rest
         owner.append((s.name, op.name))
         whole = matrix and op is main
         if groups and not whole and groups[-1].shape is None and \

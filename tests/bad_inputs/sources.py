@@ -7,6 +7,7 @@ from bad_inputs.case import HUGE, LONG, OK_ACT, PLAN_OPS, TRAIN, ON_SHARD, Case,
     surface, sparse
 
 WORKS = "inputs: {p: state, g: grad, m: state, u: work}\nupdate:\n  m: m + g\n  u: m\n"
+SIGN = "inputs: {p: state, g: grad}\nparams: {lr: runtime}\nupdate:\n  p: p - lr*g\n"
 PLAN_C = ("plan", "--config", "c.yaml")
 PLAN_J = ("plan", "--config", "c.json")
 
@@ -102,10 +103,28 @@ SPECS = surface("op specs", [
          update_spec("inputs: {p: state, g: grad}\nupdate:\n  p: p - g\napply:\n  p: p\n")),
     Case("spec-orthogonalize-a-state", PLAN_OPS,
          "matrix.orthogonalize: 'm' is not a work input that `update:` writes",
-         update_spec(WORKS + "matrix: {orthogonalize: m, rest: adamw}\napply:\n  p: p - u\n")),
+         update_spec(WORKS + "matrix: {orthogonalize: m}\nrest: adamw\napply:\n  p: p - u\n")),
     Case("spec-matrix-coefficients", PLAN_OPS, "matrix.coefficients: expected the quintic's",
-         update_spec(WORKS + "matrix: {orthogonalize: u, coefficients: [1.0], rest: adamw}\n"
+         update_spec(WORKS + "matrix: {orthogonalize: u, coefficients: [1.0]}\nrest: adamw\n"
                      "apply:\n  p: p - u\n")),
+    Case("spec-matrix-without-rest", PLAN_OPS, "matrix: a matrix step needs `rest:`",
+         update_spec(WORKS + "matrix: {orthogonalize: u}\napply:\n  p: p - u\n")),
+    Case("spec-rest-inside-matrix", PLAN_OPS,
+         "matrix.rest: `rest:` is a key of the op, beside `matrix:`",
+         update_spec(WORKS + "matrix: {orthogonalize: u, rest: adamw}\napply:\n  p: p - u\n")),
+    Case("spec-rest-is-the-op", PLAN_OPS, "rest: 'myopt' is this op",
+         update_spec(SIGN + "rest: myopt\n")),
+    Case("spec-rest-not-a-name", PLAN_OPS, "rest: '1x' is not a valid name",
+         update_spec(SIGN + "rest: 1x\n")),
+    Case("set-optimizer-rest-typo", (*PLAN_OPS, "--set", "training.optimizer=myopt"),
+         "'adamx' (the rest op of myopt) is no op (did you mean 'adamw'?)",
+         update_spec(SIGN + "rest: adamx\n"), where="training.optimizer"),
+    Case("set-optimizer-rest-has-a-matrix-step", (*PLAN_OPS, "--set", "training.optimizer=myopt"),
+         "myopt's rest op 'muon' has a matrix step", update_spec(SIGN + "rest: muon\n"),
+         where="training.optimizer"),
+    Case("set-optimizer-rest-has-a-rest-op", (*PLAN_OPS, "--set", "training.optimizer=myopt"),
+         "myopt's rest op 'lion' names a rest op of its own ('adamw')",
+         update_spec(SIGN + "rest: lion\n"), where="training.optimizer"),
     Case("spec-ops-dir-missing", ("plan", "--ops", "nowhere"), "ops directory does not exist",
          where="nowhere"),
     Case("spec-unknown-op", ("plan", "--set", "model.activation=nonesuch"),
