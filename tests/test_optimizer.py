@@ -117,6 +117,30 @@ def test_muon_takes_the_linear_weights_alone_and_adamw_the_rest(lib):
     assert names["muon.u"] == max(g.size for g in matrices)
 
 
+def test_a_gpu_plan_spreads_the_matrices_over_lanes_by_their_newton_schulz_flops(lib):
+    """Largest first, each to the least loaded lane: 2 layers of GPT-2's four Linear shapes
+    over 4 lanes end within one matrix's FLOPs of each other; every lane past the first
+    has its own work buffer, workspace and GEMM workspace."""
+    from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
+    from eulergen.runtime.engine.newton_schulz import flops
+    a = _arch(lib)
+    one, four = (plan_optimizer(a, update_ops(lib, "muon"), lanes=n) for n in (1, 4))
+    assert {g.lane for g in one.groups} == {0} and one.lanes == 1
+    matrices = [g for g in four.groups if g.shape is not None]
+    assert four.lanes == 4 and {g.lane for g in matrices} == {0, 1, 2, 3}
+    assert [(g.lo, g.hi, g.at) for g in four.groups] == [(g.lo, g.hi, g.at) for g in one.groups]
+    load = [sum(flops(*g.shape) for g in matrices if g.lane == k) for k in range(4)]
+    assert max(load) - min(load) <= max(flops(*g.shape) for g in matrices)
+    names = dict(four.buffers())
+    for k in (1, 2, 3):
+        assert names[f"muon.u.{k}"] == names["muon.u"]
+        assert names[f"muon.newton_schulz.{k}"] == names["muon.newton_schulz"]
+        assert names[f"muon.gemm_ws.{k}"] * 4 == WORKSPACE_BYTES
+    assert "muon.gemm_ws" not in names   # the first lane's GEMMs are the model's
+    few = plan_optimizer(a, update_ops(lib, "muon"), lanes=64)
+    assert few.lanes == len(matrices)   # no lane without a matrix
+
+
 def test_lion_takes_the_linear_weights_as_one_range_and_adamw_the_rest(lib):
     """lion.yaml's `rest: adamw`: Lion's sign step on the Linear weights (one range: they
     lie together among the decayed parameters), AdamW's on the embeddings (decayed) and

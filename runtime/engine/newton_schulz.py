@@ -23,6 +23,13 @@ def shapes(rows: int, cols: int) -> tuple[tuple[int, int], ...]:
     return (1, 1), (rows, cols), (s, s), (s, s)
 
 
+def flops(rows: int, cols: int) -> int:
+    """The GEMM FLOPs of one Newton-Schulz iteration over a [rows, cols] matrix, s and l the
+    smaller and the larger side: A (2·s²·l), A² (2·s³) and BX (2·s²·l)."""
+    s, l = min(rows, cols), max(rows, cols)
+    return 4 * s * s * l + 2 * s ** 3
+
+
 def workspace_elements(rows: int, cols: int) -> int:
     """The float32 elements the matrix step of a [rows, cols] parameter works in."""
     return elements(shapes(rows, cols))

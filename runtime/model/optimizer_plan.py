@@ -9,7 +9,11 @@ range's `at`. An op with a `rest` op (`rest:` in its spec: lion's adamw, muon's)
 Linear weights, its rest op the embeddings (the tied head) and the 1-D parameters; one
 with a matrix step (muon: `matrix:`, which needs a rest op) steps each Linear weight alone
 (its shape is the step's), its `work` inputs one buffer each, the largest matrix's, and
-its Newton-Schulz workspace `<op>.newton_schulz`. The ops of one optimizer read one control
+its Newton-Schulz workspace `<op>.newton_schulz`. On a GPU the matrices' steps run on
+LANES CUDA streams at once (runtime/engine/lanes.py: one matrix's GEMMs are too small to
+fill the GPU), each matrix on the lane (`Group.lane`) that balances their Newton-Schulz
+FLOPs; each lane past the first has work buffers, a workspace and a GEMM workspace of its
+own (`<op>.u.1`, `<op>.newton_schulz.1`, `<op>.gemm_ws.1`, ...). The ops of one optimizer read one control
 array (step_control.decide writes it): each op's control slots are a prefix of the
 longest one's (muon's skip, grad_scale, lr of adamw's skip, grad_scale, lr, step).
 
@@ -25,8 +29,10 @@ from dataclasses import dataclass
 
 from eulergen.errors import EulerError, suggest
 from eulergen.runtime.engine import newton_schulz
+from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
 
 KEY = "training.optimizer"
+LANES = 4   # CUDA streams a GPU run's matrix steps share (benchmarks/RESULTS.md, "Muon's lanes")
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class Group:
     at: int
     decay: bool
     shape: tuple[int, int] | None = None
+    lane: int = 0    # a matrix's: the CUDA stream of its step (0: the step's own)
 
     @property
     def size(self) -> int:
@@ -101,6 +108,7 @@ class OptimizerPlan:
     sizes: tuple[tuple[str, int], ...]  # (op, elements of each of its state buffers)
     work: int                          # elements of a work buffer (the largest matrix)
     newton_schulz: int                 # elements of the matrix step's workspace
+    lanes: int = 1                     # the matrix steps' CUDA streams
 
     def op(self, name: str):
         return next(o for o in self.ops.ops if o.name == name)
@@ -112,9 +120,25 @@ class OptimizerPlan:
             for o in state_inputs(op):
                 out.append((f"{op.name}.{o.name}", sizes[op.name]))
             if op.matrix is not None:
-                out += [(f"{op.name}.{o.name}", self.work) for o in op.inputs if o.role == "work"]
-                out.append((f"{op.name}.newton_schulz", self.newton_schulz))
+                for lane in range(self.lanes):
+                    out += [(lane_buffer(f"{op.name}.{o.name}", lane), self.work)
+                            for o in op.inputs if o.role == "work"]
+                    out.append((lane_buffer(f"{op.name}.newton_schulz", lane),
+                                self.newton_schulz))
+                    if lane:   # the first lane's GEMMs are the model's, on its workspace
+                        out.append((lane_buffer(f"{op.name}.gemm_ws", lane),
+                                    WORKSPACE_BYTES // 4))
         return [(n, size) for n, size in out if size]
+
+
+def lane_buffer(name: str, lane: int) -> str:
+    """A matrix step's buffer of one lane: the first lane's has the plain name."""
+    return f"{name}.{lane}" if lane else name
+
+
+def lanes_for(gpu: bool) -> int:
+    """The matrix steps' lanes of a run: LANES on a GPU, one stream on numpy."""
+    return LANES if gpu else 1
 
 
 def state_inputs(op) -> list:
@@ -123,11 +147,13 @@ def state_inputs(op) -> list:
     return states[1:]
 
 
-def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerPlan:
+def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0,
+                   lanes: int = 1) -> OptimizerPlan:
     """The launches and state of `ops` over an Arch's parameters: ranges of one op and one
     weight-decay choice (the decayed matrices lie first: runtime/model/params.py; with a
     rest op, the Linear weights the main op's, the others the rest op's), a matrix op's
-    parameters one by one; with ZeRO-1 `buckets`, rank `rank`'s share of them."""
+    parameters one by one, spread over at most `lanes` streams; with ZeRO-1 `buckets`,
+    rank `rank`'s share of them."""
     main, matrix = ops.main, ops.main.matrix is not None
     if matrix and buckets is not None and buckets.zero:
         raise EulerError(f"ZeRO-1 shares the update by elements; {main.name}'s matrix step "
@@ -146,6 +172,7 @@ def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerP
                             tuple(s.shape) if whole else None))
     if groups[-1].shape is None:
         groups[-1] = dataclasses.replace(groups[-1], hi=a.param_layout.total)
+    groups, lanes = _on_lanes(groups, lanes)
     ranks = range(buckets.ranks) if buckets is not None and buckets.zero else (0,)
     shares = {r: _share(groups, buckets.owned(r) if buckets is not None else None) for r in ranks}
     sizes = {op.name: max(sum(g.size for g in shares[r] if g.op == op.name) for r in ranks)
@@ -153,7 +180,23 @@ def plan_optimizer(a, ops: UpdateOps, buckets=None, rank: int = 0) -> OptimizerP
     shapes = [g.shape for g in groups if g.shape is not None]
     return OptimizerPlan(ops, shares[rank], tuple(owner), tuple(sizes.items()),
                          max((r * c for r, c in shapes), default=0),
-                         max((newton_schulz.workspace_elements(*sh) for sh in shapes), default=0))
+                         max((newton_schulz.workspace_elements(*sh) for sh in shapes), default=0),
+                         lanes)
+
+
+def _on_lanes(groups: list[Group], lanes: int) -> tuple[list[Group], int]:
+    """The matrices spread over at most `lanes` lanes, the largest first, each to the lane
+    least loaded so far by Newton-Schulz FLOPs (so that the lanes end about together); and
+    how many lanes that uses."""
+    matrices = sorted((i for i, g in enumerate(groups) if g.shape is not None),
+                      key=lambda i: -newton_schulz.flops(*groups[i].shape))
+    lanes = max(1, min(lanes, len(matrices)))
+    load, out = [0] * lanes, list(groups)
+    for i in matrices:
+        lane = load.index(min(load))
+        load[lane] += newton_schulz.flops(*groups[i].shape)
+        out[i] = dataclasses.replace(groups[i], lane=lane)
+    return out, lanes
 
 
 def _share(groups: list[Group], owned) -> tuple[Group, ...]:
@@ -164,6 +207,6 @@ def _share(groups: list[Group], owned) -> tuple[Group, ...]:
         for g in groups:
             lo, hi = (g.lo, g.hi) if s is None else (max(g.lo, s.lo), min(g.hi, s.hi))
             if lo < hi:
-                pieces.append(Group(g.op, lo, hi, at.get(g.op, 0), g.decay, g.shape))
+                pieces.append(Group(g.op, lo, hi, at.get(g.op, 0), g.decay, g.shape, g.lane))
                 at[g.op] = at.get(g.op, 0) + hi - lo
     return tuple(pieces)

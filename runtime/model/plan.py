@@ -11,7 +11,7 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine import gemm
 from eulergen.runtime.model.arch import Arch
 from eulergen.runtime.model.memory import ALIGN, Plan, Planner
-from eulergen.runtime.model.optimizer_plan import plan_optimizer
+from eulergen.runtime.model.optimizer_plan import lanes_for, plan_optimizer
 from eulergen.runtime.model.params import plan_params
 from eulergen.runtime.model.recompute import NONE, own, per_layer, shared
 from eulergen.signature import AUTOCAST, bf16_copy
@@ -57,8 +57,9 @@ def plan_on(lib, a: Arch, batch: int, seq: int, *, training: bool = True,
         workspace, gemm_workspace = workspace_elements, WORKSPACE_BYTES
     else:
         workspace, gemm_workspace = lib.workspace_elements, gemm.workspace_bytes(lib.backend)
-    planned = plan_optimizer(a, optimizer, buckets) if optimizer is not None and training \
-        else None
+    lanes = lanes_for(for_gpu or lib.backend.is_gpu)
+    planned = plan_optimizer(a, optimizer, buckets, lanes=lanes) \
+        if optimizer is not None and training else None
     return plan_model(a, batch, seq, training=training, dtype=dtype, precision=precision,
                       workspace=workspace, gemm_workspace=gemm_workspace, buckets=buckets,
                       recompute=recompute, optimizer=planned)

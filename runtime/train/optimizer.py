@@ -11,7 +11,10 @@ import numpy as np
 from eulergen.errors import EulerError
 from eulergen.runtime.model.gpt import GPT
 from eulergen.runtime.model.memory import upload
-from eulergen.runtime.model.optimizer_plan import UpdateOps, plan_optimizer, state_inputs
+from eulergen.runtime.engine.gemm import gemm_for
+from eulergen.runtime.engine.lanes import Lanes
+from eulergen.runtime.model.optimizer_plan import (UpdateOps, lane_buffer, lanes_for,
+                                                   plan_optimizer, state_inputs)
 from eulergen.runtime.train.config import TrainingConfig
 
 # training keys an update op's params of these names take (None there: the op's default)
@@ -31,7 +34,9 @@ class Optimizer:
     def __init__(self, model: GPT, ops: UpdateOps, t: TrainingConfig, shards=None):
         self.model, self.ops, self.shards = model, ops, shards
         self.plan = plan_optimizer(model.arch, ops, shards.plan if shards else None,
-                                   rank=shards.rank if shards else 0)
+                                   rank=shards.rank if shards else 0,
+                                   lanes=lanes_for(model.backend.is_gpu))
+        self.lanes = Lanes(model.backend, self.plan.lanes)
         self.slots = ops.slots
         mem = model.mem
         missing = [n for n, _ in self.plan.buffers() if n not in mem]
@@ -40,17 +45,23 @@ class Optimizer:
                              "model with optimizer=)", key="training.optimizer")
         # each op's own control slots: the first of the shared array's (update_ops checks)
         own = {op.name: len(model.lib.control_slots(op)) for op in ops.ops}
-        self.launches = []
+        self.launches, self.lane_of = [], []   # each launch, and its lane
+        gemms = {0: model.tape.gemm}
         for g in self.plan.groups:
             op = self.plan.op(g.op)
             arrays = [self._array(op, o, g) for o in op.inputs]
             copy = mem.arenas["params_bf16"][g.lo:g.hi] if model.bf16 else None
             extra = {}
-            if g.shape is not None:   # one matrix: [rows, cols] views, its GEMMs the model's
+            if g.shape is not None:   # one matrix: [rows, cols] views, its lane's GEMMs
                 copy = None if copy is None else copy.reshape(g.shape)
-                extra = {"gemm": model.tape.gemm, "workspace": mem[f"{op.name}.newton_schulz"]}
+                if g.lane not in gemms:   # the model's GEMM, on the lane's own workspace
+                    gemms[g.lane] = gemm_for(model.backend, model.tape.gemm.tf32,
+                                             mem[lane_buffer(f"{op.name}.gemm_ws", g.lane)])
+                extra = {"gemm": gemms[g.lane],
+                         "workspace": mem[lane_buffer(f"{op.name}.newton_schulz", g.lane)]}
             self.launches.append((op, arrays, copy, own[op.name],
                                   {**_params(op, t, g.decay), **extra}))
+            self.lane_of.append(g.lane)
 
     def _array(self, op, o, g):
         """The view of input `o` of `op` that group g's launch takes."""
@@ -58,7 +69,7 @@ class Optimizer:
         if o.role == "grad":
             a = mem.arenas["grads"][g.lo:g.hi]
         elif o.role == "work":
-            a = mem[f"{op.name}.{o.name}"][:n]
+            a = mem[lane_buffer(f"{op.name}.{o.name}", g.lane)][:n]
         elif o in state_inputs(op):
             a = mem[f"{op.name}.{o.name}"][g.at:g.at + n]
         else:   # the weight
@@ -67,8 +78,10 @@ class Optimizer:
 
     def step(self, control) -> None:
         lib = self.model.lib
-        for op, arrays, copy, own, params in self.launches:
-            lib.step(op, *arrays, control=control[:own], copy=copy, **params)
+        with self.lanes.forked() as on:
+            for (op, arrays, copy, own, params), lane in zip(self.launches, self.lane_of):
+                with on(lane):
+                    lib.step(op, *arrays, control=control[:own], copy=copy, **params)
 
     # -- checkpoints: whole tensors by name ------------------------------------------------
 

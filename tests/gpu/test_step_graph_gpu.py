@@ -1,9 +1,10 @@
 """The training step as CUDA graphs (`pytest -m gpu tests/gpu/test_step_graph_gpu.py`):
 a run whose steps replay captured graphs (training.cuda_graph, the default) repeats the
 run of the same kernels launched eagerly bit for bit, in fp32 and bf16 (of either
-training.precision), with adamw, muon and lion, with gradient accumulation and with updates
-the spike guard skips: losses, validation losses, master weights, their bf16 copy, the
-optimizer's state and the step control's state. Replays allocate
+training.precision), with adamw, muon (its matrices on one stream or on four) and lion,
+with gradient accumulation and with updates the spike guard skips: losses, validation
+losses, master weights, their bf16 copy, the optimizer's state and the step control's
+state. Replays allocate
 nothing, and an allocation while capturing is refused. (kill -9 and resume of a graphed
 run: tests/gpu/test_resume_gpu.py.)"""
 from __future__ import annotations
@@ -79,6 +80,29 @@ def test_a_graphed_run_repeats_the_eager_run_bitwise(libs, shard, tmp_path, dtyp
         np.testing.assert_array_equal(graphed["copy"], eager["copy"])
     if spike < 1:
         assert graphed["skipped"] == [11, 12, 13, 14], graphed["skipped"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_muon_on_lanes_repeats_muon_on_one_stream_bitwise(libs, shard, tmp_path, monkeypatch,
+                                                         dtype):
+    """The matrices' Newton-Schulz steps on 4 CUDA streams (runtime/engine/lanes.py), graphed,
+    give the bits of all of them on the step's one stream, eager."""
+    from eulergen.runtime.model import optimizer_plan
+    cuda = libs[0]
+    monkeypatch.setattr(optimizer_plan, "LANES", 1)
+    one = _trainer(cuda, shard, tmp_path / "one", dtype=dtype, graph=False, accumulation=1,
+                   spike=4.0, optimizer="muon")
+    assert one.optim.plan.lanes == 1
+    want = _finished(one)
+    monkeypatch.setattr(optimizer_plan, "LANES", 4)
+    four = _trainer(cuda, shard, tmp_path / "four", dtype=dtype, graph=True, accumulation=1,
+                    spike=4.0, optimizer="muon")
+    assert four.optim.plan.lanes == 4 and len(four.optim.lanes.streams) == 3
+    got = _finished(four)
+    assert got["losses"] == want["losses"]
+    for key in ("weights", "moments"):
+        bad = [k for k, v in want[key].items() if not np.array_equal(got[key][k], v)]
+        assert not bad, f"{key} differ: {bad[:4]}"
 
 
 def test_replays_allocate_nothing(libs, cp):
