@@ -117,6 +117,27 @@ def test_muon_takes_the_linear_weights_alone_and_adamw_the_rest(lib):
     assert names["muon.u"] == max(g.size for g in matrices)
 
 
+@pytest.mark.parametrize("op, params", [("muon", {"lr": 1e-2}), ("adamw", {"lr": 1e-2, "step": 1})])
+def test_half_is_refused_on_numpy_and_for_an_op_without_a_matrix_step(lib, op, params):
+    x = np.zeros((8, 8), np.float32)
+    with pytest.raises(EulerError, match="half= iterates a matrix step in bf16, on a GPU only"):
+        lib.step(op, x, x, x.copy(), x.copy(), half=True, **params)
+
+
+def test_half_views_fit_the_workspace_of_every_shape():
+    from eulergen.runtime.engine.newton_schulz import half_views, workspace_elements
+    for shape in [(1, 1), (3, 5), (8, 8), (9, 7), (64, 192), (768, 3072), (3072, 768)]:
+        ws = np.zeros(workspace_elements(*shape), np.float32)
+        sumsq, x, y, a, b = half_views(ws, *shape)
+        s = min(shape)
+        assert [v.shape for v in (x, y, a, b)] == [shape, shape, (s, s), (s, s)]
+        assert all(v.dtype == np.uint16 for v in (x, y, a, b)) and sumsq.dtype == np.float32
+        starts = sorted(v.__array_interface__["data"][0] for v in (sumsq, x, y, a, b))
+        assert all(p % 256 == starts[0] % 256 for p in starts)   # each 256-byte aligned
+        x[...], y[...], a[...], b[...] = 1, 2, 3, 4   # no two overlap
+        assert sumsq[0, 0] == 0 and (x == 1).all() and (y == 2).all() and (a == 3).all()
+
+
 def test_a_gpu_plan_spreads_the_matrices_over_lanes_by_their_newton_schulz_flops(lib):
     """Largest first, each to the least loaded lane: 2 layers of GPT-2's four Linear shapes
     over 4 lanes end within one matrix's FLOPs of each other; every lane past the first

@@ -55,6 +55,7 @@ def test_matches_torch_bfloat16_rounding():
 BF16 = load_manifest(GENERATED_DIR / "manifest.json").ops["bf16"]
 RUNNERS = {   # call -> (the runner's parameters, the kernel's arguments)
     "round": ("const float* x, unsigned short* y, long long n", "x, y, n"),
+    "widen": ("const unsigned short* x, float* y, long long n", "x, y, n"),
     "add": ("const unsigned short* a, const unsigned short* b, unsigned short* y, long long n",
             "a, b, y, n"),
     "row_norms": ("const unsigned short* g, float* norms, long long rows, int cols",
@@ -85,6 +86,7 @@ def kernels(tmp_path_factory):
     lib = ctypes.CDLL(str(folder / "bf16.so"))
     P, L = ctypes.c_void_p, ctypes.c_longlong
     lib.run_round.argtypes = (P, P, L)
+    lib.run_widen.argtypes = (P, P, L)
     lib.run_add.argtypes = (P, P, P, L)
     lib.run_row_norms.argtypes = (P, P, L, ctypes.c_int)
     return lib
@@ -107,6 +109,16 @@ def test_the_cuda_rounding_is_to_bf16s(kernels):
     got = np.zeros(x.size, np.uint16)
     kernels.run_round(_ptr(x), _ptr(got), x.size)
     np.testing.assert_array_equal(got, to_bf16(x))
+
+
+def test_the_cuda_widening_is_exact(kernels):
+    x = to_bf16(_awkward(50_000, 6))
+    got = np.zeros(x.size, np.float32)
+    kernels.run_widen(_ptr(x), _ptr(got), x.size)
+    np.testing.assert_array_equal(got.view(np.uint32), from_bf16(x).view(np.uint32))
+    into = np.zeros(x.size, np.float32)
+    assert from_bf16(x, out=into) is into
+    np.testing.assert_array_equal(into.view(np.uint32), got.view(np.uint32))
 
 
 def test_the_cuda_add_is_the_numpy_form(kernels):

@@ -68,12 +68,22 @@ def to_bf16(a, out=None):
     return out
 
 
-def from_bf16(a):
-    """bf16 bits (uint16) → float32, exactly."""
+def from_bf16(a, out=None):
+    """bf16 bits (uint16) → float32, exactly. `out`: a float32 array of a's shape to write
+    into (returned; on the GPU a kernel, which allocates nothing)."""
     if is_cupy(a):
         import cupy
-        return (cupy.asarray(a, dtype=cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-    return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        if out is None:
+            return (cupy.asarray(a, dtype=cupy.uint16).astype(cupy.uint32) << 16).view(
+                cupy.float32)
+        _check_shapes("from_bf16", a, out)
+        support.launch("bf16", "widen", "bf16", {"x": a, "y": out, "n": a.size}, a.size)
+        return out
+    got = (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if out is None:
+        return got
+    out[...] = got
+    return out
 
 
 def bits(value: float) -> int:

@@ -174,7 +174,7 @@ class OpLibrary:
         return self._deliver(op, "decode", got, out, 1)
 
     def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,
-             gemm=None, workspace=None, **params) -> None:
+             gemm=None, workspace=None, half=False, **params) -> None:
         """An update op's step, in place. Its kernels read the values that change between
         steps from `control`, an array on this backend holding `control_slots(op)` (skip,
         grad_scale, then the op's runtime params; float32 on the GPU, as the kernels read
@@ -186,7 +186,8 @@ class OpLibrary:
         An op with a matrix step (`op.matrix`) steps one parameter, its arrays [rows, cols]:
         the Newton-Schulz GEMMs run on `gemm` (the model's, runtime/engine/gemm.py; None: a
         plain one, fp32) over `workspace`, a flat float32 array of
-        `newton_schulz.workspace_elements(rows, cols)` (None: one made for the call)."""
+        `newton_schulz.workspace_elements(rows, cols)` (None: one made for the call);
+        `half`: its iterations in bf16 (GPU only: a bf16 run's)."""
         op = self._entry(name)
         kind = _kind(op, "step")
         self._arity(op, "step", state_and_grads, len(op.inputs))
@@ -213,14 +214,19 @@ class OpLibrary:
         if copy is not None and not self._cuda:
             raise EulerError(f"{op.name}.step: copy= is a bf16 copy; the numpy backend has "
                              "no bf16", file=op.spec, key="copy")
+        if half and (op.matrix is None or not self._cuda):
+            raise EulerError(f"{op.name}.step: half= iterates a matrix step in bf16, on a GPU "
+                             "only", file=op.spec, key="half")
         if op.matrix is not None:
-            self._matrix_step(op, kind, state_and_grads, fixed, control, copy, gemm, workspace)
+            self._matrix_step(op, kind, state_and_grads, fixed, control, copy, gemm, workspace,
+                              half)
         elif self._cuda:
             kind.step(self._cuda, op, state_and_grads, fixed, control, copy)
         else:
             kind.module(op).step(*state_and_grads, control, **fixed)
 
-    def _matrix_step(self, op, kind, arrays, fixed, control, copy, gemm, workspace) -> None:
+    def _matrix_step(self, op, kind, arrays, fixed, control, copy, gemm, workspace,
+                     half) -> None:
         """A matrix op's phases and Newton-Schulz GEMMs over one [rows, cols] parameter."""
         from eulergen.runtime.engine import newton_schulz
         from eulergen.runtime.engine.gemm import gemm_for
@@ -252,7 +258,7 @@ class OpLibrary:
                     getattr(module, part or "step")(*(values[o.name] for o in op.inputs),
                                                    control, **fixed)
         newton_schulz.step(op.matrix, named, phase, gemm or gemm_for(self.backend, False),
-                           workspace, self.backend.xp)
+                           workspace, self.backend.xp, half)
 
     def control_slots(self, name: str | OpEntry) -> tuple[str, ...]:
         """What each element of an update op's `control` array holds, as its kernels (and

@@ -29,7 +29,8 @@ class Optimizer:
     step_control.decide writes them). The float32 master weights and state are updated
     (from bf16 gradients in a bf16 run: the ops' bf16 kernels, which write the model's bf16
     copy of the same range in the same pass). An op's `weight_decay` is the config's on
-    the decayed parameters (the matrices) and 0 on the rest."""
+    the decayed parameters (the matrices) and 0 on the rest. A matrix op steps each matrix
+    on its lane's stream (runtime/engine/lanes.py), in a bf16 run iterating in bf16."""
 
     def __init__(self, model: GPT, ops: UpdateOps, t: TrainingConfig, shards=None):
         self.model, self.ops, self.shards = model, ops, shards
@@ -58,7 +59,8 @@ class Optimizer:
                     gemms[g.lane] = gemm_for(model.backend, model.tape.gemm.tf32,
                                              mem[lane_buffer(f"{op.name}.gemm_ws", g.lane)])
                 extra = {"gemm": gemms[g.lane],
-                         "workspace": mem[lane_buffer(f"{op.name}.newton_schulz", g.lane)]}
+                         "workspace": mem[lane_buffer(f"{op.name}.newton_schulz", g.lane)],
+                         "half": model.bf16}   # a bf16 run iterates in bf16
             self.launches.append((op, arrays, copy, own[op.name],
                                   {**_params(op, t, g.decay), **extra}))
             self.lane_of.append(g.lane)

@@ -40,6 +40,10 @@ def test_the_bf16_kernels_give_the_numpy_forms_bits(cp):
     out = cp.zeros(x.size, cp.uint16)
     assert bf16.to_bf16(cp.asarray(x), out=out) is out
     np.testing.assert_array_equal(cp.asnumpy(out), to_bf16(x))
+    wide = cp.zeros(x.size, cp.float32)
+    assert bf16.from_bf16(out, out=wide) is wide
+    np.testing.assert_array_equal(cp.asnumpy(wide).view(np.uint32),
+                                  from_bf16(to_bf16(x)).view(np.uint32))
     a, b = to_bf16(x), to_bf16(rng.standard_normal(x.size).astype(np.float32))
     want, got = np.zeros_like(a), cp.zeros(a.size, cp.uint16)
     bf16.add(a, b, want)
