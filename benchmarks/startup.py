@@ -51,10 +51,11 @@ else:
 """
 
 
-def measure(args: list[str], env: dict, profile: str = "-") -> float:
+def measure(args: list[str], env: dict, stats: Path | None = None) -> float:
+    """Seconds to the child's first step; `stats`: where its cProfile stats go (None: none)."""
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, profile, *args], env=env, text=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(stats or "-"), *args], env=env,
+                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     seconds, tail = None, []
     for line in child.stderr:
         if seconds is None and MARK in line:
@@ -90,29 +91,24 @@ def main() -> None:
             (ops / "gelu_edit.yaml").write_text(text)
             args += ["--ops", str(ops), "--set", "model.activation=gelu_edit"]
         what = ", ".join(w for w, on in (("cold cache", opts.cold), ("edited op", opts.edit)) if on)
-        print(f"{opts.device}{', ' + what if what else ', warm cache'}: "
-              f"first step done after {measure(args, env, _stats(opts, f'run{n}')):.2f} s",
-              flush=True)
-        _show(opts, f"run{n}")
+        _report(f"{opts.device}{', ' + what if what else ', warm cache'}", args, env, opts,
+                f"run{n}")
         if opts.edit:   # the same op again, as a second run finds it
             args[args.index("--run-dir") + 1] = str(work / f"run{n}-again")
-            print(f"{opts.device}, the same op unchanged: first step done after "
-                  f"{measure(args, env, _stats(opts, f'run{n}-again')):.2f} s", flush=True)
-            _show(opts, f"run{n}-again")
+            _report(f"{opts.device}, the same op unchanged", args, env, opts, f"run{n}-again")
 
 
-def _stats(opts, name: str) -> str:
-    if not opts.profile:
-        return "-"
-    Path(opts.profile).mkdir(parents=True, exist_ok=True)
-    return str(Path(opts.profile) / f"{name}.prof")
-
-
-def _show(opts, name: str) -> None:
-    """The profile includes the run after its first step (one step here) and its end."""
+def _report(label: str, args: list[str], env: dict, opts, name: str) -> None:
+    """One measured start, printed; with --profile, its stats saved as <name>.prof and their
+    40 largest cumulative times printed (they include the run after its first step)."""
+    stats = None
     if opts.profile:
+        Path(opts.profile).mkdir(parents=True, exist_ok=True)
+        stats = Path(opts.profile) / f"{name}.prof"
+    print(f"{label}: first step done after {measure(args, env, stats):.2f} s", flush=True)
+    if stats is not None:
         import pstats
-        pstats.Stats(_stats(opts, name)).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(str(stats)).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":
