@@ -339,9 +339,11 @@ class FlashKernel(Geometry):
 class AttentionTiles(FlashKernel):
     """A flash kernel (role forward, backward_dkv or backward_dq): a block owns block_rows
     query rows (dkv: key rows) of one head (dkv: kv head) and streams `tile` rows of the
-    other side; grid (cdiv(T, block_rows), heads, B)."""
+    other side; grid (cdiv(T, block_rows), heads, B). isa: 'mma' (mma.sync, any GPU the
+    build takes) or 'wgmma' (sm_90a only)."""
     shape: ClassVar[str] = "attention"
     role: str
+    isa: str = "mma"
 
     def launch(self, batch: int, seq: int, heads: int, kv_heads: int) -> Launch:
         across = kv_heads if self.role == "backward_dkv" else heads

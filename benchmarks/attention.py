@@ -4,6 +4,7 @@
     python benchmarks/attention.py --sweep    # bf16 d=64 tilings, one kernel family at a time
     python benchmarks/attention.py --decode   # KV-cache decoding, one new query a sequence
     python benchmarks/attention.py --decode-sweep   # decode tiles and split targets
+    python benchmarks/attention.py --backward # bf16 backward kernels, mma.sync and wgmma
 
 Cases: B=8, T=1024 and B=2, T=4096; 12 query heads, 4 kv heads (GQA), head dim 64; fp32
 and bf16 storage. Torch: bf16 on SDPA's flash backend (enable_gqa); fp32 on the faster of
@@ -33,7 +34,7 @@ from eulergen.generator.plan_attention import (ROLES, TilePlan, plan_attention, 
 from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_decode, attention_forward)
-from eulergen.runtime.engine.compile import compile_file  # noqa: E402
+from eulergen.runtime.engine.compile import compile_file, device_arch  # noqa: E402
 from eulergen.runtime.engine.bf16 import to_bf16  # noqa: E402
 
 CASES = [(8, 1024), (2, 4096)]
@@ -56,7 +57,8 @@ def kernels(tiles=None, configs=None, roles=ROLES) -> AttentionKernels:
     cu = folder / "causal_attention.cu"
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
-    return AttentionKernels("causal_attention", rendered.kernels, {}, compiled.function)
+    return AttentionKernels("causal_attention", rendered.kernels, {}, compiled.function,
+                            device_arch())
 
 
 class _Only:
@@ -72,47 +74,54 @@ class _Only:
     def param_values(self, given):
         return self.ak.param_values(given)
 
+    def backward_isa(self, dtype, head_dim):
+        return self.ak.backward_isa(dtype, head_dim)
+
     def launch(self, kernel, at, args):
         if self.role in kernel.name:
             self.ak.launch(kernel, at, args)
 
 
-def ours(ak, B, T, dtype, split=False):
+def ours(ak, B, T, dtype, split=False, isa=None, shape=None):
     """(forward ms, forward + backward ms), and with split the backward's kernels one by one
     ({rowdot, dkv, dq: ms}). A split time is one attention_backward call launching only that
     kernel, so it includes the call's host-side checks (≈ 0.05–0.1 ms on the H200): the
     rowdot figure is mostly that, dkv and dq are long enough to hide it."""
     import cupy
+    heads, kv_heads, dim = shape or (H, KVH, D)
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(s, dtype=np.float32)
-              for s in [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D), (B, T, H, D)]]
+              for s in [(B, T, heads, dim), (B, T, kv_heads, dim), (B, T, kv_heads, dim),
+                        (B, T, heads, dim)]]
     q, k, v, do = (cupy.asarray(to_bf16(a) if dtype == "bf16" else a) for a in arrays)
     o, lse = attention_forward(ak, q, k, v)
     grads = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
-    delta = cupy.empty((B, H, T), np.float32)
+    delta = cupy.empty((B, heads, T), np.float32)
 
     def fwd():
         attention_forward(ak, q, k, v, out=o, lse=lse)
 
     def fwd_bwd():
         attention_forward(ak, q, k, v, out=o, lse=lse)
-        attention_backward(ak, q, k, v, o, lse, do, out=grads, delta=delta)
+        attention_backward(ak, q, k, v, o, lse, do, out=grads, delta=delta, isa=isa)
     times = time_ms(fwd), time_ms(fwd_bwd)
     if not split:
         return times
     parts = {}
     for role in ("rowdot", "dkv", "dq"):
         only = _Only(ak, f"_{role}_")
-        parts[role] = time_ms(
-            lambda: attention_backward(only, q, k, v, o, lse, do, out=grads, delta=delta))
+        parts[role] = time_ms(lambda: attention_backward(only, q, k, v, o, lse, do, out=grads,
+                                                         delta=delta, isa=isa))
     return times, parts
 
 
-def torch_sdpa(B, T, dtype):
-    """(fwd ms, fwd+bwd ms, backend) of torch's best path for this dtype."""
+def torch_sdpa(B, T, dtype, shape=None, backends=None):
+    """(fwd ms, fwd+bwd ms, backend) of torch's best path for this dtype; `backends` (bf16):
+    the SDPA backends to take the fastest of (default: flash, else SDPA's own choice)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    H, KVH, D = shape or (globals()["H"], globals()["KVH"], globals()["D"])
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     q = torch.randn(B, H, T, D, device="cuda", dtype=tdt, requires_grad=True)
     k = torch.randn(B, KVH, T, D, device="cuda", dtype=tdt, requires_grad=True)
@@ -128,13 +137,15 @@ def torch_sdpa(B, T, dtype):
                                               v.repeat_interleave(g, 1), is_causal=True)
 
     # bf16: flash, or SDPA's own choice only if flash refuses; fp32: the faster of two.
-    options = ([("flash", SDPBackend.FLASH_ATTENTION, gqa), ("default", None, gqa)]
+    named = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    options = ([(b, named[b], gqa) for b in backends] if backends else
+               [("flash", SDPBackend.FLASH_ATTENTION, gqa), ("default", None, gqa)]
                if dtype == "bf16" else
                [("math (default)", None, gqa),
                 ("efficient, kv repeated", SDPBackend.EFFICIENT_ATTENTION, repeated)])
     best = None
     for label, backend, fn in options:
-        if best is not None and dtype == "bf16":
+        if best is not None and dtype == "bf16" and not backends:
             break
 
         def run(fn=fn, backward=False, backend=backend):
@@ -182,6 +193,34 @@ def sweep() -> None:
                       flush=True)
         except Exception as err:  # a tiling that does not compile or launch: say so, go on
             print(f"{label:<24} failed: {str(err).splitlines()[0][:80]}")
+
+
+BACKWARD_CASES = [(8, 1024, 12, 4, 64), (8, 1024, 12, 12, 64), (2, 4096, 12, 4, 64),
+                  (1, 8192, 12, 4, 64), (8, 1024, 12, 4, 128), (2, 4096, 12, 4, 128)]
+
+
+def backward_table() -> None:
+    """bf16, both backward kernel sets (mma.sync; wgmma where the GPU is sm_90) kernel by
+    kernel, against the faster of torch SDPA's flash and cuDNN backends, forward + backward.
+    TFLOP/s count causal FLOPs, the backward as 2.5x the forward."""
+    import cupy
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    dims = sorted({c[4] for c in BACKWARD_CASES})
+    ak = kernels(configs=tuple((d, "bf16") for d in dims))
+    print(f"{'case':<24} {'isa':<6} {'fwd':>6} {'bwd':>6} {'dkv':>6} {'dq':>6} "
+          f"{'bwd TF/s':>8} {'f+b':>6} {'torch f+b':>9} {'ratio':>6}  torch backend")
+    for B, T, heads, kv_heads, dim in BACKWARD_CASES:
+        shape = (heads, kv_heads, dim)
+        tf, tfb, label = torch_sdpa(B, T, "bf16", shape, backends=("flash", "cudnn"))
+        flops = 4 * B * heads * T * T * dim / 2
+        for isa in ("mma", "wgmma") if hopper else ("mma",):
+            (f, fb), parts = ours(ak, B, T, "bf16", split=True, isa=isa, shape=shape)
+            print(f"{f'B={B} T={T} H={heads}/{kv_heads} d={dim}':<24} {isa:<6} {f:6.3f} "
+                  f"{fb - f:6.3f} {parts['dkv']:6.3f} {parts['dq']:6.3f} "
+                  f"{2.5 * flops / (fb - f) / 1e9:8.1f} {fb:6.3f} {tfb:9.3f} {tfb / fb:6.2f}  "
+                  f"{label}", flush=True)
+    print("ratio: torch f+b time / ours (above 1: ours faster); dkv, dq: one kernel alone "
+          "(with the call's host checks)")
 
 
 DECODE_CACHE = 1024
@@ -356,6 +395,9 @@ def main() -> None:
         return
     if "--decode-sweep" in sys.argv[1:]:
         decode_sweep()
+        return
+    if "--backward" in sys.argv[1:]:
+        backward_table()
         return
     ak = kernels()
     head = (f"{'case':<22} {'dtype':<5} {'fwd ms':>7} {'TFLOP/s':>8} {'torch':>7} {'ratio':>6} "

@@ -50,7 +50,11 @@ class TilePlan:
              independent mma chains each), else one product after another.
     dq:      a block is 16·dq_warps queries, streaming dq_block_n keys at a time.
     fp32 storage splits every operand in two bf16 planes and loads synchronously (one
-    stage); bf16 double-buffers its streamed tiles with cp.async."""
+    stage); bf16 double-buffers its streamed tiles with cp.async.
+    wgmma:   bf16 also has backward kernels for sm_90a (attention_bwd_wgmma.cu.j2), a
+             warpgroup per 64 rows: dkv blocks of 16·wg_dkv_warps keys streaming
+             wg_dkv_block_m queries, dq blocks of 16·wg_dq_warps queries streaming
+             wg_dq_block_n keys; the runtime takes them on a Hopper GPU."""
     head_dim: int
     dtype: str
     fwd_warps: int
@@ -65,6 +69,11 @@ class TilePlan:
     dec_warps: int = 4    # decode: threads 32·dec_warps, D/16 lanes a key
     dec_rows: int = 1     # query rows (t, head of the kv head's group) a decode block owns
     dec_tile: int = 64    # keys a decode block loads at once
+    wgmma: bool = False
+    wg_dkv_warps: int = 4
+    wg_dkv_block_m: int = 64
+    wg_dq_warps: int = 4
+    wg_dq_block_n: int = 64
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -83,6 +92,17 @@ class TilePlan:
             raise EulerError(f"decode plan warps {self.dec_warps}, rows {self.dec_rows}, tile "
                              f"{self.dec_tile}: want rows <= warps and <= D/16, and a tile of "
                              f"whole steps of {key_slots} keys and of 32", key="dec_tile")
+        if self.wgmma:
+            if self.dtype != "bf16":
+                raise EulerError("wgmma kernels are bf16 only", key="wgmma")
+            for name in ("wg_dkv_warps", "wg_dq_warps"):
+                if getattr(self, name) not in (4, 8):
+                    raise EulerError(f"{name} = {getattr(self, name)}: expected 4 or 8 "
+                                     f"(whole warpgroups)", key=name)
+            for name in ("wg_dkv_block_m", "wg_dq_block_n"):
+                if getattr(self, name) not in (32, 64, 128):
+                    raise EulerError(f"{name} = {getattr(self, name)}: expected 32, 64 or 128 "
+                                     f"(a wgmma N)", key=name)
         for name in ("fwd_block_n", "dkv_block_m", "dq_block_n"):
             if getattr(self, name) not in (16, 32, 64, 128):
                 raise EulerError(f"{name} = {getattr(self, name)}: expected 16, 32, 64 or 128",
@@ -99,8 +119,16 @@ class TilePlan:
     def _tile_bytes(self, rows: int) -> int:
         return rows * (self.head_dim + 8) * 2 * self.planes  # bf16 rows padded by 8 (16 bytes)
 
-    def smem_bytes(self, role: str) -> int:
+    def smem_bytes(self, role: str, isa: str = "mma") -> int:
         """Dynamic shared memory of each kernel; must match the carving in the templates."""
+        if isa == "wgmma":  # unpadded core-matrix tiles, the streamed ones double-buffered
+            tile = 2 * self.head_dim
+            if role == "backward_dkv":
+                bn, bm = 16 * self.wg_dkv_warps, self.wg_dkv_block_m
+                return 2 * bn * tile + 4 * bm * tile + 4 * bm * 4
+            if role == "backward_dq":
+                return (2 * 16 * self.wg_dq_warps + 4 * self.wg_dq_block_n) * tile
+            raise ValueError(role)
         if role == "forward":
             bm, bn = 16 * self.fwd_warps * self.fwd_mtiles, self.fwd_block_n
             return self._tile_bytes(bm) + 2 * self.stages * self._tile_bytes(bn)
@@ -131,7 +159,8 @@ def plan_tiles(head_dim: int, dtype: str) -> TilePlan:
                     dkv_block_m=64 if head_dim == 64 else 32, dq_warps=4, dq_block_n=32,
                     fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
                     dkv_paired=(head_dim, dtype) == (64, "bf16"),
-                    dec_warps=4 if head_dim == 64 else 8)
+                    dec_warps=4 if head_dim == 64 else 8,
+                    wgmma=dtype == "bf16", wg_dkv_block_m=64 if head_dim == 64 else 32)
 
 
 def mask_mode(mask: sp.Basic | None) -> str:
@@ -267,8 +296,9 @@ class AttentionPlan:
 
 
 def _kernel(op: str, role: str, dtype: str, t: TilePlan | None, mode: str,
-            params: tuple[str, ...]) -> AttentionKernel:
-    """`t`: the tiles of the kernel's (head dim, dtype); rowdot, which takes any D, has none."""
+            params: tuple[str, ...], isa: str = "mma") -> AttentionKernel:
+    """`t`: the tiles of the kernel's (head dim, dtype); rowdot, which takes any D, has none.
+    isa 'wgmma': the sm_90a variant of a backward role."""
     args = kernel_args(role, dtype, params)
     call = tuple(a for a, _ in args if a not in params)
     stage, part = _CALL[role]
@@ -284,13 +314,18 @@ def _kernel(op: str, role: str, dtype: str, t: TilePlan | None, mode: str,
         "backward_dq": (t.dq_warps, 16 * t.dq_warps * t.dq_mtiles, t.dq_mtiles, t.dq_block_n,
                         "query"),
         "decode": (t.dec_warps, t.dec_rows, t.dec_rows, t.dec_tile, "query"),
+    }[role] if isa == "mma" else {
+        "backward_dkv": (t.wg_dkv_warps, 16 * t.wg_dkv_warps, 0, t.wg_dkv_block_m, "key"),
+        "backward_dq": (t.wg_dq_warps, 16 * t.wg_dq_warps, 0, t.wg_dq_block_n, "query"),
     }[role]
     flash = dict(head_dim=t.head_dim, threads=32 * warps, block_rows=block_rows, tile=tile,
-                 smem_bytes=t.smem_bytes(role), mask=mode)
-    geometry = (launch.AttentionDecode(**flash) if role == "decode"
-                else launch.AttentionTiles(**flash, role=role))
-    sig = KernelSig(f"{op}_{role}_d{t.head_dim}_{dtype}", tuple(args), dtype, stage, geometry,
-                    part=part)
+                 smem_bytes=t.smem_bytes(role, isa), mask=mode)
+    if role == "decode":
+        geometry = launch.AttentionDecode(**flash)
+    else:
+        geometry = launch.AttentionTiles(**flash, role=role, isa=isa)
+    name = f"{op}_{role}{'_wgmma' if isa == 'wgmma' else ''}_d{t.head_dim}_{dtype}"
+    sig = KernelSig(name, tuple(args), dtype, stage, geometry, part=part)
     return AttentionKernel(sig, call, targ, rows)
 
 
@@ -319,6 +354,9 @@ def plan_attention(derived: ir.DerivedOp, *,
             kernels += [_kernel(derived.name, role, dtype, dim_tiles, mode, params)
                         for role in ("forward", "backward_dkv", "backward_dq", "decode")
                         if role in roles]
+            if dim_tiles.wgmma:
+                kernels += [_kernel(derived.name, role, dtype, dim_tiles, mode, params, "wgmma")
+                            for role in ("backward_dkv", "backward_dq") if role in roles]
         if "rowdot" in roles:
             kernels.append(_kernel(derived.name, "rowdot", dtype, None, mode, params))
     return AttentionPlan(derived.name, params, mode, score2, dscore,

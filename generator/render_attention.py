@@ -24,10 +24,13 @@ def _kernel(k: AttentionKernel) -> dict:
     if k.role == "rowdot":
         return dict(ctx, comment="delta = rowsum(dO ∘ O), one warp per (batch, head, row)")
     g = k.sig.geometry
-    return dict(ctx, head_dim=g.head_dim, warps=k.warps, tile=g.tile, mtiles=f"{k.targ}, ",
-                mask=f"MASK_{g.mask.upper()}", scale=cuda_expr(1 / sp.sqrt(g.head_dim)),
-                comment=f"{k.role}, D = {g.head_dim}: {g.block_rows} {k.rows} rows a block, "
-                        f"tiles of {g.tile}")
+    mask = f"eg_attn::MASK_{g.mask.upper()}"
+    wgmma = getattr(g, "isa", "mma") == "wgmma"
+    targs = [ctx["ctype"], g.head_dim, k.warps, *([] if wgmma else [k.targ]), g.tile, mask]
+    return dict(ctx, function=f"attention_{k.role}{'_wgmma' if wgmma else ''}",
+                targs=[str(a) for a in targs], scale=cuda_expr(1 / sp.sqrt(g.head_dim)),
+                comment=f"{k.role}{' (wgmma, sm_90a)' if wgmma else ''}, D = {g.head_dim}: "
+                        f"{g.block_rows} {k.rows} rows a block, tiles of {g.tile}")
 
 
 @lru_cache(maxsize=4)   # one Environment a loader: its compiled templates are reused

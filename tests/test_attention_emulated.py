@@ -105,9 +105,11 @@ def _prelude() -> str:
 # Other tilings than the planner's (D = 64): 8 and 1 warps a block, two 16-row slabs a
 # warp, tiles of 16 to 128, so that every loop bound and causal skip is exercised off the
 # 64 x 64 default; dK/dV unpaired (the planner pairs bf16 at D = 64), so both orders run.
+# The wgmma kernels (bf16): two warpgroups a block, 32 queries a dkv step, 128 keys a dq step.
 ODD_PLANS = {(64, dt): TilePlan(64, dt, fwd_warps=8, fwd_block_n=32, dkv_warps=2,
                                 dkv_block_m=16, dq_warps=1, dq_block_n=128,
-                                fwd_mtiles=2, dq_mtiles=2)
+                                fwd_mtiles=2, dq_mtiles=2, wgmma=dt == "bf16", wg_dkv_warps=8,
+                                wg_dkv_block_m=32, wg_dq_warps=8, wg_dq_block_n=128)
              for dt in ("f32", "bf16")}
 
 
@@ -124,11 +126,13 @@ def _build(name: str, odd: bool = False):
     sigs = {k.name: k for k in rendered.kernels}
     pnames = [p.name for p in derived.params]
     runs, dispatch = [], []
-    for dt, ctype in (("f32", "float"), ("bf16", "__nv_bfloat16")):
+    for dt, ctype, isa in (("f32", "float", ""), ("bf16", "__nv_bfloat16", ""),
+                           ("bf16", "__nv_bfloat16", "_wgmma")):
         for d in HEAD_DIMS:
-            key = f"d{d}_{dt}"
-            names = {"fwd": f"{name}_forward_d{d}_{dt}", "dkv": f"{name}_backward_dkv_d{d}_{dt}",
-                     "dq": f"{name}_backward_dq_d{d}_{dt}", "rd": f"{name}_backward_rowdot_{dt}"}
+            key = f"d{d}_{dt}{isa}"
+            names = {"fwd": f"{name}_forward_d{d}_{dt}",
+                     "dkv": f"{name}_backward_dkv{isa}_d{d}_{dt}",
+                     "dq": f"{name}_backward_dq{isa}_d{d}_{dt}", "rd": f"{name}_backward_rowdot_{dt}"}
             fields = {"key": key, "ctype": ctype, "d": d, "params": "\n".join(
                 f"  const float {p} = params[{n}];" for n, p in enumerate(pnames))}
             for role, kname in names.items():
@@ -158,7 +162,7 @@ def _rel(ours, ref) -> float:
     return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 0.1))
 
 
-def _emulate(name, dtype, D, B, T, H, KVH, seed=0, odd=False, **params):
+def _emulate(name, dtype, D, B, T, H, KVH, seed=0, odd=False, isa="mma", **params):
     binary, mod, defaults = _build(name, odd)
     params = {**defaults, **params}
     rng = np.random.default_rng(seed)
@@ -170,7 +174,8 @@ def _emulate(name, dtype, D, B, T, H, KVH, seed=0, odd=False, **params):
     store = (lambda a: to_bf16(a)) if dtype == "bf16" else (lambda a: a)
     store(qkv).tofile(folder / "qkv.bin")
     store(do).tofile(folder / "do.bin")
-    run = subprocess.run([str(binary), f"d{D}_{dtype}", str(B), str(T), str(H), str(KVH),
+    key = f"d{D}_{dtype}" + ("_wgmma" if isa == "wgmma" else "")
+    run = subprocess.run([str(binary), key, str(B), str(T), str(H), str(KVH),
                           *(repr(float(v)) for v in params.values())],
                          cwd=folder, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -191,45 +196,55 @@ def _emulate(name, dtype, D, B, T, H, KVH, seed=0, odd=False, **params):
     tol = {"f32": 1e-3, "bf16": 3e-2}[dtype]
     for n in ref:
         err = _rel(ours[n], ref[n])
-        assert err < (1e-4 if n == "lse" else tol), f"{name} D={D} {dtype} T={T} {n}: {err:.2e}"
+        assert err < (1e-4 if n == "lse" else tol), \
+            f"{name} D={D} {dtype} {isa} T={T} {n}: {err:.2e}"
     return ours
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+# (dtype, isa): the mma.sync kernels in both storage dtypes, the wgmma ones (bf16 only).
+KERNELS = [("f32", "mma"), ("bf16", "mma"), ("bf16", "wgmma")]
+
+
+@pytest.mark.parametrize("dtype,isa", KERNELS)
 @pytest.mark.parametrize("D", [64, 128])
-def test_causal_two_partial_tiles_with_gqa(D, dtype):
-    _emulate("causal_attention", dtype, D, B=1, T=70, H=2, KVH=1)
+def test_causal_two_partial_tiles_with_gqa(D, dtype, isa):
+    _emulate("causal_attention", dtype, D, B=1, T=70, H=2, KVH=1, isa=isa)
 
 
 def test_causal_single_row():
     _emulate("causal_attention", "bf16", 64, B=2, T=1, H=2, KVH=2)
 
 
-def test_causal_many_tiles_batches_and_groups():
-    _emulate("causal_attention", "bf16", 64, B=2, T=150, H=4, KVH=2, seed=1)
+@pytest.mark.parametrize("isa", ["mma", "wgmma"])
+def test_causal_many_tiles_batches_and_groups(isa):
+    _emulate("causal_attention", "bf16", 64, B=2, T=150, H=4, KVH=2, seed=1, isa=isa)
 
 
-def test_generic_mask_with_an_empty_row():
-    ours = _emulate("strict_attention", "f32", 64, B=1, T=40, H=2, KVH=1)
+@pytest.mark.parametrize("dtype,isa", [("f32", "mma"), ("bf16", "wgmma")])
+def test_generic_mask_with_an_empty_row(dtype, isa):
+    ours = _emulate("strict_attention", dtype, 64, B=1, T=40, H=2, KVH=1, isa=isa)
     assert np.all(ours["o"][:, 0] == 0) and np.all(ours["dq"][:, 0] == 0)
 
 
-def test_no_mask():
-    _emulate("full_attention", "bf16", 128, B=1, T=70, H=2, KVH=2)
+@pytest.mark.parametrize("isa", ["mma", "wgmma"])
+def test_no_mask(isa):
+    _emulate("full_attention", "bf16", 128, B=1, T=70, H=2, KVH=2, isa=isa)
 
 
 def test_softcap_with_a_small_cap():
     _emulate("softcap_attention", "f32", 64, B=1, T=50, H=2, KVH=1, cap=2.0)
 
 
-def test_alibi_slopes_per_head():
-    _emulate("alibi_attention", "bf16", 64, B=1, T=70, H=4, KVH=2)
+@pytest.mark.parametrize("isa", ["mma", "wgmma"])
+def test_alibi_slopes_per_head(isa):
+    _emulate("alibi_attention", "bf16", 64, B=1, T=70, H=4, KVH=2, isa=isa)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_other_tilings(dtype):
-    _emulate("causal_attention", dtype, 64, B=1, T=300, H=2, KVH=1, odd=True)
+@pytest.mark.parametrize("dtype,isa", KERNELS)
+def test_other_tilings(dtype, isa):
+    _emulate("causal_attention", dtype, 64, B=1, T=300, H=2, KVH=1, odd=True, isa=isa)
 
 
-def test_other_tilings_with_a_generic_mask():
-    _emulate("strict_attention", "bf16", 64, B=1, T=100, H=2, KVH=2, odd=True)
+@pytest.mark.parametrize("isa", ["mma", "wgmma"])
+def test_other_tilings_with_a_generic_mask(isa):
+    _emulate("strict_attention", "bf16", 64, B=1, T=100, H=2, KVH=2, odd=True, isa=isa)

@@ -61,9 +61,11 @@ def test_softcap_kernels_take_cap_and_default_it():
 
 def test_the_plan_holds_every_kernel_in_order_with_its_geometry():
     plan = plan_attention(attention_ops.load("causal_attention"))
+    roles = ("forward", "backward_dkv", "backward_dq", "decode")
+    wgmma = ("backward_dkv_wgmma", "backward_dq_wgmma")   # bf16's sm_90a backward
     per_dtype = lambda dt: [  # noqa: E731  (its head dims' kernels, then rowdot)
         f"causal_attention_{role}_d{d}_{dt}" for d in HEAD_DIMS
-        for role in ("forward", "backward_dkv", "backward_dq", "decode")] + [
+        for role in roles + (wgmma if dt == "bf16" else ())] + [
         f"causal_attention_backward_rowdot_{dt}"]
     assert [k.sig.name for k in plan.kernels] == per_dtype("f32") + per_dtype("bf16")
     assert plan.sigs == tuple(k.sig for k in plan.kernels)
@@ -95,6 +97,16 @@ def test_the_plan_takes_its_tiles_from_plan_tiles():
         assert (dec.targ, dec.sig.geometry.block_rows) == (tiles.dec_rows, tiles.dec_rows)
         for k in (fwd, dkv, dec):
             assert k.sig.geometry.smem_bytes == tiles.smem_bytes(k.role)
+            assert getattr(k.sig.geometry, "isa", "mma") == "mma"
+        wg_dkv = by_name[f"causal_attention_backward_dkv_wgmma_d{d}_bf16"].sig.geometry
+        wg_dq = by_name[f"causal_attention_backward_dq_wgmma_d{d}_bf16"].sig.geometry
+        assert (wg_dkv.isa, wg_dkv.threads, wg_dkv.block_rows, wg_dkv.tile) == (
+            "wgmma", 32 * tiles.wg_dkv_warps, 16 * tiles.wg_dkv_warps, tiles.wg_dkv_block_m)
+        assert (wg_dq.isa, wg_dq.threads, wg_dq.tile) == (
+            "wgmma", 32 * tiles.wg_dq_warps, tiles.wg_dq_block_n)
+        for g, role in ((wg_dkv, "backward_dkv"), (wg_dq, "backward_dq")):
+            assert g.smem_bytes == tiles.smem_bytes(role, "wgmma")
+    assert not any(k.sig.name.endswith("_f32") and "wgmma" in k.sig.name for k in plan.kernels)
 
 
 def test_tiles_configs_and_roles_narrow_the_plan():

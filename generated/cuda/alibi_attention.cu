@@ -76,10 +76,140 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool val
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
 }
+// 2^x by the SFU alone (exp2f adds a denormal-range fix-up around it): a probability below
+// 2^-126 is 0 either way against the sums it joins.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+// ---- Hopper: wgmma from shared-memory descriptors (built for sm_90a; EG_WGMMA says so) ----
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EG_WGMMA 1
+#else
+#define EG_WGMMA 0
+#endif
+
+typedef unsigned long long WgDesc;
+
+// A no-swizzle ("interleaved") operand: 8x16-byte core matrices, `lbo` bytes apart along K
+// and `sbo` apart along M or N (PTX ISA, the matrix descriptor).
+__device__ __forceinline__ WgDesc wg_desc(const bf16* p, u32 lbo, u32 sbo) {
+  return (WgDesc)((smem_addr(p) & 0x3FFFFu) >> 4) | ((WgDesc)(lbo >> 4) << 16) |
+         ((WgDesc)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Registers a wgmma in flight reads or writes: the compiler sees them used here, after the
+// wait, so it neither reads them early nor gives them to other values meanwhile.
+template <int R>
+__device__ __forceinline__ void wg_hold(float (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+__device__ __forceinline__ void wg_hold(u32 (&r)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to the tensor
+// cores' async proxy; each writing thread, before the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// d (+)= a · b for a 64 x 32 tile, k = 16: A and B from shared memory (both K-major);
+// B transposed (N-major) when TB.
+template <int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[16], WgDesc a, WgDesc b, int acc) {
+#if EG_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1, 0, %19;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(acc), "n"(TB));
+#endif
+}
+// The same with A from registers: each warp's 16 rows as one mma.m16n8k16 A fragment.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[16], const u32 (&a)[4], WgDesc b,
+                                         int acc) {
+#if EG_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
+#endif
+}
+// d (+)= a · b for a 64 x 64 tile, k = 16: A and B from shared memory (both K-major);
+// B transposed (N-major) when TB.
+template <int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], WgDesc a, WgDesc b, int acc) {
+#if EG_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(acc), "n"(TB));
+#endif
+}
+// The same with A from registers: each warp's 16 rows as one mma.m16n8k16 A fragment.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], WgDesc b,
+                                         int acc) {
+#if EG_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
+#endif
+}
+// d (+)= a · b for a 64 x 128 tile, k = 16: A and B from shared memory (both K-major);
+// B transposed (N-major) when TB.
+template <int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], WgDesc a, WgDesc b, int acc) {
+#if EG_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, %67;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(acc), "n"(TB));
+#endif
+}
+// The same with A from registers: each warp's 16 rows as one mma.m16n8k16 A fragment.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], WgDesc b,
+                                         int acc) {
+#if EG_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
+#endif
 }
 
 __device__ __forceinline__ u32 bf16x2_bits(__nv_bfloat162 v) {
@@ -922,6 +1052,345 @@ __device__ __forceinline__ void attention_backward_dq(
 
 }  // namespace eg_attn
 
+// ---- backward on Hopper (sm_90a): the same math as attention_bwd.cu.j2, on wgmma ------------
+//
+// A warpgroup (4 warps) owns 64 rows and issues each product as 64 x N wgmma, k = 16 a
+// step: Sᵀ/S and dPᵀ/dP with both operands read from shared memory, dV, dK and dQ with the
+// probabilities or dS as register A operands (the accumulator layout of a 16-row slab is the
+// A layout of mma.m16n8k16, so they are packed where they were computed, no shared-memory
+// round trip). Tiles sit in shared memory as 8x16-byte core matrices (no swizzle), which
+// serves a tile both K-major (K = the head dim) and N-major (K = its rows). bf16 only; a
+// build without sm_90a compiles these to empty bodies and the runtime never launches them.
+namespace eg_attn {
+
+// Rows [r0, r0 + ROWS) of a [n, D] slice into core-matrix order: 16-byte chunk i (row
+// 8·(i / D) + i % 8, columns 8·((i / 8) % (D / 8)) onward) at byte 16·i, so a row group of
+// 8 rows is 16·D bytes and its column chunks 128 bytes apart; rows at or past n are zeros.
+template <int ROWS, int D, int NTHR>
+__device__ __forceinline__ void load_tile_cm(bf16* dst, const bf16* src, long long ld, int r0,
+                                             int n, int tid) {
+  constexpr int CPR = D / 8, CHUNKS = ROWS * CPR, ITERS = (CHUNKS + NTHR - 1) / NTHR;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int i = tid + it * NTHR;
+    if (CHUNKS % NTHR == 0 || i < CHUNKS) {
+      const int r = (i / (8 * CPR)) * 8 + (i & 7), col = ((i >> 3) % CPR) * 8;
+      const bool ok = r0 + r < n;
+      cp_async16(dst + 8 * i, src + (ok ? (long long)(r0 + r) * ld + col : 0), ok);
+    }
+  }
+}
+
+// 64 rows from row0 (a multiple of 8) of a core-matrix tile, head-dim columns 16·kk onward:
+// the K-major operand of a product over the head dim.
+template <int D>
+__device__ __forceinline__ WgDesc desc_k(const bf16* tile, int row0, int kk) {
+  return wg_desc(tile + row0 * D + kk * 128, 128, 16 * D);
+}
+// Rows 16·kk onward of a core-matrix tile as K, its head dim as N: the B operand of a
+// product over the tile's rows (N-major).
+template <int D>
+__device__ __forceinline__ WgDesc desc_n(const bf16* tile, int kk) {
+  return wg_desc(tile + kk * 16 * D, 16 * D, 128);
+}
+
+// The A fragment of columns 16·kk… of a 64 x N accumulator: its n-tiles 2kk and 2kk + 1.
+__device__ __forceinline__ void acc_to_wg_a(u32 (&a)[4], const float* c) {
+  u32 unused;
+  pack2(c[0], c[1], a[0], unused, false);
+  pack2(c[2], c[3], a[1], unused, false);
+  pack2(c[4], c[5], a[2], unused, false);
+  pack2(c[6], c[7], a[3], unused, false);
+}
+
+// One block per (key tile, kv head, batch), 64 keys a warpgroup, streaming BM queries of
+// each query head of the group: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, then dV += Pᵀ·dO, dK += dSᵀ·Q.
+template <typename T, int D, int WARPS, int BM, int MASK, typename Score>
+__device__ __forceinline__ void attention_backward_dkv_wgmma(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+    T* __restrict__ dk, T* __restrict__ dv, int n, int n_heads, int n_kv_heads,
+    long long q_sb, long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
+    long long v_sb, long long v_st, long long v_sh, long long do_sb, long long do_st,
+    long long do_sh, long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb,
+    long long dv_st, long long dv_sh, Score sc) {
+#if EG_WGMMA
+  static_assert(sizeof(T) == 2 && WARPS % 4 == 0 && D % 16 == 0, "bf16, whole warpgroups");
+  constexpr int NTHR = 32 * WARPS, BN = 16 * WARPS;
+  extern __shared__ __align__(16) unsigned char eg_smem[];
+  bf16* sK = reinterpret_cast<bf16*>(eg_smem);  // [BN][D], core matrices
+  bf16* sV = sK + BN * D;
+  bf16* sQ = sV + BN * D;                        // [2][BM][D]
+  bf16* sO = sQ + 2 * BM * D;                    // dO, [2][BM][D]
+  float* sL = reinterpret_cast<float*>(sO + 2 * BM * D);  // [2][BM] lse
+  float* sD = sL + 2 * BM;                                // [2][BM] delta
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const BlockJob job = block_job();
+  const int kvh = job.head, b = job.batch;
+  const int k0 = job.rank * BN, wg_key = k0 + 64 * wg;
+  const int group = n_heads / n_kv_heads, h0 = kvh * group;
+  k += b * k_sb + kvh * k_sh;
+  v += b * v_sb + kvh * v_sh;
+  dk += b * dk_sb + kvh * dk_sh;
+  dv += b * dv_sb + kvh * dv_sh;
+  q += b * q_sb + h0 * q_sh;
+  dout += b * do_sb + h0 * do_sh;
+  lse += ((long long)b * n_heads + h0) * n;
+  delta += ((long long)b * n_heads + h0) * n;
+
+  const int q_tiles = (n + BM - 1) / BM;
+  const int first = MASK == MASK_CAUSAL ? k0 / BM : 0;
+  const int per_head = q_tiles - first;
+  const int steps = group * per_head;
+
+  auto issue = [&](int step, int stage) {
+    const int h = step / per_head;
+    const int q0 = (first + step % per_head) * BM;
+    load_tile_cm<BM, D, NTHR>(sQ + stage * BM * D, q + h * q_sh, q_st, q0, n, tid);
+    load_tile_cm<BM, D, NTHR>(sO + stage * BM * D, dout + h * do_sh, do_st, q0, n, tid);
+    for (int r = tid; r < BM; r += NTHR) {
+      const bool ok = q0 + r < n;
+      const long long at = ok ? (long long)h * n + q0 + r : 0;
+      cp_async4(sL + stage * BM + r, lse + at, ok);
+      cp_async4(sD + stage * BM + r, delta + at, ok);
+    }
+  };
+
+  load_tile_cm<BN, D, NTHR>(sK, k, k_st, k0, n, tid);
+  load_tile_cm<BN, D, NTHR>(sV, v, v_st, k0, n, tid);
+  issue(0, 0);
+  cp_async_commit();
+
+  float acc_dk[D / 2], acc_dv[D / 2], s[BM / 2], dp_[BM / 2];
+#pragma unroll
+  for (int x = 0; x < D / 2; ++x) acc_dk[x] = acc_dv[x] = 0.0f;
+#pragma unroll
+  for (int x = 0; x < BM / 2; ++x) s[x] = dp_[x] = 0.0f;  // overwritten: the first k step sets
+  const int key = wg_key + 16 * warp + g;                  // this thread's keys: key, key + 8
+
+  for (int step = 0; step < steps; ++step) {
+    const int st = step & 1;
+    // One barrier a step: this tile has landed, and every warpgroup's products of the last
+    // step (which read the other buffers) have completed, so those may be refilled.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (step + 1 < steps) {
+      issue(step + 1, st ^ 1);
+      cp_async_commit();
+    }
+    const int q0 = (first + step % per_head) * BM;
+    sc.set_head(h0 + step / per_head);
+    const bf16* tQ = sQ + st * BM * D;
+    const bf16* tO = sO + st * BM * D;
+    const float* tL = sL + st * BM;
+    const float* tD = sD + st * BM;
+    if (MASK != MASK_CAUSAL || wg_key <= q0 + BM - 1) {
+      const bool all_visible = MASK != MASK_GENERIC && q0 + BM <= n &&
+                               (MASK != MASK_CAUSAL || wg_key + 63 <= q0);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<0>(s, desc_k<D>(sK, 64 * wg, kk), desc_k<D>(tQ, 0, kk), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<0>(dp_, desc_k<D>(sV, 64 * wg, kk), desc_k<D>(tO, 0, kk), kk > 0);
+      wg_commit();
+      wg_wait<0>();
+      wg_hold(s);
+      wg_hold(dp_);
+      // Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − delta) ∘ ∂score/∂s, in place, then packed as A operands;
+      // the thread's BM/4 queries' lse·log2(e) and delta read once.
+      float l2[BM / 4], dl[BM / 4];
+#pragma unroll
+      for (int y = 0; y < BM / 4; ++y) {
+        l2[y] = tL[(y >> 1) * 8 + 2 * c + (y & 1)] * LOG2E;
+        dl[y] = tD[(y >> 1) * 8 + 2 * c + (y & 1)];
+      }
+      auto element = [&](int x, bool vis) {
+        const int y = (x >> 2) * 2 + (x & 1), il = (x >> 2) * 8 + 2 * c + (x & 1);
+        const float i = (float)(q0 + il), j = (float)(key + ((x >> 1) & 1) * 8), sx = s[x];
+        const float p = vis ? exp2_approx(sc.score2(sx, i, j) - l2[y]) : 0.0f;
+        s[x] = p;
+        dp_[x] = vis ? p * (dp_[x] - dl[y]) * sc.dscore(sx, i, j) : 0.0f;
+      };
+      if (all_visible) {  // warpgroup-uniform: a branch, not a select per element
+#pragma unroll
+        for (int x = 0; x < BM / 2; ++x) element(x, true);
+      } else {
+#pragma unroll
+        for (int x = 0; x < BM / 2; ++x)
+          element(x, visible<MASK>(sc, q0 + (x >> 2) * 8 + 2 * c + (x & 1),
+                                   key + ((x >> 1) & 1) * 8, n));
+      }
+      u32 pf[BM / 16][4], df[BM / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        acc_to_wg_a(pf[kk], s + 8 * kk);
+        acc_to_wg_a(df[kk], dp_ + 8 * kk);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<1>(acc_dv, pf[kk], desc_n<D>(tO, kk), 1);
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<1>(acc_dk, df[kk], desc_n<D>(tQ, kk), 1);
+      wg_commit();
+      wg_wait<0>();
+      wg_hold(acc_dv);
+      wg_hold(acc_dk);
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        wg_hold(pf[kk]);
+        wg_hold(df[kk]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = key + r * 8;
+    if (j < n) {
+      T* krow = dk + (long long)j * dk_st;
+      T* vrow = dv + (long long)j * dv_st;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        store2(krow + d * 8 + 2 * c, acc_dk[4 * d + 2 * r], acc_dk[4 * d + 2 * r + 1]);
+        store2(vrow + d * 8 + 2 * c, acc_dv[4 * d + 2 * r], acc_dv[4 * d + 2 * r + 1]);
+      }
+    }
+  }
+#endif
+}
+
+// One block per (query tile, head, batch), 64 queries a warpgroup, streaming BN keys:
+// S = Q·Kᵀ and dP = dO·Vᵀ, then dQ += dS·K.
+template <typename T, int D, int WARPS, int BN, int MASK, typename Score>
+__device__ __forceinline__ void attention_backward_dq_wgmma(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+    T* __restrict__ dq, int n, int n_heads, int n_kv_heads, long long q_sb, long long q_st,
+    long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
+    long long v_st, long long v_sh, long long do_sb, long long do_st, long long do_sh,
+    long long dq_sb, long long dq_st, long long dq_sh, Score sc) {
+#if EG_WGMMA
+  static_assert(sizeof(T) == 2 && WARPS % 4 == 0 && D % 16 == 0, "bf16, whole warpgroups");
+  constexpr int NTHR = 32 * WARPS, BM = 16 * WARPS;
+  extern __shared__ __align__(16) unsigned char eg_smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(eg_smem);  // [BM][D], core matrices
+  bf16* sO = sQ + BM * D;                        // dO
+  bf16* sK = sO + BM * D;                        // [2][BN][D]
+  bf16* sV = sK + 2 * BN * D;                    // [2][BN][D]
+
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const BlockJob job = block_job();
+  const int q_tile = gridDim.x - 1 - job.rank, h = job.head, b = job.batch;
+  const int kvh = h / (n_heads / n_kv_heads);
+  const int q0 = q_tile * BM, wg_row = q0 + 64 * wg;
+  q += b * q_sb + h * q_sh;
+  k += b * k_sb + kvh * k_sh;
+  v += b * v_sb + kvh * v_sh;
+  dout += b * do_sb + h * do_sh;
+  dq += b * dq_sb + h * dq_sh;
+  lse += ((long long)b * n_heads + h) * n;
+  delta += ((long long)b * n_heads + h) * n;
+  sc.set_head(h);
+
+  int n_tiles = (n + BN - 1) / BN;
+  if (MASK == MASK_CAUSAL) n_tiles = min(n_tiles, (q0 + BM - 1) / BN + 1);
+
+  load_tile_cm<BM, D, NTHR>(sQ, q, q_st, q0, n, tid);
+  load_tile_cm<BM, D, NTHR>(sO, dout, do_st, q0, n, tid);
+  load_tile_cm<BN, D, NTHR>(sK, k, k_st, 0, n, tid);
+  load_tile_cm<BN, D, NTHR>(sV, v, v_st, 0, n, tid);
+  cp_async_commit();
+
+  const int row = wg_row + 16 * warp + g;  // this thread's rows: row, row + 8
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = row + 8 * r < n ? lse[row + 8 * r] * LOG2E : 0.0f;
+    dl[r] = row + 8 * r < n ? delta[row + 8 * r] : 0.0f;
+  }
+  float acc[D / 2], s[BN / 2], dp_[BN / 2];
+#pragma unroll
+  for (int x = 0; x < D / 2; ++x) acc[x] = 0.0f;
+#pragma unroll
+  for (int x = 0; x < BN / 2; ++x) s[x] = dp_[x] = 0.0f;
+
+  for (int t = 0; t < n_tiles; ++t) {
+    const int k0 = t * BN, st = t & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (t + 1 < n_tiles) {
+      load_tile_cm<BN, D, NTHR>(sK + (st ^ 1) * BN * D, k, k_st, k0 + BN, n, tid);
+      load_tile_cm<BN, D, NTHR>(sV + (st ^ 1) * BN * D, v, v_st, k0 + BN, n, tid);
+      cp_async_commit();
+    }
+    const bf16* tK = sK + st * BN * D;
+    const bf16* tV = sV + st * BN * D;
+    if (MASK != MASK_CAUSAL || k0 <= wg_row + 63) {
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<0>(s, desc_k<D>(sQ, 64 * wg, kk), desc_k<D>(tK, 0, kk), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<0>(dp_, desc_k<D>(sO, 64 * wg, kk), desc_k<D>(tV, 0, kk), kk > 0);
+      wg_commit();
+      wg_wait<0>();
+      wg_hold(s);
+      wg_hold(dp_);
+      const bool all_visible = MASK != MASK_GENERIC && k0 + BN <= n &&
+                               (MASK != MASK_CAUSAL || k0 + BN - 1 <= wg_row);
+      auto element = [&](int x, bool vis) {  // dS = P ∘ (dP − delta) ∘ ∂score/∂s, in s
+        const int r = (x >> 1) & 1;
+        const float i = (float)(row + 8 * r), j = (float)(k0 + (x >> 2) * 8 + 2 * c + (x & 1));
+        const float sx = s[x];
+        const float p = vis ? exp2_approx(sc.score2(sx, i, j) - lse2[r]) : 0.0f;
+        s[x] = vis ? p * (dp_[x] - dl[r]) * sc.dscore(sx, i, j) : 0.0f;
+      };
+      if (all_visible) {
+#pragma unroll
+        for (int x = 0; x < BN / 2; ++x) element(x, true);
+      } else {
+#pragma unroll
+        for (int x = 0; x < BN / 2; ++x)
+          element(x, visible<MASK>(sc, row + 8 * ((x >> 1) & 1),
+                                   k0 + (x >> 2) * 8 + 2 * c + (x & 1), n));
+      }
+      u32 df[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) acc_to_wg_a(df[kk], s + 8 * kk);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<1>(acc, df[kk], desc_n<D>(tK, kk), 1);
+      wg_commit();
+      wg_wait<0>();
+      wg_hold(acc);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) wg_hold(df[kk]);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + 8 * r;
+    if (i < n) {
+      T* out = dq + (long long)i * dq_st;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d)
+        store2(out + d * 8 + 2 * c, acc[4 * d + 2 * r], acc[4 * d + 2 * r + 1]);
+    }
+  }
+#endif
+}
+
+}  // namespace eg_attn
+
 // ---- decode: a few new queries against a KV cache, one block per (rows, key split, kv head, batch)
 //
 // A block owns RC query rows of one kv head: row r = t·G + g is query t (position pos0 + t)
@@ -1376,6 +1845,33 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_decode_d64_bf1
       q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
+// backward_dkv (wgmma, sm_90a), D = 64: 64 key rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_wgmma_d64_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dk,
+    __nv_bfloat16* dv, int n, int n_heads, int n_kv_heads, long long q_sb, long long q_st,
+    long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
+    long long v_st, long long v_sh, long long do_sb, long long do_st, long long do_sh,
+    long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb, long long dv_st,
+    long long dv_sh) {
+  const alibi_attention_score sc{(float)n_heads, 0.125f};
+  eg_attn::attention_backward_dkv_wgmma<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
+}
+
+// backward_dq (wgmma, sm_90a), D = 64: 64 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dq_wgmma_d64_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dq, int n,
+    int n_heads, int n_kv_heads, long long q_sb, long long q_st, long long q_sh, long long k_sb,
+    long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
+    long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
+    long long dq_sh) {
+  const alibi_attention_score sc{(float)n_heads, 0.125f};
+  eg_attn::attention_backward_dq_wgmma<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
+}
+
 // forward, D = 128: 64 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(128) alibi_attention_forward_d128_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
@@ -1424,6 +1920,33 @@ extern "C" __global__ void __launch_bounds__(256) alibi_attention_decode_d128_bf
   const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
   eg_attn::attention_decode<__nv_bfloat16, 128, 8, 1, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+}
+
+// backward_dkv (wgmma, sm_90a), D = 128: 64 key rows a block, tiles of 32
+extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_wgmma_d128_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dk,
+    __nv_bfloat16* dv, int n, int n_heads, int n_kv_heads, long long q_sb, long long q_st,
+    long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
+    long long v_st, long long v_sh, long long do_sb, long long do_st, long long do_sh,
+    long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb, long long dv_st,
+    long long dv_sh) {
+  const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
+  eg_attn::attention_backward_dkv_wgmma<__nv_bfloat16, 128, 4, 32, eg_attn::MASK_CAUSAL>(
+      q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
+}
+
+// backward_dq (wgmma, sm_90a), D = 128: 64 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dq_wgmma_d128_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+    const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dq, int n,
+    int n_heads, int n_kv_heads, long long q_sb, long long q_st, long long q_sh, long long k_sb,
+    long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
+    long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
+    long long dq_sh) {
+  const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
+  eg_attn::attention_backward_dq_wgmma<__nv_bfloat16, 128, 4, 64, eg_attn::MASK_CAUSAL>(
+      q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
 // delta = rowsum(dO ∘ O), one warp per (batch, head, row)

@@ -34,6 +34,7 @@ class AttentionKernels:
     kernels: tuple[KernelSig, ...]
     params: dict
     function: Callable[[str], object]
+    arch: str = ""   # what `function`'s build targets (compile.device_arch); "" for none known
     _ready: dict = field(default_factory=dict, compare=False, repr=False)  # name -> kernel
     # decode's split-K records and per-chunk counters (zero between launches), grown on demand,
     # and its checked launches by array layout
@@ -43,23 +44,34 @@ class AttentionKernels:
     @classmethod
     def from_op(cls, op) -> "AttentionKernels":
         """From a manifest OpEntry; the .cu is compiled (and cached) on first use."""
-        from eulergen.runtime.engine.compile import compile_file, op_options
+        from eulergen.runtime.engine.compile import compile_file, device_arch, op_options
         compiled = []
 
         def function(name: str):
             if not compiled:   # with the key compile.prefetch computes for it
                 compiled.append(compile_file(op.cuda, op_options(op), op.template))
             return compiled[0].function(name)
-        return cls(op.name, tuple(op.kernels.values()), dict(op.params), function)
+        return cls(op.name, tuple(op.kernels.values()), dict(op.params), function,
+                   device_arch())
 
     def head_dims(self) -> list[int]:
         return _head_dims(k.geometry for k in self.kernels)
 
+    def backward_isa(self, dtype: str, head_dim: int) -> str:
+        """'wgmma' where this op has sm_90a backward kernels for (dtype, head_dim) and its
+        build is sm_90a, else 'mma'."""
+        if self.arch == "90a" and select(self.kernels, "backward", dtype, part="dkv",
+                                                  head_dim=head_dim, isa="wgmma"):
+            return "wgmma"
+        return "mma"
+
     def kernel(self, stage: str, dtype: str, part: str = "",
-               head_dim: int | None = None) -> KernelSig:
+               head_dim: int | None = None, isa: str | None = None) -> KernelSig:
         """The kernel of one call's `part` in `dtype`, of `head_dim` (None: rowdot's, which
-        takes any)."""
+        takes any), for `isa` where the part has variants ('mma' | 'wgmma')."""
         dims = {} if head_dim is None else {"head_dim": head_dim}
+        if isa is not None:
+            dims["isa"] = isa
         found = select(self.kernels, stage, dtype, part=part, **dims)
         if not found:
             raise EulerError(f"{self.op}: head dim {head_dim} is not supported (kernels exist "
@@ -202,9 +214,10 @@ def attention_forward(ak: AttentionKernels, q, k, v, *, out=None, lse=None, **pa
 
 
 def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, delta=None,
-                       **params):
+                       isa: str | None = None, **params):
     """(dq, dk, dv) in q's dtype. `out=(dq, dk, dv)` writes into given arrays (views of a
-    fused dqkv buffer work); `delta` is a [B, H, T] float32 workspace, allocated if absent."""
+    fused dqkv buffer work); `delta` is a [B, H, T] float32 workspace, allocated if absent;
+    `isa` picks the kernels ('mma' | 'wgmma'; None: ak.backward_isa's)."""
     import cupy
     B, T, H, KVH, D, dt = _geometry(q, k, v)
     _check("o", o, q.shape, q.dtype)
@@ -212,8 +225,9 @@ def attention_backward(ak: AttentionKernels, q, k, v, o, lse, do, *, out=None, d
     _check("lse", lse, (B, H, T), np.dtype(np.float32))
     if not lse.flags.c_contiguous:
         raise EulerError("lse: must be C-contiguous", key="lse")
-    dkv = ak.kernel("backward", dt, "dkv", D)
-    dq_k = ak.kernel("backward", dt, "dq", D)
+    isa = isa or ak.backward_isa(dt, D)
+    dkv = ak.kernel("backward", dt, "dkv", D, isa)
+    dq_k = ak.kernel("backward", dt, "dq", D, isa)
     rowdot = ak.kernel("backward", dt, "rowdot")
     pvals = ak.param_values(params)
     if out is None:

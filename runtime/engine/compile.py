@@ -165,12 +165,15 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def device_arch() -> str:
-    """The current device's compute capability, clamped to what this NVRTC can target."""
+    """The current device's compute capability, clamped to what this NVRTC can target; a
+    Hopper GPU gets the arch-specific sm_90a, whose wgmma the attention backward uses (its
+    cubins run on sm_90 only, which is the device they are built for)."""
     import cupy
     from cupy_backends.cuda.libs import nvrtc
     cc = int(cupy.cuda.Device().compute_capability)
     supported = [a for a in nvrtc.getSupportedArchs() if a <= cc]
-    return str(max(supported) if supported else cc)
+    best = max(supported) if supported else cc
+    return "90a" if best == cc == 90 else str(best)
 
 
 def compile_cubin(src: Source, arch: str, options: tuple[str, ...] = ()) -> bytes:

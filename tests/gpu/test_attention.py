@@ -36,7 +36,7 @@ from eulergen.generator.plan_attention import plan_attention  # noqa: E402
 from eulergen.generator.render_attention import render_attention  # noqa: E402
 from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,  # noqa: E402
                                         attention_forward)
-from eulergen.runtime.engine.compile import compile_file  # noqa: E402
+from eulergen.runtime.engine.compile import compile_file, device_arch  # noqa: E402
 from eulergen.runtime.engine.bf16 import from_bf16, to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,8 @@ def _op(name: str):
     cu.write_text(rendered.source)
     compiled = compile_file(cu)
     ak = AttentionKernels(name, rendered.kernels,
-                          {p.name: p.default for p in derived.params}, compiled.function)
+                          {p.name: p.default for p in derived.params}, compiled.function,
+                          device_arch())
     mod = types.ModuleType(name)
     exec(compile(render_attention_module(derived), f"{name}.py", "exec"), mod.__dict__)
     return ak, mod
@@ -90,13 +91,13 @@ def _rel(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 0.1))
 
 
-def _run(name, dtype, B, T, H, KVH, D, seed=0, **params):
+def _run(name, dtype, B, T, H, KVH, D, seed=0, isa="mma", **params):
     ak, _ = _op(name)
     host = _inputs(B, T, H, KVH, D, seed)
     dev, ref = zip(*(_device(a, dtype) for a in host))
     q, k, v, do = dev
     o, lse = attention_forward(ak, q, k, v, **params)
-    dq, dk, dv = attention_backward(ak, q, k, v, o, lse, do, **params)
+    dq, dk, dv = attention_backward(ak, q, k, v, o, lse, do, isa=isa, **params)
     ours = {"o": _host(o, dtype), "lse": cupy.asnumpy(lse).astype(np.float64),
             "dq": _host(dq, dtype), "dk": _host(dk, dtype), "dv": _host(dv, dtype)}
     return ours, ref
@@ -120,12 +121,23 @@ def _torch_reference(ref, dtype=torch.float64):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+# (storage dtype, backward kernels): mma.sync in both dtypes (every GPU), and on a Hopper
+# GPU the wgmma ones (bf16), which attention_backward takes there by default.
+KERNELS = [("f32", "mma"), ("bf16", "mma"), ("bf16", "wgmma")]
+
+
+def _isa(isa: str) -> str:
+    if isa == "wgmma" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma kernels run on sm_90 only")
+    return isa
+
+
+@pytest.mark.parametrize("dtype,isa", KERNELS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [1, 63, 64, 1000, 1024, 2048])
-def test_causal_matches_torch_sdpa(T, D, dtype):
+def test_causal_matches_torch_sdpa(T, D, dtype, isa):
     B, H, KVH = (2, 4, 2) if T <= 1024 else (1, 4, 2)
-    ours, ref = _run("causal_attention", dtype, B, T, H, KVH, D, seed=T + D)
+    ours, ref = _run("causal_attention", dtype, B, T, H, KVH, D, seed=T + D, isa=_isa(isa))
     exact = _torch_reference(ref)
     assert _rel(ours["lse"], exact["lse"]) < 1e-4, "lse"
     if dtype == "f32":
@@ -140,8 +152,9 @@ def test_causal_matches_torch_sdpa(T, D, dtype):
                 f"T={T} D={D} bf16 {n}: error {err:.2e}, torch bf16 {peer_err:.2e}"
 
 
-def _against_numpy(name, dtype, B, T, H, KVH, D, tol_f32=1e-3, tol_bf16=3e-2, **params):
-    ours, ref = _run(name, dtype, B, T, H, KVH, D, **params)
+def _against_numpy(name, dtype, B, T, H, KVH, D, tol_f32=1e-3, tol_bf16=3e-2, isa="mma",
+                   **params):
+    ours, ref = _run(name, dtype, B, T, H, KVH, D, isa=_isa(isa), **params)
     _, mod = _op(name)
     q, k, v, do = ref
     o, lse = mod.forward(q, k, v, **params)
@@ -153,11 +166,11 @@ def _against_numpy(name, dtype, B, T, H, KVH, D, tol_f32=1e-3, tol_bf16=3e-2, **
     return ours
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype,isa", KERNELS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("name", ["softcap_attention", "alibi_attention", "full_attention"])
-def test_score_variants_match_numpy(name, D, dtype):
-    _against_numpy(name, dtype, 2, 257, 4, 2, D)
+def test_score_variants_match_numpy(name, D, dtype, isa):
+    _against_numpy(name, dtype, 2, 257, 4, 2, D, isa=isa)
 
 
 def test_softcap_param_reaches_the_kernel():
@@ -165,9 +178,10 @@ def test_softcap_param_reaches_the_kernel():
     _against_numpy("softcap_attention", "f32", 1, 130, 2, 1, 64, cap=2.0)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_rows_with_no_visible_key_give_zeros_not_nan(dtype):
-    ours = _against_numpy("strict_attention", dtype, 2, 100, 4, 1, 64)  # j < i: row 0 is empty
+@pytest.mark.parametrize("dtype,isa", KERNELS)
+def test_rows_with_no_visible_key_give_zeros_not_nan(dtype, isa):
+    # j < i: row 0 is empty
+    ours = _against_numpy("strict_attention", dtype, 2, 100, 4, 1, 64, isa=isa)
     assert np.all(ours["o"][:, 0] == 0) and np.all(ours["lse"][:, :, 0] == 0)
     assert np.all(ours["dq"][:, 0] == 0)
 
@@ -194,14 +208,22 @@ def test_fused_qkv_views_give_the_same_bits_as_separate_arrays(dtype):
     assert cupy.array_equal(dqkv[:, :, :H * D].reshape(B, T, H, D), g1[0])
 
 
-def test_backward_is_deterministic():
+@pytest.mark.parametrize("isa", ["mma", "wgmma"])
+def test_backward_is_deterministic(isa):
     ak, _ = _op("causal_attention")
     q, k, v, do = (_device(a, "bf16")[0] for a in _inputs(4, 1024, 12, 4, 64, 3))
     o, lse = attention_forward(ak, q, k, v)
-    first = attention_backward(ak, q, k, v, o, lse, do)
+    first = attention_backward(ak, q, k, v, o, lse, do, isa=_isa(isa))
     for _ in range(3):
-        again = attention_backward(ak, q, k, v, o, lse, do)
+        again = attention_backward(ak, q, k, v, o, lse, do, isa=isa)
         assert all(cupy.array_equal(a, b) for a, b in zip(first, again))
+
+
+def test_hopper_takes_the_wgmma_backward_by_default():
+    ak, _ = _op("causal_attention")
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    assert ak.backward_isa("bf16", 64) == ("wgmma" if hopper else "mma")
+    assert ak.backward_isa("f32", 64) == "mma"
 
 
 def test_bad_shapes_and_dtypes_are_refused_before_launch():
