@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py            # the table
     python benchmarks/attention.py --sweep    # bf16 d=64 tilings, one kernel family at a time
+    python benchmarks/attention.py --sweep wgmma   # the same for the sm_90a backward's tiles
     python benchmarks/attention.py --decode   # KV-cache decoding, one new query a sequence
     python benchmarks/attention.py --decode-sweep   # decode tiles and split targets
     python benchmarks/attention.py --backward # bf16 backward kernels, mma.sync and wgmma
@@ -164,13 +165,25 @@ def torch_sdpa(B, T, dtype, shape=None, backends=None):
     return best
 
 
-def sweep() -> None:
+def sweep(wgmma: bool = False) -> None:
     """Forward and backward times of bf16 d=64 under other tilings, one kernel family
     changed at a time, at both sizes (the backward also kernel by kernel): the data for
-    choosing plan_tiles' defaults."""
+    choosing plan_tiles' defaults. wgmma: the tiles of the sm_90a backward kernels instead
+    (on a Hopper GPU, which attention_backward then takes)."""
     base = plan_tiles(D, "bf16")
     variants = [("default", {})]
-    variants += [(f"fwd warps={w} slabs={mt} n={n}",
+    if wgmma:
+        variants += [(f"wg dkv warps={w} m={m}", {"wg_dkv_warps": w, "wg_dkv_block_m": m})
+                     for w, m in ((4, 32), (8, 64), (8, 32))]
+        variants += [(f"wg dq warps={w} n={n}", {"wg_dq_warps": w, "wg_dq_block_n": n})
+                     for w, n in ((4, 32), (4, 128), (8, 64))]
+    else:
+        variants += _mma_variants()
+    _run_sweep(base, variants)
+
+
+def _mma_variants() -> list:
+    variants = [(f"fwd warps={w} slabs={mt} n={n}",
                   {"fwd_warps": w, "fwd_mtiles": mt, "fwd_block_n": n})
                  for w, mt, n in ((4, 1, 64), (8, 2, 64))]
     variants += [(f"dkv warps={w} m={m}", {"dkv_warps": w, "dkv_block_m": m})
@@ -179,6 +192,10 @@ def sweep() -> None:
     variants += [(f"dq warps={w} slabs={mt} n={n}",
                   {"dq_warps": w, "dq_mtiles": mt, "dq_block_n": n})
                  for w, mt, n in ((4, 1, 16), (4, 1, 64), (8, 1, 32), (2, 1, 32), (4, 2, 16))]
+    return variants
+
+
+def _run_sweep(base: TilePlan, variants: list) -> None:
     print(f"bf16 d={D} H={H}/{KVH}: milliseconds by tiling (default: {base})")
     print(f"{'variant':<24} {'case':<11} {'fwd':>6} {'bwd':>6} {'f+b':>6}   "
           f"{'rowdot':>6} {'dkv':>6} {'dq':>6}")
@@ -388,7 +405,7 @@ def decode_sweep() -> None:
 
 def main() -> None:
     if "--sweep" in sys.argv[1:]:
-        sweep()
+        sweep(wgmma="wgmma" in sys.argv[1:])
         return
     if "--decode" in sys.argv[1:]:
         decode()

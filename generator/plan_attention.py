@@ -148,8 +148,9 @@ class TilePlan:
 def plan_tiles(head_dim: int, dtype: str) -> TilePlan:
     """Tile sizes: 64-row blocks of 4 warps, except where registers run short: dkv streams
     32 queries at D = 128, dQ 32 keys; bf16 at D = 64 gives a forward warp two slabs and
-    pairs dkv's products; decode blocks own one query row and load 64 keys a step (the
-    measurements: benchmarks/RESULTS.md, "plan_tiles' tiles")."""
+    pairs dkv's products; decode blocks own one query row and load 64 keys a step; the
+    wgmma backward runs two warpgroups a block (the measurements: benchmarks/RESULTS.md,
+    "plan_tiles' tiles")."""
     if head_dim not in HEAD_DIMS:
         raise EulerError(f"head dim {head_dim} is not supported (expected one of {HEAD_DIMS})",
                          key="head_dim")
@@ -160,7 +161,8 @@ def plan_tiles(head_dim: int, dtype: str) -> TilePlan:
                     fwd_mtiles=2 if (head_dim, dtype) == (64, "bf16") else 1,
                     dkv_paired=(head_dim, dtype) == (64, "bf16"),
                     dec_warps=4 if head_dim == 64 else 8,
-                    wgmma=dtype == "bf16", wg_dkv_block_m=64 if head_dim == 64 else 32)
+                    wgmma=dtype == "bf16", wg_dkv_warps=8, wg_dkv_block_m=64 if head_dim == 64
+                    else 32, wg_dq_warps=8)
 
 
 def mask_mode(mask: sp.Basic | None) -> str:

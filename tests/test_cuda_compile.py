@@ -239,3 +239,25 @@ def test_every_kernel_in_the_manifest_is_defined_in_its_file():
         for kernel in op["kernels"]:
             assert re.search(rf'extern "C" __global__ void (__launch_bounds__\([^)]*\) )?{kernel}\(',
                              text), f"{name}: {kernel} is in the manifest but not in {op['cuda']}"
+
+
+def _entries(ptx: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(
+        r"\.entry\s+(\w+)\s*\((.*?)(?=\.visible\s+\.entry\s|\Z)", ptx, re.S)}
+
+
+@needs_sources
+def test_wgmma_kernels_hold_wgmma_for_sm_90a_and_nothing_for_sm_90(ptx_dir, all_ptx):
+    """The attention backward's Hopper kernels are built for the arch-specific target the
+    runtime compiles for on sm_90 (compile.device_arch: 90a); for any other target their
+    bodies are empty, and the runtime takes the mma.sync kernels there."""
+    path = CUDA_DIR / "causal_attention.cu"
+    source = inlined(path)
+    ptx = (nvrtc_ptx(source, path.name, "sm_90a") if compiler() == "nvrtc"
+           else nvcc_ptx(source, path.name, "compute_90a", ptx_dir))
+    entries = _entries(ptx)
+    hopper = [n for n in entries if "_wgmma_" in n]
+    assert hopper and all("wgmma.mma_async" in entries[n] for n in hopper)
+    assert not any("wgmma." in body for n, body in entries.items() if n not in hopper)
+    plain = _entries(_ptx(all_ptx, path, "sm_90"))
+    assert all("wgmma." not in plain[n] for n in hopper)

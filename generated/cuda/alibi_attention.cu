@@ -1845,8 +1845,8 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_decode_d64_bf1
       q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
-// backward_dkv (wgmma, sm_90a), D = 64: 64 key rows a block, tiles of 64
-extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_wgmma_d64_bf16(
+// backward_dkv (wgmma, sm_90a), D = 64: 128 key rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(256) alibi_attention_backward_dkv_wgmma_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
     const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dk,
     __nv_bfloat16* dv, int n, int n_heads, int n_kv_heads, long long q_sb, long long q_st,
@@ -1855,12 +1855,12 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_w
     long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb, long long dv_st,
     long long dv_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_backward_dkv_wgmma<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dkv_wgmma<__nv_bfloat16, 64, 8, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
-// backward_dq (wgmma, sm_90a), D = 64: 64 query rows a block, tiles of 64
-extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dq_wgmma_d64_bf16(
+// backward_dq (wgmma, sm_90a), D = 64: 128 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(256) alibi_attention_backward_dq_wgmma_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
     const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dq, int n,
     int n_heads, int n_kv_heads, long long q_sb, long long q_st, long long q_sh, long long k_sb,
@@ -1868,7 +1868,7 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dq_wg
     long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
     long long dq_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.125f};
-  eg_attn::attention_backward_dq_wgmma<__nv_bfloat16, 64, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq_wgmma<__nv_bfloat16, 64, 8, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
@@ -1922,8 +1922,8 @@ extern "C" __global__ void __launch_bounds__(256) alibi_attention_decode_d128_bf
       q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
 }
 
-// backward_dkv (wgmma, sm_90a), D = 128: 64 key rows a block, tiles of 32
-extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_wgmma_d128_bf16(
+// backward_dkv (wgmma, sm_90a), D = 128: 128 key rows a block, tiles of 32
+extern "C" __global__ void __launch_bounds__(256) alibi_attention_backward_dkv_wgmma_d128_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
     const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dk,
     __nv_bfloat16* dv, int n, int n_heads, int n_kv_heads, long long q_sb, long long q_st,
@@ -1932,12 +1932,12 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dkv_w
     long long dk_sb, long long dk_st, long long dk_sh, long long dv_sb, long long dv_st,
     long long dv_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_backward_dkv_wgmma<__nv_bfloat16, 128, 4, 32, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dkv_wgmma<__nv_bfloat16, 128, 8, 32, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dk, dv, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dk_sb, dk_st, dk_sh, dv_sb, dv_st, dv_sh, sc);
 }
 
-// backward_dq (wgmma, sm_90a), D = 128: 64 query rows a block, tiles of 64
-extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dq_wgmma_d128_bf16(
+// backward_dq (wgmma, sm_90a), D = 128: 128 query rows a block, tiles of 64
+extern "C" __global__ void __launch_bounds__(256) alibi_attention_backward_dq_wgmma_d128_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
     const __nv_bfloat16* dout, const float* lse, const float* delta, __nv_bfloat16* dq, int n,
     int n_heads, int n_kv_heads, long long q_sb, long long q_st, long long q_sh, long long k_sb,
@@ -1945,7 +1945,7 @@ extern "C" __global__ void __launch_bounds__(128) alibi_attention_backward_dq_wg
     long long do_sb, long long do_st, long long do_sh, long long dq_sb, long long dq_st,
     long long dq_sh) {
   const alibi_attention_score sc{(float)n_heads, 0.08838834764831845f};
-  eg_attn::attention_backward_dq_wgmma<__nv_bfloat16, 128, 4, 64, eg_attn::MASK_CAUSAL>(
+  eg_attn::attention_backward_dq_wgmma<__nv_bfloat16, 128, 8, 64, eg_attn::MASK_CAUSAL>(
       q, k, v, dout, lse, delta, dq, n, n_heads, n_kv_heads, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, do_sb, do_st, do_sh, dq_sb, dq_st, dq_sh, sc);
 }
 
