@@ -122,18 +122,18 @@ def torch_sdpa(B, T, dtype, shape=None, backends=None):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    H, KVH, D = shape or (globals()["H"], globals()["KVH"], globals()["D"])
+    heads, kv_heads, dim = shape or (H, KVH, D)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    q = torch.randn(B, H, T, D, device="cuda", dtype=tdt, requires_grad=True)
-    k = torch.randn(B, KVH, T, D, device="cuda", dtype=tdt, requires_grad=True)
-    v = torch.randn(B, KVH, T, D, device="cuda", dtype=tdt, requires_grad=True)
-    do = torch.randn(B, H, T, D, device="cuda", dtype=tdt)
+    q = torch.randn(B, heads, T, dim, device="cuda", dtype=tdt, requires_grad=True)
+    k = torch.randn(B, kv_heads, T, dim, device="cuda", dtype=tdt, requires_grad=True)
+    v = torch.randn(B, kv_heads, T, dim, device="cuda", dtype=tdt, requires_grad=True)
+    do = torch.randn(B, heads, T, dim, device="cuda", dtype=tdt)
 
     def gqa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def repeated():
-        g = H // KVH
+        g = heads // kv_heads
         return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1),
                                               v.repeat_interleave(g, 1), is_causal=True)
 
