@@ -242,10 +242,11 @@ def kernel_args(role: str, dtype: str, params: tuple[str, ...]) -> list[tuple[st
         return ([("q", src), ("k", src), ("v", src), ("o", dst), ("lse", "float*")] + sizes
                 + _strides("q", "k", "v", "o") + flt)
     if role == "decode":
-        return ([("q", src), ("k", src), ("v", src), ("o", dst), ("part", "float*"),
-                 ("counts", "int*"), ("tq", "int"), ("pos0", "int"), ("n_heads", "int"),
-                 ("n_kv_heads", "int"), ("splits", "int"), ("split_keys", "int")]
-                + _strides("q", "k", "v", "o") + flt)
+        return ([("q", src), ("k", dst), ("v", dst), ("kn", src), ("vn", src), ("o", dst),
+                 ("part", "float*"), ("counts", "int*"), ("tq", "int"), ("pos0", "int"),
+                 ("n_heads", "int"), ("n_kv_heads", "int"), ("splits", "int"),
+                 ("split_keys", "int")]
+                + _strides("q", "k", "v", "kn", "vn", "o") + flt)
     if role == "rowdot":
         return ([("o", src), ("dout", src), ("delta", "float*"), ("batch", "int"), ("n", "int"),
                  ("n_heads", "int"), ("head_dim", "int")] + _strides("o", "do"))

@@ -126,3 +126,26 @@ def test_decode_plans_with_more_rows_a_block_match_numpy(decode, rows, pos0, tq,
     (qd, q64), (kd, k64), (vd, v64) = (_device(x, "f32") for x in (q, k, v))
     o, mod = decode("causal_attention", qd, kd, vd, pos0, sms=sms, rows=rows)
     assert np.max(np.abs(np.asarray(o) - mod.decode(q64, k64, v64, pos0))) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("pos0, tq, sms", [(0, 1, 1), (69, 1, 64), (5, 9, 1), (130, 9, 512)])
+def test_decode_kernel_reads_new_rows_and_writes_them_into_the_cache(decode, dtype, pos0, tq,
+                                                                      sms):
+    """`new=(k, v)`: the step's keys and values as strided views of one qkv-like buffer; the
+    cache holds NaN from pos0 on, so a block that read a new row from the cache would show."""
+    B, H, KVH, D, tmax = 2, 6, 2, 64, 160
+    q, k, v = _case(B, tq, H, KVH, D, tmax, pos0 + tq, seed=pos0 + 3 * tq)
+    qkv = np.zeros((B, tq, 3, KVH, D), np.float32)
+    qkv[:, :, 1], qkv[:, :, 2] = k[:, pos0:pos0 + tq], v[:, pos0:pos0 + tq]
+    (qd, q64), (kd, k64), (vd, v64), (nd, _) = (_device(x, dtype) for x in (q, k, v, qkv))
+    nan = to_bf16(np.full(1, np.nan, np.float32))[0] if dtype == "bf16" else np.float32(np.nan)
+    kd[:, pos0:] = vd[:, pos0:] = nan
+    o, mod = decode("causal_attention", qd, kd, vd, pos0, sms=sms, new=(nd[:, :, 1], nd[:, :, 2]))
+    ours = from_bf16(np.asarray(o)) if dtype == "bf16" else np.asarray(o)
+    err = np.max(np.abs(ours - mod.decode(q64, k64, v64, pos0)))
+    assert err < {"f32": 2e-5, "bf16": 1.6e-2}[dtype], f"{dtype} pos0={pos0} tq={tq}: {err:.2e}"
+    for cache, part in ((kd, 1), (vd, 2)):
+        assert np.array_equal(np.asarray(cache)[:, pos0:pos0 + tq], np.asarray(nd)[:, :, part])
+        past = np.asarray(cache)[:, pos0 + tq:]
+        assert np.all(np.isnan(from_bf16(past) if dtype == "bf16" else past))

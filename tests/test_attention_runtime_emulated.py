@@ -67,9 +67,10 @@ class FakeKernel:
         assert shared_mem == smem <= self.max_dynamic_shared_size_bytes
         cargs = []
         for (name, ctype), value in zip(self.sig.args, args):
-            if ctype.endswith("*"):
-                assert isinstance(value, FakeArray), f"{self.sig.name}: {name} is not an array"
-                cargs.append(ctypes.c_void_p(value.data.ptr))
+            if ctype.endswith("*"):   # an array, or None for NULL (decode's kn, vn)
+                assert value is None or isinstance(value, FakeArray), \
+                    f"{self.sig.name}: {name} is not an array"
+                cargs.append(ctypes.c_void_p(0 if value is None else value.data.ptr))
             else:
                 assert type(value) is _SCALARS[ctype], f"{self.sig.name}: {name} is {type(value)}"
                 cargs.append(_CTYPES[ctype](value))

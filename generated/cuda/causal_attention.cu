@@ -1408,17 +1408,24 @@ __device__ __forceinline__ void attention_backward_dq_wgmma(
 // to `part`; the last block of a chunk to finish (a counter in `counts`, which that block
 // resets to 0 for the next launch) merges them in split order, so the result does not depend
 // on which block finished last. With one split the block writes o directly.
+//
+// New keys and values (kn, vn: [B, tq, KVH, D] at positions pos0 …, any strides; the step's
+// k and v, not yet in the cache) are read from there, not from the cache, by every block
+// that sees them, and the blocks of the last chunk (the one that sees every new key) copy
+// them into the cache, each split its own rows: so the cache write is no kernel of its own,
+// and no block reads a cache row this launch writes. kn null: the cache holds them already.
 namespace eg_attn {
 
 // The 16 dims of a row that lane c (of the L lanes of a key) owns: load m covers dims
 // (m·L + c)·VEC … +VEC, so the L lanes read consecutive 16-byte pieces. Zeros when !ok:
-// rows past the visible keys are never read.
+// rows past the visible keys are never read. Through the read-only path: no row read here
+// is written during the launch (the cache rows it writes are read from kn and vn).
 template <int L>
 __device__ __forceinline__ void load_dims(float (&x)[16], const float* p, int c, bool ok) {
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (ok) f = *reinterpret_cast<const float4*>(p + (m * L + c) * 4);
+    if (ok) f = __ldg(reinterpret_cast<const float4*>(p + (m * L + c) * 4));
     x[4 * m] = f.x;
     x[4 * m + 1] = f.y;
     x[4 * m + 2] = f.z;
@@ -1432,7 +1439,7 @@ __device__ __forceinline__ void load_dims(float (&x)[16], const bf16* p, int c, 
   for (int m = 0; m < 2; ++m) {
     uint4 u;
     u.x = u.y = u.z = u.w = 0u;
-    if (ok) u = *reinterpret_cast<const uint4*>(p + (m * L + c) * 8);
+    if (ok) u = __ldg(reinterpret_cast<const uint4*>(p + (m * L + c) * 8));
     const u32 w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1454,12 +1461,14 @@ __device__ __forceinline__ void store1(bf16* p, float x) { *p = __float2bfloat16
 
 template <typename T, int D, int WARPS, int RC, int KT, int MASK, typename Score>
 __device__ __forceinline__ void attention_decode(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-    float* __restrict__ part, int* __restrict__ counts, int tq, int pos0, int n_heads,
-    int n_kv_heads, int splits, int split_keys,
+    const T* __restrict__ q, T* __restrict__ k, T* __restrict__ v, const T* __restrict__ kn,
+    const T* __restrict__ vn, T* __restrict__ o, float* __restrict__ part,
+    int* __restrict__ counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits,
+    int split_keys,
     long long q_sb, long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
-    long long v_sb, long long v_st, long long v_sh, long long o_sb, long long o_st, long long o_sh,
-    Score sc) {
+    long long v_sb, long long v_st, long long v_sh, long long kn_sb, long long kn_st,
+    long long kn_sh, long long vn_sb, long long vn_st, long long vn_sh, long long o_sb,
+    long long o_st, long long o_sh, Score sc) {
   constexpr int L = D / 16, NTHR = 32 * WARPS, KG = NTHR / L, U = KT / KG;
   constexpr int PER = (RC * D + NTHR - 1) / NTHR;  // output elements a thread writes or merges
   static_assert(KT % KG == 0 && KT % 32 == 0, "a tile is whole steps of the block, and of a warp");
@@ -1501,6 +1510,20 @@ __device__ __forceinline__ void attention_decode(
   }
   k += b * k_sb + kvh * k_sh;
   v += b * v_sb + kvh * v_sh;
+  // Key j's row: the cache's below pos0, the new ones' from pos0 (where kn is given).
+  const int fresh = kn ? pos0 : n;
+  if (kn) {
+    kn += b * kn_sb + kvh * kn_sh;
+    vn += b * vn_sb + kvh * vn_sh;
+    if (chunk == chunks - 1) {  // this split's new rows into the cache
+      const int first = max(j0, pos0);
+      for (int i = tid; i < (j1 - first) * D; i += NTHR) {
+        const int j = first + i / D, d = i % D;
+        k[j * k_st + d] = kn[(j - pos0) * kn_st + d];
+        v[j * v_st + d] = vn[(j - pos0) * vn_st + d];
+      }
+    }
+  }
   if (tid < RC) {
     sM[tid] = neg_inf();
     sL[tid] = 0.0f;
@@ -1511,8 +1534,9 @@ __device__ __forceinline__ void attention_decode(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = t0 + slot + u * KG;
-      load_dims<L>(kx[u], k + j * k_st, c, j < j1);
-      load_dims<L>(vx[u], v + j * v_st, c, j < j1);
+      const bool old = j < fresh;
+      load_dims<L>(kx[u], old ? k + j * k_st : kn + (j - pos0) * kn_st, c, j < j1);
+      load_dims<L>(vx[u], old ? v + j * v_st : vn + (j - pos0) * vn_st, c, j < j1);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -1729,14 +1753,15 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
 
 // decode, D = 64: 1 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(128) causal_attention_decode_d64_f32(
-    const float* q, const float* k, const float* v, float* o, float* part, int* counts, int tq,
-    int pos0, int n_heads, int n_kv_heads, int splits, int split_keys, long long q_sb,
-    long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
-    long long v_sb, long long v_st, long long v_sh, long long o_sb, long long o_st,
-    long long o_sh) {
+    const float* q, float* k, float* v, const float* kn, const float* vn, float* o, float* part,
+    int* counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits, int split_keys,
+    long long q_sb, long long q_st, long long q_sh, long long k_sb, long long k_st,
+    long long k_sh, long long v_sb, long long v_st, long long v_sh, long long kn_sb,
+    long long kn_st, long long kn_sh, long long vn_sb, long long vn_st, long long vn_sh,
+    long long o_sb, long long o_st, long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.125f};
   eg_attn::attention_decode<float, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
-      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+      q, k, v, kn, vn, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_sb, kn_st, kn_sh, vn_sb, vn_st, vn_sh, o_sb, o_st, o_sh, sc);
 }
 
 // forward, D = 128: 64 query rows a block, tiles of 64
@@ -1777,14 +1802,15 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
 
 // decode, D = 128: 1 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(256) causal_attention_decode_d128_f32(
-    const float* q, const float* k, const float* v, float* o, float* part, int* counts, int tq,
-    int pos0, int n_heads, int n_kv_heads, int splits, int split_keys, long long q_sb,
-    long long q_st, long long q_sh, long long k_sb, long long k_st, long long k_sh,
-    long long v_sb, long long v_st, long long v_sh, long long o_sb, long long o_st,
-    long long o_sh) {
+    const float* q, float* k, float* v, const float* kn, const float* vn, float* o, float* part,
+    int* counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits, int split_keys,
+    long long q_sb, long long q_st, long long q_sh, long long k_sb, long long k_st,
+    long long k_sh, long long v_sb, long long v_st, long long v_sh, long long kn_sb,
+    long long kn_st, long long kn_sh, long long vn_sb, long long vn_st, long long vn_sh,
+    long long o_sb, long long o_st, long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
   eg_attn::attention_decode<float, 128, 8, 1, 64, eg_attn::MASK_CAUSAL>(
-      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+      q, k, v, kn, vn, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_sb, kn_st, kn_sh, vn_sb, vn_st, vn_sh, o_sb, o_st, o_sh, sc);
 }
 
 // delta = rowsum(dO ∘ O), one warp per (batch, head, row)
@@ -1835,14 +1861,16 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
 
 // decode, D = 64: 1 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(128) causal_attention_decode_d64_bf16(
-    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
-    float* part, int* counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits,
-    int split_keys, long long q_sb, long long q_st, long long q_sh, long long k_sb,
-    long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
-    long long o_sb, long long o_st, long long o_sh) {
+    const __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, const __nv_bfloat16* kn,
+    const __nv_bfloat16* vn, __nv_bfloat16* o, float* part, int* counts, int tq, int pos0,
+    int n_heads, int n_kv_heads, int splits, int split_keys, long long q_sb, long long q_st,
+    long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
+    long long v_st, long long v_sh, long long kn_sb, long long kn_st, long long kn_sh,
+    long long vn_sb, long long vn_st, long long vn_sh, long long o_sb, long long o_st,
+    long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.125f};
   eg_attn::attention_decode<__nv_bfloat16, 64, 4, 1, 64, eg_attn::MASK_CAUSAL>(
-      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+      q, k, v, kn, vn, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_sb, kn_st, kn_sh, vn_sb, vn_st, vn_sh, o_sb, o_st, o_sh, sc);
 }
 
 // backward_dkv (wgmma, sm_90a), D = 64: 128 key rows a block, tiles of 64
@@ -1912,14 +1940,16 @@ extern "C" __global__ void __launch_bounds__(128) causal_attention_backward_dq_d
 
 // decode, D = 128: 1 query rows a block, tiles of 64
 extern "C" __global__ void __launch_bounds__(256) causal_attention_decode_d128_bf16(
-    const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
-    float* part, int* counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits,
-    int split_keys, long long q_sb, long long q_st, long long q_sh, long long k_sb,
-    long long k_st, long long k_sh, long long v_sb, long long v_st, long long v_sh,
-    long long o_sb, long long o_st, long long o_sh) {
+    const __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, const __nv_bfloat16* kn,
+    const __nv_bfloat16* vn, __nv_bfloat16* o, float* part, int* counts, int tq, int pos0,
+    int n_heads, int n_kv_heads, int splits, int split_keys, long long q_sb, long long q_st,
+    long long q_sh, long long k_sb, long long k_st, long long k_sh, long long v_sb,
+    long long v_st, long long v_sh, long long kn_sb, long long kn_st, long long kn_sh,
+    long long vn_sb, long long vn_st, long long vn_sh, long long o_sb, long long o_st,
+    long long o_sh) {
   const causal_attention_score sc{(float)n_heads, 0.08838834764831845f};
   eg_attn::attention_decode<__nv_bfloat16, 128, 8, 1, 64, eg_attn::MASK_CAUSAL>(
-      q, k, v, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, o_sb, o_st, o_sh, sc);
+      q, k, v, kn, vn, o, part, counts, tq, pos0, n_heads, n_kv_heads, splits, split_keys, q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_sb, kn_st, kn_sh, vn_sb, vn_st, vn_sh, o_sb, o_st, o_sh, sc);
 }
 
 // backward_dkv (wgmma, sm_90a), D = 128: 128 key rows a block, tiles of 32

@@ -291,7 +291,7 @@ class _DecodeLaunch:
     cells: int        # blocks of rows of one split: B · KVH · chunks of block_rows rows
     record: int       # floats of one split's record: block_rows · (D + 2)
     heads: tuple      # n_heads, n_kv_heads
-    tail: tuple       # strides of q, k, v, o, then the params
+    tail: tuple       # strides of q, k, v, the new k and v (0 without), o, then the params
 
 
 def _layout(a) -> tuple:
@@ -299,7 +299,7 @@ def _layout(a) -> tuple:
     return type(a), a.shape, a.strides, a.dtype, a.data.ptr % 16
 
 
-def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
+def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int, new,
                    params: dict) -> _DecodeLaunch:
     """Every check of a decode call, before anything is launched: EulerError naming the
     argument. `out` None: o will be a new contiguous array."""
@@ -320,12 +320,17 @@ def _decode_launch(ak: AttentionKernels, q, k_cache, v_cache, out, pos0: int,
     else:
         _check("out", out, q.shape, q.dtype)
         o_strides = _strides("out", out, dtype)
+    new_strides = (np.int64(0),) * 6
+    if new is not None:
+        for name, a in zip(("new k", "new v"), new):
+            _check(name, a, (B, Tq, KVH, D), q.dtype)
+        new_strides = (*_strides("new k", new[0], dtype), *_strides("new v", new[1], dtype))
     sizes = (B, Tq, H, KVH)
     return _DecodeLaunch(
         kernel, sizes, Tq, Tmax, prod(geometry.launch(*sizes).grid),
         geometry.block_rows * (D + 2), (np.int32(H), np.int32(KVH)),
         (*_strides("q", q, dtype), *_strides("k_cache", k_cache, dtype),
-         *_strides("v_cache", v_cache, dtype), *o_strides, *pvals))
+         *_strides("v_cache", v_cache, dtype), *new_strides, *o_strides, *pvals))
 
 
 def decode_workspace_bound(op, head_dim: int, sms: int) -> tuple[int, int]:
@@ -340,9 +345,12 @@ def decode_workspace_bound(op, head_dim: int, sms: int) -> tuple[int, int]:
 
 
 def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, out=None,
-                     keys: int | None = None, workspace: tuple | None = None, **params):
+                     keys: int | None = None, workspace: tuple | None = None, new=None,
+                     **params):
     """o [B, Tq, H, D] in q's dtype: queries q at positions pos0 … pos0+Tq-1 over the caches
     [B, Tmax, KVH, D], of which rows pos0+Tq and later are never read (docs/internals.md).
+    `new`: (k, v) [B, Tq, KVH, D] of the new positions (strided views work), which the
+    launch reads and writes into the caches' rows pos0 … (else the caches hold them).
     `out` writes into a given array (a strided view works). `keys`: plan the split over the
     cache for this many keys (≥ pos0+Tq; default pos0+Tq), so that launches at different
     positions have one grid (a CUDA graph replays one launch at every position).
@@ -351,12 +359,13 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
     in order, so they may share it)."""
     try:
         key = (_layout(q), _layout(k_cache), _layout(v_cache),
-               None if out is None else _layout(out), tuple(params.items()))
+               None if out is None else _layout(out),
+               None if new is None else tuple(map(_layout, new)), tuple(params.items()))
     except AttributeError:  # not CuPy arrays: the checks say which
         key = None
     launch = ak._decode_launches.get(key)
     if launch is None:
-        launch = _decode_launch(ak, q, k_cache, v_cache, out, pos0, params)
+        launch = _decode_launch(ak, q, k_cache, v_cache, out, pos0, new, params)
         if key is not None:
             ak._decode_launches[key] = launch
     elif not 0 <= pos0 <= launch.tmax - launch.tq:
@@ -380,6 +389,7 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
             raise EulerError(f"workspace: {part.size} records and {counts.size} counters, "
                              f"the split needs {records} and {cells_used}", key="workspace")
     ak.launch(launch.kernel, launch.kernel.geometry.launch(*launch.sizes, splits),
-              (q, k_cache, v_cache, out, part, counts, np.int32(launch.tq), np.int32(pos0),
+              (q, k_cache, v_cache, *(new or (None, None)), out, part, counts,
+               np.int32(launch.tq), np.int32(pos0),
                *launch.heads, np.int32(splits), np.int32(split_keys), *launch.tail))
     return out

@@ -8,9 +8,9 @@ replay to the next (a position, a draw's step) written into the graph before a l
     live["pos0"] = 17; graph.launch(live)          # the step at position 17
 
 GEMMs. cupy_backends sets a cuBLAS handle's stream before every call and raises while
-any stream captures, so the decoder's GEMMs go through runtime/engine/cublas.py (ctypes, a
-handle of its own on CuPy's current stream, over the plan's workspace: without one
-cuBLAS would allocate its own while captured), as the training step's do.
+any stream captures, so the decoder's GEMMs are the training step's (runtime/engine/gemm.py:
+cuBLASLt, or cublasGemmEx on a ctypes handle of runtime/engine/cublas.py), on CuPy's current
+stream over the plan's workspace (without one cuBLAS would allocate its own while captured).
 
 Live arguments. The generated kernels take the position by value (`int pos0`: rope, the
 decode attention); a captured launch keeps the value it was captured with. While a graph
@@ -133,6 +133,10 @@ class Graph:
             RECORDERS.remove(record)
         return cls(graph, _live_nodes(graph.graph, seen, live))
 
+    def kernel_count(self) -> int:
+        """The kernels one launch runs (the profiles' count of a step)."""
+        return len(_kernel_nodes(self.graph.graph))
+
     def launch(self, live: dict) -> None:
         """Write the changed live values into the graph, then launch it on the current
         stream."""
@@ -167,22 +171,30 @@ def capture(stream, run):
             gc.enable()
 
 
+def _kernel_nodes(graph: int) -> list[int]:
+    """The kernel nodes of a CUgraph, in the graph's order."""
+    driver = _driver()
+    count = c_size_t(0)
+    _check(driver.cuGraphGetNodes(graph, None, byref(count)), "cuGraphGetNodes")
+    handles = (c_void_p * count.value)()
+    _check(driver.cuGraphGetNodes(graph, handles, byref(count)), "cuGraphGetNodes")
+    kernels = []
+    for node in handles:
+        kind = c_int()
+        _check(driver.cuGraphNodeGetType(node, byref(kind)), "cuGraphNodeGetType")
+        if kind.value == _KERNEL_NODE:
+            kernels.append(node)
+    return kernels
+
+
 def _live_nodes(graph: int, seen: list, live: dict) -> list[_LiveNode]:
     """The kernel nodes of the recorded launches, in the graph's order, each with the
     signature its function was launched with."""
     driver = _driver()
     by_function = {_function(fn): names for fn, _, _, names in seen}
     args_of = {_function(fn): args for fn, _, args, _ in seen}
-    count = c_size_t(0)
-    _check(driver.cuGraphGetNodes(graph, None, byref(count)), "cuGraphGetNodes")
-    handles = (c_void_p * count.value)()
-    _check(driver.cuGraphGetNodes(graph, handles, byref(count)), "cuGraphGetNodes")
     nodes = []
-    for node in handles:
-        kind = c_int()
-        _check(driver.cuGraphNodeGetType(node, byref(kind)), "cuGraphNodeGetType")
-        if kind.value != _KERNEL_NODE:
-            continue
+    for node in _kernel_nodes(graph):
         params = _NodeParams()
         _check(driver.cuGraphKernelNodeGetParams_v2(node, byref(params)),
                "cuGraphKernelNodeGetParams")

@@ -157,10 +157,13 @@ class OpLibrary:
         return grads if isinstance(grads, tuple) else (grads,)
 
     def decode(self, name: str | OpEntry, q, k_cache, v_cache, pos0: int, *, out=None,
-               keys: int | None = None, workspace=None, **params):
+               keys: int | None = None, workspace=None, new=None, **params):
         """Attention of new queries q [B, Tq, H, D], at positions pos0 … pos0+Tq-1, over a KV
         cache [B, Tmax, KVH, D] whose rows 0 … pos0+Tq-1 are valid (later rows are never
         read) -> o [B, Tq, H, D]: rows pos0 … of `forward` over the whole sequence.
+        `new`: (k, v) [B, Tq, KVH, D] of those positions, written into the cache's rows
+        pos0 … by the same call (on the GPU inside the decode kernel), which then need not
+        hold them yet.
         On the GPU, `keys` fixes the split of the cache whatever pos0 is and `workspace`
         is its planned (part, counts) (runtime/engine/attention.py attention_decode); numpy needs
         neither."""
@@ -169,8 +172,9 @@ class OpLibrary:
         p = self._params(op, params)
         pos0 = int(pos0)
         if self._cuda:   # checked there, once per layout of the arrays
-            return kind.decode(self._cuda, op, q, k_cache, v_cache, pos0, out, p, keys, workspace)
-        got = kind.numpy_decode(kind.module(op), q, k_cache, v_cache, pos0, p)
+            return kind.decode(self._cuda, op, q, k_cache, v_cache, pos0, out, p, keys, workspace,
+                               new)
+        got = kind.numpy_decode(kind.module(op), q, k_cache, v_cache, pos0, p, new)
         return self._deliver(op, "decode", got, out, 1)
 
     def step(self, name: str | OpEntry, *state_and_grads, control=None, copy=None,

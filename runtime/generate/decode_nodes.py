@@ -43,16 +43,18 @@ class Scatter:
 
 
 class Attend:
-    """o = attention of the new queries over cache positions 0 … pos0+R-1 (lib.decode: the
-    op's score, mask and params; the split planned for `keys`, in `workspace`)."""
+    """o = attention of the new queries over cache positions 0 … pos0+R-1, with the run's
+    keys and values `new` = (k, v) written into the cache's rows pos0 … by the same call
+    (lib.decode: the op's score, mask and params; the split planned for `keys`, in
+    `workspace`)."""
 
-    def __init__(self, op, q, k_cache, v_cache, o, live: dict, keys: int, workspace):
+    def __init__(self, op, q, k_cache, v_cache, o, live: dict, keys: int, workspace, new):
         self.op, self.q, self.k_cache, self.v_cache, self.o = op, q, k_cache, v_cache, o
-        self.live, self.keys, self.workspace = live, keys, workspace
+        self.live, self.keys, self.workspace, self.new = live, keys, workspace, new
 
     def forward(self, tape: Tape) -> None:
         tape.lib.decode(self.op, self.q, self.k_cache, self.v_cache, self.live["pos0"],
-                        out=self.o, keys=self.keys, workspace=self.workspace)
+                        out=self.o, keys=self.keys, workspace=self.workspace, new=self.new)
 
 
 class TakeLast:

@@ -11,9 +11,9 @@ A run of R new rows at positions pos0 … makes the training graph's op library 
 rows (both are built from runtime/model/graph.py): the embedding (wte[ids], and wpe gathered at
 the device-held positions by the same op) and the first norm, then per block one GEMM
 over all of c_attn.weight (q, k and v are strided views of its output: graph.py's parts
-of qkv), rope on q and k at pos0, k and v written into the cache at their positions, the
-new queries' attention over the cache (`lib.decode`, its split planned for `seq` keys so
-that its grid is the same at every position), c_proj, the residual add with the norm,
+of qkv), rope on q and k at pos0, the new queries' attention over the cache (`lib.decode`,
+which also writes the run's k and v into the cache rows pos0 …: no launch of its own; its
+split planned for `seq` keys so that its grid is the same at every position), c_proj, the residual add with the norm,
 the MLP GEMMs, the activation (with c_fc's bias), c_proj and the add with the next norm
 (after the last block, the final one). The tied head runs on the last real row's final
 norm only; a one-row step then advances the device positions, and `tail` (the sampler's
@@ -42,6 +42,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
+from eulergen.runtime.engine.gemm import gemm_for
 from eulergen.runtime.generate.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
 from eulergen.runtime.model.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.model.gpt import check_ids
@@ -132,10 +133,9 @@ class Decoder:
         gpu = self.backend.is_gpu
         self.graphs = gpu if graphs is None else graphs and gpu
         self.notify = notify or (lambda m: print(m, file=sys.stderr))
-        self.gemm = None
-        if gpu:
-            from eulergen.runtime.engine.gemm import CublasGemm
-            self.gemm = CublasGemm.for_cupy(tf32, memory["gemm_ws"])   # capturable
+        # the process's GEMM (cuBLASLt with the bias epilogues where it runs, as training's):
+        # one for every bucket's tape, over the planned workspace, so it can be captured
+        self.gemm = gemm_for(self.backend, tf32, memory["gemm_ws"] if gpu else None)
         if "ones" in memory:
             memory["ones"][...] = bf16.bits(1.0)
         self.logits = memory["logits"]
@@ -217,12 +217,10 @@ class Decoder:
         elif node.kind == "attention":
             q, k, v = (views[n] for n in node.inputs)
             caches = m[f"h.{layer}.k_cache"], m[f"h.{layer}.v_cache"]
-            for new, cache in zip((k, v), caches):
-                tape.record(Scatter(new, views["positions"], cache))
             workspace = ((m["decode_part"], m["decode_counts"]) if "decode_part" in m
                          else None)
             tape.record(Attend(node.op, q, *caches, views[node.outputs[0]], live, self.seq,
-                               workspace))
+                               workspace, (k, v)))
         elif node.kind == "norm":
             x, branch = ((views[n] for n in node.inputs) if node.fusion
                          else (views[node.inputs[0]], None))

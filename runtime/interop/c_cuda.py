@@ -68,12 +68,19 @@ def _wrapper(op, fn, cases) -> list[str]:
     for n, (constants, kernel, at, extra) in enumerate(cases):
         given = dict(fn.args)
         args = []
-        for name, _ in kernel.args:
+        for name, ctype in kernel.args:
             if name not in given and name not in extra:
                 raise EulerError(f"kernel {kernel.name} takes {name!r}, which C function "
                                  f"{fn.name} does not give", file=str(op.manifest),
                                  key=f"ops.{op.name}.kernels.{kernel.name}")
-            args.append(name if name in given else extra[name])
+            if name not in given:
+                args.append(extra[name])
+            elif given[name].startswith("const ") and not ctype.startswith("const "):
+                # a kernel that may write it (decode's caches, given new rows): here it is
+                # given none, so the C function's const holds
+                args.append(f"const_cast<{ctype}>({name})")
+            else:
+                args.append(name)
         test = " && ".join(f"{name} == {value}" for name, value in constants)
         lines.append(f"  {'} else ' if n else ''}if ({test}) {{")
         if at.shared_mem > STATIC_SMEM:

@@ -201,10 +201,11 @@ inline dim3& emu_block_dim() { static dim3 d; return d; }
 #define gridDim (emu_grid())
 
 inline void __syncthreads() { emu::block_barrier(); }
-// Blocks run one after another, so memory is always coherent: the fence and the L2 load
-// are plain, and an atomic needs no lock.
+// Blocks run one after another, so memory is always coherent: the fence, the read-only
+// and the L2 loads are plain, and an atomic needs no lock.
 inline void __threadfence() {}
 template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
 inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 
 // A shuffle: every lane of the warp posts v, then reads lane src's.

@@ -149,6 +149,30 @@ def test_decode_plan_variants_match_numpy(libs, cp, change, dtype, D, B, KVH, tq
     _check(_host(cp, o, dtype), ref, dtype, f"{dict(change)} B={B} KVH={KVH} tq={tq}")
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B, KVH, tq, pos0", [(1, 12, 1, 0), (1, 4, 1, 1023), (3, 4, 37, 500),
+                                              (16, 12, 1, 700)])
+def test_decode_with_new_rows_equals_the_filled_cache_and_writes_it(libs, cp, dtype, D, B, KVH,
+                                                                     tq, pos0):
+    """new=(k, v), strided views of one qkv-like buffer, over a cache that holds NaN from pos0
+    on: o bit for bit the decode of the cache that already holds them, and those rows written."""
+    gpu, _ = libs
+    H, n = 12, pos0 + tq
+    q, k, v = _inputs(B, tq, H, KVH, D, n + 3, n, seed=pos0 + D)
+    (qd, _), (kd, _), (vd, _) = (_device(cp, a, dtype) for a in (q, k, v))
+    want = gpu.decode("causal_attention", qd, kd, vd, pos0)
+    qkv = cp.zeros((B, tq, 3, KVH, D), kd.dtype)
+    qkv[:, :, 1], qkv[:, :, 2] = kd[:, pos0:n], vd[:, pos0:n]
+    kc, vc = kd.copy(), vd.copy()
+    kc[:, pos0:], vc[:, pos0:] = kd[:, -1:], vd[:, -1:]   # NaN: rows past n are
+    got = gpu.decode("causal_attention", qd, kc, vc, pos0, new=(qkv[:, :, 1], qkv[:, :, 2]))
+    assert cp.array_equal(got, want)
+    for cache, full in ((kc, kd), (vc, vd)):
+        assert cp.array_equal(cache[:, :n], full[:, :n])
+        assert np.isnan(_host(cp, cache[:, n:], dtype)).all()
+
+
 def test_decode_is_deterministic(libs, cp):
     """The split-K merge runs in split order whichever block finishes last."""
     gpu, _ = libs

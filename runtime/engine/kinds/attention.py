@@ -8,6 +8,7 @@ from math import prod
 from eulergen.runtime.engine.attention import (AttentionKernels, attention_backward,
                                                attention_decode, attention_forward,
                                                decode_geometry, decode_splits)
+from eulergen.errors import EulerError
 from eulergen.runtime.engine.kinds.base import OpKind
 from eulergen.runtime.engine.launch_args import carve, elements
 
@@ -21,8 +22,13 @@ class Attention(OpKind):
         return ([o.name for o in side.inputs] + [o.name for o in side.outputs]
                 + [f"d{side.outputs[0].name}"])
 
-    def numpy_decode(self, module, q, k_cache, v_cache, pos0: int, params: dict):
-        decode_geometry(q, k_cache, v_cache, pos0)
+    def numpy_decode(self, module, q, k_cache, v_cache, pos0: int, params: dict, new=None):
+        B, Tq, _, KVH, D, _ = decode_geometry(q, k_cache, v_cache, pos0)
+        for cache, rows, name in zip((k_cache, v_cache), new or (), ("new k", "new v")):
+            if tuple(rows.shape) != (B, Tq, KVH, D):
+                raise EulerError(f"{name}: shape {tuple(rows.shape)}, expected "
+                                 f"{(B, Tq, KVH, D)}", key=name)
+            cache[:, pos0:pos0 + Tq] = rows
         return module.decode(q, k_cache, v_cache, pos0, **params)
 
     def forward(self, cuda, op, inputs, out, params, fusion="", **keywords):
@@ -38,9 +44,9 @@ class Attention(OpKind):
         return attention_backward(_kernels(cuda, op), *args, out=out, delta=delta, **params)
 
     def decode(self, cuda, op, q, k_cache, v_cache, pos0: int, out, params: dict,
-               keys: int | None = None, workspace=None):
+               keys: int | None = None, workspace=None, new=None):
         return attention_decode(_kernels(cuda, op), q, k_cache, v_cache, pos0, out=out,
-                                keys=keys, workspace=workspace, **params)
+                                keys=keys, workspace=workspace, new=new, **params)
 
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
         if stage != "backward":
@@ -56,7 +62,8 @@ class Attention(OpKind):
                                     sizes["n_kv_heads"])
         splits, split_keys = decode_splits(prod(at.grid), sizes["keys"], kernel.geometry.tile, 0)
         return kernel, at, {"part": "NULL", "counts": "NULL", "splits": str(splits),
-                            "split_keys": str(split_keys)}
+                            "split_keys": str(split_keys), "kn": "NULL", "vn": "NULL",
+                            **{f"{t}_{s}": "0" for t in ("kn", "vn") for s in ("sb", "st", "sh")}}
 
 
 KIND = Attention()
