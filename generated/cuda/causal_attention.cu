@@ -1418,14 +1418,13 @@ namespace eg_attn {
 
 // The 16 dims of a row that lane c (of the L lanes of a key) owns: load m covers dims
 // (m·L + c)·VEC … +VEC, so the L lanes read consecutive 16-byte pieces. Zeros when !ok:
-// rows past the visible keys are never read. Through the read-only path: no row read here
-// is written during the launch (the cache rows it writes are read from kn and vn).
+// rows past the visible keys are never read.
 template <int L>
 __device__ __forceinline__ void load_dims(float (&x)[16], const float* p, int c, bool ok) {
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (ok) f = __ldg(reinterpret_cast<const float4*>(p + (m * L + c) * 4));
+    if (ok) f = *reinterpret_cast<const float4*>(p + (m * L + c) * 4);
     x[4 * m] = f.x;
     x[4 * m + 1] = f.y;
     x[4 * m + 2] = f.z;
@@ -1439,7 +1438,7 @@ __device__ __forceinline__ void load_dims(float (&x)[16], const bf16* p, int c, 
   for (int m = 0; m < 2; ++m) {
     uint4 u;
     u.x = u.y = u.z = u.w = 0u;
-    if (ok) u = __ldg(reinterpret_cast<const uint4*>(p + (m * L + c) * 8));
+    if (ok) u = *reinterpret_cast<const uint4*>(p + (m * L + c) * 8);
     const u32 w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1456,12 +1455,29 @@ __device__ __forceinline__ int dim_of(int e, int c) {
   return ((e / VEC) * L + c) * VEC + e % VEC;
 }
 
+// A tile's keys and values, key j = t0 + slot + u·KG for each u: from the cache, or (FRESH,
+// a tile that reaches the new rows) from kn and vn where j ≥ fresh. Only the last tiles
+// take the FRESH form, so the others' loads keep one base pointer.
+template <int L, int U, int KG, bool FRESH, typename T>
+__device__ __forceinline__ void load_tile(float (&kx)[U][16], float (&vx)[U][16], const T* k,
+                                          const T* v, const T* kn, const T* vn, long long k_st,
+                                          long long v_st, long long kn_st, long long vn_st,
+                                          int t0, int slot, int c, int j1, int fresh) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int j = t0 + slot + u * KG;
+    const bool old = !FRESH || j < fresh;
+    load_dims<L>(kx[u], old ? k + j * k_st : kn + (j - fresh) * kn_st, c, j < j1);
+    load_dims<L>(vx[u], old ? v + j * v_st : vn + (j - fresh) * vn_st, c, j < j1);
+  }
+}
+
 __device__ __forceinline__ void store1(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store1(bf16* p, float x) { *p = __float2bfloat16_rn(x); }
 
 template <typename T, int D, int WARPS, int RC, int KT, int MASK, typename Score>
 __device__ __forceinline__ void attention_decode(
-    const T* __restrict__ q, T* __restrict__ k, T* __restrict__ v, const T* __restrict__ kn,
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ kn,
     const T* __restrict__ vn, T* __restrict__ o, float* __restrict__ part,
     int* __restrict__ counts, int tq, int pos0, int n_heads, int n_kv_heads, int splits,
     int split_keys,
@@ -1515,12 +1531,16 @@ __device__ __forceinline__ void attention_decode(
   if (kn) {
     kn += b * kn_sb + kvh * kn_sh;
     vn += b * vn_sb + kvh * vn_sh;
-    if (chunk == chunks - 1) {  // this split's new rows into the cache
+    if (chunk == chunks - 1) {
+      // This split's new rows into the cache: rows no block of the launch reads, so the
+      // cache stays const __restrict__ (read-only loads) for the rows it does read.
+      T* kw = const_cast<T*>(k);
+      T* vw = const_cast<T*>(v);
       const int first = max(j0, pos0);
       for (int i = tid; i < (j1 - first) * D; i += NTHR) {
         const int j = first + i / D, d = i % D;
-        k[j * k_st + d] = kn[(j - pos0) * kn_st + d];
-        v[j * v_st + d] = vn[(j - pos0) * vn_st + d];
+        kw[j * k_st + d] = kn[(j - pos0) * kn_st + d];
+        vw[j * v_st + d] = vn[(j - pos0) * vn_st + d];
       }
     }
   }
@@ -1531,13 +1551,12 @@ __device__ __forceinline__ void attention_decode(
 
   for (int t0 = j0; t0 < j1; t0 += KT) {
     float kx[U][16], vx[U][16];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = t0 + slot + u * KG;
-      const bool old = j < fresh;
-      load_dims<L>(kx[u], old ? k + j * k_st : kn + (j - pos0) * kn_st, c, j < j1);
-      load_dims<L>(vx[u], old ? v + j * v_st : vn + (j - pos0) * vn_st, c, j < j1);
-    }
+    if (t0 + KT <= fresh)
+      load_tile<L, U, KG, false>(kx, vx, k, v, kn, vn, k_st, v_st, kn_st, vn_st, t0, slot, c,
+                                 j1, fresh);
+    else
+      load_tile<L, U, KG, true>(kx, vx, k, v, kn, vn, k_st, v_st, kn_st, vn_st, t0, slot, c,
+                                j1, fresh);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = t0 + slot + u * KG;
