@@ -13,9 +13,9 @@ the device-held positions by the same op) and the first norm, then per block one
 over all of c_attn.weight (q, k and v are strided views of its output: graph.py's parts
 of qkv), rope on q and k at pos0, the new queries' attention over the cache (`lib.decode`,
 which also writes the run's k and v into the cache rows pos0 …: no launch of its own; its
-split planned for `seq` keys so that its grid is the same at every position), c_proj, the residual add with the norm,
-the MLP GEMMs, the activation (with c_fc's bias), c_proj and the add with the next norm
-(after the last block, the final one). The tied head runs on the last real row's final
+split planned for `seq` keys so that its grid is the same at every position), c_proj, the
+residual add with the norm, the MLP GEMMs, the activation (with c_fc's bias), c_proj and the
+add with the next norm (after the last block, the final one). The tied head runs on the last real row's final
 norm only; a one-row step then advances the device positions, and `tail` (the sampler's
 draw) runs last.
 
