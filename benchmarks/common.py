@@ -40,13 +40,20 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20,
     while time.perf_counter() - t0 < warm_s:
         fn()
         stream.synchronize()
+    return statistics.median(event_ms(fn, iters))
+
+
+def event_ms(fn: Callable[[], object], iters: int) -> list[float]:
+    """Each of `iters` calls of `fn()` between two CUDA events, all queued before one
+    synchronize, in milliseconds (no warm-up)."""
+    import cupy
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
     for start, stop in events:
         start.record()
         fn()
         stop.record()
     events[-1][1].synchronize()
-    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events)
+    return [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
 
 
 def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from common import say  # noqa: E402
+from common import event_ms, say  # noqa: E402
 from sample import eulergen_weights  # noqa: E402
 
 
@@ -48,18 +48,6 @@ def weight_bytes(node) -> int:
     if type(node).__name__ != "Linear":
         return 0
     return node.w.nbytes + (node.b.nbytes if node.b is not None else 0)
-
-
-def events_ms(run, iters: int) -> list[float]:
-    """Each of `iters` calls of `run()` between two CUDA events, queued before one sync."""
-    import cupy
-    pairs = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
-    for start, stop in pairs:
-        start.record()
-        run()
-        stop.record()
-    pairs[-1][1].synchronize()
-    return [cupy.cuda.get_elapsed_time(a, b) for a, b in pairs]
 
 
 def profile(cfg, lib, weights, batch: int, dtype: str, prompt: int, steps: int,
@@ -88,7 +76,7 @@ def profile(cfg, lib, weights, batch: int, dtype: str, prompt: int, steps: int,
         dec.step()
         host.append(time.perf_counter() - t0)
 
-    step_ms = events_ms(step, steps)
+    step_ms = event_ms(step, steps)
     kernels = dec._captured[1].kernel_count()
 
     tape = dec._tape(1)
@@ -96,7 +84,7 @@ def profile(cfg, lib, weights, batch: int, dtype: str, prompt: int, steps: int,
     for node in tape.nodes:
         graph = Graph.capture(lambda: node.forward(tape), dec.live)
         graph.launch(dec.live)
-        ms = statistics.median(events_ms(lambda: graph.launch(dec.live), replays))
+        ms = statistics.median(event_ms(lambda: graph.launch(dec.live), replays))
         line = lines[label(node)]
         line[0] += 1
         line[1] += graph.kernel_count()

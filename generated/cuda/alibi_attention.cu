@@ -1459,7 +1459,7 @@ __device__ __forceinline__ int dim_of(int e, int c) {
 // a tile that reaches the new rows) from kn and vn where j ≥ fresh. Only the last tiles
 // take the FRESH form, so the others' loads keep one base pointer.
 template <int L, int U, int KG, bool FRESH, typename T>
-__device__ __forceinline__ void load_tile(float (&kx)[U][16], float (&vx)[U][16], const T* k,
+__device__ __forceinline__ void load_keys(float (&kx)[U][16], float (&vx)[U][16], const T* k,
                                           const T* v, const T* kn, const T* vn, long long k_st,
                                           long long v_st, long long kn_st, long long vn_st,
                                           int t0, int slot, int c, int j1, int fresh) {
@@ -1532,8 +1532,9 @@ __device__ __forceinline__ void attention_decode(
     kn += b * kn_sb + kvh * kn_sh;
     vn += b * vn_sb + kvh * vn_sh;
     if (chunk == chunks - 1) {
-      // This split's new rows into the cache: rows no block of the launch reads, so the
-      // cache stays const __restrict__ (read-only loads) for the rows it does read.
+      // This split's new rows into the cache: rows no block of the launch reads (the
+      // others come from kn and vn), so writing them through the const cache pointer
+      // races with no load.
       T* kw = const_cast<T*>(k);
       T* vw = const_cast<T*>(v);
       const int first = max(j0, pos0);
@@ -1552,10 +1553,10 @@ __device__ __forceinline__ void attention_decode(
   for (int t0 = j0; t0 < j1; t0 += KT) {
     float kx[U][16], vx[U][16];
     if (t0 + KT <= fresh)
-      load_tile<L, U, KG, false>(kx, vx, k, v, kn, vn, k_st, v_st, kn_st, vn_st, t0, slot, c,
+      load_keys<L, U, KG, false>(kx, vx, k, v, kn, vn, k_st, v_st, kn_st, vn_st, t0, slot, c,
                                  j1, fresh);
     else
-      load_tile<L, U, KG, true>(kx, vx, k, v, kn, vn, k_st, v_st, kn_st, vn_st, t0, slot, c,
+      load_keys<L, U, KG, true>(kx, vx, k, v, kn, vn, k_st, v_st, kn_st, vn_st, t0, slot, c,
                                 j1, fresh);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
