@@ -241,7 +241,7 @@ def backward_table() -> None:
 
 
 DECODE_CACHE = 1024
-DECODE_CASES = [(1, 12), (1, 4), (16, 12), (16, 4)]   # (B, KVH); H = 12, d = 64
+DECODE_CASES = [(1, 12), (1, 4), (16, 12), (16, 4), (64, 12)]   # (B, KVH); H = 12, d = 64
 DECODE_LAYERS = 12   # caches cycled through, one per layer, as a model's decode step does
 
 
@@ -259,18 +259,23 @@ def _decode_data(B, kvh, dtype) -> list:
                for s in ((B, 1, H, D), (B, DECODE_CACHE, kvh, D), (B, DECODE_CACHE, kvh, D))]
         ours = [to_bf16(a) if dtype == "bf16" else a for a in f32]
         theirs = [torch.from_dlpack(a).to(tdt).transpose(1, 2).contiguous() for a in f32]
-        layers.append((*ours, cupy.empty_like(ours[0]), *theirs))
+        # the new key and value as the decoder hands them: strided views of the last
+        # position's rows of the cache, copied out (so writing them back changes nothing)
+        new = tuple(c[:, -1:].copy() for c in ours[1:])
+        layers.append((*ours, cupy.empty_like(ours[0]), new, *theirs))
     return layers
 
 
-def _decode_calls(ak, B, kvh, dtype):
+def _decode_calls(ak, B, kvh, dtype, new: bool = False):
     """(ours, torch's): one call per layer, each decoding one query against its own full
-    cache (so a 12-layer step's caches, not one layer's, compete for L2)."""
+    cache (so a 12-layer step's caches, not one layer's, compete for L2); `new`: ours
+    reads the last key and value from the run's rows and writes them into the cache, as
+    the decoder's calls do."""
     import torch.nn.functional as F
     ours, theirs = [], []
-    for q, kc, vc, o, tq, tk, tv in _decode_data(B, kvh, dtype):
-        ours.append(lambda q=q, kc=kc, vc=vc, o=o:
-                    attention_decode(ak, q, kc, vc, DECODE_CACHE - 1, out=o))
+    for q, kc, vc, o, kv, tq, tk, tv in _decode_data(B, kvh, dtype):
+        ours.append(lambda q=q, kc=kc, vc=vc, o=o, kv=kv if new else None:
+                    attention_decode(ak, q, kc, vc, DECODE_CACHE - 1, out=o, new=kv))
         theirs.append(lambda tq=tq, tk=tk, tv=tv: F.scaled_dot_product_attention(
             tq, tk, tv, is_causal=False, enable_gqa=kvh < H))
     return ours, theirs
@@ -359,10 +364,12 @@ def decode() -> None:
     the same caches in torch's [B, KVH, T, D] layout (is_causal=False, q of length 1;
     enable_gqa when KVH < H). `call`: median event-timed single call, host launch included
     (what a layer sees when the host is the bottleneck); `gpu`: device time a call, from CUDA
-    graph replays (what it costs once launches are off the critical path)."""
+    graph replays (what it costs once launches are off the critical path); `gpu us new`: the
+    same with the new key and value passed in (`new`), read from there and written into
+    the cache, as the decoder calls it."""
     ak = decode_kernels()
     head = (f"{'case':<24} {'dtype':<5} {'call us':>8} {'torch':>8} {'ratio':>6} "
-            f"{'gpu us':>8} {'torch':>8} {'ratio':>6}")
+            f"{'gpu us':>8} {'torch':>8} {'ratio':>6} {'gpu us new':>10}")
     lines = [head, "-" * len(head)]
     for B, kvh in DECODE_CASES:
         for dtype in ("f32", "bf16"):
@@ -370,8 +377,10 @@ def decode() -> None:
             ours, theirs = _decode_calls(ak, B, kvh, dtype)
             c, tc = _call_us(ours), _call_us(theirs)
             g, tg = _graph_us(ours), _torch_graph_us(theirs)
+            gn = _graph_us(_decode_calls(ak, B, kvh, dtype, new=True)[0])
             lines.append(f"{f'B={B} H={H}/{kvh} d={D} T={DECODE_CACHE}':<24} {dtype:<5} "
-                         f"{c:8.1f} {tc:8.1f} {c / tc:6.2f} {g:8.1f} {tg:8.1f} {g / tg:6.2f}")
+                         f"{c:8.1f} {tc:8.1f} {c / tc:6.2f} {g:8.1f} {tg:8.1f} {g / tg:6.2f} "
+                         f"{gn:10.1f}")
     print("decode attention (1 new query, full cache), ratio = eulergen time / torch time")
     print("\n".join(lines))
 

@@ -227,8 +227,10 @@ def test_rope_in_place_gives_the_loss_and_gradients_of_rope_out_of_place(lib):
 def test_the_decoder_runs_c_attn_as_one_gemm_with_q_k_v_as_views(lib):
     dec = build_decoder(arch_of(_cfg("nanoeuler"), lib), lib, 2, 6)
     assert dec.mem.plan.buffer("qkv").shape == (2, 6, 4 + 2 * 2, 2)
-    assert "lse" not in dec.mem.plan.index and "q" not in dec.mem.plan.index
+    assert "q" not in dec.mem.plan.index
+    assert dec.mem.plan.buffer("lse").shape == (2, 4, 6)    # the prefill's flash forward's
     views = dec._views(3)
+    assert views["lse"].shape == (2, 4, 3) and views["lse"].flags.c_contiguous
     qkv = views["qkv"]
     qkv[...] = np.arange(qkv.size).reshape(qkv.shape)
     for name, heads in (("qk", slice(0, 6)), ("q_rope", slice(0, 4)), ("k_rope", slice(4, 6)),

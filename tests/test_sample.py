@@ -16,9 +16,11 @@ from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.data.loader import write_shard
+from eulergen.runtime.generate.decode_nodes import Attend
 from eulergen.runtime.generate.decoder import build_decoder, plan_decoder
 from eulergen.runtime.generate.draw import pick, uniforms
 from eulergen.runtime.model.gpt import build
+from eulergen.runtime.model.tape import Op
 from eulergen.runtime.engine.ops import OpLibrary
 from eulergen.runtime.generate.sample import Sampler, TextStream
 from eulergen.runtime.train.trainer import Trainer
@@ -88,6 +90,32 @@ def test_appending_several_tokens_equals_prefilling_them(lib, structure):
     dec.prefill(ids[:, :4])
     got = dec.append(ids[:, 4:]).copy()
     assert np.abs(got - _full_logits(full, ids)).max() < 1e-12
+
+
+@pytest.mark.parametrize("structure", sorted(STRUCTURES))
+def test_a_prefill_attends_by_the_flash_forward_and_fills_the_cache_rows_it_covers(lib, structure):
+    """A run of several rows from position 0 takes training's attention forward (no
+    decode over the cache), writing k and v into the rows it covers and no others; the
+    decode after it reads them (its logits are the full recomputation's)."""
+    _, dec, full = _models(lib, structure, 2)
+    for layer in range(dec.arch.layers):
+        for part in ("k", "v"):
+            dec.mem[f"h.{layer}.{part}_cache"][...] = np.nan
+    ids = np.random.default_rng(3).integers(0, VOCAB, (2, 7))
+    dec.prefill(ids)
+    nodes = dec._tapes[7, True].nodes
+    assert not any(isinstance(n, Attend) for n in nodes)
+    attention = [n for n in nodes if isinstance(n, Op) and n.op is dec.arch.ops.attention]
+    assert len(attention) == dec.arch.layers
+    for layer in range(dec.arch.layers):
+        for part in ("k", "v"):
+            cache = dec.mem[f"h.{layer}.{part}_cache"]
+            assert np.isfinite(cache[:, :7]).all() and np.isnan(cache[:, 7:]).all()
+    new = np.random.default_rng(4).integers(0, VOCAB, (2, 1))
+    got = dec.decode(new)
+    assert any(isinstance(n, Attend) for n in dec._tapes[1, False].nodes)
+    want = _full_logits(full, np.concatenate([ids, new], axis=1))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-12
 
 
 @pytest.mark.parametrize("batch", [1, 3])

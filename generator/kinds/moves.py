@@ -1,8 +1,8 @@
 """Rows moved by indices held on the device, for the KV-cache decoder (templates/moves.cu.j2):
-a run's token ids written at their positions, one row of each sequence taken out. Copies
-only, so no formula and no spec: one op, named after its kind, rendered from its template
-alone, with no numpy module (runtime/generate/moves.py holds the numpy
-forms and launches these)."""
+a run's token ids and a prefill's keys and values written at their positions, one row of
+each sequence taken out. Copies only, so no formula and no spec: one op, named after its
+kind, rendered from its template alone, with no numpy module (runtime/generate/moves.py
+holds the numpy forms and launches these)."""
 from __future__ import annotations
 
 from eulergen.generator.kinds.support import Support

@@ -13,14 +13,17 @@ the device-held positions by the same op) and the first norm, then per block one
 over all of c_attn.weight (q, k and v are strided views of its output: graph.py's parts
 of qkv), rope on q and k at pos0, the new queries' attention over the cache (`lib.decode`,
 which also writes the run's k and v into the cache rows pos0 …: no launch of its own; its
-split planned for `seq` keys so that its grid is the same at every position), c_proj, the
+split planned for `seq` keys so that its grid is the same at every position; a run of
+several rows from position 0, a prefill, takes training's flash forward over its own
+keys instead and scatters k and v into the cache beside it), c_proj, the
 residual add with the norm, the MLP GEMMs, the activation (with c_fc's bias), c_proj and the
 add with the next norm (after the last block, the final one). The tied head runs on the last real row's final
 norm only; a one-row step then advances the device positions, and `tail` (the sampler's
 draw) runs last.
 
 On a GPU, a multi-row run pads to a bucket (a power of two from MIN_BUCKET, or seq)
-so that a few shapes serve every prompt, and each shape is captured as a CUDA graph at
+so that a few shapes serve every prompt, and each shape (its rows, and whether it starts
+at position 0) is captured as a CUDA graph at
 its second run (the first compiles and warms up), replayed after that with its live
 values (pos0, the draw's step) written in (runtime/engine/cuda_graph.py): a decode step is then
 one graph launch, no host sync. Pad rows sit after the real ones: a causal mask keeps
@@ -71,15 +74,18 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 
     for layer in range(a.layers):
         for part, name in zip(("k", "v"), attention.inputs[1:]):
             p.add("kv_cache", f"h.{layer}.{part}_cache", g.values[name].shape((B, T)), dtype)
-    for buffer, shape in _block_buffers(g, (B, T)).items():
-        p.add("activations", buffer, shape, dtype)
+    wide = "float64" if dtype == "float64" else "float32"
+    for buffer, value in _block_buffers(g).items():   # lse in float32, as training keeps it
+        if value.per_row and wide != dtype:
+            p.add("stats", buffer, value.shape((B, T)), wide)
+        else:
+            p.add("activations", buffer, value.shape((B, T)), dtype)
     if not a.rope:
         p.add("activations", "pos_emb", (B, T, a.d), dtype)
     if a.bias and dtype == "bf16":
         p.add("activations", "ones", (1, B * T), dtype)      # a bias as the GEMM 1·b
     logits = g.head[-1].outputs[-1]
     for name in g.order(g.head):       # at the last position only: [B, …]
-        wide = "float64" if dtype == "float64" else "float32"
         arena, kind = ("logits", wide) if name == logits else ("activations", dtype)
         p.add(arena, name, g.values[name].shape((B,)), kind)
     for name in ("idx", "positions", "held"):
@@ -98,21 +104,21 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 
 
 def _block_slots(g) -> dict[str, str]:
     """Each block value the decoder makes -> its buffer: its slot, or its root's (a part
-    of qkv). Attention through lib.decode makes o alone (lse is for a backward)."""
+    of qkv). Attention's lse is the prefill's flash forward's (a decode writes o alone)."""
     slots = {}
     for node in g.block:
-        outputs = node.outputs[:1] if node.kind == "attention" else node.outputs
-        for name in node.inputs + outputs:
+        for name in node.inputs + node.outputs:
             slots.setdefault(name, g.values[g.root(name)].buffer)
     return slots
 
 
-def _block_buffers(g, lead) -> dict[str, tuple]:
-    """The shape of each buffer of _block_slots at leading dims `lead`, in order of first use."""
-    shapes = {}
+def _block_buffers(g) -> dict:
+    """Each buffer of _block_slots -> the value that sizes it (its first user's root), in
+    order of first use."""
+    values = {}
     for name, buffer in _block_slots(g).items():
-        shapes.setdefault(buffer, g.values[g.root(name)].shape(lead))
-    return shapes
+        values.setdefault(buffer, g.values[g.root(name)])
+    return values
 
 
 class Decoder:
@@ -140,24 +146,27 @@ class Decoder:
             memory["ones"][...] = bf16.bits(1.0)
         self.logits = memory["logits"]
         self.next_ids = self._at("idx", 1)               # a one-row step's input
-        self._tapes: dict[int, Tape] = {}
-        self._captured: dict[int, object] = {}           # rows -> cuda_graph.Graph
-        self._ran: set[int] = set()
+        self._tapes: dict[tuple, Tape] = {}              # (rows, prefill) -> its tape
+        self._captured: dict[tuple, object] = {}         # (rows, prefill) -> cuda_graph.Graph
+        self._ran: set[tuple] = set()
 
     # -- the graph at R rows ----------------------------------------------------------
 
-    def _at(self, name: str, rows: int):
-        """The first `rows` positions of a [B, seq, …] buffer as a dense [B, rows, …] view."""
+    def _at(self, name: str, rows: int, shape: tuple | None = None):
+        """The first `rows` positions of a [B, seq, …] buffer as a dense [B, rows, …] view
+        (or as `shape`, a value's at those rows: lse's [B, H, rows])."""
         full = self.mem[name]
-        shape = (self.batch, rows) + tuple(full.shape[2:])
+        shape = shape or (self.batch, rows) + tuple(full.shape[2:])
         return full.reshape(-1)[:prod(shape)].reshape(shape)
 
-    def _tape(self, rows: int) -> Tape:
-        if rows not in self._tapes:
-            self._tapes[rows] = self._record(rows)
-        return self._tapes[rows]
+    def _tape(self, rows: int, prefill: bool = False) -> Tape:
+        """The run of `rows` positions; `prefill`: of several rows from position 0."""
+        key = rows, prefill
+        if key not in self._tapes:
+            self._tapes[key] = self._record(rows, prefill)
+        return self._tapes[key]
 
-    def _record(self, rows: int) -> Tape:
+    def _record(self, rows: int, prefill: bool) -> Tape:
         """The ids into `held`, graph.py's stem and blocks at `rows` new positions of each
         sequence, the head at the last real one, a one-row step's advance, the tail."""
         g, m = self.graph, self.mem
@@ -168,7 +177,7 @@ class Decoder:
             self._node(tape, node, -1, views, rows)
         for layer in range(self.arch.layers):
             for node in g.block:
-                self._node(tape, node, layer, views, rows)
+                self._node(tape, node, layer, views, rows, prefill)
         head = {name: m[name] for name in g.order(g.head)}
         last = None if rows == 1 else m["last_row"]
         for value, (_, name) in g.handoff.items():
@@ -186,15 +195,16 @@ class Decoder:
         """Each block value at `rows` positions -> its array: parts are strided views of
         their root's buffer (q, k, v of qkv)."""
         g, slots = self.graph, _block_slots(self.graph)
-        buffers = {b: self._at(b, rows) for b in dict.fromkeys(slots.values())}
+        buffers = {b: self._at(b, rows, value.shape((self.batch, rows)))
+                   for b, value in _block_buffers(g).items()}
         views = {name: g.view(name, buffers[b]) for name, b in slots.items()}
         for name in ("idx", "positions"):
             views[name] = self._at(name, rows)
         return views
 
-    def _node(self, tape: Tape, node, layer, views: dict, rows: int):
+    def _node(self, tape: Tape, node, layer, views: dict, rows: int, prefill: bool = False):
         """Record one graph node at `layer` (graph.Graph.key), forward only, over `views`;
-        `rows` positions a sequence."""
+        `rows` positions a sequence (`prefill`: from position 0)."""
         P, m, live = self.params, self.mem, self.live
         names = self.graph.parameter_names(node, layer, P)
         if node.kind == "embedding":
@@ -217,6 +227,12 @@ class Decoder:
         elif node.kind == "attention":
             q, k, v = (views[n] for n in node.inputs)
             caches = m[f"h.{layer}.k_cache"], m[f"h.{layer}.v_cache"]
+            if prefill:   # the run's own keys are the whole cache: training's flash forward
+                for new, cache in zip((k, v), caches):
+                    tape.record(Scatter(new, views["positions"], cache))
+                tape.record(Op(node.op, (q, k, v), tuple(views[n] for n in node.outputs),
+                               (), (), node.params))
+                return
             workspace = ((m["decode_part"], m["decode_counts"]) if "decode_part" in m
                          else None)
             tape.record(Attend(node.op, q, *caches, views[node.outputs[0]], live, self.seq,
@@ -295,28 +311,30 @@ class Decoder:
             upload(self._at("positions", rows), np.tile(np.arange(pos0, pos0 + rows), (B, 1)))
             upload(self.mem["last_row"], [tokens - 1])
         self.live["pos0"] = pos0
-        self._forward(rows)
+        self._forward(rows, rows > 1 and pos0 == 0)
         self.length = pos0 + tokens
         if rows > 1:   # the next one-row step's position
             upload(self._at("positions", 1), np.full((B, 1), self.length))
         return self.logits
 
-    def _forward(self, rows: int) -> None:
-        """The tape at `rows`: eagerly on its first run, as a CUDA graph after that."""
-        graph = self._captured.get(rows)
-        if graph is None and self.graphs and rows in self._ran:
+    def _forward(self, rows: int, prefill: bool) -> None:
+        """The tape at `rows` (`prefill`: from position 0): eagerly on its first run, as a
+        CUDA graph after that."""
+        key = rows, prefill
+        graph = self._captured.get(key)
+        if graph is None and self.graphs and key in self._ran:
             from eulergen.runtime.engine.cuda_graph import Graph
             try:
-                graph = self._captured[rows] = Graph.capture(self._tape(rows).forward,
-                                                             self.live)
+                graph = self._captured[key] = Graph.capture(self._tape(*key).forward,
+                                                            self.live)
             except Exception as err:   # a driver or cuBLAS that will not capture: run eagerly
                 self.graphs = False
                 self.notify(f"note: CUDA graphs are off for this decoder ({err})")
         if graph is not None:
             graph.launch(self.live)
             return
-        self._ran.add(rows)
-        self._tape(rows).forward()
+        self._ran.add(key)
+        self._tape(*key).forward()
 
     def load_state_dict(self, state: dict) -> None:
         load_params(self.params, state)

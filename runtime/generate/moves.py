@@ -1,5 +1,6 @@
-"""Moving rows by indices held on the device, for the KV-cache decoder: a step's keys,
-values and token ids written at their positions, and one row of each sequence taken out.
+"""Moving rows by indices held on the device, for the KV-cache decoder: a run's token ids
+written at their positions (`held`), a prefill's keys and values into the cache (a later
+run's go in inside the decode attention kernel), and one row of each sequence taken out.
 The positions and the index are device values (written before a run, advanced by a
 decode step), so one captured step serves every position (runtime/engine/cuda_graph.py).
 
@@ -35,7 +36,8 @@ def _rows_contiguous(a) -> bool:
 
 
 def scatter_rows(src, positions, dst) -> None:
-    """dst[b, positions[b, t]] = src[b, t] for every b, t (a step's k or v into the cache):
+    """dst[b, positions[b, t]] = src[b, t] for every b, t (ids into `held`, k or v into
+    the cache):
     src [B, T, …] whose rows are contiguous (any b, t strides), positions [B, T] int32 and
     dst [B, S, …] contiguous."""
     B, T = positions.shape

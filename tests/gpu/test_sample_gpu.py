@@ -134,9 +134,10 @@ def test_graph_replays_give_the_eager_runs_bits(libs, structure, dtype):
     _, graphed, _, _ = _models(cuda, structure, 3, weights, dtype=dtype, graphs=True)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 300, (3, 20))
-    for dec in (eager, graphed):     # first, eager, runs of the buckets 16 and 32
+    for dec in (eager, graphed):     # first, eager, runs: prefills of 16 and 32, an append of 16
         dec.prefill(prompt[:, :3])
         dec.prefill(prompt)
+        dec.append(prompt[:, :5])
     for step in range(60):
         if step == 0:
             runs = [_host(d, d.prefill(prompt)) for d in (eager, graphed)]
@@ -148,7 +149,8 @@ def test_graph_replays_give_the_eager_runs_bits(libs, structure, dtype):
             runs = [_host(d, d.decode(new)) for d in (eager, graphed)]
         assert eager.length == graphed.length
         np.testing.assert_array_equal(runs[1], runs[0], err_msg=f"{structure} {dtype} step {step}")
-    assert {1, 16, 32} <= set(graphed._captured) and not eager._captured
+    assert {(1, False), (16, False), (32, True)} <= set(graphed._captured)   # (rows, prefill)
+    assert not eager._captured
     assert graphed.graphs, "no capture fell back to eager runs"
 
 
@@ -248,4 +250,4 @@ def test_streaming_and_chunked_reads_give_the_same_tokens(libs, trained):
     streamed = sampler.generate(list(PROMPTS[1]), 150, on_step=seen.append, **settings)
     assert [t[0] for t in seen] == streamed
     assert sampler.generate(list(PROMPTS[1]), 150, **settings) == streamed
-    assert sampler.decoder.graphs and 1 in sampler.decoder._captured
+    assert sampler.decoder.graphs and (1, False) in sampler.decoder._captured
