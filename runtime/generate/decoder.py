@@ -59,7 +59,8 @@ DRAWN = 32             # columns of `drawn`: the draws a sampler keeps before re
 def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 0) -> Plan:
     """Parameters (the training layout, in `dtype`), the KV cache ([B, seq, KVH, D] k and v
     per layer), one block's activations at up to B·seq rows (blocks run one after another
-    and keep nothing: each value in its graph.py slot), the last position's final norm,
+    and keep nothing: each value in its graph.py slot; attention's lse, which a prefill's
+    flash forward writes, in float32), the last position's final norm,
     its logits (float32 in bf16), the token ids, their positions and the ids the cache
     holds, the sampler's `drawn` ids; on a GPU of `sms` SMs (0: none) the decode's split
     workspace and cuBLAS's."""
