@@ -259,8 +259,8 @@ def _decode_data(B, kvh, dtype) -> list:
                for s in ((B, 1, H, D), (B, DECODE_CACHE, kvh, D), (B, DECODE_CACHE, kvh, D))]
         ours = [to_bf16(a) if dtype == "bf16" else a for a in f32]
         theirs = [torch.from_dlpack(a).to(tdt).transpose(1, 2).contiguous() for a in f32]
-        # the new key and value as the decoder hands them: strided views of the last
-        # position's rows of the cache, copied out (so writing them back changes nothing)
+        # the new key and value, passed apart from the cache as the decoder passes them:
+        # copies of its last position's rows (so writing them back changes nothing)
         new = tuple(c[:, -1:].copy() for c in ours[1:])
         layers.append((*ours, cupy.empty_like(ours[0]), new, *theirs))
     return layers

@@ -50,6 +50,7 @@ from eulergen.runtime.generate.decode_nodes import Advance, Attend, Embed, Rope,
 from eulergen.runtime.model.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.model.gpt import check_ids
 from eulergen.runtime.model.params import load_params, parameters, plan_params
+from eulergen.runtime.model.plan import Precision
 from eulergen.runtime.model.tape import Linear, Norm, Op, Tape
 
 MIN_BUCKET = 16        # rows: the smallest padded multi-row run
@@ -75,8 +76,8 @@ def plan_decoder(a, batch: int, seq: int, *, dtype: str = "float32", sms: int = 
     for layer in range(a.layers):
         for part, name in zip(("k", "v"), attention.inputs[1:]):
             p.add("kv_cache", f"h.{layer}.{part}_cache", g.values[name].shape((B, T)), dtype)
-    wide = "float64" if dtype == "float64" else "float32"
-    for buffer, value in _block_buffers(g).items():   # lse in float32, as training keeps it
+    wide = Precision(dtype).master      # per-row values (lse) and logits: as training's
+    for buffer, value in _block_buffers(g).items():
         if value.per_row and wide != dtype:
             p.add("stats", buffer, value.shape((B, T)), wide)
         else:
