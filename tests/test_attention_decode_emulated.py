@@ -45,7 +45,7 @@ def decode(monkeypatch_module):
                 lambda kernel, sigs=sigs, lib=lib: emu.FakeKernel(lib, sigs[kernel]))
             built[name, rows] = ak, mod
         ak, mod = built[name, rows]
-        monkeypatch_module.setattr(attention, "_sm_count", lambda: sms)
+        monkeypatch_module.setattr(attention, "sm_count", lambda: sms)
         return attention.attention_decode(ak, q, k_cache, v_cache, pos0, out=out, **params), mod
     return run
 

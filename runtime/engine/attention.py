@@ -14,7 +14,6 @@ checked before a launch; a mismatch is an EulerError naming the argument.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from math import prod
 from typing import Callable
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.launch import FlashKernel, Launch, cdiv
+from eulergen.runtime.engine.backend import sm_count
 from eulergen.runtime.engine.kernels import DTYPE_OF, launch, storage_dtype_name
 from eulergen.signature import KernelSig, select
 
@@ -265,12 +265,6 @@ PLAN_SMS = 132
 DECODE_BLOCKS_PER_SM = 4
 
 
-@lru_cache(maxsize=None)
-def _sm_count() -> int:
-    import cupy
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-
-
 def decode_splits(cells: int, keys: int, tile: int, sms: int) -> tuple[int, int]:
     """(splits, keys a split) for `cells` blocks of rows over `keys` cached keys: enough
     splits to give every SM DECODE_BLOCKS_PER_SM blocks, each split a whole number of tiles."""
@@ -378,7 +372,7 @@ def attention_decode(ak: AttentionKernels, q, k_cache, v_cache, pos0: int, *, ou
         raise EulerError(f"keys {keys}: fewer than the {pos0 + launch.tq} the queries see",
                          key="keys")
     splits, split_keys = decode_splits(cells, keys or pos0 + launch.tq, launch.kernel.geometry.tile,
-                                       _sm_count())
+                                       sm_count())
     split = splits > 1
     records, cells_used = (cells * splits * launch.record, cells) if split else (0, 0)
     if workspace is None:

@@ -66,6 +66,13 @@ def _cuda_backend() -> Backend:
 
 NUMPY = Backend("numpy", np, False, "cpu")
 
+
+@functools.cache
+def sm_count() -> int:
+    """The current CUDA device's SMs (what launches that aim to fill the GPU divide by)."""
+    import cupy
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
 # glibc's mallopt parameters, and the values numpy runs under (_keep_freed_memory)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD = 32 << 20    # glibc's largest; blocks past it are a rare, large array

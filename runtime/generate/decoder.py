@@ -45,6 +45,7 @@ import numpy as np
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
+from eulergen.runtime.engine.backend import sm_count
 from eulergen.runtime.engine.gemm import gemm_for
 from eulergen.runtime.generate.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
 from eulergen.runtime.model.memory import Memory, Plan, Planner, check_fits, upload
@@ -346,8 +347,7 @@ def decode_sms(backend) -> int:
     """plan_decoder's `sms` for a decoder on `backend`: the GPU's SMs, 0 on numpy."""
     if not backend.is_gpu:
         return 0
-    from eulergen.runtime.engine.attention import _sm_count
-    return _sm_count()
+    return sm_count()
 
 
 def build_decoder(arch, lib, batch: int, seq: int, *, dtype: str = "float32",
