@@ -112,6 +112,19 @@ class Pair(Geometry):
                       (threads,))
 
 
+@dataclass(frozen=True)
+class Gemv(Geometry):
+    """y [rows, n] = x [rows, k] · wᵀ for a few rows (at most `rows`, the kernel's
+    registers): a block of `threads` takes `cols` output columns (a launch's choice, dividing
+    the block's warps), a column's warps splitting k."""
+    shape: ClassVar[str] = "gemv"
+    threads: int
+    rows: int
+
+    def launch(self, n: int, cols: int = 1) -> Launch:
+        return Launch((max(1, -(-n // cols)),), (self.threads,))
+
+
 # ---- row ops --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -380,7 +393,7 @@ class AttentionRowdot(Geometry):
 
 SHAPES = {cls.shape: cls for cls in (
     Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, EmbeddingForward,
-    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, Blocks,
+    EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, Blocks, Gemv,
     AttentionTiles, AttentionDecode, AttentionRowdot)}
 
 

@@ -359,9 +359,14 @@ def embedding_launch(part: str, dtype: str) -> launch.Geometry:
 
 
 
-# The runtime's own kernels (generator/kinds/step_control.py, draw.py, bf16.py, moves.py).
+# The runtime's own kernels (generator/kinds/step_control.py, draw.py, bf16.py, moves.py,
+# gemv.py).
 STEP_LAUNCH = launch.Blocks(1)                 # a step's scalars: one thread, in order
 LOSS_MEAN_LAUNCH = launch.Blocks(256)          # the loss mean: one block's fixed-order sum
 DRAW_LAUNCH = launch.Blocks(1024)              # the draw: a block a row of logits
 ELEMENTWISE_LAUNCH = launch.Blocks(256, 256)   # bf16 casts and adds, row moves: a thread an element
 ROW_NORMS_LAUNCH = launch.Blocks(256, 256 // 32, _GRID_MAX)   # bf16 row norms: a warp a row
+# the decoder's few-row GEMMs: blocks of 4 warps, for up to each of these many rows (a kernel
+# each: its accumulators are registers); from 4 rows on, the x reads that every w vector
+# takes make cuBLASLt's tensor-core tiles as fast or faster (benchmarks/decode_step.py)
+GEMV_LAUNCHES = tuple(launch.Gemv(128, rows) for rows in (1, 2))

@@ -29,6 +29,7 @@ EXAMPLES = [
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),
     launch.AttentionDecode(128, 256, 1, 64, 2000, "none"),
     launch.AttentionRowdot(256, 8),
+    launch.Gemv(128, 4),
 ]
 
 
@@ -106,3 +107,6 @@ def test_the_runtime_kernels_blocks_take_their_units_and_stride_past_a_capped_gr
     rows = launch.Blocks(threads=256, per_block=8, grid_max=100)              # a warp a row
     assert rows.launch(17).grid == (3,)
     assert rows.launch(10 ** 6).grid == (100,)
+    for gemv in planner.GEMV_LAUNCHES:                            # a block `cols` columns
+        assert gemv.launch(50304) == launch.Launch((50304,), (128,))
+        assert gemv.launch(50303, 4) == launch.Launch((12576,), (128,))

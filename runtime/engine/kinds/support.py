@@ -1,12 +1,13 @@
 """The runtime's own kernels: ops of the built-in manifest without a spec whose kernels no
 OpLibrary call launches (templates/step_control.cu.j2: the step's scalars and the loss
 mean; draw.cu.j2: the sampler's draw; bf16.cu.j2: the bf16 steps outside the ops;
-moves.cu.j2: rows moved by device-held positions). Each is a kind that takes no call; the
-module that owns the concern (runtime/train/step_control.py, runtime/model/loss.py,
-runtime/generate/draw.py, runtime/engine/bf16.py, runtime/generate/moves.py) holds its
-numpy form and launches its kernels through `launch`: found by call and dtype, compiled
-through runtime/engine/compile.py's cache on first use (a warm-up, never a capture), bound
-and launched by kernels.Launcher with the grid of the kernel's geometry.
+moves.cu.j2: rows moved by device-held positions; gemv.cu.j2: the decoder's few-row
+GEMMs). Each is a kind that takes no call; the module that owns the concern
+(runtime/train/step_control.py, runtime/model/loss.py, runtime/generate/draw.py,
+runtime/engine/bf16.py, runtime/generate/moves.py, runtime/engine/gemv.py) holds its numpy
+form and launches its kernels through `launch`: found by call and dtype, compiled through
+runtime/engine/compile.py's cache on first use (a warm-up, never a capture), bound and
+launched by kernels.Launcher with the grid of the kernel's geometry.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from eulergen.runtime.engine.kernels import Launcher
 from eulergen.runtime.engine.kinds.base import OpKind
 from eulergen.runtime.engine.manifest import BUILTIN_MANIFEST, Manifest, load_manifest
 
-NAMES = ("step_control", "draw", "bf16", "moves")
+NAMES = ("step_control", "draw", "bf16", "moves", "gemv")
 
 
 class Support(OpKind):
@@ -45,11 +46,17 @@ def _launcher(name: str) -> Launcher:
     return Launcher(op)
 
 
+def entry(name: str):
+    """The built-in op `name`'s manifest entry (what its kernels are)."""
+    return _launcher(name).op
+
+
 def launch(name: str, call: str, dtype: str, values: dict, *sizes,
-           contiguous: bool = True) -> None:
-    """Launch the kernel of built-in op `name` for `call` in `dtype` on CuPy's current stream,
-    `values` by its signature's names, its grid its geometry's at `sizes`. `contiguous`
-    False: the caller has checked the layouts its arrays need."""
+           contiguous: bool = True, **geometry) -> None:
+    """Launch the kernel of built-in op `name` for `call` in `dtype` (whose geometry has the
+    fields `geometry` gives) on CuPy's current stream, `values` by its signature's names,
+    its grid its geometry's at `sizes`. `contiguous` False: the caller has checked the
+    layouts its arrays need."""
     launcher = _launcher(name)
-    kernel = launcher.op.kernel(call, dtype)
+    kernel = launcher.op.kernel(call, dtype, **geometry)
     launcher.launch(kernel, kernel.geometry.launch(*sizes), values, contiguous=contiguous)
