@@ -4,6 +4,7 @@ token, and each node of that step captured as a graph of its own and replayed ba
 
     python benchmarks/decode_step.py                          # GPT-2 124M bf16, batch 1, 16, 64
     python benchmarks/decode_step.py --preset nanoeuler --batch 1 --dtype float32
+    python benchmarks/decode_step.py --batch 1,16 --gemv on,off   # the gemv kernels, then not
 
 The step: `--steps` decode steps after a prompt of `--prompt` tokens (the cache that far
 full), each between two CUDA events, all queued before one synchronize: the median is the
@@ -13,11 +14,13 @@ overlapped, and `host` the Python time of queuing one. A node's line: its graph 
 inside a graph leaves. The nodes' sum against the step says what fusing graphs gains
 (nothing: the step is one graph) and what is left is the step's own gaps. `GB/s`: the bytes
 the node's weights hold, read once, over its time (the GEMMs; attention's cache reads are
-its keys' and values' rows up to the prompt).
+its keys' and values' rows up to the prompt). `--gemv`: EULERGEN_GEMV for each profile in
+turn (off: every GEMM on the library, cuBLASLt), in the same process.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -95,7 +98,8 @@ def profile(cfg, lib, weights, batch: int, dtype: str, prompt: int, steps: int,
 
     total = sum(v[2] for v in lines.values())
     med = statistics.median(step_ms)
-    print(f"\n{cfg.model.preset or 'model'} {dtype}, batch {batch}, cache at {prompt}: step "
+    print(f"\n{cfg.model.preset or 'model'} {dtype}, batch {batch}, cache at {prompt}, gemv "
+          f"{os.environ.get('EULERGEN_GEMV', 'on')}: step "
           f"{med * 1e3:.1f} us ({min(step_ms) * 1e3:.1f}-{max(step_ms) * 1e3:.1f}), "
           f"{batch / med * 1e3:,.0f} tok/s, {kernels} kernels, host "
           f"{statistics.median(host) * 1e6:.1f} us a step; nodes alone sum to "
@@ -116,6 +120,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="tokens in the cache")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--gemv", default="on", help="EULERGEN_GEMV values, comma-separated")
     args = parser.parse_args()
 
     import cupy
@@ -131,7 +136,9 @@ def main() -> None:
         f"{describe(lib.backend)}")
     weights = eulergen_weights(cfg, lib)
     for batch in (int(b) for b in args.batch.split(",")):
-        profile(cfg, lib, weights, batch, args.dtype, args.prompt, args.steps, args.replays)
+        for gemv in args.gemv.split(","):
+            os.environ["EULERGEN_GEMV"] = gemv
+            profile(cfg, lib, weights, batch, args.dtype, args.prompt, args.steps, args.replays)
 
 
 if __name__ == "__main__":

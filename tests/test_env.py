@@ -58,7 +58,7 @@ def test_values_and_defaults():
 
 
 def test_a_misspelt_own_variable_is_a_warning_and_a_bad_one_an_error():
-    assert env.check_own({"EULERGEN_GEM": "lt", "EULERGEN_GEMM": "lt", "HOME": "/"}) == [
-        "EULERGEN_GEM is not a variable eulergen reads (did you mean 'EULERGEN_GEMM'?)"]
+    assert env.check_own({"EULERGEN_GEMMS": "lt", "EULERGEN_GEMM": "lt", "HOME": "/"}) == [
+        "EULERGEN_GEMMS is not a variable eulergen reads (did you mean 'EULERGEN_GEMM'?)"]
     with pytest.raises(EulerError, match="EULERGEN_LAUNCHER_PID: '0'"):
         env.check_own({"EULERGEN_LAUNCHER_PID": "0"})

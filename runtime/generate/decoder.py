@@ -43,10 +43,12 @@ from typing import Callable
 
 import numpy as np
 
+from eulergen import env
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
 from eulergen.runtime.engine.backend import sm_count
 from eulergen.runtime.engine.gemm import gemm_for
+from eulergen.runtime.engine.gemv import SmallRows
 from eulergen.runtime.generate.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
 from eulergen.runtime.model.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.model.gpt import check_ids
@@ -143,8 +145,11 @@ class Decoder:
         self.graphs = gpu if graphs is None else graphs and gpu
         self.notify = notify or (lambda m: print(m, file=sys.stderr))
         # the process's GEMM (cuBLASLt with the bias epilogues where it runs, as training's):
-        # one for every bucket's tape, over the planned workspace, so it can be captured
+        # one for every bucket's tape, over the planned workspace, so it can be captured;
+        # a step's GEMMs of a few rows go to the gemv kernels (EULERGEN_GEMV)
         self.gemm = gemm_for(self.backend, tf32, memory["gemm_ws"] if gpu else None)
+        if gpu and env.get("EULERGEN_GEMV") == "on":
+            self.gemm = SmallRows(self.gemm)
         if "ones" in memory:
             memory["ones"][...] = bf16.bits(1.0)
         self.logits = memory["logits"]
