@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,27 +16,19 @@ from eulergen.generator.plan import GEMV_LAUNCHES
 from eulergen.runtime.engine import bf16
 from eulergen.runtime.engine.manifest import load_manifest
 
+from emulated import emulated_library, runner
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 
 GEMV = load_manifest(GENERATED_DIR / "manifest.json").ops["gemv"]
-EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
 CTYPES = {"long long": ctypes.c_longlong, "int": ctypes.c_int, "float": ctypes.c_float}
 
 
 @pytest.fixture(scope="module")
 def gemv(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemv")
-    for name in ("eulergen_common.cuh", "gemv.cu"):
-        shutil.copy(GENERATED_DIR / "cuda" / name, folder / name)
-    lines = ['#include "gemv.cu"']
-    for k in GEMV.kernels.values():
-        lines.append(f'extern "C" void run_{k.name}(int grid, {k.c_params}) {{\n'
-                     f"  emu_launch(dim3(grid), dim3({k.geometry.threads}), [&] "
-                     f"{{ {k.name}({k.call_args}); }});\n}}")
-    (folder / "gemv.cpp").write_text("\n".join(lines) + "\n")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(EMULATOR), "-o",
-                    str(folder / "gemv.so"), str(folder / "gemv.cpp")], check=True)
-    lib = ctypes.CDLL(str(folder / "gemv.so"))
+    lib = emulated_library(tmp_path_factory.mktemp("gemv"), "gemv.cu", [
+        runner(k.name, f"int grid, {k.c_params}", "grid", k.geometry.threads,
+               f"{k.name}({k.call_args})") for k in GEMV.kernels.values()])
     for k in GEMV.kernels.values():
         getattr(lib, f"run_{k.name}").argtypes = (ctypes.c_int, *(
             ctypes.c_void_p if c.endswith("*") else CTYPES[c] for _, c in k.args))

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +14,11 @@ from eulergen import GENERATED_DIR
 from eulergen.runtime.engine.manifest import load_manifest
 from eulergen.runtime.generate.moves import scatter_rows, take_row
 
+from emulated import emulated_library, runner
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
 
 MOVES = load_manifest(GENERATED_DIR / "manifest.json").ops["moves"]
-EMULATOR = Path(__file__).resolve().parent / "cudagen_emulator"
 STORAGE = {"f32": ("float", np.float32), "bf16": ("__nv_bfloat16", np.uint16)}
 RUNNERS = {   # call -> (the runner's parameters over element type T, the kernel's arguments)
     "scatter": ("const T* src, long long src_sb, long long src_st, const int* positions, T* dst, "
@@ -32,20 +31,13 @@ RUNNERS = {   # call -> (the runner's parameters over element type T, the kernel
 
 @pytest.fixture(scope="module")
 def moves(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("moves")
-    for name in ("eulergen_common.cuh", "moves.cu"):
-        shutil.copy(GENERATED_DIR / "cuda" / name, folder / name)
-    lines = ['#include "moves.cu"']
+    runners = []
     for dt, (ctype, _) in STORAGE.items():
         for call, (params, args) in RUNNERS.items():
-            k, typed = MOVES.kernel(call, dt), params.replace("T*", ctype + "*")
-            lines.append(f'extern "C" void run_{call}_{dt}({typed}) {{\n'
-                         f"  emu_launch(dim3(2), dim3({k.geometry.threads}), [&] "
-                         f"{{ {k.name}({args}); }});\n}}")
-    (folder / "moves.cpp").write_text("\n".join(lines) + "\n")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(EMULATOR), "-o",
-                    str(folder / "moves.so"), str(folder / "moves.cpp")], check=True)
-    lib = ctypes.CDLL(str(folder / "moves.so"))
+            k = MOVES.kernel(call, dt)
+            runners.append(runner(f"{call}_{dt}", params.replace("T*", ctype + "*"), "2",
+                                  k.geometry.threads, f"{k.name}({args})"))
+    lib = emulated_library(tmp_path_factory.mktemp("moves"), "moves.cu", runners)
     P, L = ctypes.c_void_p, ctypes.c_longlong
     for dt in STORAGE:
         getattr(lib, f"run_scatter_{dt}").argtypes = (P, L, L, P, P, L, L, L, L)
