@@ -85,7 +85,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EULERGEN_GEMM", _choice("auto", "lt", "cublas"), "auto",
              "the GPU's GEMM library: cuBLASLt where it works (auto), cuBLASLt or cuBLAS"),
     Variable("EULERGEN_GEMV", _choice("on", "off"), "on",
-             "the decoder's GEMMs of at most 16 rows: the gemv kernels (on) or the GEMM library"),
+             "the decoder's GEMMs of one or two rows: the gemv kernels (on) or the GEMM library"),
     Variable("EULERGEN_LAUNCHER_PID", _integer(1, 1 << 22), None,
              "set by `train --nproc` for its ranks: the launcher they die with"),
     Variable("RANK", _RANK, 0, "torchrun: this process's rank"),

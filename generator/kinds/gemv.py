@@ -1,9 +1,9 @@
 """The decoder's GEMMs of a few rows (templates/gemv.cu.j2): y = x·wᵀ (+ b) (+ y) for x of
 at most plan.GEMV_LAUNCHES' rows, where a tensor-core GEMM's tiles sit mostly idle and a
-split-K library kernel adds a reduction launch. A dot product, so no formula and no spec: one op, named after
-its kind, rendered from its template alone, with no numpy module (runtime/engine/gemv.py
-holds the numpy form and launches these). A kernel per storage dtype and row bound; bf16
-also writes float32 (the sampler's logits)."""
+split-K library kernel adds a reduction launch. A dot product, so no formula and no spec:
+one op, named after its kind, rendered from its template alone, with no numpy module
+(runtime/engine/gemv.py launches these; their numpy form is gemm.py's numpy_gemm). A kernel per storage dtype
+and row bound; bf16 also writes float32 (the sampler's logits)."""
 from __future__ import annotations
 
 from eulergen.generator.kinds.support import Support

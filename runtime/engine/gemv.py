@@ -5,10 +5,10 @@ each product these kernels take to them and every other to the process's GEMM (g
 A decode step's Linear layers are GEMMs of B rows (one a sequence) against the whole
 weight: reading w is all their work. cuBLASLt runs them as tensor-core tiles that are mostly
 padding and, for the narrow outputs, as split-K with a reduction kernel after; here a block
-reads one to four rows of w once and every row of x against each. The contract is numpy_gemm's for
-tb=True (w as nn.Linear holds it): the sum in float32, the bias and the old out (add) added
-to it, one rounding to out's dtype. bf16 x and w may write float32 (the logits), without a
-bias, as LtGemm.
+reads one to four rows of w once and every row of x against each. The contract is
+numpy_gemm's for tb=True (w as nn.Linear holds it): the sum in float32, the bias and the old
+out (add) added to it, one rounding to out's dtype. bf16 x and w may write float32 (the
+logits), without a bias, as LtGemm.
 """
 from __future__ import annotations
 
