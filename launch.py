@@ -122,7 +122,7 @@ class Gemv(Geometry):
     rows: int
 
     def launch(self, n: int, cols: int = 1) -> Launch:
-        return Launch((max(1, -(-n // cols)),), (self.threads,))
+        return Launch((max(1, cdiv(n, cols)),), (self.threads,))
 
 
 # ---- row ops --------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 at most plan.GEMV_LAUNCHES' rows, where a tensor-core GEMM's tiles sit mostly idle and a
 split-K library kernel adds a reduction launch. A dot product, so no formula and no spec:
 one op, named after its kind, rendered from its template alone, with no numpy module
-(runtime/engine/gemv.py launches these; their numpy form is gemm.py's numpy_gemm). A kernel per storage dtype
-and row bound; bf16 also writes float32 (the sampler's logits)."""
+(runtime/engine/gemv.py launches these; their numpy form is gemm.py's numpy_gemm). A kernel
+per storage dtype and row bound; bf16 also writes float32 (the sampler's logits)."""
 from __future__ import annotations
 
 from eulergen.generator.kinds.support import Support
@@ -29,17 +29,10 @@ class Gemv(Support):
 
     def _kernels(self):
         """(signature, x's C type, y's C type) of every kernel."""
-        out = []
-        for dt in DTYPES:
-            for stage, o in (("gemv", CTYPE[dt]), (WIDE, "float")):
-                if stage == WIDE and dt == "f32":
-                    continue
-                suffix = "_f32_out" if stage == WIDE else ""
-                for g in GEMV_LAUNCHES:
-                    sig = KernelSig(f"gemv_r{g.rows}_{dt}{suffix}", _args(CTYPE[dt], o), dt,
-                                    stage, g)
-                    out.append((sig, CTYPE[dt], o))
-        return out
+        forms = [*((dt, "gemv", CTYPE[dt], "") for dt in DTYPES),
+                 ("bf16", WIDE, "float", "_f32_out")]   # (dtype, stage, y's C type, suffix)
+        return [(KernelSig(f"gemv_r{g.rows}_{dt}{suffix}", _args(CTYPE[dt], o), dt, stage, g),
+                 CTYPE[dt], o) for dt, stage, o, suffix in forms for g in GEMV_LAUNCHES]
 
     def sigs(self):
         return tuple(sig for sig, _, _ in self._kernels())

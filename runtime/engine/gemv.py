@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from eulergen.launch import cdiv
 from eulergen.runtime.engine.backend import sm_count
 from eulergen.runtime.engine.kernels import NULL, storage_dtype_name
 from eulergen.runtime.engine.kinds import support
@@ -59,7 +60,7 @@ def takes(x, w, out, bias=None) -> bool:
 def columns(n: int, sms: int) -> int:
     """Output columns a block for n of them on `sms` SMs: the most that still leaves
     BLOCKS_PER_SM blocks an SM (a block a column below that)."""
-    return next((c for c in _COLS if -(-n // c) >= BLOCKS_PER_SM * sms), 1)
+    return next((c for c in _COLS if cdiv(n, c) >= BLOCKS_PER_SM * sms), 1)
 
 
 def gemv(x, w, out, *, bias=None, add: bool = False) -> None:
