@@ -16,7 +16,7 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from eulergen.errors import EulerError
-from eulergen.runtime.engine import gemm
+from eulergen.runtime.engine import gemm, gemm_search
 from eulergen.runtime.engine.backend import NUMPY
 from eulergen.runtime.engine.gemm import (COMPUTE_32F, COMPUTE_32F_FAST_TF32, OP_T, R_16BF, R_32F,
                                    CublasGemm, numpy_gemm)
@@ -378,9 +378,11 @@ class _Wrong(FakeLt):
 @pytest.fixture
 def choose(monkeypatch):
     """gemm's choice made afresh on a stand-in CuPy, with `bindings` as nvmath's cuBLASLt
-    (None: nvmath not installed) and EULERGEN_GEMM set to `mode`."""
-    def choose(bindings, mode=None):
+    (None: nvmath not installed), EULERGEN_GEMM set to `mode` and EULERGEN_GEMM_SEARCH to
+    `search`."""
+    def choose(bindings, mode=None, search="off"):
         monkeypatch.setitem(sys.modules, "cupy", _HostCupy)
+        monkeypatch.setenv("EULERGEN_GEMM_SEARCH", search)
         if bindings is None:
             monkeypatch.setitem(sys.modules, "nvmath", None)
         else:
@@ -409,6 +411,18 @@ def test_a_working_cublaslt_is_chosen_once_it_passes_the_probe(choose):
     choice = choose(FakeLt())
     assert choice.lt is not None and choice.why == "cuBLASLt 130000 with bias epilogues"
     assert choice.lt.handle == 11 and choice.lt.stream() == 9
+
+
+def test_with_the_search_on_the_choice_times_each_shape_and_says_so(choose, monkeypatch,
+                                                                   tmp_path):
+    made = []
+    monkeypatch.setattr(gemm_search, "for_device", lambda version: made.append(version) or
+                        gemm_search.Search(gemm_search.Record(tmp_path / "g.json")))
+    choice = choose(FakeLt(), search="on")
+    assert made == [130000] and isinstance(choice.lt.search, gemm_search.Search)
+    assert choice.why == ("cuBLASLt 130000 with bias epilogues, algorithms timed per shape "
+                          "(EULERGEN_GEMM_SEARCH)")
+    assert choose(FakeLt()).lt.search is None
 
 
 def test_a_cublaslt_that_computes_wrong_is_not_used(choose):

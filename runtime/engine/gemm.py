@@ -22,14 +22,16 @@ bf16 operands may write a float32 output (autocast's float32 weight gradients; t
 sampler's float32 logits), without epilogues.
 
 cuBLASLt's algorithm for each (dtype, compute, transposes, shape, leading dimensions,
-alignments, epilogue, workspace) comes from its heuristic at the first call and is kept
-with its descriptors for the process; later calls only set the bias pointer and launch on
-CuPy's current stream into the caller's workspace, so a call allocates nothing, never
-syncs and can be captured in a CUDA graph. The workspace is the model's, planned
+alignments, epilogue, workspace) is chosen at the first call, among its heuristic's first
+candidates by timing them (runtime/engine/gemm_search.py, kept on disk; EULERGEN_GEMM_SEARCH=off:
+the heuristic's first), and kept with its descriptors for the process; later calls only set
+the bias pointer and launch on CuPy's current stream into the caller's workspace, so a call
+allocates nothing, never syncs and can be captured in a CUDA graph. The workspace is the model's, planned
 (WORKSPACE_BYTES in the `gemm` arena, shared with the cuBLAS handle: one stream).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ import numpy as np
 
 from eulergen import env
 from eulergen.errors import EulerError
-from eulergen.runtime.engine import bf16
+from eulergen.runtime.engine import bf16, gemm_search
 from eulergen.runtime.engine.cublas import WORKSPACE_BYTES
 
 # cublas_api.h / library_types.h values, stable since CUDA 11
@@ -51,7 +53,7 @@ TYPES = {np.dtype(np.float32): R_32F, np.dtype(np.uint16): R_16BF}
 _LT_SLACK = 256
 # cuBLASLt >= 11.8 has both bias epilogues for every dtype here
 _LT_MIN_VERSION = 111103
-ENV = "EULERGEN_GEMM"
+ENV, SEARCH_ENV = "EULERGEN_GEMM", "EULERGEN_GEMM_SEARCH"
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)   # host scalars
 
 
@@ -177,20 +179,23 @@ class _LtPlan:
 
 class LtContext:
     """The process's cuBLASLt: the nvmath bindings module `lt`, a handle, and the plans made
-    so far. `stream()` is the current stream's handle."""
+    so far. `stream()` is the current stream's handle; `search` (gemm_search.Search) picks
+    among the heuristic's candidates, None: its first."""
 
     def __init__(self, lt, handle: int, stream):
         self.lt, self.handle, self.stream = lt, handle, stream
         self.version = lt.get_version()
+        self.search: gemm_search.Search | None = None
         self.plans: dict[tuple, _LtPlan] = {}
 
     def _set(self, setter, dtype_of, obj, attr, value) -> None:
         buf = np.array(value, dtype=dtype_of(attr))
         setter(obj, attr, buf.ctypes.data, buf.itemsize)
 
-    def plan(self, key: tuple, vector: int) -> _LtPlan:
+    def plan(self, key: tuple, vector: int, trial=None) -> _LtPlan:
         """The plan of `key` (LtGemm.__call__ builds it, in cuBLAS's column-major terms),
-        made at its first call: cuBLASLt's best algorithm for it."""
+        made at its first call: the heuristic's candidates, one picked by `search`;
+        `trial(desc, a, b, d, algo)` times one call of them (None: none may run now)."""
         kind, out_kind, compute, ta, tb, m, n, k, lda, ldb, ldd, epilogue, aligns, workspace = key
         lt, D = self.lt, self.lt.MatmulDescAttribute
         desc = lt.matmul_desc_create(compute, R_32F)
@@ -212,10 +217,11 @@ class LtContext:
         for attr, align in zip((P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES,
                                 P.MIN_ALIGNMENT_C_BYTES, P.MIN_ALIGNMENT_D_BYTES), aligns):
             set_pref(attr, align)
-        result, found = lt.MatmulHeuristicResult(1), np.zeros(1, np.int32)
+        wanted = gemm_search.CANDIDATES if self.search else 1
+        result, found = lt.MatmulHeuristicResult(wanted), np.zeros(1, np.int32)
         try:
-            lt.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, pref, 1, result.ptr,
-                                         found.ctypes.data)
+            lt.matmul_algo_get_heuristic(self.handle, desc, a, b, d, d, pref, wanted,
+                                         result.ptr, found.ctypes.data)
         except Exception as err:   # cuBLASLtError: NOT_SUPPORTED and the like
             found[0], why = 0, f" ({err})"
         else:
@@ -230,8 +236,15 @@ class LtContext:
             raise EulerError(f"cuBLASLt has no algorithm for a {dtype} GEMM of {m}x{n}x{k} "
                              f"(transposes {ta:d}{tb:d}, epilogue {name}){why}; {ENV}=cublas "
                              "runs cublasGemmEx instead", key=ENV)
-        algo = result.ptr + lt.matmul_heuristic_result_dtype.fields["algo"][1]
-        plan = self.plans[key] = _LtPlan(desc, a, b, d, result, algo)
+        step = lt.matmul_heuristic_result_dtype.itemsize
+        algos = [result.ptr + i * step + lt.matmul_heuristic_result_dtype.fields["algo"][1]
+                 for i in range(int(found[0]))]
+        index = 0
+        if self.search is not None:
+            size = lt.matmul_algo_dtype.itemsize
+            timer = None if trial is None else lambda i: trial(desc, a, b, d, algos[i])
+            index = self.search.pick(key, [ctypes.string_at(p, size) for p in algos], timer)
+        plan = self.plans[key] = _LtPlan(desc, a, b, d, result, algos[index])
         return plan
 
 
@@ -259,7 +272,8 @@ class LtGemm:
     def __call__(self, a, b, out, *, ta=False, tb=False, add=False, bias=None, dbias=None,
                  alpha=1.0, beta=None):
         m, n, k, kind, out_kind = operands(a, b, out, ta, tb)
-        scale = _host_scalars(*_scalars(add, alpha, beta))
+        alpha, beta = _scalars(add, alpha, beta)
+        scale = _host_scalars(alpha, beta)
         if out_kind != kind and (bias is not None or dbias is not None):
             raise ValueError(f"gemm: cuBLASLt's epilogues here write the operands' dtype, not "
                              f"{out.dtype}")
@@ -278,7 +292,10 @@ class LtGemm:
                a.strides[0] // size, out.strides[0] // out.dtype.itemsize, self.epilogue[which],
                (_alignment(pa), _alignment(pb), _alignment(pd), _alignment(pd)), self.offered)
         ctx = self.ctx
-        plan = ctx.plans.get(key) or ctx.plan(key, vector)
+        plan = ctx.plans.get(key)
+        if plan is None:
+            with gemm_search.Scratch(out.shape[0] * out.strides[0]) as scratch:
+                plan = ctx.plan(key, vector, self._trial(pa, pb, pd, scratch if beta else None))
         if vector:
             plan.vector[...] = vector
             ctx.lt.matmul_desc_set_attribute(plan.desc, ctx.lt.MatmulDescAttribute.BIAS_POINTER,
@@ -286,6 +303,28 @@ class LtGemm:
         ctx.lt.matmul(ctx.handle, plan.desc, scale[0].ctypes.data, pa, plan.a, pb, plan.b,
                       scale[1].ctypes.data, pd, plan.d, pd, plan.d, plan.algo,
                       self.workspace, self.workspace_bytes, ctx.stream())
+
+    def _trial(self, pa: int, pb: int, pd: int, scratch):
+        """What times a candidate algorithm of this call (LtContext.plan's `trial`): with
+        beta = 0, into out (the call proper writes it after) or, for a call that adds to
+        out, into `scratch`. None while the stream captures (nothing may sync) or where
+        the scratch cannot be had."""
+        ctx = self.ctx
+        if ctx.search is None:
+            return None
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            return None
+
+        def trial(desc, a, b, d, algo):
+            target = scratch.address() if scratch is not None else pd
+            if not target:
+                return None
+            return gemm_search.time_launches(lambda: ctx.lt.matmul(
+                ctx.handle, desc, _ONE.ctypes.data, pa, a, pb, b, _ZERO.ctypes.data, target, d,
+                target, d, algo, self.workspace, self.workspace_bytes, stream.ptr), stream)
+        return trial
 
 
 # -- the choice ---------------------------------------------------------------------------
@@ -345,7 +384,11 @@ def _cuda_choice() -> Choice:
     except Exception as err:   # no nvmath, no libcublasLt, a driver it cannot use
         wrong = f"{type(err).__name__}: {err}"
     if not wrong:
-        return Choice(ctx, f"cuBLASLt {ctx.version} with bias epilogues")
+        why = f"cuBLASLt {ctx.version} with bias epilogues"
+        if env.get(SEARCH_ENV) == "on":
+            ctx.search = gemm_search.for_device(ctx.version)
+            why += f", algorithms timed per shape ({SEARCH_ENV})"
+        return Choice(ctx, why)
     if mode == "lt":
         raise EulerError(f"cuBLASLt cannot run: {wrong}", key=ENV)
     return Choice(None, f"cuBLASLt not used: {wrong}")

@@ -14,6 +14,9 @@ epilogue is off by order 1.
 """
 from __future__ import annotations
 
+import ctypes
+import json
+
 import numpy as np
 import pytest
 
@@ -187,3 +190,45 @@ def test_a_model_runs_lt_in_its_planned_workspace_and_accumulates_as_cublas(libs
               for k, g in grads[1].items()}
     bad = {k: f"{v:.2e}" for k, v in errors.items() if v > 1e-2}
     assert not bad, f"Lt gradients off the cublasGemmEx ones: {bad}"
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_a_searched_gemm_is_right_recorded_and_run_again_by_a_later_process(cp, lt, tmp_path,
+                                                                            add):
+    """EULERGEN_GEMM_SEARCH: the first call times the heuristic's candidates (into the output,
+    or outside it when the call adds to it: the sum must still be start + product), records
+    the pick, and a context that reads the record (a later process) runs the same algorithm
+    without timing, to the same bits, as does the pick called again."""
+    from eulergen.runtime.engine import gemm_search
+    rng = np.random.default_rng(4)
+    dy, x = (_dev(cp, h, "bf16") for h in _host(rng, (2048, 768), (2048, 2304)))
+    start = _dev(cp, rng.standard_normal((768, 2304)), "bf16")
+    want = _wide(cp, dy).T @ _wide(cp, x) + (_wide(cp, start) if add else 0)
+    path = tmp_path / "gemm.json"
+    outs, algos = [], []
+    for process in range(2):
+        ctx = gemm.open_lt(cp)
+        ctx.search = gemm_search.Search(gemm_search.Record(path))
+        if process:
+            ctx.search.pick = _no_timing(ctx.search.pick)
+        workspace = cp.zeros(gemm.WORKSPACE_BYTES, cp.uint8)
+        run = gemm.LtGemm(ctx, tf32=False, workspace=workspace)
+        for _ in range(2):
+            out = start.copy()
+            run(dy, x, out, ta=True, add=add)
+            outs.append(cp.asnumpy(out))
+        (plan,) = ctx.plans.values()
+        algos.append(ctypes.string_at(plan.algo, ctx.lt.matmul_algo_dtype.itemsize))
+    assert _err(cp, cp.asarray(outs[0]), want) < (BF16_ADDED if add else BF16)
+    for other in outs[1:]:
+        np.testing.assert_array_equal(other, outs[0])
+    assert algos[0] == algos[1]
+    (entry,) = json.loads(path.read_text())["algorithms"].values()
+    assert bytes.fromhex(entry["algo"]) == algos[0]
+    assert len(entry["us"]) > 1 and entry["us"][0] is not None
+
+
+def _no_timing(pick):
+    def untimed(key, algos, timer):
+        return pick(key, algos, lambda i: pytest.fail("a recorded GEMM was timed again"))
+    return untimed
