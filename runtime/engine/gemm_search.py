@@ -2,11 +2,11 @@
 (EULERGEN_GEMM_SEARCH, on by default).
 
 cuBLASLt's heuristic ranks the algorithms that can run a GEMM by its model of the GPU, and
-its first is not always the fastest: a weight gradient with few output tiles for the SMs
-runs faster with smaller tiles or a split of k. So at a GEMM's first call outside a CUDA
-graph capture, the heuristic's first CANDIDATES algorithms are each timed on the call's own
-operands (runtime/engine/gemm.py's LtContext.plan), and the fastest is kept where it beats
-the heuristic's first by MARGIN (so that timing noise does not move the choice).
+its first is not always the fastest (tiles that leave a last wave mostly idle, say). So at a
+GEMM's first call outside a CUDA graph capture, the heuristic's first CANDIDATES algorithms
+are each timed on the call's own operands (runtime/engine/gemm.py's LtContext.plan), in
+interleaved rounds (`measure`), and the fastest is kept where it beats the heuristic's first
+by MARGIN (so that timing noise does not move the choice).
 
 The choice is kept on disk, a file per GPU and cuBLASLt version under
 $EULERGEN_CACHE/gemm/, naming the algorithm by its value (cuBLASLt's algorithm struct,
@@ -28,7 +28,7 @@ from eulergen.files import write_atomic
 
 CANDIDATES = 16     # the heuristic's first algorithms, of those that fit the workspace
 MARGIN = 0.03       # how much faster than the heuristic's first a pick must be
-REPEATS, LAUNCHES = 3, 5   # a candidate's time: the median of REPEATS runs of LAUNCHES calls
+REPEATS, LAUNCHES = 5, 5   # a candidate's time: the median of REPEATS runs of LAUNCHES calls
 FORMAT = 1
 
 
@@ -114,7 +114,7 @@ class Search:
             return algos.index(saved)
         if timer is None or len(algos) < 2:
             return 0
-        seconds = [timer(i) for i in range(len(algos))]
+        seconds = measure(timer, len(algos))
         index = choose(seconds)
         self.record.put(text, algos[index], seconds)
         return index
@@ -127,25 +127,34 @@ def for_device(version: int) -> Search:
     return Search(Record(record_path(device, version)))
 
 
+def measure(timer: Callable[[int], float | None], count: int) -> list[float | None]:
+    """Each of `count` candidates' time (`timer(i)`: one run's, None where it fails): a first
+    round warms every one and finds those that fail, then REPEATS rounds take each in turn,
+    so that the clocks' ramp after a compile or a change of temperature meets them all
+    alike; the median of each one's runs."""
+    runs: list[list[float] | None] = [[] if timer(i) is not None else None for i in range(count)]
+    for _ in range(REPEATS):
+        for i, times in enumerate(runs):
+            if times is not None:
+                t = timer(i)
+                runs[i] = None if t is None else times + [t]
+    return [None if r is None else statistics.median(r) for r in runs]
+
+
 def time_launches(launch: Callable[[], None], stream) -> float | None:
-    """Seconds one `launch()` takes on the CuPy `stream`, once warm: the median of REPEATS
-    runs of LAUNCHES back-to-back calls between two events. None where it raises (an
-    algorithm that will not run these operands)."""
+    """Seconds one `launch()` takes on the CuPy `stream`: LAUNCHES back-to-back calls between
+    two events. None where it raises (an algorithm that will not run these operands)."""
     import cupy
     try:
-        launch()
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        runs = []
-        for _ in range(REPEATS):
-            start.record(stream)
-            for _ in range(LAUNCHES):
-                launch()
-            end.record(stream)
-            end.synchronize()
-            runs.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / LAUNCHES)
+        start.record(stream)
+        for _ in range(LAUNCHES):
+            launch()
+        end.record(stream)
+        end.synchronize()
     except Exception:   # cuBLASLtError and the like: this candidate cannot run
         return None
-    return statistics.median(runs)
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / LAUNCHES
 
 
 class Scratch:
