@@ -63,10 +63,11 @@ def test_a_candidate_is_timed_by_the_median_of_its_rounds():
     assert gemm_search.measure(lambda i: next(times), 2) == [1.0, None]
 
 
-def test_while_capturing_the_heuristic_first_runs_and_nothing_is_recorded(tmp_path):
+def test_while_capturing_or_with_nothing_timed_the_heuristic_first_runs_unrecorded(tmp_path):
     path = tmp_path / "g.json"
     assert Search(Record(path)).pick(KEY, ALGOS, None) == 0
     assert Search(Record(path)).pick(KEY, ALGOS[:1], lambda i: 1.0) == 0   # one candidate
+    assert Search(Record(path)).pick(KEY, ALGOS, lambda i: None) == 0      # none ran
     assert not path.exists()
 
 

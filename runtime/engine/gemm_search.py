@@ -106,8 +106,8 @@ class Search:
              timer: Callable[[int], float | None] | None) -> int:
         """The index among `algos` (the heuristic's candidates, as bytes) to run for `key`:
         the recorded one where the heuristic still offers it; else, with a `timer` (candidate
-        index -> seconds, None while capturing), the fastest (`choose`), recorded; else the
-        heuristic's first."""
+        index -> seconds, None while capturing), the fastest (`choose`), recorded; else (or
+        where no candidate ran) the heuristic's first."""
         text = key_text(key)
         saved = self.record.get(text)
         if saved is not None and saved in algos:
@@ -115,6 +115,8 @@ class Search:
         if timer is None or len(algos) < 2:
             return 0
         seconds = measure(timer, len(algos))
+        if all(t is None for t in seconds):   # nothing ran (no scratch memory): not a choice
+            return 0
         index = choose(seconds)
         self.record.put(text, algos[index], seconds)
         return index
