@@ -52,7 +52,6 @@ def record_path(device: str, version: int) -> Path:
     return cache_dir() / "gemm" / f"{slug}-cublaslt{version}.json"
 
 
-
 def key_text(key: tuple) -> str:
     """A plan key (ints, and a tuple of ints) as the record's key."""
     return json.dumps(key, separators=(",", ":"))
