@@ -69,7 +69,8 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     lib = OpLibrary(backend)
     dtype = bf16.plan_dtype(t.dtype, backend)
     ops = update_ops(lib, t.optimizer)
-    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True, dtype=dtype, optimizer=ops)
+    model = build(cfg.model, lib, t.batch_size, t.seq_len, tf32=True, dtype=dtype,
+                  precision=t.precision, recompute=t.recompute, optimizer=ops)
     model.init_weights(0)
     optim = Optimizer(model, ops, t)
     rng = np.random.default_rng(0)
@@ -106,6 +107,7 @@ def profile(cfg, steps: int, warmup: int, copy: float | None = None) -> dict:
     device = backend.device
     precision = "bf16" if dtype == "bf16" else "tf32"
     return dict(preset=cfg.model.preset, batch=t.batch_size, seq=t.seq_len, dtype=t.dtype,
+                recipe=t.precision if dtype == "bf16" else "-",
                 device=device, gemm=gemm.describe(backend),
                 peak_flops=metrics.peak_flops(device, precision),
                 precision=precision, copy_gbps=copy,
@@ -119,7 +121,8 @@ def table(p: dict) -> str:
     lines = [Line(**r) for r in p["lines"]]
     gpu = sum(r.ms for r in lines)
     wall, peak, copy = p["wall_ms"], p["peak_flops"], p["copy_gbps"]
-    title = f"step profile: {p['preset']}, B={p['batch']} T={p['seq']}, {p['dtype']} on {p['device']}"
+    title = (f"step profile: {p['preset']}, B={p['batch']} T={p['seq']}, {p['dtype']} "
+             f"(training.precision={p['recipe']}) on {p['device']}")
     out = [title + (f"; GEMM peak {peak / 1e12:.1f} TFLOP/s ({p['precision']})" if peak else ""),
            f"GEMMs: {p['gemm']}",
            f"copy bandwidth (device-to-device, read+write): {copy:,.0f} GB/s" if copy
