@@ -84,7 +84,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "fit in the default)"),
     Variable("EULERGEN_GEMM", _choice("auto", "lt", "cublas"), "auto",
              "the GPU's GEMM library: cuBLASLt where it works (auto), cuBLASLt or cuBLAS"),
-    Variable("EULERGEN_GEMM_SEARCH", _choice("on", "off"), "off",
+    Variable("EULERGEN_GEMM_SEARCH", _choice("on", "off"), "on",
              "cuBLASLt's algorithm per GEMM shape: the fastest of its heuristic's first "
              "candidates, timed once a GPU and kept in the cache (on), or its first (off)"),
     Variable("EULERGEN_GEMV", _choice("on", "off"), "on",

@@ -379,10 +379,13 @@ class _Wrong(FakeLt):
 def choose(monkeypatch):
     """gemm's choice made afresh on a stand-in CuPy, with `bindings` as nvmath's cuBLASLt
     (None: nvmath not installed), EULERGEN_GEMM set to `mode` and EULERGEN_GEMM_SEARCH to
-    `search`."""
+    `search` (None: unset, the default)."""
     def choose(bindings, mode=None, search="off"):
         monkeypatch.setitem(sys.modules, "cupy", _HostCupy)
-        monkeypatch.setenv("EULERGEN_GEMM_SEARCH", search)
+        if search is None:
+            monkeypatch.delenv("EULERGEN_GEMM_SEARCH", raising=False)
+        else:
+            monkeypatch.setenv("EULERGEN_GEMM_SEARCH", search)
         if bindings is None:
             monkeypatch.setitem(sys.modules, "nvmath", None)
         else:
@@ -413,12 +416,12 @@ def test_a_working_cublaslt_is_chosen_once_it_passes_the_probe(choose):
     assert choice.lt.handle == 11 and choice.lt.stream() == 9
 
 
-def test_with_the_search_on_the_choice_times_each_shape_and_says_so(choose, monkeypatch,
+def test_by_default_the_choice_times_each_shape_and_says_so(choose, monkeypatch,
                                                                    tmp_path):
     made = []
     monkeypatch.setattr(gemm_search, "for_device", lambda version: made.append(version) or
                         gemm_search.Search(gemm_search.Record(tmp_path / "g.json")))
-    choice = choose(FakeLt(), search="on")
+    choice = choose(FakeLt(), search=None)
     assert made == [130000] and isinstance(choice.lt.search, gemm_search.Search)
     assert choice.why == ("cuBLASLt 130000 with bias epilogues, algorithms timed per shape "
                           "(EULERGEN_GEMM_SEARCH)")

@@ -1,5 +1,5 @@
 """cuBLASLt's algorithm for a GEMM chosen by timing it, not by the heuristic alone
-(EULERGEN_GEMM_SEARCH=on; off by default until the whole GPU suite has run with it).
+(EULERGEN_GEMM_SEARCH, on by default; off runs the heuristic's first).
 
 cuBLASLt's heuristic ranks the algorithms that can run a GEMM by its model of the GPU, and
 its first is not always the fastest (tiles that leave a last wave mostly idle, say). So at a
