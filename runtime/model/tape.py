@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.runtime.engine import bf16
+from eulergen.runtime.engine.colsum import colsum
 from eulergen.runtime.engine.gemm import gemm_for
 
 
@@ -114,10 +115,12 @@ class Linear:
     With the GEMM's epilogues (cuBLASLt) the bias is added inside the forward GEMM and db
     written by the dW GEMM, unless db is added to (a later micro-step: the epilogue only
     writes) or of another dtype than dy (autocast's float32 gradients: the epilogue writes
-    dy's), when it is the GEMM 1ᵀ·dy against the planned `ones` with beta = 1. Without
-    them db is always that GEMM, and in bf16 the bias is written first, as the rank-1
-    GEMM 1·b, and the product added to it by the GEMM's beta = 1. Either way x·wᵀ + b is
-    summed in float32 and rounded once; fp32 without epilogues adds the bias after."""
+    dy's). Then, and on a GPU without epilogues, db is the column sums of dy
+    (runtime/engine/colsum.py: a GEMM against a row of ones reads dy at a fraction of copy
+    bandwidth); on numpy it is that GEMM 1ᵀ·dy against the planned `ones` with beta = 1.
+    Without epilogues, in bf16 the bias is written first, as the rank-1 GEMM 1·b, and the
+    product added to it by the GEMM's beta = 1. Either way x·wᵀ + b is summed in float32
+    and rounded once; fp32 without epilogues adds the bias after."""
 
     def __init__(self, x, w, y, dy, dx: Grad | None, dw: Grad, b=None, db: Grad | None = None,
                  ones=None):
@@ -146,7 +149,11 @@ class Linear:
                       dbias=db.buf)
             return
         tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw))
-        if db is not None:
+        if db is None:
+            return
+        if tape.backend.is_gpu and tape.kernel_ws is not None:
+            colsum(self.dy, db.buf, workspace=tape.kernel_ws, add=tape.adds(db))
+        else:   # numpy, or a GPU tape planned without kernel workspace
             tape.gemm(self.ones, self.dy, db.buf.reshape(1, -1), add=tape.adds(db))
 
 

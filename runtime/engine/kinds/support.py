@@ -2,10 +2,11 @@
 OpLibrary call launches (templates/step_control.cu.j2: the step's scalars and the loss
 mean; draw.cu.j2: the sampler's draw; bf16.cu.j2: the bf16 steps outside the ops;
 moves.cu.j2: rows moved by device-held positions; gemv.cu.j2: the decoder's few-row
-GEMMs). Each is a kind that takes no call; the module that owns the concern
-(runtime/train/step_control.py, runtime/model/loss.py, runtime/generate/draw.py,
-runtime/engine/bf16.py, runtime/generate/moves.py, runtime/engine/gemv.py) holds its numpy
-form and launches its kernels through `launch`: found by call and dtype, compiled through
+GEMMs; colsum.cu.j2: the Linear layers' bias gradients). Each is a kind that takes no call;
+the module that owns the concern (runtime/train/step_control.py, runtime/model/loss.py,
+runtime/generate/draw.py, runtime/engine/bf16.py, runtime/generate/moves.py,
+runtime/engine/gemv.py, runtime/engine/colsum.py) holds its numpy form and launches its
+kernels through `launch`: found by call and dtype, compiled through
 runtime/engine/compile.py's cache on first use (a warm-up, never a capture), bound and
 launched by kernels.Launcher with the grid of the kernel's geometry.
 """
@@ -18,7 +19,7 @@ from eulergen.runtime.engine.kernels import Launcher
 from eulergen.runtime.engine.kinds.base import OpKind
 from eulergen.runtime.engine.manifest import BUILTIN_MANIFEST, Manifest, load_manifest
 
-NAMES = ("step_control", "draw", "bf16", "moves", "gemv")
+NAMES = ("step_control", "draw", "bf16", "moves", "gemv", "colsum")
 
 
 class Support(OpKind):
@@ -28,7 +29,15 @@ class Support(OpKind):
         self.name = name
 
 
-KINDS = tuple(Support(name) for name in NAMES)
+class Colsum(Support):
+    """colsum's partial rows come from the caller's workspace, so a memory plan asks it."""
+
+    def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
+        from eulergen.runtime.engine.colsum import workspace_elements
+        return workspace_elements(*shape, dtype)
+
+
+KINDS = tuple((Colsum if name == "colsum" else Support)(name) for name in NAMES)
 
 
 @lru_cache(maxsize=1)
