@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from eulergen.runtime.engine.kernels import storage_dtype_name
 from eulergen.runtime.engine.kinds import support
-from eulergen.runtime.engine.launch_args import carve, elements
+from eulergen.runtime.engine.launch_args import carve
 
 NAME = "colsum"
 
@@ -23,17 +23,11 @@ def _partials(op, dtype: str, rows: int, cols: int, aligned: bool) -> int:
     return op.kernel("partials", dtype, aligned=aligned).geometry.launch(rows, cols).partials
 
 
-def workspace_elements(rows: int, cols: int, dtype: str) -> int:
-    """The float32 elements a call over a [rows, cols] `dtype` matrix carves from its
-    workspace (the larger of the two variants: alignment is the array's)."""
-    op = support.entry(NAME)
-    return max(elements([(_partials(op, dtype, rows, cols, a), cols)]) for a in (True, False))
-
-
 def colsum(x, out, *, workspace, add: bool = False) -> None:
     """out = Σ_r x[r, :] (+ out, with add) for x a 2-D GPU array with unit column stride and
     out `cols` contiguous elements of float32 or x's dtype; `workspace` a float32 array of
-    at least workspace_elements."""
+    at least what cuda_ops.workspace_elements(entry, "partials", (rows, cols), dtype) says
+    (the model plans it)."""
     rows, cols = x.shape
     op = support.entry(NAME)
     dtype, aligned = storage_dtype_name(x), _aligned(x)

@@ -204,7 +204,7 @@ def _bias_widths(a: Arch, lead) -> set[int]:
         return set()
     g = a.graph
     added = {n.bias for n in g.block if n.bias}
-    return {g.values[y].shape(lead)[-1] for n in g.block
+    return {math.prod(g.values[y].shape(lead)) // math.prod(lead) for n in g.block
             if n.kind == "linear" and n.weights[0] not in added for y in n.outputs}
 
 

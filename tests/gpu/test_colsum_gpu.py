@@ -30,8 +30,10 @@ def _within(got, want, x):
 
 
 def _workspace(cp, rows, cols, dt):
-    from eulergen.runtime.engine.colsum import workspace_elements
-    return cp.zeros(workspace_elements(rows, cols, dt), cp.float32)
+    from eulergen.runtime.engine.cuda_ops import workspace_elements
+    from eulergen.runtime.engine.kinds import support
+    n = workspace_elements(support.entry("colsum"), "partials", (rows, cols), dt)
+    return cp.zeros(n, cp.float32)
 
 
 @pytest.mark.parametrize("dt,out", [("f32", "f32"), ("bf16", "bf16"), ("bf16", "f32")])

@@ -17,6 +17,7 @@ from functools import lru_cache
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.kernels import Launcher
 from eulergen.runtime.engine.kinds.base import OpKind
+from eulergen.runtime.engine.launch_args import elements
 from eulergen.runtime.engine.manifest import BUILTIN_MANIFEST, Manifest, load_manifest
 
 NAMES = ("step_control", "draw", "bf16", "moves", "gemv", "colsum")
@@ -30,11 +31,14 @@ class Support(OpKind):
 
 
 class Colsum(Support):
-    """colsum's partial rows come from the caller's workspace, so a memory plan asks it."""
+    """colsum's partial rows come from the caller's workspace (runtime/engine/colsum.py), so a
+    memory plan asks it for [rows, cols] `shape`: the more rows of the two variants' launches
+    (which one runs is the array's alignment)."""
 
     def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
-        from eulergen.runtime.engine.colsum import workspace_elements
-        return workspace_elements(*shape, dtype)
+        rows, cols = shape
+        return max(elements([(op.kernel("partials", dtype, aligned=a).geometry
+                              .launch(rows, cols).partials, cols)]) for a in (True, False))
 
 
 KINDS = tuple((Colsum if name == "colsum" else Support)(name) for name in NAMES)
