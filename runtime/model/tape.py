@@ -54,6 +54,15 @@ class Tape:
         self.gemm = gemm or gemm_for(backend, tf32, gemm_ws, self.blas)
         self.epilogues = self.gemm.epilogues   # whether it takes bias and dbias
 
+    def bias_grad(self, dy, db, ones, *, add: bool) -> None:
+        """db (+)= 1ᵀ·dy, a Linear's bias gradient outside the GEMM's epilogue: on a GPU the
+        column-sum kernels (runtime/engine/colsum.py) in the kernel workspace, on numpy (or
+        a GPU tape planned without that workspace) the GEMM against the planned `ones`."""
+        if self.backend.is_gpu and self.kernel_ws is not None:
+            colsum(dy, db, workspace=self.kernel_ws, add=add)
+        else:
+            self.gemm(ones, dy, db.reshape(1, -1), add=add)
+
     def record(self, node):
         self.nodes.append(node)
         return node
@@ -149,12 +158,8 @@ class Linear:
                       dbias=db.buf)
             return
         tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw))
-        if db is None:
-            return
-        if tape.backend.is_gpu and tape.kernel_ws is not None:
-            colsum(self.dy, db.buf, workspace=tape.kernel_ws, add=tape.adds(db))
-        else:   # numpy, or a GPU tape planned without kernel workspace
-            tape.gemm(self.ones, self.dy, db.buf.reshape(1, -1), add=tape.adds(db))
+        if db is not None:
+            tape.bias_grad(self.dy, db.buf, self.ones, add=tape.adds(db))
 
 
 class Op:
