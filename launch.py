@@ -260,32 +260,6 @@ class BiasRows(Geometry):
         return column_launch(rows, cols, self.vec * self.threads, self.threads, self.blocks)
 
 
-@dataclass(frozen=True)
-class ColumnSum(Geometry):
-    """Column sums of a [rows, cols] matrix (templates/colsum.cu.j2): block (threads_x,
-    threads_y), a thread `vec` adjacent columns, the block's threads_y row lanes meeting in
-    shared memory; grid (cdiv(cols, vec · threads_x), G), G = clamp(cdiv(blocks, grid x), 1,
-    cdiv(rows, threads_y · rows_in_flight)), so that each lane has a whole round of loads in
-    flight; group y takes rows y, y + G, … and writes partial row y. `aligned`: the variant
-    for 16-byte access (cols and the row stride whole vectors, a 16-byte aligned base)."""
-    shape: ClassVar[str] = "column_sum"
-    threads_x: int
-    threads_y: int
-    vec: int
-    rows_in_flight: int
-    blocks: int
-    aligned: bool
-
-    @property
-    def threads(self) -> int:
-        return self.threads_x * self.threads_y
-
-    def launch(self, rows: int, cols: int) -> Launch:
-        x = cdiv(cols, self.vec * self.threads_x)
-        y = max(1, min(cdiv(self.blocks, x), cdiv(rows, self.threads_y * self.rows_in_flight)))
-        return Launch((x, y), (self.threads_x, self.threads_y), partials=y)
-
-
 # ---- embedding ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -418,8 +392,7 @@ class AttentionRowdot(Geometry):
 
 
 SHAPES = {cls.shape: cls for cls in (
-    Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, ColumnSum,
-    EmbeddingForward,
+    Pointwise, Update, Pair, *ROW_LAYOUTS, WgradCols, WgradReduce, BiasRows, EmbeddingForward,
     EmbeddingSort, EmbeddingMerge, EmbeddingWte, EmbeddingWteLong, EmbeddingWpe, Blocks, Gemv,
     AttentionTiles, AttentionDecode, AttentionRowdot)}
 

@@ -208,12 +208,11 @@ class Timed:
 
 def _gemm_role(m: int, n: int, k: int, ta: bool, backward: bool, epilogue=None) -> str:
     """A GEMM's line in its Linear: the product, the bias written as 1·b or its gradient as
-    1ᵀ·dy (inside the tape's bias grad), or a product with a bias epilogue (`epilogue`:
-    "bias", "dbias")."""
+    1ᵀ·dy, or a product with a bias epilogue (`epilogue`: "bias", "dbias")."""
     if k == 1:
         return "bias"
     if m == 1:
-        return "1ᵀ·dy"
+        return "bias grad"
     role = ("wgrad" if ta else "dgrad") if backward else "gemm"
     return {None: role, "bias": f"{role}+bias", "dbias": f"{role}+bias grad"}[epilogue]
 
@@ -226,7 +225,6 @@ def instrument(model, spans: Spans):
     tp.nodes[:] = [Timed(n, spans, names) for n in nodes]
     phase = {"backward": False}
     gemm, add, forward, backward = tp.gemm, tp.add, tp.forward, tp.backward
-    bias_grad = tp.bias_grad
 
     def shadow(obj, name: str, stand_in) -> None:
         saved.append((obj, name, vars(obj).get(name, _MISSING)))
@@ -238,11 +236,6 @@ def instrument(model, spans: Spans):
         role = _gemm_role(m, n, k, ta, phase["backward"], next(iter(epilogue), None))
         spans.timed(role, "gemm", gemm, a, b, out, ta=ta, tb=tb, add=add, **epilogue,
                     flops=2.0 * m * n * k)
-
-    def timed_bias_grad(dy, db, ones, *, add=False):
-        # reads dy once and writes db (on numpy a GEMM, timed inside it)
-        return spans.timed("bias grad", "add", bias_grad, dy, db, ones, add=add,
-                           nbytes=dy.nbytes + db.nbytes)
 
     def timed_add(a, b, out):
         # inside a node's backward: a gradient added through scratch
@@ -262,8 +255,7 @@ def instrument(model, spans: Spans):
         backward(after)
 
     for name, stand_in in (("gemm", timed_gemm), ("add", timed_add),
-                           ("bias_grad", timed_bias_grad), ("forward", timed_forward),
-                           ("backward", timed_backward)):
+                           ("forward", timed_forward), ("backward", timed_backward)):
         shadow(tp, name, stand_in)
     grads = model.mem.arenas["grads"].nbytes
     norm = model.grad_norm

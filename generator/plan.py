@@ -360,7 +360,7 @@ def embedding_launch(part: str, dtype: str) -> launch.Geometry:
 
 
 # The runtime's own kernels (generator/kinds/step_control.py, draw.py, bf16.py, moves.py,
-# gemv.py, colsum.py).
+# gemv.py).
 STEP_LAUNCH = launch.Blocks(1)                 # a step's scalars: one thread, in order
 LOSS_MEAN_LAUNCH = launch.Blocks(256)          # the loss mean: one block's fixed-order sum
 DRAW_LAUNCH = launch.Blocks(1024)              # the draw: a block a row of logits
@@ -370,12 +370,3 @@ ROW_NORMS_LAUNCH = launch.Blocks(256, 256 // 32, _GRID_MAX)   # bf16 row norms: 
 # each: its accumulators are registers); from 4 rows on, the x reads that every w vector
 # takes make cuBLASLt's tensor-core tiles as fast or faster (benchmarks/decode_step.py)
 GEMV_LAUNCHES = tuple(launch.Gemv(128, rows) for rows in (1, 2))
-# Column sums (a Linear's bias gradient, colsum.cu.j2): 32 threads across a block's columns
-# (a warp reads 512 bytes of a row), 8 row lanes, 4 rows' loads in flight a lane, and 8
-# blocks of 256 an SM (the SM full); the partial rows then number at most rows / 32.
-COLSUM_THREADS_X, COLSUM_THREADS_Y, COLSUM_ROWS, COLSUM_BLOCKS = 32, 8, 4, _SMS * 8
-
-
-def colsum_launch(dtype: str, aligned: bool) -> launch.ColumnSum:
-    return launch.ColumnSum(COLSUM_THREADS_X, COLSUM_THREADS_Y, VEC[dtype], COLSUM_ROWS,
-                            COLSUM_BLOCKS, aligned)

@@ -14,7 +14,7 @@ from eulergen.generator.kinds.base import OpKind
 
 # The built-in kinds, in the registry's order; each the name of its module in kinds/.
 NAMES = ("pointwise", "row", "pair", "update", "attention", "embedding",
-         "step_control", "draw", "bf16", "moves", "gemv", "colsum")
+         "step_control", "draw", "bf16", "moves", "gemv")
 KINDS: dict[str, OpKind] = {}   # the kinds imported so far, by name (a test adds its own)
 
 

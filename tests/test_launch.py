@@ -24,7 +24,6 @@ EXAMPLES = [
     planner.wgrad_cols_launch("bf16", 2, True),
     planner.WGRAD_REDUCE_LAUNCH,
     planner.bias_launch("bf16", "backward", True),
-    planner.colsum_launch("bf16", True),
     *(planner.embedding_launch(part, "bf16") for part in embedding.PARTS),
     planner.ROW_NORMS_LAUNCH,
     launch.AttentionTiles(64, 128, 64, 64, 74240, "causal", role="backward_dkv"),

@@ -12,7 +12,6 @@ from eulergen.runtime.model.arch import arch_of
 from eulergen.runtime.engine.backend import NUMPY, Backend
 from eulergen.runtime.train.config import load_config
 from eulergen.runtime.engine.cuda_ops import workspace_elements
-from eulergen.runtime.engine.kinds import support
 from eulergen.runtime.model.memory import upload
 from eulergen.runtime.model.plan import plan_model
 from eulergen.runtime.engine.ops import OpLibrary
@@ -89,27 +88,6 @@ def test_the_training_plan_holds_the_largest_backward_workspace():
     assert plan.arena("kernels").dtype == "float32"
     inference = plan_model(arch, 2, 128, training=False, workspace=workspace_elements)
     assert "kernel_ws" not in inference.index
-
-
-@needs_manifest
-def test_a_model_with_biases_plans_the_partial_rows_of_its_widest_bias_gradient():
-    """GPT-2's Linear layers sum their bias gradients by colsum's kernels in the kernel
-    workspace (tape.Linear), qkv's 3·256 columns the widest (c_fc's bias is the
-    activation's)."""
-    cfg = load_config(None, ["model.preset=gpt2", "model.hidden_dim=256", "model.num_heads=4",
-                             "model.num_layers=1", "model.vocab_size=300",
-                             "model.max_seq_len=1024", "training.seq_len=1024",
-                             "training.batch_size=8"])
-    gpu = OpLibrary(Backend("cuda", np, True, "test"))
-    arch = arch_of(cfg.model, gpu)
-    colsum = workspace_elements(support.entry("colsum"), "partials", (8 * 1024, 768), "bf16")
-    assert colsum > workspace_elements(support.entry("colsum"), "partials", (8 * 1024, 256),
-                                       "bf16")
-    plan = plan_model(arch, 8, 1024, dtype="bf16", workspace=gpu.workspace_elements)
-    assert plan.buffer("kernel_ws").shape[0] >= colsum
-    only = plan_model(arch, 8, 1024, dtype="bf16", workspace=lambda op, *a, **k: (
-        gpu.workspace_elements(op, *a, **k) if op.name == "colsum" else 0))
-    assert only.buffer("kernel_ws").shape == (colsum,)
 
 
 @needs_manifest

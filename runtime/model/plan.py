@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from eulergen.errors import EulerError
 from eulergen.runtime.engine import gemm
-from eulergen.runtime.engine.kinds import support
 from eulergen.runtime.model.arch import Arch
 from eulergen.runtime.model.memory import ALIGN, Plan, Planner
 from eulergen.runtime.model.optimizer_plan import lanes_for, plan_optimizer
@@ -144,7 +143,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
         add("workspace", slot, v.shape(lead), v.per_row, of(v))
     add("workspace", "dloss", (N,), per_row=True)      # d(mean loss)/d(row loss), constant
     if a.bias:
-        add("workspace", "ones", (1, N))   # numpy's bias gradients 1ᵀ·dy; bf16's bias 1·b
+        add("workspace", "ones", (1, N))                # bias gradients as a GEMM: 1ᵀ·dy
     if training:
         values = [g.values[n] for n in g.order(g.stem + g.block + g.head)
                   if not g.values[n].part]
@@ -184,10 +183,7 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
             workspace(a.ops.attention, "backward", (B, T, a.heads, a.head_dim), dtype=kdt),
             # autocast: from the float32 tables into the float32 stream
             workspace(a.ops.embedding, "backward", (B, T), dtype="f32" if pr.autocast else kdt,
-                      table_rows=a.vocab_rows),
-            # the Linear layers' bias gradients, column sums of their dy (tape.Linear)
-            *(workspace(support.entry("colsum"), "partials", (N, cols), dtype=kdt)
-              for cols in _bias_widths(a, lead)))
+                      table_rows=a.vocab_rows))
         if kernel_ws:
             p.add("kernels", "kernel_ws", (kernel_ws,), "float32")
     if gemm_workspace:
@@ -195,17 +191,6 @@ def plan_model(a: Arch, batch: int, seq: int, *, training: bool = True,
     p.add("tokens", "idx", (B, T), "int32")
     p.add("tokens", "targets", (B, T), "int32")
     return p.plan()
-
-
-def _bias_widths(a: Arch, lead) -> set[int]:
-    """The output widths of the block's Linear layers that add their own bias (not one a
-    later node adds: the activation's)."""
-    if not a.bias:
-        return set()
-    g = a.graph
-    added = {n.bias for n in g.block if n.bias}
-    return {math.prod(g.values[y].shape(lead)) // math.prod(lead) for n in g.block
-            if n.kind == "linear" and n.weights[0] not in added for y in n.outputs}
 
 
 def _norm_row(total: int) -> int:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from eulergen.runtime.engine import bf16
-from eulergen.runtime.engine.colsum import colsum
 from eulergen.runtime.engine.gemm import gemm_for
 
 
@@ -53,15 +52,6 @@ class Tape:
             self.blas = Cublas(gemm_ws)
         self.gemm = gemm or gemm_for(backend, tf32, gemm_ws, self.blas)
         self.epilogues = self.gemm.epilogues   # whether it takes bias and dbias
-
-    def bias_grad(self, dy, db, ones, *, add: bool) -> None:
-        """db (+)= 1ᵀ·dy, a Linear's bias gradient outside the GEMM's epilogue: on a GPU the
-        column-sum kernels (runtime/engine/colsum.py) in the kernel workspace, on numpy (or
-        a GPU tape planned without that workspace) the GEMM against the planned `ones`."""
-        if self.backend.is_gpu and self.kernel_ws is not None:
-            colsum(dy, db, workspace=self.kernel_ws, add=add)
-        else:
-            self.gemm(ones, dy, db.reshape(1, -1), add=add)
 
     def record(self, node):
         self.nodes.append(node)
@@ -124,12 +114,10 @@ class Linear:
     With the GEMM's epilogues (cuBLASLt) the bias is added inside the forward GEMM and db
     written by the dW GEMM, unless db is added to (a later micro-step: the epilogue only
     writes) or of another dtype than dy (autocast's float32 gradients: the epilogue writes
-    dy's). Then, and on a GPU without epilogues, db is the column sums of dy
-    (runtime/engine/colsum.py: a GEMM against a row of ones reads dy at a fraction of copy
-    bandwidth); on numpy it is that GEMM 1ᵀ·dy against the planned `ones` with beta = 1.
-    Without epilogues, in bf16 the bias is written first, as the rank-1 GEMM 1·b, and the
-    product added to it by the GEMM's beta = 1. Either way x·wᵀ + b is summed in float32
-    and rounded once; fp32 without epilogues adds the bias after."""
+    dy's), when it is the GEMM 1ᵀ·dy against the planned `ones` with beta = 1. Without
+    them db is always that GEMM, and in bf16 the bias is written first, as the rank-1
+    GEMM 1·b, and the product added to it by the GEMM's beta = 1. Either way x·wᵀ + b is
+    summed in float32 and rounded once; fp32 without epilogues adds the bias after."""
 
     def __init__(self, x, w, y, dy, dx: Grad | None, dw: Grad, b=None, db: Grad | None = None,
                  ones=None):
@@ -159,7 +147,7 @@ class Linear:
             return
         tape.gemm(self.dy, self.x, self.dw.buf, ta=True, add=tape.adds(self.dw))
         if db is not None:
-            tape.bias_grad(self.dy, db.buf, self.ones, add=tape.adds(db))
+            tape.gemm(self.ones, self.dy, db.buf.reshape(1, -1), add=tape.adds(db))
 
 
 class Op:

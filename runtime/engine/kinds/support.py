@@ -2,11 +2,10 @@
 OpLibrary call launches (templates/step_control.cu.j2: the step's scalars and the loss
 mean; draw.cu.j2: the sampler's draw; bf16.cu.j2: the bf16 steps outside the ops;
 moves.cu.j2: rows moved by device-held positions; gemv.cu.j2: the decoder's few-row
-GEMMs; colsum.cu.j2: the Linear layers' bias gradients). Each is a kind that takes no call;
-the module that owns the concern (runtime/train/step_control.py, runtime/model/loss.py,
-runtime/generate/draw.py, runtime/engine/bf16.py, runtime/generate/moves.py,
-runtime/engine/gemv.py, runtime/engine/colsum.py) holds its numpy form and launches its
-kernels through `launch`: found by call and dtype, compiled through
+GEMMs). Each is a kind that takes no call; the module that owns the concern
+(runtime/train/step_control.py, runtime/model/loss.py, runtime/generate/draw.py,
+runtime/engine/bf16.py, runtime/generate/moves.py, runtime/engine/gemv.py) holds its numpy
+form and launches its kernels through `launch`: found by call and dtype, compiled through
 runtime/engine/compile.py's cache on first use (a warm-up, never a capture), bound and
 launched by kernels.Launcher with the grid of the kernel's geometry.
 """
@@ -17,10 +16,9 @@ from functools import lru_cache
 from eulergen.errors import EulerError
 from eulergen.runtime.engine.kernels import Launcher
 from eulergen.runtime.engine.kinds.base import OpKind
-from eulergen.runtime.engine.launch_args import elements
 from eulergen.runtime.engine.manifest import BUILTIN_MANIFEST, Manifest, load_manifest
 
-NAMES = ("step_control", "draw", "bf16", "moves", "gemv", "colsum")
+NAMES = ("step_control", "draw", "bf16", "moves", "gemv")
 
 
 class Support(OpKind):
@@ -30,18 +28,7 @@ class Support(OpKind):
         self.name = name
 
 
-class Colsum(Support):
-    """colsum's partial rows come from the caller's workspace (runtime/engine/colsum.py), so a
-    memory plan asks it for [rows, cols] `shape`: the more rows of the two variants' launches
-    (which one runs is the array's alignment)."""
-
-    def workspace_elements(self, op, stage, shape, dtype, *, table_rows=0, fusion=""):
-        rows, cols = shape
-        return max(elements([(op.kernel("partials", dtype, aligned=a).geometry
-                              .launch(rows, cols).partials, cols)]) for a in (True, False))
-
-
-KINDS = tuple((Colsum if name == "colsum" else Support)(name) for name in NAMES)
+KINDS = tuple(Support(name) for name in NAMES)
 
 
 @lru_cache(maxsize=1)
