@@ -38,9 +38,10 @@ from sample import eulergen_weights  # noqa: E402
 def label(node) -> str:
     """A node's line in the table: its kind, and the op or the GEMM's shape."""
     kind = type(node).__name__
-    if kind == "Linear":
+    if kind in ("Linear", "LinearAct"):
         n, k = node.w.shape
-        return f"gemm {k}->{n}" + (" +b" if node.b is not None else "")
+        return (f"gemm {k}->{n}" + (" +b" if node.b is not None else "")
+                + (f" {node.act.name}" if kind == "LinearAct" else ""))
     if kind in ("Op", "Norm", "Rope", "Embed", "Attend"):
         return f"{kind.lower()} {node.op.name}"
     return kind.lower()
@@ -48,7 +49,7 @@ def label(node) -> str:
 
 def weight_bytes(node) -> int:
     """The bytes a GEMM node's weight and bias hold (0 for the others)."""
-    if type(node).__name__ != "Linear":
+    if type(node).__name__ not in ("Linear", "LinearAct"):
         return 0
     return node.w.nbytes + (node.b.nbytes if node.b is not None else 0)
 

@@ -1,5 +1,6 @@
 """Fused variants of an op, made from its derived form: every op of the right shape gets
-them, a user's too, and the runtime picks them from the manifest (its `fusions`).
+them, a user's too, and the runtime picks them from the manifest (its `fusions`, and the
+kernels' `fusion`).
 
 - `add`, for a row op with one row input and per-element outputs (a norm): the residual
   add folded in. Its forward reads the stream x and a branch, writes their sum (the stream
@@ -10,10 +11,16 @@ them, a user's too, and the runtime picks them from the manifest (its `fusions`)
 - `bias`, for a pointwise op: each input x [rows, F] gets a bias _bias_x [F] broadcast over
   rows, and the op reads x + _bias_x; the backward also writes each bias's gradient, the
   column sums of dx (plan_ops: partial sums a block, then a fixed-order reduce).
+- `gemv`, for a pointwise op of one input and one output (`takes_gemv`): the op as the
+  epilogue of the decoder's GEMM of a few rows, y = f(x·wᵀ + b), with the bits of the pair
+  it stands for: the float32 sum read as the storage holds it, then the code of the op's
+  forward (no bias) or of its bias variant, unchanged, printed into kernels beside the op's
+  (generator/kinds/pointwise.py); forward only, and no `fusions` entry: no op call runs it,
+  runtime/engine/gemv.py launches its kernels.
 
-Both are substitutions into the derived code, not a second derivation: the fused kernels
-compute the op's own expressions, and add_backward's weight-gradient terms are the op's,
-so its split backward shares the op's column kernel.
+`add` and `bias` are substitutions into the derived code, not a second derivation: the
+fused kernels compute the op's own expressions, and add_backward's weight-gradient terms
+are the op's, so its split backward shares the op's column kernel.
 """
 from __future__ import annotations
 
@@ -52,6 +59,13 @@ def takes_add(op: ir.DerivedOp) -> bool:
     return (isinstance(op.body, ir.RowDerived) and len(rows) == 1 and rows[0].differentiable
             and all(o.role in ("row", "weight") for o in op.inputs)
             and all(o.role == "row" for o in op.outputs))
+
+
+def takes_gemv(op: ir.DerivedOp) -> bool:
+    """Whether an op takes the `gemv` fusion: a pointwise op (its body a PointwiseDerived)
+    of one input and one output (not a gated one: the GEMM writes one value a column)."""
+    return (isinstance(op.body, ir.PointwiseDerived) and len(op.inputs) == 1
+            and len(op.outputs) == 1)
 
 
 # Cached: build, plan, render and the numpy module each ask for an op's variants, which a

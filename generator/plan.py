@@ -370,3 +370,16 @@ ROW_NORMS_LAUNCH = launch.Blocks(256, 256 // 32, _GRID_MAX)   # bf16 row norms: 
 # each: its accumulators are registers); from 4 rows on, the x reads that every w vector
 # takes make cuBLASLt's tensor-core tiles as fast or faster (benchmarks/decode_step.py)
 GEMV_LAUNCHES = tuple(launch.Gemv(128, rows) for rows in (1, 2))
+# their body (eg_gemv, in templates/), which the gemv kind's kernels and each pointwise op's
+# `gemv` variant (its forward as their epilogue) include
+GEMV_BODY = "gemv_common.cuh.j2"
+
+
+def gemv_args(dtype: str, out: str = "") -> tuple[tuple[str, str], ...]:
+    """What every gemv kernel takes first: x [rows, k] (row stride ldx), w [n, k] (ldw), b
+    [n] or null, y [rows, n] (ldy), `cols` output columns a block; y of C type `out` where
+    it is not the storage's (bf16 writing float32)."""
+    c = CTYPE[dtype]
+    return (("x", f"const {c}*"), ("ldx", "long long"), ("w", f"const {c}*"),
+            ("ldw", "long long"), ("b", f"const {c}*"), ("y", f"{out or c}*"),
+            ("ldy", "long long"), ("rows", "int"), ("n", "int"), ("k", "int"), ("cols", "int"))

@@ -15,7 +15,8 @@ class StagePlan:
     """One stage of an op: a device impl `name` over the pointer operands `loads` (read)
     and `stores` (written), and its entry point for each dtype. A pointwise op's bias
     variant's stage reads `biases` ([cols], among the loads) and writes the partial rows of
-    the gradients `partials` (float32)."""
+    the gradients `partials` (float32); its gemv variant's impl is the epilogue the gemv
+    kernels' body applies, an entry point a dtype and row bound."""
     name: str                        # <op>_<label>; the entry points add _<dtype>
     label: str                       # the stage's name: forward, backward_bias, reduce_bias…
     loads: tuple[str, ...]
@@ -29,13 +30,16 @@ class StagePlan:
 class OpPlan:
     """Every choice of an op's kernels; render only prints it. `bias`: a pointwise op's bias
     variant (generator/fuse.py): its forward and backward over rows, and the reduce of the
-    backward's partial rows."""
+    backward's partial rows. `gemv`: a pointwise op's gemv variant (None: it has none), the
+    decoder's few-row GEMM with the op's forward as its epilogue."""
     stages: tuple[StagePlan, ...]
     bias: tuple[StagePlan, ...] = ()
+    gemv: StagePlan | None = None
 
     @property
     def sigs(self) -> tuple[KernelSig, ...]:
-        return tuple(sig for st in self.stages + self.bias for sig in st.sigs)
+        gemv = (self.gemv,) if self.gemv else ()
+        return tuple(sig for st in self.stages + self.bias + gemv for sig in st.sigs)
 
 
 def pointers(dtype: str, loads, stores) -> tuple[tuple[str, str], ...]:

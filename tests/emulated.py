@@ -20,10 +20,12 @@ def runner(name: str, params: str, grid: str, threads: int, call: str) -> str:
             f"  emu_launch(dim3({grid}), dim3({threads}), [&] {{ {call}; }});\n}}")
 
 
-def emulated_library(folder: Path, cu: str, runners: list[str]) -> ctypes.CDLL:
-    """generated/cuda/`cu` with `runners` after it, built in `folder` and loaded."""
+def emulated_library(folder: Path, cu: str, runners: list[str],
+                     source: Path = GENERATED_DIR / "cuda") -> ctypes.CDLL:
+    """`source`/`cu` (generated/cuda's, or a user build's) with `runners` after it, built in
+    `folder` and loaded."""
     for name in ("eulergen_common.cuh", cu):
-        shutil.copy(GENERATED_DIR / "cuda" / name, folder / name)
+        shutil.copy(source / name, folder / name)
     stem = Path(cu).stem
     (folder / f"{stem}.cpp").write_text("\n".join([f'#include "{cu}"', *runners]) + "\n")
     subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-I", str(EMULATOR), "-o",

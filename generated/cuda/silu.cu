@@ -306,3 +306,136 @@ extern "C" __global__ void __launch_bounds__(1024) silu_reduce_bias_bf16(
     const float* partials, __nv_bfloat16* dw, int num_partials, int cols, int accumulate) {
   eg_reduce_partials<__nv_bfloat16, 8, 128>(partials, dw, num_partials, cols, accumulate);
 }
+
+// The `gemv` variant: y = silu(x·wᵀ + b) for a few rows of x in one kernel, the bits of
+// the pair it stands for (the gemv kernel storing x·wᵀ in y's dtype, then the op, or its
+// bias variant, reading it): the gemv kernels' body, the epilogue with the op's own
+// forward codes, then the kernels.
+
+// eg_gemv, the decoder's GEMMs of a few rows, hand-written (a dot product: no spec):
+// y[r, c] = round(E(sum_k x[r, k]·w[c, k], b, c) + beta·y[r, c]), summed in float32, for
+// r < rows <= R (R the kernel's bound: its accumulators are registers). E, the epilogue, takes
+// the float32 sum, the bias and the column: EgLinear adds the bias (one rounding in all,
+// numpy_gemm's contract); a pointwise op's `gemv` variant applies the op as the unfused
+// pair it stands for would (generator/kinds/pointwise.py). A block takes `cols` output
+// columns (1, 2 or 4: the caller's choice, so that a narrow n still puts blocks on every SM
+// and a wide one does not pay a block a column); a column's warps take the 16-byte chunks
+// of w's row in turn, each lane one vector of a chunk, so a row of w is read once, in whole
+// sectors, with every chunk's load in flight before any is used; x (a few rows, read by
+// every block) comes from L1/L2. A column's warp sums meet in shared memory in warp order:
+// the result is the same at every run. Callers guarantee 16-byte aligned x, w and row
+// strides, and k a whole number of vectors (runtime/engine/gemv.py checks).
+
+struct EgLinear {
+  template <typename T>
+  __device__ __forceinline__ float operator()(float sum, const T* b, int c) const {
+    return b != nullptr ? sum + eg_load(b, c) : sum;
+  }
+};
+
+// v as a T stores it (a fused epilogue reads the sum as the unfused pair's kernel stored it)
+__device__ __forceinline__ float eg_stored(const float*, float v) { return v; }
+__device__ __forceinline__ float eg_stored(const __nv_bfloat16*, float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+template <typename T, typename O, int R, int THREADS, typename E>
+__device__ __forceinline__ void eg_gemv(const T* __restrict__ x, long long ldx,
+                                        const T* __restrict__ w, long long ldw,
+                                        const T* __restrict__ b, O* y, long long ldy, int rows,
+                                        int n, int k, int cols, float beta, E epilogue) {
+  constexpr int V = EgVec<T>::N, WARPS = THREADS / 32, CHUNK = 32 * V;
+  constexpr int U = 4;   // chunks a warp has in flight
+  __shared__ float s_sum[WARPS][R];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, per = WARPS / cols;
+  const int col = blockIdx.x * cols + warp / per, first = warp % per;
+  const T* wr = w + (long long)col * ldw;
+  // a warp past the last column reads nothing but still meets the block at the barrier
+  const int chunks = col < n ? (k + CHUNK - 1) / CHUNK : 0;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int c0 = first; c0 < chunks; c0 += per * U) {
+    uint4 raw[U];
+    bool in[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int at = (c0 + u * per) * CHUNK + lane * V;
+      in[u] = c0 + u * per < chunks && at < k;
+      // w is read once a token: evict-first, so L2 keeps x and the activations
+      if (in[u]) raw[u] = eg_load_raw(wr, at, true);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!in[u]) continue;
+      const int at = (c0 + u * per) * CHUNK + lane * V;
+      float wf[V];
+      eg_unpack_vec<T>(raw[u], wf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        float xf[V];
+        eg_load_vec(x + r * ldx, at, xf);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float s = eg_warp_sum(acc[r]);
+    if (lane == 0) s_sum[warp][r] = s;
+  }
+  __syncthreads();
+  // a thread an output (column, row): its column's warps' sums, in warp order
+  const int r = threadIdx.x % R, at = threadIdx.x / R, out = blockIdx.x * cols + at;
+  if (at < cols && r < rows && out < n) {
+    float v = 0.f;
+    for (int i = 0; i < per; ++i) v += s_sum[at * per + i][r];
+    v = epilogue(v, b, out);
+    if (beta != 0.f) v += beta * eg_load(y, r * ldy + out);
+    eg_store(y, r * ldy + out, v);
+  }
+}
+
+struct silu_forward_gemv {
+  template <typename T>
+  __device__ __forceinline__ float operator()(float sum, const T* b, int c) const {
+    const float x = eg_stored(b, sum);
+    if (b == nullptr) {
+      const float y = x*eg_sigmoid(x);
+      return y;
+    }
+    const float _bias_x = eg_load(b, c);
+    const float y = (_bias_x + x)*eg_sigmoid(_bias_x + x);
+    return y;
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(128) silu_forward_gemv_r1_f32(
+    const float* x, long long ldx, const float* w, long long ldw, const float* b, float* y,
+    long long ldy, int rows, int n, int k, int cols) {
+  eg_gemv<float, float, 1, 128>(
+      x, ldx, w, ldw, b, y, ldy, rows, n, k, cols, 0.f, silu_forward_gemv{});
+}
+
+extern "C" __global__ void __launch_bounds__(128) silu_forward_gemv_r2_f32(
+    const float* x, long long ldx, const float* w, long long ldw, const float* b, float* y,
+    long long ldy, int rows, int n, int k, int cols) {
+  eg_gemv<float, float, 2, 128>(
+      x, ldx, w, ldw, b, y, ldy, rows, n, k, cols, 0.f, silu_forward_gemv{});
+}
+
+extern "C" __global__ void __launch_bounds__(128) silu_forward_gemv_r1_bf16(
+    const __nv_bfloat16* x, long long ldx, const __nv_bfloat16* w, long long ldw,
+    const __nv_bfloat16* b, __nv_bfloat16* y, long long ldy, int rows, int n, int k, int cols) {
+  eg_gemv<__nv_bfloat16, __nv_bfloat16, 1, 128>(
+      x, ldx, w, ldw, b, y, ldy, rows, n, k, cols, 0.f, silu_forward_gemv{});
+}
+
+extern "C" __global__ void __launch_bounds__(128) silu_forward_gemv_r2_bf16(
+    const __nv_bfloat16* x, long long ldx, const __nv_bfloat16* w, long long ldw,
+    const __nv_bfloat16* b, __nv_bfloat16* y, long long ldy, int rows, int n, int k, int cols) {
+  eg_gemv<__nv_bfloat16, __nv_bfloat16, 2, 128>(
+      x, ldx, w, ldw, b, y, ldy, rows, n, k, cols, 0.f, silu_forward_gemv{});
+}

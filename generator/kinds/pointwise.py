@@ -1,15 +1,19 @@
 """Pointwise ops: outputs elementwise in the inputs (gelu, silu, swiglu(a, b), relu²), every
 operand of one shape. `d input = Σ d out · ∂out/∂input` per input, CSE'd; a spec may give a
 backward of its own (`backward:`), checked against the derived one. One kernel a stage over
-the flat operands (templates/pointwise.cu.j2), and the `bias` variant (generator/fuse.py):
-the op of x + b over rows, its bias gradients summed through partial rows and a reduce."""
+the flat operands (templates/pointwise.cu.j2), the `bias` variant (generator/fuse.py): the
+op of x + b over rows, its bias gradients summed through partial rows and a reduce; and, for
+an op of one input and one output, the `gemv` variant: the decoder's few-row GEMM
+(generator/kinds/gemv.py's kernels, their body included) with the op's forward as its
+epilogue."""
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
 
-from eulergen.errors import suggest
+from eulergen import TEMPLATES_DIR
+from eulergen.errors import EulerError, suggest
 from eulergen.generator import c_text, formula, fuse, ir, numpy_text
 from eulergen.generator.differentiate import jvp
 from eulergen.generator.emit import block, param_names
@@ -17,13 +21,14 @@ from eulergen.generator.gradcheck import EPS, EXTREMES, as_tuple, check_gradient
 from eulergen.generator.kinds.base import OpKind
 from eulergen.generator.numeric import compile_exprs, random_inputs
 from eulergen.generator.opspec import Formula, Input, formulas, symbol
-from eulergen.generator.plan import (DTYPES, WGRAD_REDUCE_LAUNCH, arithmetic_light, bias_launch,
+from eulergen.generator.plan import (DTYPES, GEMV_BODY, GEMV_LAUNCHES, WGRAD_REDUCE_LAUNCH,
+                                     arithmetic_light, bias_launch, gemv_args,
                                      pointwise_launch, reduce_args)
 from eulergen.generator.stage_plan import (OpPlan, StagePlan, entries, floats, pointers, ptrs,
                                            stage, title)
 from eulergen.signature import CFunction, KernelSig, variant_name
 
-BIAS = "bias"
+BIAS, GEMV = "bias", "gemv"
 
 
 class Pointwise(OpKind):
@@ -31,6 +36,10 @@ class Pointwise(OpKind):
     template = templates = "pointwise.cu.j2"
     keys = frozenset({"inputs", "outputs", "kink", "backward"})
     required = ("inputs", "outputs")
+
+    def template_files(self):
+        """Its template and the gemv kernels' body, which the `gemv` variant includes."""
+        return [self.folder / self.template, TEMPLATES_DIR / GEMV_BODY]
 
     # ---- spec -----------------------------------------------------------------------------
 
@@ -98,7 +107,7 @@ class Pointwise(OpKind):
                 op, call, loads, stores,
                 lambda dt: pointers(dt, loads, stores) + floats(op) + (("n", "long long"),),
                 lambda dt: pointwise_launch(dt, len(loads), light)))
-        return OpPlan(tuple(planned), _bias_stages(fuse.bias_variant(op)))
+        return OpPlan(tuple(planned), _bias_stages(fuse.bias_variant(op)), _gemv_stage(op))
 
     def render(self, op, plan: OpPlan, header):
         body: ir.PointwiseDerived = op.body
@@ -113,10 +122,18 @@ class Pointwise(OpKind):
                     "code": block(code[st.label]), "entries": entries(st), "biases": st.biases,
                     "rows": [a for a in st.loads if a not in st.biases], "partials": st.partials}
         reduce = next((st for st in plan.bias if st.sigs[0].part == "reduce"), None)
+        # the gemv variant's epilogue: the code of the forward kernel and of the bias
+        # variant's (the pair it stands for), each returning the output
+        epilogue = plan.gemv and {
+            "body": GEMV_BODY, "name": plan.gemv.name, "input": op.inputs[0].name,
+            "bias": fuse.bias_name(op.inputs[0].name), "output": op.outputs[0].name,
+            "code": block(body.forward), "bias_code": block(fused.forward),
+            "entries": entries(plan.gemv)}
         source = self.render_template(
             header=header, op=op.name, kernels=[kernel(st) for st in plan.stages],
             bias_kernels=[kernel(st) for st in plan.bias if st is not reduce],
-            reduce=reduce and {"entries": entries(reduce)}, params=param_names(op))
+            reduce=reduce and {"entries": entries(reduce)}, gemv=epilogue,
+            params=param_names(op))
         return ir.RenderedCuda(source, plan.sigs)
 
     # ---- numpy ----------------------------------------------------------------------------
@@ -291,6 +308,27 @@ def _bias_stages(op: ir.DerivedOp) -> tuple[StagePlan, ...]:
         planned.append(stage(op, "backward", ["partials"], ["dw"], reduce_args,
                              lambda dt: WGRAD_REDUCE_LAUNCH, part="reduce", fusion=BIAS))
     return tuple(planned)
+
+
+def _gemv_stage(op: ir.DerivedOp) -> StagePlan | None:
+    """The `gemv` variant, for an op that fuse.takes_gemv (else None): y = op(x·wᵀ + b) for
+    up to each row bound of plan.GEMV_LAUNCHES, a kernel a bound and storage dtype (y in
+    it), taking plan.gemv_args, then the op's params by their names; its impl the epilogue
+    (the op's forward) that the gemv kernels' body applies."""
+    if not fuse.takes_gemv(op):
+        return None
+    taken = {name for name, _ in gemv_args("f32")}
+    clash = [p.name for p in op.params if p.name in taken]
+    if clash:
+        raise EulerError(f"param '{clash[0]}' is the name of an argument of the op's generated "
+                         "gemv kernels (plan.gemv_args); rename it",
+                         file=op.where.file, line=op.where.line, key=f"params.{clash[0]}")
+    label = variant_name("forward", GEMV)
+    name = f"{op.name}_{label}"
+    return StagePlan(name, label, ("x", "w", "b"), ("y",), tuple(
+        KernelSig(f"{name}_r{g.rows}_{dt}", gemv_args(dt) + floats(op), dt, "forward", g,
+                  fusion=GEMV)
+        for dt in DTYPES for g in GEMV_LAUNCHES))
 
 
 def _numpy_pair(d: ir.DerivedOp, suffix: str) -> list[str]:

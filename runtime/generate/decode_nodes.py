@@ -1,9 +1,10 @@
 """The tape nodes of the KV-cache decoder (runtime/generate/decoder.py) that training's tape does
 not have: they read the device-held positions, or the decoder's `live` values (pos0) when
 they run, so that one recorded run, eager or captured as a CUDA graph, serves every
-position."""
+position; and LinearAct, a step's linear and activation as one gemv kernel."""
 from __future__ import annotations
 
+from eulergen.runtime.engine.gemv import gemv
 from eulergen.runtime.generate.moves import scatter_rows, take_row
 from eulergen.runtime.model.tape import Tape
 
@@ -20,6 +21,17 @@ class Embed:
         if self.wpe is not None:
             tape.lib.forward(self.op, self.positions, self.wpe, None, out=(self.pos_emb,))
             tape.add(self.out, self.pos_emb, self.out)
+
+
+class LinearAct:
+    """y = act(x·wᵀ + b) in one kernel (runtime/engine/gemv.py, the op's `gemv` variant): a
+    linear and the activation after it, at a step's few rows."""
+
+    def __init__(self, x, w, b, y, act, params: dict):
+        self.x, self.w, self.b, self.y, self.act, self.params = x, w, b, y, act, params
+
+    def forward(self, tape: Tape) -> None:
+        gemv(self.x, self.w, self.y, bias=self.b, act=self.act, params=self.params)
 
 
 class Rope:

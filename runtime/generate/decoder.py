@@ -21,6 +21,12 @@ add with the next norm (after the last block, the final one). The tied head runs
 norm only; a one-row step then advances the device positions, and `tail` (the sampler's
 draw) runs last.
 
+On a GPU with EULERGEN_GEMV on, a run whose c_fc GEMM the gemv kernels take (one or two
+rows in all: runtime/engine/gemv.py's `takes`) runs c_fc, its bias and the activation as one
+kernel, y = act(x·wᵀ + b), where the activation has that variant (`fuses`: an op of one
+input; a gated one keeps its own kernel): one kernel a layer fewer, and the activation takes
+the float32 sum where the pair reads c_fc's output rounded to the storage dtype.
+
 On a GPU, a multi-row run pads to a bucket (a power of two from MIN_BUCKET, or seq)
 so that a few shapes serve every prompt, and each shape (its rows, and whether it starts
 at position 0) is captured as a CUDA graph at
@@ -48,8 +54,9 @@ from eulergen.errors import EulerError
 from eulergen.runtime.engine import bf16
 from eulergen.runtime.engine.backend import sm_count
 from eulergen.runtime.engine.gemm import gemm_for
-from eulergen.runtime.engine.gemv import SmallRows
-from eulergen.runtime.generate.decode_nodes import Advance, Attend, Embed, Rope, Scatter, TakeLast
+from eulergen.runtime.engine.gemv import SmallRows, fuses, takes
+from eulergen.runtime.generate.decode_nodes import (Advance, Attend, Embed, LinearAct, Rope,
+                                                    Scatter, TakeLast)
 from eulergen.runtime.model.memory import Memory, Plan, Planner, check_fits, upload
 from eulergen.runtime.model.gpt import check_ids
 from eulergen.runtime.model.params import load_params, parameters, plan_params
@@ -176,7 +183,8 @@ class Decoder:
 
     def _record(self, rows: int, prefill: bool) -> Tape:
         """The ids into `held`, graph.py's stem and blocks at `rows` new positions of each
-        sequence, the head at the last real one, a one-row step's advance, the tail."""
+        sequence (a linear and its activation as one node where _linear_act folds them), the
+        head at the last real one, a one-row step's advance, the tail."""
         g, m = self.graph, self.mem
         tape = Tape(self.backend, self.lib, None, gemm=self.gemm)
         views = self._views(rows)
@@ -184,8 +192,16 @@ class Decoder:
         for node in g.stem:
             self._node(tape, node, -1, views, rows)
         for layer in range(self.arch.layers):
+            folded = None     # the activation the linear before it applies
             for node in g.block:
-                self._node(tape, node, layer, views, rows, prefill)
+                if node is folded:
+                    continue
+                fused = self._linear_act(node, layer, views, rows)
+                if fused is None:
+                    self._node(tape, node, layer, views, rows, prefill)
+                else:
+                    folded, step = fused
+                    tape.record(step)
         head = {name: m[name] for name in g.order(g.head)}
         last = None if rows == 1 else m["last_row"]
         for value, (_, name) in g.handoff.items():
@@ -210,6 +226,32 @@ class Decoder:
             views[name] = self._at(name, rows)
         return views
 
+    def _flat(self, t, rows: int):
+        """A [B, rows, …] view as the GEMMs take it: [B·rows, features]."""
+        return t.reshape(self.batch * rows, -1)
+
+    def _linear_act(self, node, layer, views: dict, rows: int):
+        """(the activation, a LinearAct node of it and linear `node`): one kernel for both
+        where the GEMM goes to the gemv kernels (the decoder's SmallRows, and `takes` these
+        arrays), the activation reads the linear's one output and `fuses`, and each of its
+        params has a value (one without is left to the op's own call, which names it); else
+        None, and _node records the two."""
+        g, P = self.graph, self.params
+        if node.kind != "linear" or not isinstance(self.gemm, SmallRows):
+            return None
+        act = next((n for n in g.block if n.kind == "activation" and n.inputs == node.outputs),
+                   None)
+        if act is None or not fuses(act.op):
+            return None
+        params = {**act.op.params, **act.params}
+        (w,) = g.parameter_names(node, layer, P)         # its bias is the activation's
+        biases = g.parameter_names(act, layer, P)        # c_fc's bias, where the model has one
+        b = P[biases[0]] if biases else None
+        x, y = self._flat(views[node.inputs[0]], rows), self._flat(views[act.outputs[0]], rows)
+        if None in params.values() or not takes(x, P[w], y, b):
+            return None
+        return act, LinearAct(x, P[w], b, y, act.op, params)
+
     def _node(self, tape: Tape, node, layer, views: dict, rows: int, prefill: bool = False):
         """Record one graph node at `layer` (graph.Graph.key), forward only, over `views`;
         `rows` positions a sequence (`prefill`: from position 0)."""
@@ -222,13 +264,12 @@ class Decoder:
             tape.record(Embed(node.op, views[ids], P[names[0]], views[x], wpe,
                               views["positions"], pos_emb))
         elif node.kind == "linear":
-            def flat(t):
-                return t.reshape(self.batch * rows, -1)
             w, b = names[0], names[1] if len(names) > 1 else None
             ones = m["ones"][:, :self.batch * rows] if "ones" in m else None
             for y, block in zip((views[n] for n in node.outputs), self.graph.row_blocks(node)):
-                tape.record(Linear(flat(views[node.inputs[0]]), P[w][block], flat(y), None,
-                                   None, None, P[b][block] if b else None, ones=ones))
+                tape.record(Linear(self._flat(views[node.inputs[0]], rows), P[w][block],
+                                   self._flat(y, rows), None, None, None,
+                                   P[b][block] if b else None, ones=ones))
         elif node.kind == "rope":
             tape.record(Rope(node.op, views[node.inputs[0]], views[node.outputs[0]],
                              node.params, live))
