@@ -24,8 +24,9 @@ draw) runs last.
 On a GPU with EULERGEN_GEMV on, a run whose c_fc GEMM the gemv kernels take (one or two
 rows in all: runtime/engine/gemv.py's `takes`) runs c_fc, its bias and the activation as one
 kernel, y = act(x·wᵀ + b), where the activation has that variant (`fuses`: an op of one
-input; a gated one keeps its own kernel): one kernel a layer fewer, and the activation takes
-the float32 sum where the pair reads c_fc's output rounded to the storage dtype.
+input; a gated one keeps its own kernel): one kernel a layer fewer, with the pair's bits (the
+activation reads the float32 sum rounded as the storage holds it, then adds the bias, as the
+op's bias variant does after the plain GEMM).
 
 On a GPU, a multi-row run pads to a bucket (a power of two from MIN_BUCKET, or seq)
 so that a few shapes serve every prompt, and each shape (its rows, and whether it starts
