@@ -34,11 +34,13 @@ import numpy as np  # noqa: E402
 from common import event_ms, say  # noqa: E402
 from sample import eulergen_weights  # noqa: E402
 
+GEMMS = ("Linear", "LinearAct")   # the nodes that run a GEMM (LinearAct: with its activation)
+
 
 def label(node) -> str:
     """A node's line in the table: its kind, and the op or the GEMM's shape."""
     kind = type(node).__name__
-    if kind in ("Linear", "LinearAct"):
+    if kind in GEMMS:
         n, k = node.w.shape
         return (f"gemm {k}->{n}" + (" +b" if node.b is not None else "")
                 + (f" {node.act.name}" if kind == "LinearAct" else ""))
@@ -49,7 +51,7 @@ def label(node) -> str:
 
 def weight_bytes(node) -> int:
     """The bytes a GEMM node's weight and bias hold (0 for the others)."""
-    if type(node).__name__ not in ("Linear", "LinearAct"):
+    if type(node).__name__ not in GEMMS:
         return 0
     return node.w.nbytes + (node.b.nbytes if node.b is not None else 0)
 

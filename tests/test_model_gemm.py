@@ -416,8 +416,7 @@ def test_a_working_cublaslt_is_chosen_once_it_passes_the_probe(choose):
     assert choice.lt.handle == 11 and choice.lt.stream() == 9
 
 
-def test_by_default_the_choice_times_each_shape_and_says_so(choose, monkeypatch,
-                                                                   tmp_path):
+def test_by_default_the_choice_times_each_shape_and_says_so(choose, monkeypatch, tmp_path):
     made = []
     monkeypatch.setattr(gemm_search, "for_device", lambda version: made.append(version) or
                         gemm_search.Search(gemm_search.Record(tmp_path / "g.json")))

@@ -23,9 +23,8 @@ sampler's float32 logits), without epilogues.
 
 cuBLASLt's algorithm for each (dtype, compute, transposes, shape, leading dimensions,
 alignments, epilogue, workspace) is chosen at the first call: the fastest of its
-heuristic's first candidates, timed
-(runtime/engine/gemm_search.py, kept on disk; EULERGEN_GEMM_SEARCH=off: the
-heuristic's first); and kept with its descriptors for the
+heuristic's first candidates, timed (runtime/engine/gemm_search.py, kept on disk;
+EULERGEN_GEMM_SEARCH=off: the heuristic's first); and kept with its descriptors for the
 process; later calls only set the bias pointer and launch on CuPy's current stream into the
 caller's workspace, so a call allocates nothing, never syncs and can be captured in a CUDA
 graph. The workspace is the model's, planned (WORKSPACE_BYTES in the `gemm` arena, shared
